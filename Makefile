@@ -1,0 +1,44 @@
+# The two commands a new user runs: `make demo` and `make test`. Each sets up .venv itself.
+PYTHON ?= python3
+VENV   ?= .venv
+# The CPU build works everywhere; on a GPU box install your CUDA build of torch first
+# (`make TORCH_SPEC=torch ...` or pip install it into .venv), pip then keeps it.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit bench clean help
+
+help:
+	@echo "make demo   - set up .venv, train the tiny GPT on Shakespeare with progress, print a sample"
+	@echo "make test   - set up .venv, run ruff, mypy and the whole test suite"
+	@echo "make bench  - run the benchmarks (JSON to stdout)"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/atomd demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest -q tests/unit
+
+test: lint typecheck
+	$(BIN)/pytest -q -ra
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) runs .mypy_cache .pytest_cache .ruff_cache

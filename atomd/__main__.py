@@ -1,0 +1,3 @@
+from atomd.cli import main
+
+main()

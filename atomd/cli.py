@@ -1,0 +1,233 @@
+"""The ``atomd`` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from pydantic import ValidationError
+
+from atomd import __version__
+from atomd.errors import AtomdError
+from atomd.logs import setup_logging
+
+app = typer.Typer(
+    name="atomd",
+    help=(
+        "atomd: train large language models together on ordinary machines.\n\n"
+        "Each host runs the daemon (`atomd run`); `atomd train` trains one model in one process."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+DeviceOpt = Annotated[
+    str,
+    typer.Option("--device", help="auto (CUDA if present), cpu or cuda.", envvar="ATOMD_DEVICE"),
+]
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def _spec_from(spec_file: Path | None, overrides: dict[str, Any]) -> Any:
+    from atomd.spec import JobSpec
+
+    base: dict[str, Any] = {}
+    if spec_file is not None:
+        try:
+            base = json.loads(spec_file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            fail(f"cannot read job spec {spec_file}: {e}")
+        if not isinstance(base, dict):
+            fail(f"job spec {spec_file} must be a JSON object")
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return JobSpec(**base)
+    except ValidationError as e:
+        lines = [
+            f"  {'.'.join(map(str, err['loc'])) or 'spec'}: {err['msg']}" for err in e.errors()
+        ]
+        fail("invalid job spec:\n" + "\n".join(lines))
+
+
+@app.command()
+def train(
+    preset: Annotated[str | None, typer.Option(help="Model preset (see `atomd presets`).")] = None,
+    data: Annotated[
+        str | None,
+        typer.Option(
+            help="'shakespeare' (bundled), a .txt file, a folder of text, or .bin tokens."
+        ),
+    ] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps to train.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Stop after this many tokens.")] = None,
+    out: Annotated[Path, typer.Option(help="Output folder: metrics.jsonl, checkpoints/.")] = Path(
+        "runs/train"
+    ),
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the newest good checkpoint in --out.")
+    ] = False,
+    device: DeviceOpt = "auto",
+    seed: Annotated[int | None, typer.Option(help="Seed for init and data order.")] = None,
+    micro_batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch.")] = None,
+    grad_accum: Annotated[int | None, typer.Option(help="Micro-batches per step.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
+    eval_interval: Annotated[int | None, typer.Option(help="Validate every N steps.")] = None,
+    checkpoint_interval: Annotated[
+        int | None, typer.Option(help="Checkpoint every N steps.")
+    ] = None,
+    spec_file: Annotated[
+        Path | None, typer.Option("--spec", help="A JSON job spec; flags override its fields.")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+) -> None:
+    """Train one model in this process (no daemon): progress bar, metrics.jsonl, checkpoints."""
+    overrides = {
+        "preset": preset,
+        "data": data,
+        "max_steps": max_steps,
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "micro_batch_size": micro_batch_size,
+        "grad_accum": grad_accum,
+        "seq_len": seq_len,
+        "lr": lr,
+        "eval_interval": eval_interval,
+        "checkpoint_interval": checkpoint_interval,
+    }
+    spec = _spec_from(spec_file, overrides)
+    from atomd.train.trainer import Trainer
+
+    trainer = Trainer(spec, out, device=device, resume=resume, progress=not quiet)
+    n_params = trainer.engine.model.num_parameters()
+    typer.echo(
+        f"training {spec.preset} ({n_params / 1e6:.2f}M parameters) on {spec.data} "
+        f"[{trainer.dataset.train_tokens:,} training tokens] with {trainer.device.type}, "
+        f"{spec.total_steps} steps of {spec.tokens_per_step:,} tokens -> {out}"
+    )
+    summary = trainer.run()
+    val = f", val_loss {summary.val_loss:.4f}" if summary.val_loss is not None else ""
+    loss = f", loss {summary.loss:.4f}" if summary.loss is not None else ""
+    typer.echo(
+        f"{summary.state} at step {summary.step}{loss}{val}; checkpoint {summary.checkpoint}"
+    )
+
+
+@app.command()
+def sample(
+    checkpoint: Annotated[
+        Path, typer.Option(help="A run's --out folder, its checkpoints/ folder, or one checkpoint.")
+    ],
+    prompt: Annotated[str, typer.Option(help="Text to continue.")] = "\n",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens (bytes) to generate.")] = 400,
+    temperature: Annotated[float, typer.Option(help="Softmax temperature (> 0).")] = 0.8,
+    top_k: Annotated[int, typer.Option(help="Sample from the k likeliest tokens.")] = 40,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    device: DeviceOpt = "auto",
+) -> None:
+    """Print text generated by a trained model."""
+    typer.echo(_generate_text(checkpoint, prompt, max_new_tokens, temperature, top_k, seed, device))
+
+
+def _generate_text(
+    checkpoint: Path, prompt: str, n: int, temperature: float, top_k: int, seed: int, device: str
+) -> str:
+    import torch
+
+    from atomd.data.tokenizer import ByteTokenizer
+    from atomd.devices import resolve_device
+    from atomd.model.sample import generate
+    from atomd.train.trainer import model_from_checkpoint
+
+    if temperature <= 0:
+        fail("--temperature must be positive")
+    dev = resolve_device(device)
+    model, _ = model_from_checkpoint(checkpoint, dev)
+    tok = ByteTokenizer()
+    ids = tok.encode(prompt) or [ord("\n")]
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    idx = torch.tensor([ids], dtype=torch.long, device=dev)
+    out = generate(model, idx, n, temperature=temperature, top_k=top_k, generator=gen)
+    return tok.decode(out[0].tolist())
+
+
+@app.command()
+def presets() -> None:
+    """List the model presets with their shapes and parameter counts."""
+    import torch
+
+    from atomd.model import GPT, PRESETS
+
+    typer.echo(
+        f"{'preset':<10} {'layers':>6} {'width':>6} {'heads':>5} {'context':>7} {'params':>10}"
+    )
+    for name, cfg in PRESETS.items():
+        with torch.device("meta"):
+            n = GPT(cfg).num_parameters()
+        typer.echo(
+            f"{name:<10} {cfg.n_layer:>6} {cfg.n_embd:>6} {cfg.n_head:>5} {cfg.block_size:>7} "
+            f"{n / 1e6:>9.1f}M"
+        )
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option(help="Where the demo run goes.")] = Path("runs"),
+    max_steps: Annotated[int, typer.Option(help="Training steps.")] = 600,
+    device: DeviceOpt = "auto",
+) -> None:
+    """Train the tiny model on the bundled Shakespeare corpus, then print a sample."""
+    from atomd.spec import JobSpec
+    from atomd.train.trainer import Trainer
+
+    run_dir = out / time.strftime("demo-%Y%m%d-%H%M%S")
+    spec = JobSpec(preset="tiny", max_steps=max_steps)
+    trainer = Trainer(spec, run_dir, device=device, progress=True)
+    typer.secho(
+        f"atomd demo: training the tiny GPT ({trainer.engine.model.num_parameters() / 1e6:.2f}M "
+        f"parameters) on Shakespeare's plays, {spec.total_steps} steps on {trainer.device.type}. "
+        f"Output: {run_dir}",
+        bold=True,
+    )
+    t0 = time.perf_counter()
+    summary = trainer.run()
+    minutes = (time.perf_counter() - t0) / 60
+    typer.secho(
+        f"\nvalidation loss {summary.val_loss:.3f} nats/byte after {summary.step} steps "
+        f"({summary.tokens:,} tokens, {minutes:.1f} min). A sample:\n",
+        bold=True,
+    )
+    typer.echo(_generate_text(run_dir, "ROMEO:\n", 400, 0.8, 40, 0, device))
+    typer.secho(
+        f"\nmetrics: {run_dir / 'metrics.jsonl'}   more text: "
+        f"atomd sample --checkpoint {run_dir} --prompt 'JULIET:'",
+        bold=True,
+    )
+
+
+@app.command()
+def version() -> None:
+    """Print the atomd version."""
+    typer.echo(__version__)
+
+
+def main() -> NoReturn:
+    setup_logging()
+    try:
+        app()
+    except AtomdError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.secho("interrupted", err=True)
+        sys.exit(130)
+    sys.exit(0)

@@ -1,0 +1,206 @@
+"""Token datasets: sources, the train/validation split, per-peer shards and batch sampling.
+
+A dataset is one stream of uint16 tokens. The last ``val_fraction`` of it is the validation
+split. The training part is cut into chunks of ``chunk_tokens`` tokens and dealt to
+``num_shards`` shards, either ``interleaved`` (chunk i goes to shard i mod n, so each shard is a
+fair sample of the text) or ``contiguous`` (shard k holds the k-th contiguous 1/n).
+
+Sampling is *stateless*: the batch for a step is a pure function of (seed, shard, step, micro
+index), so a resumed run sees exactly the batches it would have seen, and the "data position" a
+checkpoint needs is the step counter.
+
+Sources (the ``data`` string):
+- ``shakespeare`` (default): the bundled corpus of Shakespeare's plays.
+- a ``.txt`` file or a folder of ``.txt``/``.md`` files (read in sorted order), byte-tokenized.
+- a ``.bin`` file of uint16 tokens (nanoGPT's format), or a folder holding ``train.bin`` and
+  optionally ``val.bin`` (then ``val.bin`` is the validation split).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import lzma
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+from torch import Tensor
+
+from atomd.data.tokenizer import ByteTokenizer
+from atomd.errors import DataError
+
+BUNDLED = "shakespeare"
+ShardMode = Literal["interleaved", "contiguous"]
+_TEXT_SUFFIXES = {".txt", ".md"}
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Inputs and next-token targets, both (B, T) int64."""
+
+    x: Tensor
+    y: Tensor
+
+
+def bundled_text() -> bytes:
+    """The bundled corpus (about 5 MB of UTF-8 text, 38 plays in a fixed order)."""
+    blob = resources.files("atomd.data").joinpath("shakespeare.txt.xz").read_bytes()
+    return lzma.decompress(blob)
+
+
+def _read_text_tokens(paths: list[Path]) -> NDArray[np.uint16]:
+    tok = ByteTokenizer()
+    parts = [tok.encode_array(p.read_bytes()) for p in paths]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+
+def _read_bin(path: Path) -> NDArray[np.uint16]:
+    size = path.stat().st_size
+    if size % 2:
+        raise DataError(f"{path}: size {size} is odd; a .bin file holds uint16 tokens")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _load_source(data: str) -> tuple[NDArray[np.uint16], NDArray[np.uint16] | None]:
+    """Token stream(s) of a source: (all or train, explicit validation or None)."""
+    if data == BUNDLED:
+        return ByteTokenizer().encode_array(bundled_text()), None
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise DataError(
+            f"dataset {data!r} not found: give {BUNDLED!r}, a .txt/.bin file or a folder"
+        )
+    if path.is_dir():
+        if (path / "train.bin").is_file():
+            val = path / "val.bin"
+            return _read_bin(path / "train.bin"), (_read_bin(val) if val.is_file() else None)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES)
+        if not files:
+            raise DataError(f"folder {path} holds no .txt/.md files and no train.bin")
+        return _read_text_tokens(files), None
+    if path.suffix == ".bin":
+        return _read_bin(path), None
+    return _read_text_tokens([path]), None
+
+
+def shard_for_peer(peer_id: str, num_shards: int) -> int:
+    """A deterministic shard index for a peer id."""
+    digest = hashlib.sha256(peer_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % num_shards
+
+
+class TokenDataset:
+    """The training shard and validation split of one token stream, with batch sampling."""
+
+    def __init__(
+        self,
+        train: NDArray[np.uint16],
+        val: NDArray[np.uint16],
+        *,
+        seq_len: int,
+        shard_index: int = 0,
+        num_shards: int = 1,
+        shard_mode: ShardMode = "interleaved",
+        chunk_tokens: int = 16384,
+        name: str = "",
+    ) -> None:
+        if not 0 <= shard_index < num_shards:
+            raise DataError(f"shard_index {shard_index} out of range for {num_shards} shards")
+        if chunk_tokens <= seq_len:
+            raise DataError(f"chunk_tokens ({chunk_tokens}) must exceed seq_len ({seq_len})")
+        self.name = name
+        self.seq_len = seq_len
+        self.train = train
+        self.val = val
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        n = len(train)
+        if shard_mode == "contiguous":
+            lo, hi = n * shard_index // num_shards, n * (shard_index + 1) // num_shards
+            ranges = [(lo, hi)]
+        elif shard_mode == "interleaved":
+            starts = range(shard_index * chunk_tokens, n, num_shards * chunk_tokens)
+            ranges = [(s, min(s + chunk_tokens, n)) for s in starts]
+        else:
+            raise DataError(f"unknown shard_mode {shard_mode!r}")
+        # Windows need seq_len + 1 tokens (inputs and shifted targets).
+        self.ranges = [(a, b) for a, b in ranges if b - a > seq_len]
+        if not self.ranges:
+            raise DataError(
+                f"shard {shard_index}/{num_shards} of {name or 'the dataset'} has no window of "
+                f"{seq_len + 1} tokens ({n} training tokens in all)"
+            )
+        if len(val) <= seq_len:
+            raise DataError(f"validation split has {len(val)} tokens; needs more than {seq_len}")
+        # Window start counts per range, for uniform sampling over all windows of the shard.
+        self._counts = torch.tensor([b - a - seq_len for a, b in self.ranges], dtype=torch.float64)
+        self._offsets = torch.cumsum(self._counts, 0) - self._counts
+
+    @property
+    def train_tokens(self) -> int:
+        """Tokens in this peer's training shard."""
+        return sum(b - a for a, b in self.ranges)
+
+    def _windows(self, data: NDArray[np.uint16], starts: list[int]) -> Batch:
+        rows = np.stack(
+            [np.asarray(data[s : s + self.seq_len + 1], dtype=np.int64) for s in starts]
+        )
+        t = torch.from_numpy(rows)
+        return Batch(x=t[:, :-1].contiguous(), y=t[:, 1:].contiguous())
+
+    def train_batch(self, *, seed: int, step: int, micro: int, batch_size: int) -> Batch:
+        """Micro-batch ``micro`` of optimizer step ``step``: a pure function of the arguments."""
+        g = torch.Generator().manual_seed(
+            (seed * 1_000_003 + self.shard_index * 7919 + step * 131 + micro) % (2**63)
+        )
+        total = float(self._counts.sum())
+        picks = (torch.rand(batch_size, generator=g, dtype=torch.float64) * total).floor()
+        idx = torch.searchsorted(self._offsets + self._counts, picks, right=True)
+        starts = [
+            self.ranges[int(i)][0] + int(p - self._offsets[int(i)])
+            for i, p in zip(idx.tolist(), picks.tolist(), strict=True)
+        ]
+        return self._windows(self.train, starts)
+
+    def val_batches(self, *, count: int, batch_size: int, seed: int = 1234) -> list[Batch]:
+        """``count`` fixed validation batches (the same for every peer and every call)."""
+        g = torch.Generator().manual_seed(seed)
+        hi = len(self.val) - self.seq_len
+        out = []
+        for _ in range(count):
+            starts = torch.randint(0, hi, (batch_size,), generator=g).tolist()
+            out.append(self._windows(self.val, starts))
+        return out
+
+
+def load_dataset(
+    data: str = BUNDLED,
+    *,
+    seq_len: int,
+    val_fraction: float = 0.05,
+    shard_index: int = 0,
+    num_shards: int = 1,
+    shard_mode: ShardMode = "interleaved",
+    chunk_tokens: int = 16384,
+) -> TokenDataset:
+    """Load a source, split off validation (its last ``val_fraction``) and pick one shard."""
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    tokens, val = _load_source(data)
+    if val is None:
+        cut = int(len(tokens) * (1.0 - val_fraction))
+        tokens, val = tokens[:cut], tokens[cut:]
+    return TokenDataset(
+        tokens,
+        val,
+        seq_len=seq_len,
+        shard_index=shard_index,
+        num_shards=num_shards,
+        shard_mode=shard_mode,
+        chunk_tokens=chunk_tokens,
+        name=data,
+    )

@@ -1,0 +1,114 @@
+"""The job spec: what to train and how. Every field has a default; ``{"preset": "tiny"}`` is valid.
+
+``atomd train`` builds one from its flags, the daemon from the body of ``POST /v1/jobs``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from atomd.model.presets import PRESETS
+
+# Peak learning rates: GPT-3 Table 2.1 for its family, GPT-2 small's, and a tuned one for tiny.
+DEFAULT_LR: dict[str, float] = {
+    "tiny": 3e-3,
+    "small": 6e-4,
+    "gpt3-xl": 2e-4,
+    "gpt3-2.7b": 1.6e-4,
+    "gpt3-6.7b": 1.2e-4,
+    "gpt3-13b": 1.0e-4,
+}
+
+
+class JobSpec(BaseModel):
+    """A training job. Unknown fields are an error, so a typo never passes silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    preset: str = Field("tiny", description=f"Model preset: one of {', '.join(PRESETS)}.")
+    data: str = Field(
+        "shakespeare",
+        description="'shakespeare' (bundled), a .txt file, a text folder, or uint16 .bin tokens.",
+    )
+    seq_len: int | None = Field(
+        None, ge=8, description="Tokens per sequence; default: the preset's context length."
+    )
+    micro_batch_size: int = Field(32, ge=1, le=4096, description="Sequences per micro-batch.")
+    grad_accum: int = Field(1, ge=1, le=1024, description="Micro-batches per optimizer step.")
+    lr: float | None = Field(
+        None, gt=0, le=1.0, description="Peak learning rate; default: the preset's."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (matrices only).")
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="Clip the gradient norm to this; 0 disables.")
+    max_steps: int | None = Field(600, ge=1, description="Stop after this many optimizer steps.")
+    max_tokens: int | None = Field(None, ge=1, description="Stop after this many tokens.")
+    eval_interval: int = Field(100, ge=1, description="Validate every this many steps.")
+    eval_batches: int = Field(20, ge=1, le=1000, description="Validation batches per evaluation.")
+    log_interval: int = Field(10, ge=1, description="Write a metrics row every this many steps.")
+    checkpoint_interval: int = Field(200, ge=1, description="Checkpoint every this many steps.")
+    keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk.")
+    seed: int = Field(0, ge=0, description="Seed for initialization and data sampling.")
+    val_fraction: float = Field(0.05, gt=0, lt=1, description="Tail of the data held out.")
+    shard_index: int = Field(0, ge=0, description="This peer's data shard.")
+    num_shards: int = Field(1, ge=1, description="Number of data shards.")
+    shard_mode: Literal["interleaved", "contiguous"] = Field(
+        "interleaved",
+        description="Deal chunks round-robin, or give each shard one contiguous part.",
+    )
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        if v not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; known presets: {', '.join(PRESETS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.max_steps is None and self.max_tokens is None:
+            raise ValueError("give a stop condition: max_steps or max_tokens")
+        block = PRESETS[self.preset].block_size
+        if self.seq_len is not None and self.seq_len > block:
+            raise ValueError(f"seq_len {self.seq_len} exceeds preset {self.preset!r}'s {block}")
+        if self.shard_index >= self.num_shards:
+            raise ValueError(
+                f"shard_index {self.shard_index} must be < num_shards {self.num_shards}"
+            )
+        return self
+
+    @property
+    def effective_seq_len(self) -> int:
+        return self.seq_len or PRESETS[self.preset].block_size
+
+    @property
+    def effective_lr(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.preset]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.effective_seq_len
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps until the stop condition (the length of the LR schedule)."""
+        steps = [self.max_steps] if self.max_steps is not None else []
+        if self.max_tokens is not None:
+            steps.append(math.ceil(self.max_tokens / self.tokens_per_step))
+        return min(steps)
+
+
+def lr_at(spec: JobSpec, step: int) -> float:
+    """Linear warm-up then cosine decay to ``min_lr_ratio * lr``; ``step`` counts from 0."""
+    peak, total = spec.effective_lr, spec.total_steps
+    if step < spec.warmup_steps:
+        return peak * (step + 1) / spec.warmup_steps
+    progress = min(1.0, (step - spec.warmup_steps) / max(1, total - spec.warmup_steps))
+    floor = peak * spec.min_lr_ratio
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,1 @@
+"""Local training: the training loop, metrics and checkpoints."""

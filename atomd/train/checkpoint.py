@@ -1,0 +1,218 @@
+"""Checkpoints: safetensors for tensors, a JSON file of metadata, written atomically.
+
+Layout: ``<out>/checkpoints/step-00001200/{model.safetensors, state.safetensors, meta.json}``.
+``state.safetensors`` holds the optimizer state and RNG states. ``meta.json`` holds the step,
+the model config, the spec, the data position and the sha256 of both tensor files.
+
+A checkpoint is written into a hidden temporary folder, every file fsync'ed, then renamed into
+place (and the parent fsync'ed), so a crash leaves either the old set or the new one. Loading
+verifies hashes and sizes; a corrupt or truncated checkpoint is refused with the reason, and the
+newest good one is used instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from atomd.errors import CheckpointError
+from atomd.logs import get_logger
+
+log = get_logger(__name__)
+
+FORMAT_VERSION = 1
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.safetensors"
+META_FILE = "meta.json"
+_PREFIX = "step-"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A verified checkpoint, loaded into host memory."""
+
+    path: Path
+    step: int
+    meta: dict[str, Any]
+    model: dict[str, Tensor]
+    state: dict[str, Tensor]
+
+
+def sha256_file(path: Path, *, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb+") as f:
+        os.fsync(f.fileno())
+
+
+def checkpoint_root(out_dir: Path) -> Path:
+    return out_dir / "checkpoints"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint folders under ``root``, newest (highest step) first. Temp folders are skipped."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit():
+            found.append(p)
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]), reverse=True)
+
+
+def save_checkpoint(
+    root: Path,
+    *,
+    step: int,
+    model: dict[str, Tensor],
+    state: dict[str, Tensor],
+    meta: dict[str, Any],
+    keep: int = 3,
+) -> Path:
+    """Write a checkpoint atomically and prune old ones, keeping ``keep`` good ones."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        files = {MODEL_FILE: model, STATE_FILE: state}
+        hashes = {}
+        for name, tensors in files.items():
+            path = tmp / name
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+            _fsync_file(path)
+            hashes[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        full_meta = {**meta, "format_version": FORMAT_VERSION, "step": step, "files": hashes}
+        meta_path = tmp / META_FILE
+        meta_path.write_text(json.dumps(full_meta, indent=2, sort_keys=True))
+        _fsync_file(meta_path)
+        _fsync_dir(tmp)
+        if final.exists():  # the same step written again (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {final}: {e}") from e
+    for old in list_checkpoints(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Load and verify one checkpoint folder; raise ``CheckpointError`` saying what is wrong."""
+    meta_path = path / META_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {META_FILE} is missing (incomplete checkpoint)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: {META_FILE} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        got = meta.get("format_version") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{path}: format_version {got!r}, expected {FORMAT_VERSION}")
+    loaded: dict[str, dict[str, Tensor]] = {}
+    for name in (MODEL_FILE, STATE_FILE):
+        f = path / name
+        want = meta.get("files", {}).get(name)
+        if want is None:
+            raise CheckpointError(f"{path}: {META_FILE} does not list {name}")
+        if not f.is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path}: {name} has {size} bytes, expected {want['bytes']}")
+        digest = sha256_file(f)
+        if digest != want["sha256"]:
+            raise CheckpointError(
+                f"{path}: {name} sha256 {digest[:12]}…, expected {want['sha256'][:12]}…"
+            )
+        try:
+            loaded[name] = load_file(str(f))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: {name} cannot be read: {e}") from e
+    return Checkpoint(
+        path=path,
+        step=int(meta["step"]),
+        meta=meta,
+        model=loaded[MODEL_FILE],
+        state=loaded[STATE_FILE],
+    )
+
+
+def resolve_checkpoint_dir(path: Path) -> Path:
+    """Accept a run's output folder, its ``checkpoints`` folder, or one checkpoint folder."""
+    if (path / META_FILE).exists():
+        return path
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    return path
+
+
+def load_latest(root: Path) -> Checkpoint | None:
+    """The newest good checkpoint under ``root`` (or ``root`` itself if it is one).
+
+    Corrupt ones are skipped with a warning. ``None`` when there are none at all; raises
+    ``CheckpointError`` when there are some but none is good.
+    """
+    root = resolve_checkpoint_dir(root)
+    if (root / META_FILE).exists():
+        return load_checkpoint(root)
+    candidates = list_checkpoints(root)
+    if not candidates:
+        return None
+    problems = []
+    for path in candidates:
+        try:
+            ckpt = load_checkpoint(path)
+        except CheckpointError as e:
+            log.warning("skipping bad checkpoint: %s", e)
+            problems.append(str(e))
+            continue
+        if problems:
+            log.warning("using the previous good checkpoint %s", path.name)
+        return ckpt
+    raise CheckpointError("no usable checkpoint in " + str(root) + ": " + "; ".join(problems))
+
+
+def rng_state() -> dict[str, Tensor]:
+    """RNG states as tensors, to be stored in ``state.safetensors``."""
+    out = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng.cuda.{i}"] = s
+    return out
+
+
+def set_rng_state(state: dict[str, Tensor]) -> None:
+    if "rng.torch" in state:
+        torch.set_rng_state(state["rng.torch"])
+    if torch.cuda.is_available():
+        cuda = [state[k] for k in sorted(k for k in state if k.startswith("rng.cuda."))]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)

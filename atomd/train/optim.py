@@ -1,0 +1,67 @@
+"""AdamW construction and its state as named tensors (for safetensors checkpoints)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from atomd.errors import CheckpointError
+from atomd.spec import JobSpec
+
+
+def named_unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters by name, a tied one once under its first name (``named_parameters`` order)."""
+    return list(model.named_parameters())
+
+
+def build_adamw(model: nn.Module, spec: JobSpec, *, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on biases, LayerNorms)."""
+    decay = [p for _, p in named_unique_parameters(model) if p.dim() >= 2]
+    no_decay = [p for _, p in named_unique_parameters(model) if p.dim() < 2]
+    groups: list[dict[str, Any]] = [
+        {"params": decay, "weight_decay": spec.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    kwargs: dict[str, Any] = {"lr": spec.effective_lr, "betas": (spec.beta1, spec.beta2)}
+    if fused is not None:
+        kwargs["fused"] = fused
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, Tensor]:
+    """Optimizer state as ``optim.<param name>.<key>`` tensors."""
+    names = {id(p): n for n, p in named_unique_parameters(model)}
+    out: dict[str, Tensor] = {}
+    for p, st in opt.state.items():
+        for key, value in st.items():
+            t = value if isinstance(value, Tensor) else torch.tensor(value)
+            out[f"optim.{names[id(p)]}.{key}"] = t.detach().cpu()
+    return out
+
+
+def load_optimizer_tensors(
+    opt: torch.optim.Optimizer, model: nn.Module, tensors: dict[str, Tensor]
+) -> None:
+    """Restore what ``optimizer_tensors`` produced, checking names and shapes."""
+    params = dict(named_unique_parameters(model))
+    per_param: dict[str, dict[str, Tensor]] = {}
+    for full, t in tensors.items():
+        if not full.startswith("optim."):
+            continue
+        name, _, key = full[len("optim.") :].rpartition(".")
+        if name not in params:
+            raise CheckpointError(f"optimizer state names unknown parameter {name!r}")
+        per_param.setdefault(name, {})[key] = t
+    for name, st in per_param.items():
+        p = params[name]
+        for key, t in st.items():
+            if t.dim() > 0 and t.shape != p.shape:
+                raise CheckpointError(
+                    f"optimizer state {name}.{key} has shape {tuple(t.shape)}, "
+                    f"parameter has {tuple(p.shape)}"
+                )
+            # AdamW keeps 'step' on the CPU unless fused/capturable; moments live with the param.
+            st[key] = t.to(p.device) if t.dim() > 0 else t
+        opt.state[p] = st

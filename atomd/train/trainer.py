@@ -1,0 +1,239 @@
+"""The training loop shared by ``atomd train`` and the daemon's jobs.
+
+``Trainer.run()`` is blocking and meant to run on a thread of its own. It stops at a step
+boundary when ``stop_event`` is set, writing a checkpoint first, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tqdm import tqdm
+
+from atomd import __version__
+from atomd.data.dataset import TokenDataset, load_dataset
+from atomd.devices import resolve_device
+from atomd.errors import CheckpointError, ConfigError, TrainingError
+from atomd.logs import get_logger
+from atomd.model.gpt import GPT, GPTConfig
+from atomd.model.presets import get_preset
+from atomd.spec import JobSpec, lr_at
+from atomd.train import checkpoint as ckpt
+from atomd.train.engine import ResidentEngine, StepEngine
+from atomd.train.metrics import MetricsLog
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the loop reports after each optimizer step."""
+
+    step: int
+    tokens: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    val_loss: float | None
+    elapsed_s: float
+
+    def to_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        if row["val_loss"] is None:
+            del row["val_loss"]
+        return row
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    state: Literal["finished", "stopped"]
+    step: int
+    tokens: int
+    loss: float | None
+    val_loss: float | None
+    checkpoint: Path | None
+
+
+def build_model(cfg: GPTConfig, seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+class Trainer:
+    """Trains one model on one process (the ResidentEngine unless another engine is given)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        out_dir: Path,
+        *,
+        device: str = "auto",
+        resume: bool = False,
+        progress: bool = False,
+        on_report: Callable[[StepReport], None] | None = None,
+        stop_event: threading.Event | None = None,
+        dataset: TokenDataset | None = None,
+    ) -> None:
+        self.spec = spec
+        self.out_dir = out_dir
+        self.device = resolve_device(device)
+        self.progress = progress
+        self.on_report = on_report
+        self.stop_event = stop_event or threading.Event()
+        self.ckpt_root = ckpt.checkpoint_root(out_dir)
+        self.metrics = MetricsLog(out_dir / "metrics.jsonl")
+        self.model_config = get_preset(spec.preset)
+
+        existing = ckpt.list_checkpoints(self.ckpt_root)
+        if existing and not resume:
+            raise ConfigError(
+                f"{out_dir} already holds checkpoints (newest {existing[0].name}); "
+                "pass --resume to continue that run, or choose another --out"
+            )
+        self.dataset = dataset or load_dataset(
+            spec.data,
+            seq_len=spec.effective_seq_len,
+            val_fraction=spec.val_fraction,
+            shard_index=spec.shard_index,
+            num_shards=spec.num_shards,
+            shard_mode=spec.shard_mode,
+        )
+        if self.model_config.vocab_size < 256:
+            raise ConfigError("the byte-level data needs a vocabulary of at least 256")
+        self.engine: StepEngine = ResidentEngine(
+            build_model(self.model_config, spec.seed), spec, self.device
+        )
+        self.start_step = 0
+        self.last_checkpoint: Path | None = None
+        if resume:
+            self._resume()
+        self.val_batches = self.dataset.val_batches(
+            count=spec.eval_batches, batch_size=spec.micro_batch_size
+        )
+
+    def _resume(self) -> None:
+        found = ckpt.load_latest(self.ckpt_root)
+        if found is None:
+            log.info("no checkpoint in %s; starting from step 0", self.ckpt_root)
+            return
+        saved = GPTConfig.from_dict(found.meta["model_config"])
+        if saved != self.model_config:
+            raise CheckpointError(
+                f"{found.path} holds a {saved} model, the spec asks for {self.model_config}"
+            )
+        self.engine.load_tensors(found.model, found.state)
+        ckpt.set_rng_state(found.state)
+        self.start_step = found.step
+        self.last_checkpoint = found.path
+        self.metrics.truncate_after(found.step)
+        log.info("resumed from %s (step %d)", found.path, found.step)
+
+    def save(self, step: int) -> Path:
+        meta = {
+            "atomd_version": __version__,
+            "model_config": self.model_config.to_dict(),
+            "spec": self.spec.model_dump(),
+            # Sampling is a pure function of (seed, shard, step): the step is the data position.
+            "data_position": {"step": step, "shard_index": self.spec.shard_index},
+            "tokens": step * self.spec.tokens_per_step,
+        }
+        state = {**self.engine.optimizer_tensors(), **ckpt.rng_state()}
+        path = ckpt.save_checkpoint(
+            self.ckpt_root,
+            step=step,
+            model=self.engine.model_tensors(),
+            state=state,
+            meta=meta,
+            keep=self.spec.keep_checkpoints,
+        )
+        self.last_checkpoint = path
+        return path
+
+    def run(self) -> TrainSummary:
+        spec, total = self.spec, self.spec.total_steps
+        step = self.start_step
+        loss: float | None = None
+        val_loss: float | None = None
+        bar = tqdm(
+            total=total, initial=step, disable=not self.progress, unit="step", dynamic_ncols=True
+        )
+        t_start = time.perf_counter()
+        window_tokens, window_time = 0, 0.0
+        try:
+            while step < total and not self.stop_event.is_set():
+                lr = lr_at(spec, step)
+                t0 = time.perf_counter()
+                batches = [
+                    self.dataset.train_batch(
+                        seed=spec.seed, step=step, micro=m, batch_size=spec.micro_batch_size
+                    )
+                    for m in range(spec.grad_accum)
+                ]
+                loss = self.engine.train_step(batches, lr)
+                if not math.isfinite(loss):
+                    raise TrainingError(
+                        f"loss became {loss} at step {step + 1}; the last good checkpoint is "
+                        f"{self.last_checkpoint or 'none'} (lower the learning rate and resume)"
+                    )
+                step += 1
+                window_time += time.perf_counter() - t0
+                window_tokens += spec.tokens_per_step
+                val_loss = None
+                if step % spec.eval_interval == 0 or step == total:
+                    val_loss = self.engine.evaluate(self.val_batches)
+                if step % spec.log_interval == 0 or val_loss is not None or step == total:
+                    report = StepReport(
+                        step=step,
+                        tokens=step * spec.tokens_per_step,
+                        loss=loss,
+                        lr=lr,
+                        tokens_per_s=window_tokens / max(window_time, 1e-9),
+                        val_loss=val_loss,
+                        elapsed_s=time.perf_counter() - t_start,
+                    )
+                    window_tokens, window_time = 0, 0.0
+                    self.metrics.write(report.to_row())
+                    if self.on_report is not None:
+                        self.on_report(report)
+                    post = {"loss": f"{loss:.3f}", "tok/s": f"{report.tokens_per_s:,.0f}"}
+                    if val_loss is not None:
+                        post["val"] = f"{val_loss:.3f}"
+                    bar.set_postfix(post, refresh=False)
+                bar.update(1)
+                if step % spec.checkpoint_interval == 0 and step < total:
+                    self.save(step)
+        finally:
+            bar.close()
+        if self.last_checkpoint is None or ckpt.list_checkpoints(self.ckpt_root)[:1] != [
+            self.ckpt_root / f"step-{step:08d}"
+        ]:
+            self.save(step)
+        state: Literal["finished", "stopped"] = "finished" if step >= total else "stopped"
+        final_val = val_loss if val_loss is not None else None
+        return TrainSummary(
+            state=state,
+            step=step,
+            tokens=step * spec.tokens_per_step,
+            loss=loss,
+            val_loss=final_val,
+            checkpoint=self.last_checkpoint,
+        )
+
+
+def model_from_checkpoint(path: Path, device: torch.device) -> tuple[GPT, ckpt.Checkpoint]:
+    """Build the model a checkpoint describes and load its weights (newest good one)."""
+    found = ckpt.load_latest(path)
+    if found is None:
+        raise CheckpointError(f"no checkpoint found in {path}")
+    from atomd.train.engine import load_model_tensors
+
+    model = GPT(GPTConfig.from_dict(found.meta["model_config"]))
+    load_model_tensors(model, found.model)
+    return model.to(device), found

@@ -1,0 +1,96 @@
+"""The ``atomd`` console script, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ATOMD = [sys.executable, "-m", "atomd"]
+COMMANDS = ["train", "sample", "presets", "demo", "version"]
+
+
+def run(
+    *args: str, cwd: Path | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ATOMD_LOG_LEVEL": "INFO"}
+    return subprocess.run(
+        [*ATOMD, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_everywhere(command: str | None) -> None:
+    proc = run(*([command] if command else []), "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "Usage" in proc.stdout
+    if command is None:
+        for c in COMMANDS:
+            assert c in proc.stdout
+
+
+def test_train_then_resume_then_sample(tmp_path: Path, text_file: Path) -> None:
+    out = tmp_path / "run"
+    common = [
+        "--data",
+        str(text_file),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "4",
+        "--eval-interval",
+        "5",
+        "--quiet",
+    ]
+    proc = run("train", "--max-steps", "6", *common)
+    assert proc.returncode == 0, proc.stderr
+    assert "finished at step 6" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 6 and "val_loss" in rows[-1]
+
+    again = run("train", "--max-steps", "6", *common)  # an existing run is not overwritten
+    assert again.returncode == 2
+    assert "--resume" in again.stderr
+
+    more = run("train", "--max-steps", "9", "--resume", *common)
+    assert more.returncode == 0, more.stderr
+    assert "resumed from" in more.stderr and "finished at step 9" in more.stdout
+
+    text = run(
+        "sample",
+        "--checkpoint",
+        str(out),
+        "--prompt",
+        "line",
+        "--max-new-tokens",
+        "40",
+        "--device",
+        "cpu",
+    )
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.startswith("line") and len(text.stdout) >= 40
+
+
+def test_bad_spec_is_explained(tmp_path: Path) -> None:
+    proc = run("train", "--preset", "gpt5", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert "preset" in proc.stderr and "known presets" in proc.stderr
+    spec = tmp_path / "spec.json"
+    spec.write_text('{"micro_batch_size": -3}')
+    proc = run("train", "--spec", str(spec), "--out", str(tmp_path))
+    assert proc.returncode == 2 and "micro_batch_size" in proc.stderr
+
+
+def test_missing_data_and_checkpoint_are_clear_errors(tmp_path: Path) -> None:
+    proc = run("train", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "not found" in proc.stderr
+    proc = run("sample", "--checkpoint", str(tmp_path))
+    assert proc.returncode == 2 and "no checkpoint" in proc.stderr

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from pydantic import ValidationError
+
+from atomd.spec import JobSpec, lr_at
+
+
+def test_minimal_spec_is_valid() -> None:
+    spec = JobSpec.model_validate({"preset": "tiny"})
+    assert spec.effective_seq_len == 128
+    assert spec.effective_lr == 3e-3
+    assert spec.total_steps == 600
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"preset": "nope"}, "preset"),
+        ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"lr": -1}, "lr"),
+        ({"typo_field": 1}, "typo_field"),
+        ({"shard_mode": "random"}, "shard_mode"),
+    ],
+)
+def test_invalid_fields_are_named(body: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        JobSpec.model_validate(body)
+    assert any(field in ".".join(map(str, err["loc"])) for err in e.value.errors())
+
+
+def test_cross_field_checks() -> None:
+    with pytest.raises(ValidationError, match="exceeds"):
+        JobSpec(seq_len=4096)
+    with pytest.raises(ValidationError, match="stop condition"):
+        JobSpec(max_steps=None)
+    with pytest.raises(ValidationError, match="num_shards"):
+        JobSpec(shard_index=2, num_shards=2)
+
+
+def test_max_tokens_bounds_the_schedule() -> None:
+    spec = JobSpec(max_steps=None, max_tokens=10_000, micro_batch_size=4, seq_len=32)
+    assert spec.total_steps == 79  # ceil(10000 / 128)
+    assert JobSpec(max_steps=50, max_tokens=10**9).total_steps == 50
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
+    spec = JobSpec(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    assert lr_at(spec, 0) == pytest.approx(0.1)
+    assert lr_at(spec, 9) == pytest.approx(1.0)
+    assert lr_at(spec, 60) == pytest.approx(0.55)
+    assert lr_at(spec, 110) == pytest.approx(0.1)
+    lrs = [lr_at(spec, s) for s in range(10, 111)]
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
