@@ -89,6 +89,16 @@ def train(
         Path | None, typer.Option("--spec", help="A JSON job spec; flags override its fields.")
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    swap: Annotated[
+        str | None,
+        typer.Option(
+            help="auto (swap layers only when resident training does not fit the device), "
+            "on or off. See `atomd plan`."
+        ),
+    ] = None,
+    gpu_mem: Annotated[
+        str | None, typer.Option(help="Device-memory budget, e.g. 24GiB (default: all of it).")
+    ] = None,
 ) -> None:
     """Train one model in this process (no daemon): progress bar, metrics.jsonl, checkpoints."""
     overrides = {
@@ -103,6 +113,8 @@ def train(
         "lr": lr,
         "eval_interval": eval_interval,
         "checkpoint_interval": checkpoint_interval,
+        "swap": swap,
+        "gpu_mem": gpu_mem,
     }
     spec = _spec_from(spec_file, overrides)
     from atomd.train.trainer import Trainer
@@ -215,9 +227,131 @@ def demo(
 
 
 @app.command()
+def plan(
+    preset: Annotated[str, typer.Option(help="Model preset (see `atomd presets`).")] = "gpt3-6.7b",
+    gpu_mem: Annotated[
+        str | None,
+        typer.Option(help="Device-memory budget, e.g. 24GiB (default: this GPU's, else 24GiB)."),
+    ] = None,
+    micro_batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 1,
+    seq_len: Annotated[
+        int | None, typer.Option(help="Tokens per sequence (default: the preset's context).")
+    ] = None,
+    grad_accum: Annotated[
+        int | None,
+        typer.Option(help="Micro-batches per step (default: the planner picks M, one wave)."),
+    ] = None,
+    slots: Annotated[int | None, typer.Option(help="Fix K, the layer slots (>= 2).")] = None,
+    micro_batches: Annotated[
+        int | None, typer.Option(help="Fix M, micro-batches per layer visit.")
+    ] = None,
+    resident_blocks: Annotated[
+        int | None, typer.Option(help="Fix the blocks kept on the device.")
+    ] = None,
+    measure: Annotated[
+        bool, typer.Option("--measure", help="Measure this machine's GPU rates (needs CUDA).")
+    ] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Plan swapped training: K slots, M micro-batches per visit, resident set, predictions."""
+    from atomd.model.presets import get_preset
+    from atomd.swap import hardware
+    from atomd.swap.plan import Shape, make_plan
+    from atomd.errors import PlanError
+    from atomd.swap.report import format_plan
+    from atomd.units import parse_bytes
+
+    try:
+        cfg = get_preset(preset)
+        budget = parse_bytes(gpu_mem) if gpu_mem is not None else None
+    except ValueError as e:
+        fail(str(e))
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if measure and not cuda:
+        fail("--measure needs a CUDA device; without one the planner uses stated assumptions")
+    hw = hardware.measure(torch.device("cuda")) if measure else hardware.assumed()
+    if budget is None:
+        budget = torch.cuda.get_device_properties(0).total_memory if cuda else 24 * 2**30
+    shape = Shape(
+        cfg=cfg,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len or cfg.block_size,
+        grad_accum=grad_accum,
+    )
+    try:
+        result = make_plan(
+            shape,
+            budget_bytes=budget,
+            hardware=hw,
+            slots=slots,
+            micro_batches=micro_batches,
+            resident_blocks=resident_blocks,
+        )
+    except PlanError as e:
+        fail(str(e))
+    if json_out:
+        typer.echo(json.dumps({"preset": preset, **result.to_dict()}, indent=2))
+    else:
+        typer.echo(format_plan(result, preset=preset))
+
+
+bench_app = typer.Typer(
+    help="Benchmarks: each prints what it measured in one run as JSON.", no_args_is_help=True
+)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("swap")
+def bench_swap(
+    preset: Annotated[str, typer.Option(help="Model preset.")] = "tiny",
+    device: DeviceOpt = "auto",
+    micro_batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 8,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 64,
+    grad_accum: Annotated[int, typer.Option(help="Micro-batches per step.")] = 4,
+    steps: Annotated[int, typer.Option(help="Timed optimizer steps (after one warm-up).")] = 4,
+    slots: Annotated[int | None, typer.Option(help="K (default: the planner's).")] = None,
+    micro_batches: Annotated[int | None, typer.Option(help="M (default: the planner's).")] = None,
+    resident_blocks: Annotated[
+        int, typer.Option(help="Blocks kept on the device (default 0: swap every block).")
+    ] = 0,
+    gpu_mem: Annotated[str | None, typer.Option(help="Device-memory budget, e.g. 8GiB.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
+) -> None:
+    """Train the same steps resident and swapped; print throughput, ratio and parameter diff."""
+    try:
+        from bench.swap import run as run_swap_bench
+    except ImportError:
+        fail("atomd bench needs the bench/ package (a source checkout or `pip install -e .`)")
+    result = run_swap_bench(
+        preset=preset,
+        device=device,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        grad_accum=grad_accum,
+        steps=steps,
+        slots=slots,
+        micro_batches=micro_batches,
+        resident_blocks=resident_blocks,
+        gpu_mem=gpu_mem,
+    )
+    typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
+
+
+@app.command()
 def version() -> None:
     """Print the atomd version."""
     typer.echo(__version__)
+
+
+def _register_daemon_commands() -> None:
+    from atomd import cli_daemon
+
+    cli_daemon.register(app)
+
+
+_register_daemon_commands()
 
 
 def main() -> NoReturn:

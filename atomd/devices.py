@@ -22,3 +22,19 @@ def resolve_device(name: str) -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
     raise ConfigError(f"unknown device {name!r}: use auto, cpu or cuda")
+
+
+# fp32 weights (4) + gradients (4) + AdamW moments (8): what training keeps per parameter.
+TRAIN_BYTES_PER_PARAMETER = 16
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available for new allocations (Linux ``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

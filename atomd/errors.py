@@ -7,6 +7,10 @@ class AtomdError(Exception):
     """Base of every error atomd raises on purpose; the message is meant for the user."""
 
 
+class NotFoundError(AtomdError):
+    """A job, peer or other record asked for by id does not exist."""
+
+
 class ConfigError(AtomdError):
     """A setting, flag or job spec is invalid."""
 
@@ -21,3 +25,19 @@ class CheckpointError(AtomdError):
 
 class TrainingError(AtomdError):
     """Training cannot continue (for example the loss became NaN)."""
+
+
+class SwapError(AtomdError):
+    """The swapping engine cannot run as asked (for example the model does not fit its slots)."""
+
+
+class PlanError(SwapError):
+    """No swap plan fits the device-memory budget; the message says what would."""
+
+
+class JobConflictError(AtomdError):
+    """The request conflicts with the daemon's state (a job already runs, or is not active)."""
+
+
+class UnauthorizedError(AtomdError):
+    """A request lacks valid credentials (bearer token, peer signature)."""

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from atomd.model.presets import PRESETS
+from atomd.units import parse_bytes
 
 # Peak learning rates: GPT-3 Table 2.1 for its family, GPT-2 small's, and a tuned one for tiny.
 DEFAULT_LR: dict[str, float] = {
@@ -62,6 +63,39 @@ class JobSpec(BaseModel):
         "interleaved",
         description="Deal chunks round-robin, or give each shard one contiguous part.",
     )
+    # The swapping engine (atomd.swap): the whole model in host memory, layers streamed through
+    # the device. `atomd plan` shows what these choose.
+    swap: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Swap layers through the device: 'auto' swaps only when resident training "
+        "does not fit the device-memory budget (never on the CPU), 'on' always, 'off' never.",
+    )
+    gpu_mem: int | None = Field(
+        None,
+        ge=1,
+        description="Device-memory budget for training, in bytes or a string such as '24GiB' or "
+        "'8GB'; default: the device's total memory.",
+    )
+    swap_slots: int | None = Field(
+        None, ge=2, description="Layer slots on the device (K >= 2); default: the planner's."
+    )
+    swap_micro_batches: int | None = Field(
+        None,
+        ge=1,
+        description="Micro-batches that pass through a layer per load (M); must divide "
+        "grad_accum; default: the planner's.",
+    )
+    swap_resident_blocks: int | None = Field(
+        None,
+        ge=0,
+        description="Transformer blocks kept on the device besides embedding and head; "
+        "default: the planner's.",
+    )
+
+    @field_validator("gpu_mem", mode="before")
+    @classmethod
+    def _parse_gpu_mem(cls, v: object) -> object:
+        return parse_bytes(v) if isinstance(v, str) else v
 
     @field_validator("preset")
     @classmethod
@@ -81,6 +115,18 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"shard_index {self.shard_index} must be < num_shards {self.num_shards}"
             )
+        if self.swap_micro_batches is not None and self.grad_accum % self.swap_micro_batches:
+            raise ValueError(
+                f"swap_micro_batches {self.swap_micro_batches} must divide "
+                f"grad_accum {self.grad_accum}"
+            )
+        if self.swap_resident_blocks is not None:
+            n_layer = PRESETS[self.preset].n_layer
+            if self.swap_resident_blocks > n_layer:
+                raise ValueError(
+                    f"swap_resident_blocks {self.swap_resident_blocks} exceeds the "
+                    f"{n_layer} blocks of preset {self.preset!r}"
+                )
         return self
 
     @property

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
-from bench import train_tiny
+from bench import healthz, swap, train_tiny
 
-BENCHES = {"train_tiny": train_tiny.run}
+BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
+    "train_tiny": train_tiny.run,
+    "healthz": healthz.run,
+    "swap": swap.run,
+}
 
 
 def main(argv: list[str]) -> None:

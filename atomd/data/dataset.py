@@ -69,11 +69,8 @@ def _load_source(data: str) -> tuple[NDArray[np.uint16], NDArray[np.uint16] | No
     """Token stream(s) of a source: (all or train, explicit validation or None)."""
     if data == BUNDLED:
         return ByteTokenizer().encode_array(bundled_text()), None
+    check_source(data)
     path = Path(data).expanduser()
-    if not path.exists():
-        raise DataError(
-            f"dataset {data!r} not found: give {BUNDLED!r}, a .txt/.bin file or a folder"
-        )
     if path.is_dir():
         if (path / "train.bin").is_file():
             val = path / "val.bin"
@@ -85,6 +82,14 @@ def _load_source(data: str) -> tuple[NDArray[np.uint16], NDArray[np.uint16] | No
     if path.suffix == ".bin":
         return _read_bin(path), None
     return _read_text_tokens([path]), None
+
+
+def check_source(data: str) -> None:
+    """Cheap up-front check that a source exists (the daemon calls it before queueing a job)."""
+    if data != BUNDLED and not Path(data).expanduser().exists():
+        raise DataError(
+            f"dataset {data!r} not found: give {BUNDLED!r}, a .txt/.bin file or a folder"
+        )
 
 
 def shard_for_peer(peer_id: str, num_shards: int) -> int:

@@ -63,5 +63,6 @@ def load_optimizer_tensors(
                     f"parameter has {tuple(p.shape)}"
                 )
             # AdamW keeps 'step' on the CPU unless fused/capturable; moments live with the param.
-            st[key] = t.to(p.device) if t.dim() > 0 else t
+            on_device = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
+            st[key] = t.to(p.device) if t.dim() > 0 or on_device else t
         opt.state[p] = st

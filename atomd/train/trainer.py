@@ -6,6 +6,7 @@ boundary when ``stop_event`` is set, writing a checkpoint first, so nothing is l
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -25,8 +26,9 @@ from atomd.logs import get_logger
 from atomd.model.gpt import GPT, GPTConfig
 from atomd.model.presets import get_preset
 from atomd.spec import JobSpec, lr_at
+from atomd.swap.factory import engine_plan, make_engine
 from atomd.train import checkpoint as ckpt
-from atomd.train.engine import ResidentEngine, StepEngine
+from atomd.train.engine import StepEngine
 from atomd.train.metrics import MetricsLog
 
 log = get_logger(__name__)
@@ -80,12 +82,14 @@ class Trainer:
         on_report: Callable[[StepReport], None] | None = None,
         stop_event: threading.Event | None = None,
         dataset: TokenDataset | None = None,
+        on_checkpoint: Callable[[Path, int], None] | None = None,
     ) -> None:
         self.spec = spec
         self.out_dir = out_dir
         self.device = resolve_device(device)
         self.progress = progress
         self.on_report = on_report
+        self.on_checkpoint = on_checkpoint
         self.stop_event = stop_event or threading.Event()
         self.ckpt_root = ckpt.checkpoint_root(out_dir)
         self.metrics = MetricsLog(out_dir / "metrics.jsonl")
@@ -107,9 +111,13 @@ class Trainer:
         )
         if self.model_config.vocab_size < 256:
             raise ConfigError("the byte-level data needs a vocabulary of at least 256")
-        self.engine: StepEngine = ResidentEngine(
+        self.engine: StepEngine = make_engine(
             build_model(self.model_config, spec.seed), spec, self.device
         )
+        # Resident or swapped, and the swap plan: recorded with the run and every checkpoint.
+        self.plan = engine_plan(self.engine, spec, self.device)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "plan.json").write_text(json.dumps(self.plan, indent=2) + "\n")
         self.start_step = 0
         self.last_checkpoint: Path | None = None
         if resume:
@@ -143,6 +151,7 @@ class Trainer:
             # Sampling is a pure function of (seed, shard, step): the step is the data position.
             "data_position": {"step": step, "shard_index": self.spec.shard_index},
             "tokens": step * self.spec.tokens_per_step,
+            "plan": self.plan,
         }
         state = {**self.engine.optimizer_tensors(), **ckpt.rng_state()}
         path = ckpt.save_checkpoint(
@@ -154,6 +163,8 @@ class Trainer:
             keep=self.spec.keep_checkpoints,
         )
         self.last_checkpoint = path
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(path, step)
         return path
 
     def run(self) -> TrainSummary:

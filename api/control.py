@@ -1,0 +1,201 @@
+"""The control plane: REST for users and scripts (`curl`), on localhost by default."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from api import errors
+from api.schemas import (
+    Health,
+    JobPublic,
+    PeerPublic,
+    ProgressPublic,
+    Readiness,
+    RoundPublic,
+    StatusPublic,
+)
+from atomd import __version__
+from atomd.config import Settings
+from atomd.db import repo
+from atomd.errors import UnauthorizedError
+from atomd.jobs import JobManager
+from atomd.spec import JobSpec
+from atomd.telemetry import Telemetry
+
+
+@dataclass
+class ControlContext:
+    """What the control routes need from the daemon."""
+
+    settings: Settings
+    jobs: JobManager
+    telemetry: Telemetry
+    sessions: async_sessionmaker[AsyncSession]
+    readiness: Callable[[], dict[str, bool]]
+    started_at: float
+
+
+def _ctx(request: Request) -> ControlContext:
+    ctx: ControlContext = request.app.state.ctx
+    return ctx
+
+
+Ctx = Annotated[ControlContext, Depends(_ctx)]
+
+
+async def require_token(ctx: Ctx, authorization: Annotated[str | None, Header()] = None) -> None:
+    """Bearer-token check when ``ATOMD_CONTROL_TOKEN`` is set (always off loopback)."""
+    token = ctx.settings.control_token
+    if token is None:
+        return
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.encode(), token.get_secret_value().encode()
+    ):
+        raise UnauthorizedError("missing or wrong bearer token (Authorization: Bearer <token>)")
+
+
+def _job(j: object) -> JobPublic:
+    return JobPublic.model_validate(j, from_attributes=True)
+
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=errors.responses(401))
+
+
+@v1.get("/status", response_model=StatusPublic, summary="This daemon and its current job")
+async def get_status(ctx: Ctx) -> StatusPublic:
+    active = ctx.jobs.active
+    job = _job(await ctx.jobs.get(active.id)) if active is not None else None
+    s = ctx.settings
+    return StatusPublic(
+        version=__version__,
+        uptime_s=round(time.monotonic() - ctx.started_at, 3),
+        data_dir=str(s.data_dir),
+        control=s.control,
+        listen=s.listen,
+        advertise=s.advertise_url,
+        swarm=s.swarm,
+        device=ctx.jobs.device,
+        job=job,
+    )
+
+
+@v1.get("/peers", response_model=list[PeerPublic], summary="Known peers and their state")
+async def get_peers(ctx: Ctx) -> list[PeerPublic]:
+    async with ctx.sessions() as s:
+        peers = await repo.list_peers(s)
+    return [PeerPublic.model_validate(p, from_attributes=True) for p in peers]
+
+
+@v1.post(
+    "/jobs",
+    status_code=201,
+    response_model=JobPublic,
+    summary="Start a training job",
+    responses=errors.responses(400, 409),
+)
+async def create_job(ctx: Ctx, spec: JobSpec) -> JobPublic:
+    """Every field of the spec has a default: `{"preset": "tiny"}` is a valid body.
+    One job runs per daemon: 409 while another is active."""
+    return _job(await ctx.jobs.start(spec))
+
+
+@v1.get("/jobs", response_model=list[JobPublic], summary="Jobs, newest first")
+async def list_jobs(ctx: Ctx) -> list[JobPublic]:
+    return [_job(j) for j in await ctx.jobs.list_jobs()]
+
+
+@v1.get("/jobs/{job_id}", response_model=JobPublic, responses=errors.responses(404))
+async def get_job(ctx: Ctx, job_id: str) -> JobPublic:
+    return _job(await ctx.jobs.get(job_id))
+
+
+@v1.post(
+    "/jobs/{job_id}/stop",
+    response_model=JobPublic,
+    summary="Stop a job at the next step boundary (it checkpoints first)",
+    responses=errors.responses(404, 409),
+)
+async def stop_job(ctx: Ctx, job_id: str) -> JobPublic:
+    return _job(await ctx.jobs.stop(job_id))
+
+
+@v1.get(
+    "/jobs/{job_id}/progress",
+    response_model=list[ProgressPublic],
+    summary="Logged training steps, ascending",
+    responses=errors.responses(404),
+)
+async def get_progress(
+    ctx: Ctx,
+    job_id: str,
+    after_step: Annotated[int | None, Query(ge=0, description="Only steps after this one")] = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+) -> list[ProgressPublic]:
+    points = await ctx.jobs.progress(job_id, after_step, limit)
+    return [ProgressPublic.model_validate(p, from_attributes=True) for p in points]
+
+
+@v1.get(
+    "/jobs/{job_id}/rounds",
+    response_model=list[RoundPublic],
+    summary="Sync rounds sent and received",
+    responses=errors.responses(404),
+)
+async def get_rounds(
+    ctx: Ctx, job_id: str, limit: Annotated[int, Query(ge=1, le=10000)] = 1000
+) -> list[RoundPublic]:
+    await ctx.jobs.get(job_id)
+    async with ctx.sessions() as s:
+        rounds = await repo.list_rounds(s, job_id=job_id, limit=limit)
+    return [RoundPublic.model_validate(r, from_attributes=True) for r in rounds]
+
+
+def create_control_app(ctx: ControlContext) -> FastAPI:
+    app = FastAPI(
+        title="atomd control API",
+        version=__version__,
+        description="Start and stop training jobs, watch progress, check health.",
+    )
+    app.state.ctx = ctx
+    errors.install(app)
+
+    @app.get("/healthz", response_model=Health, summary="200 while the event loop is responsive")
+    async def healthz() -> Health:
+        return Health()
+
+    @app.get(
+        "/readyz",
+        response_model=Readiness,
+        dependencies=[Depends(require_token)],
+        responses={503: {"model": Readiness, "description": "not ready"}, **errors.responses(401)},
+        summary="200 once the database is migrated and the peer server listens",
+    )
+    async def readyz(c: Ctx) -> Response:
+        checks = c.readiness()
+        body = Readiness(ready=all(checks.values()), checks=checks)
+        return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
+
+    @app.get(
+        "/metrics",
+        dependencies=[Depends(require_token)],
+        response_class=Response,
+        responses={
+            200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
+            **errors.responses(401),
+        },
+        summary="Prometheus metrics",
+    )
+    async def metrics(c: Ctx) -> Response:
+        return Response(c.telemetry.render(), media_type="text/plain; version=0.0.4")
+
+    app.include_router(v1)
+    return app

@@ -1,0 +1,61 @@
+"""The one place where domain errors become HTTP responses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from api.schemas import ErrorBody
+from atomd.errors import (
+    AtomdError,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    JobConflictError,
+    NotFoundError,
+    UnauthorizedError,
+)
+
+# Most specific first.
+_STATUS: list[tuple[type[AtomdError], int, str]] = [
+    (NotFoundError, 404, "not_found"),
+    (JobConflictError, 409, "conflict"),
+    (UnauthorizedError, 401, "unauthorized"),
+    (ConfigError, 422, "invalid"),
+    (DataError, 422, "invalid"),
+    (CheckpointError, 409, "conflict"),
+]
+
+
+def status_of(exc: AtomdError) -> tuple[int, str]:
+    for cls, code, kind in _STATUS:
+        if isinstance(exc, cls):
+            return code, kind
+    return 500, "internal"
+
+
+def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI documentation of the error codes a route can answer."""
+    return {code: {"model": ErrorBody, "description": "error"} for code in codes}
+
+
+def install(app: FastAPI) -> None:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, AtomdError)
+        code, kind = status_of(exc)
+        headers = {"WWW-Authenticate": "Bearer"} if code == 401 else None
+        body = ErrorBody(error=kind, detail=str(exc)).model_dump()
+        return JSONResponse(body, status_code=code, headers=headers)
+
+    async def handle_http(request: Request, exc: Exception) -> JSONResponse:
+        # Framework errors (unparsable body, unknown route, wrong method) in the same shape.
+        assert isinstance(exc, HTTPException)
+        kinds = {400: "invalid", 401: "unauthorized", 404: "not_found", 405: "invalid"}
+        body = ErrorBody(error=kinds.get(exc.status_code, "invalid"), detail=str(exc.detail))
+        return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(AtomdError, handle)
+    app.add_exception_handler(HTTPException, handle_http)

@@ -1,0 +1,88 @@
+"""Response models of the control API (never ORM rows)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+JobState = Literal["pending", "running", "stopping", "stopped", "finished", "failed"]
+
+
+class ErrorBody(BaseModel):
+    """Every error: a machine-readable kind and a sentence for people."""
+
+    error: str = Field(description="not_found, conflict, unauthorized, invalid, unavailable")
+    detail: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    ready: bool
+    checks: dict[str, bool]
+
+
+class JobPublic(BaseModel):
+    id: str
+    state: JobState
+    reason: str | None = None
+    spec: dict[str, Any]
+    out_dir: str
+    step: int
+    tokens: int
+    loss: float | None = None
+    val_loss: float | None = None
+    plan: dict[str, Any] | None = None
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    updated_at: datetime
+
+
+class ProgressPublic(BaseModel):
+    step: int
+    tokens: int
+    loss: float
+    val_loss: float | None = None
+    tokens_per_s: float
+    lr: float | None = None
+    at: datetime
+
+
+class RoundPublic(BaseModel):
+    round: int
+    direction: Literal["sent", "received"]
+    peer_id: str
+    bytes: int
+    codec: str
+    compression_ratio: float
+    staleness: int | None = None
+    applied: bool
+    reason: str | None = None
+    at: datetime
+
+
+class PeerPublic(BaseModel):
+    id: str
+    url: str
+    state: Literal["alive", "suspect", "dead", "left"]
+    incarnation: int
+    first_seen_at: datetime
+    last_seen_at: datetime
+    rtt_ms: float | None = None
+
+
+class StatusPublic(BaseModel):
+    version: str
+    uptime_s: float
+    data_dir: str
+    control: str
+    listen: str
+    advertise: str
+    swarm: str
+    device: str
+    job: JobPublic | None = None

@@ -1,0 +1,291 @@
+"""CLI commands for the daemon: ``atomd run``, ``migrate`` and the REST clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from atomd.client import ControlClient
+
+URL = Annotated[
+    str, typer.Option("--url", envvar="ATOMD_URL", help="Control API of the daemon to talk to.")
+]
+TOKEN = Annotated[
+    str | None,
+    typer.Option(
+        "--token", envvar="ATOMD_CONTROL_TOKEN", help="Bearer token, if the daemon needs one."
+    ),
+]
+JSON = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
+DEFAULT_URL = "http://127.0.0.1:7070"
+
+job_app = typer.Typer(
+    help="Start, stop and inspect training jobs of a running daemon.", no_args_is_help=True
+)
+
+
+def _console() -> Console:
+    # Piped output keeps whole ids and timestamps instead of squeezing to 80 columns.
+    return Console() if sys.stdout.isatty() else Console(width=240)
+
+
+def _print(data: Any, as_json: bool, render: Any) -> None:
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        render(data)
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _job_table(jobs: list[dict[str, Any]]) -> None:
+    t = Table("id", "state", "preset", "step", "tokens", "loss", "val_loss", "created", box=None)
+    for j in jobs:
+        t.add_row(
+            j["id"],
+            j["state"],
+            j["spec"].get("preset", "?"),
+            str(j["step"]),
+            f"{j['tokens']:,}",
+            _fmt(j["loss"]),
+            _fmt(j["val_loss"]),
+            j["created_at"][:19].replace("T", " "),
+        )
+    _console().print(t)
+
+
+def _job_detail(j: dict[str, Any]) -> None:
+    t = Table(box=None, show_header=False)
+    for key in (
+        "id",
+        "state",
+        "reason",
+        "step",
+        "tokens",
+        "loss",
+        "val_loss",
+        "out_dir",
+        "created_at",
+        "started_at",
+        "finished_at",
+    ):
+        t.add_row(key, _fmt(j.get(key)))
+    t.add_row("spec", json.dumps(j["spec"], separators=(",", ":")))
+    _console().print(t)
+
+
+def run(
+    data_dir: Annotated[
+        Path | None, typer.Option(help="Database, identity key, job folders. [env ATOMD_DATA_DIR]")
+    ] = None,
+    control: Annotated[
+        str | None,
+        typer.Option(help="Control API HOST:PORT (default 127.0.0.1:7070). [env ATOMD_CONTROL]"),
+    ] = None,
+    listen: Annotated[
+        str | None,
+        typer.Option(help="Peer plane HOST:PORT (default 0.0.0.0:7071). [env ATOMD_LISTEN]"),
+    ] = None,
+    advertise: Annotated[
+        str | None, typer.Option(help="URL peers use to reach this daemon. [env ATOMD_ADVERTISE]")
+    ] = None,
+    seed: Annotated[
+        list[str] | None,
+        typer.Option(help="Peer URL to join through; repeatable. [env ATOMD_SEEDS]"),
+    ] = None,
+    swarm: Annotated[str | None, typer.Option(help="Swarm name. [env ATOMD_SWARM]")] = None,
+    swarm_secret: Annotated[
+        str | None, typer.Option(help="Shared swarm secret. [env ATOMD_SWARM_SECRET]")
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="auto, cpu or cuda. [env ATOMD_DEVICE]")
+    ] = None,
+    log_level: Annotated[
+        str | None, typer.Option(help="DEBUG, INFO, WARNING, ERROR. [env ATOMD_LOG_LEVEL]")
+    ] = None,
+) -> None:
+    """Run the daemon in the foreground (what the systemd unit starts).
+
+    Settings come from these flags, then ATOMD_* variables, then the TOML file named by
+    ATOMD_CONFIG. Unknown ATOMD_* variables are an error. Stop with SIGTERM or Ctrl-C: the
+    running job checkpoints at its next step boundary and resumes on the next start.
+    """
+    from atomd.config import load_settings
+    from atomd.daemon import Daemon
+    from atomd.logs import setup_logging
+
+    settings = load_settings(
+        data_dir=data_dir,
+        control=control,
+        listen=listen,
+        advertise=advertise,
+        seeds=seed or None,
+        swarm=swarm,
+        swarm_secret=swarm_secret,
+        device=device,
+        log_level=log_level,
+    )
+    setup_logging(settings.log_level)
+    asyncio.run(Daemon(settings).run())
+
+
+def migrate(
+    data_dir: Annotated[
+        Path | None, typer.Option(help="The daemon's data folder. [env ATOMD_DATA_DIR]")
+    ] = None,
+    downgrade: Annotated[
+        str | None, typer.Option(help="Downgrade to this revision instead ('base' = empty).")
+    ] = None,
+) -> None:
+    """Upgrade the database to the newest schema (the daemon also does this at start)."""
+    from atomd.config import load_settings
+    from atomd.db import migrate as m
+
+    settings = load_settings(data_dir=data_dir)
+    if downgrade is not None:
+        m.downgrade(settings.db_path, downgrade)
+    else:
+        m.upgrade(settings.db_path)
+    typer.echo(f"{settings.db_path}: revision {m.current_revision(settings.db_path) or 'base'}")
+
+
+def status(url: URL = DEFAULT_URL, token: TOKEN = None, as_json: JSON = False) -> None:
+    """Show the daemon's state and its current job."""
+    with ControlClient(url, token=token) as c:
+        data = c.request("GET", "/v1/status")
+
+    def render(d: dict[str, Any]) -> None:
+        t = Table(box=None, show_header=False)
+        for k in ("version", "uptime_s", "swarm", "device", "control", "advertise", "data_dir"):
+            t.add_row(k, _fmt(d[k], 1))
+        job = d.get("job")
+        t.add_row(
+            "job",
+            "-"
+            if job is None
+            else f"{job['id']} {job['state']} step {job['step']} loss {_fmt(job['loss'])}",
+        )
+        _console().print(t)
+
+    _print(data, as_json, render)
+
+
+def peers(url: URL = DEFAULT_URL, token: TOKEN = None, as_json: JSON = False) -> None:
+    """List the peers this daemon knows, with their state."""
+    with ControlClient(url, token=token) as c:
+        data = c.request("GET", "/v1/peers")
+
+    def render(rows: list[dict[str, Any]]) -> None:
+        t = Table("id", "url", "state", "last seen", "rtt ms", box=None)
+        for p in rows:
+            t.add_row(
+                p["id"][:16], p["url"], p["state"], p["last_seen_at"][:19], _fmt(p["rtt_ms"], 1)
+            )
+        _console().print(t)
+
+    _print(data, as_json, render)
+
+
+@job_app.command("start")
+def job_start(
+    url: URL = DEFAULT_URL,
+    token: TOKEN = None,
+    as_json: JSON = False,
+    spec_file: Annotated[Path | None, typer.Option("--spec", help="A JSON job spec.")] = None,
+    preset: Annotated[str | None, typer.Option(help="Model preset.")] = None,
+    data: Annotated[str | None, typer.Option(help="Dataset.")] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Any spec field: KEY=VALUE (JSON value); repeatable."),
+    ] = None,
+) -> None:
+    """Start a job. With no options: the tiny model on the bundled corpus."""
+    body: dict[str, Any] = {}
+    if spec_file is not None:
+        body = json.loads(spec_file.read_text())
+    for item in set_ or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            body[key] = json.loads(value)
+        except json.JSONDecodeError:
+            body[key] = value
+    body.update(
+        {
+            k: v
+            for k, v in {"preset": preset, "data": data, "max_steps": max_steps}.items()
+            if v is not None
+        }
+    )
+    with ControlClient(url, token=token) as c:
+        job = c.request("POST", "/v1/jobs", json=body)
+    _print(job, as_json, lambda j: typer.echo(f"started job {j['id']} ({j['state']})"))
+
+
+@job_app.command("stop")
+def job_stop(
+    job_id: str, url: URL = DEFAULT_URL, token: TOKEN = None, as_json: JSON = False
+) -> None:
+    """Stop a job at its next step boundary; it writes a checkpoint first."""
+    with ControlClient(url, token=token) as c:
+        job = c.request("POST", f"/v1/jobs/{job_id}/stop")
+    _print(job, as_json, lambda j: typer.echo(f"job {j['id']}: {j['state']}"))
+
+
+@job_app.command("list")
+def job_list(url: URL = DEFAULT_URL, token: TOKEN = None, as_json: JSON = False) -> None:
+    """List jobs, newest first."""
+    with ControlClient(url, token=token) as c:
+        _print(c.request("GET", "/v1/jobs"), as_json, _job_table)
+
+
+@job_app.command("show")
+def job_show(
+    job_id: str,
+    url: URL = DEFAULT_URL,
+    token: TOKEN = None,
+    as_json: JSON = False,
+    last: Annotated[int, typer.Option(help="Progress points to show.")] = 5,
+) -> None:
+    """Show one job and its latest progress."""
+    with ControlClient(url, token=token) as c:
+        job = c.request("GET", f"/v1/jobs/{job_id}")
+        points = c.request("GET", f"/v1/jobs/{job_id}/progress")
+    if as_json:
+        typer.echo(json.dumps({**job, "progress": points[-last:]}, indent=2))
+        return
+    _job_detail(job)
+    t = Table("step", "tokens", "loss", "val_loss", "tokens/s", "at", box=None)
+    for p in points[-last:]:
+        t.add_row(
+            str(p["step"]),
+            f"{p['tokens']:,}",
+            _fmt(p["loss"]),
+            _fmt(p["val_loss"]),
+            f"{p['tokens_per_s']:,.0f}",
+            p["at"][:19],
+        )
+    _console().print(t)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(run)
+    app.command()(migrate)
+    app.command()(status)
+    app.command()(peers)
+    app.add_typer(job_app, name="job")

@@ -1,0 +1,185 @@
+"""Daemon settings: flags, ``ATOMD_*`` variables or a TOML file, in that order of precedence.
+
+One typed object (pydantic-settings). Unknown ``ATOMD_*`` variables and bad values stop the
+start with a message that names them, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import socket
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from atomd.errors import ConfigError
+
+ENV_PREFIX = "ATOMD_"
+# Variables read outside Settings (the config-file path itself, the CLI clients' target).
+_OTHER_VARS = {"ATOMD_CONFIG", "ATOMD_URL"}
+
+
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "atomd"
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 as ``[::1]:7070``) -> (host, port); raises ValueError."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{value!r} is not HOST:PORT")
+    if not 0 <= int(port) <= 65535:
+        raise ValueError(f"port {port} out of range")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    """Everything ``atomd run`` needs. Each field is also ``ATOMD_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    data_dir: Path = Field(
+        default_factory=_default_data_dir,
+        description="Database, identity key and job folders (checkpoints, metrics).",
+    )
+    control: str = Field("127.0.0.1:7070", description="Control API HOST:PORT (REST, curl).")
+    listen: str = Field("0.0.0.0:7071", description="Peer plane HOST:PORT (other daemons).")
+    advertise: str | None = Field(
+        None, description="URL peers use to reach this daemon; default http://<hostname>:<port>."
+    )
+    seeds: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Peer-plane URLs to join through (comma-separated)."
+    )
+    swarm: str = Field("default", description="Swarm name; peers of other swarms are refused.")
+    swarm_secret: SecretStr | None = Field(None, description="Shared secret admitting peers.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")
+    control_token: SecretStr | None = Field(
+        None, description="Bearer token for the control API; required off loopback."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
+
+    @field_validator("seeds", mode="before")
+    @classmethod
+    def _split_seeds(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [s.strip() for s in v.split(",") if s.strip()]
+        return v
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+    @field_validator("control", "listen")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        split_host_port(v)
+        return v
+
+    @field_validator("advertise", "seeds")
+    @classmethod
+    def _urls(cls, v: Any) -> Any:
+        for url in [v] if isinstance(v, str) else v or []:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} must be an http:// or https:// URL")
+        return v
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> Settings:
+        host, _ = split_host_port(self.control)
+        if not is_loopback(host) and self.control_token is None:
+            raise ValueError(
+                f"the control API on {self.control} is reachable off this host: "
+                "set ATOMD_CONTROL_TOKEN (a bearer token) or bind it to 127.0.0.1"
+            )
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = os.environ.get("ATOMD_CONFIG")
+        if path:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(path)))
+        return tuple(sources)
+
+    @property
+    def control_host_port(self) -> tuple[str, int]:
+        return split_host_port(self.control)
+
+    @property
+    def listen_host_port(self) -> tuple[str, int]:
+        return split_host_port(self.listen)
+
+    @property
+    def advertise_url(self) -> str:
+        if self.advertise:
+            return self.advertise.rstrip("/")
+        host, port = self.listen_host_port
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()
+        return f"http://{host}:{port}"
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "atomd.db"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.data_dir / "jobs"
+
+
+def check_environment(environ: dict[str, str] | None = None) -> None:
+    """Refuse unknown ``ATOMD_*`` variables, suggesting the closest known name."""
+    environ = dict(os.environ) if environ is None else environ
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields} | _OTHER_VARS
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, sorted(known), n=1)
+            hints.append(f"{k}" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise ConfigError("unknown environment variable(s): " + ", ".join(hints))
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from flags (``overrides``, None = not given), environment and TOML file."""
+    check_environment()
+    config_path = os.environ.get("ATOMD_CONFIG")
+    if config_path and not Path(config_path).is_file():
+        raise ConfigError(f"ATOMD_CONFIG={config_path}: no such file")
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(map(str, err["loc"]))
+            name = f"--{loc.replace('_', '-')} / {ENV_PREFIX}{loc.upper()}" if loc else "settings"
+            lines.append(f"  {name}: {err['msg']}")
+        raise ConfigError("invalid settings:\n" + "\n".join(lines)) from None

@@ -1,0 +1,174 @@
+"""The daemon: one asyncio process per host, everything it runs in one TaskGroup.
+
+Owned tasks: the control API server, the peer-plane server (both uvicorn, in-process), the job
+manager and the systemd watchdog. Training runs on the job manager's trainer thread, never on
+the loop. SIGTERM/SIGINT: stop accepting jobs, stop the current job at a step boundary (it writes
+a checkpoint), close the servers, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from api.control import ControlContext, create_control_app
+from api.peer import create_peer_app
+from atomd import systemd
+from atomd.config import Settings
+from atomd.db import migrate
+from atomd.db.engine import make_engine, make_sessionmaker
+from atomd.errors import ConfigError
+from atomd.jobs import JobManager
+from atomd.logs import get_logger
+from atomd.telemetry import Telemetry
+
+log = get_logger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the daemon owns SIGTERM and SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host_port: tuple[str, int], what: str) -> socket.socket:
+    host, port = host_port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit this: small responses are not held back by Nagle's
+    # algorithm waiting for the client's delayed ACK (40 ms per keep-alive request otherwise).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} for the {what}: {e.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server(app: FastAPI, log_level: str) -> _Server:
+    config = uvicorn.Config(
+        app,
+        log_level=log_level.lower(),
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=5,
+    )
+    return _Server(config)
+
+
+class Daemon:
+    """``await Daemon(settings).run()`` serves until SIGTERM/SIGINT or ``request_shutdown()``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.telemetry = Telemetry()
+        self._shutdown = asyncio.Event()
+        self._db_ready = False
+
+    def request_shutdown(self, reason: str = "requested") -> None:
+        if self._shutdown.is_set():
+            log.info("already shutting down")
+            return
+        log.info("shutting down (%s): stopping the job at a step boundary", reason)
+        self._shutdown.set()
+
+    async def run(self) -> None:
+        s = self.settings
+        s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        s.jobs_dir.mkdir(parents=True, exist_ok=True)
+        control_sock = _bind(s.control_host_port, "control API")
+        peer_sock = _bind(s.listen_host_port, "peer plane")
+        await asyncio.to_thread(migrate.upgrade, s.db_path)
+        self._db_ready = True
+        engine = make_engine(s.db_path)
+        sessions = make_sessionmaker(engine)
+        jobs = JobManager(
+            jobs_dir=s.jobs_dir, sessions=sessions, telemetry=self.telemetry, device=s.device
+        )
+        control = _server(
+            create_control_app(
+                ControlContext(
+                    settings=s,
+                    jobs=jobs,
+                    telemetry=self.telemetry,
+                    sessions=sessions,
+                    readiness=lambda: {
+                        "database": self._db_ready,
+                        "control": control.started,
+                        "peer": peer.started,
+                    },
+                    started_at=time.monotonic(),
+                )
+            ),
+            s.log_level,
+        )
+        peer = _server(create_peer_app(swarm=s.swarm, url=s.advertise_url), s.log_level)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_shutdown, signal.Signals(sig).name)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                jobs_task = tg.create_task(jobs.run(), name="jobs")
+                tg.create_task(control.serve(sockets=[control_sock]), name="control-server")
+                tg.create_task(peer.serve(sockets=[peer_sock]), name="peer-server")
+                watchdog = tg.create_task(self._watchdog(), name="watchdog")
+                await self._until_ready(control, peer, jobs)
+                await self._shutdown.wait()
+                systemd.stopping()
+                extend = tg.create_task(self._extend_stop_timeout(), name="extend-stop")
+                await jobs.shutdown()
+                await jobs_task  # the trainer has checkpointed and the job is recorded
+                control.should_exit = peer.should_exit = True
+                watchdog.cancel()
+                extend.cancel()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            await engine.dispose()
+        log.info("stopped")
+
+    async def _until_ready(self, *servers_and_jobs: Any) -> None:
+        control, peer, jobs = servers_and_jobs
+        # uvicorn exposes only a flag for "listening"; poll it briefly at start-up.
+        while not (control.started and peer.started):  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        await jobs.wait_started()
+        s = self.settings
+        log.info(
+            "ready: control http://%s, peer plane %s (advertised %s), data %s",
+            s.control,
+            s.listen,
+            s.advertise_url,
+            s.data_dir,
+        )
+        systemd.ready()
+        systemd.status("ready")
+
+    async def _extend_stop_timeout(self) -> None:
+        """While the job finishes its step and checkpoints, keep systemd from killing us."""
+        while True:
+            systemd.extend_timeout(30)
+            await asyncio.sleep(10)
+
+    async def _watchdog(self) -> None:
+        """WATCHDOG=1 at half the systemd timeout, from the loop: a stuck loop stops the pings."""
+        interval = systemd.watchdog_interval()
+        if interval is None:
+            return
+        while True:
+            systemd.watchdog()
+            await asyncio.sleep(interval)

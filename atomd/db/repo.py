@@ -1,0 +1,391 @@
+"""Repository functions: the only way atomd reads and writes its records.
+
+Transactions: every function runs inside the caller's transaction and flushes, but never
+commits. Callers own the unit of work::
+
+    async with sessionmaker() as s, s.begin():
+        await repo.set_job_state(s, job_id=job_id, state="running")
+        await repo.add_event(s, kind="job.started", message="...", job_id=job_id)
+
+Functions take the session first and everything else by keyword, and return frozen records
+from ``atomd.db.schemas``, never ORM rows. Every function that takes a ``job_id`` of an
+existing job (all but ``create_job`` and ``add_event``) raises ``NotFoundError`` if there is
+no such job. Lists of logs (jobs, rounds, events) come newest first; progress comes in step
+order, a series to plot or page through with ``after_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from atomd.db.models import (
+    DIRECTIONS,
+    JOB_STATES,
+    PEER_STATES,
+    Checkpoint,
+    Event,
+    Job,
+    Node,
+    Peer,
+    Progress,
+    SyncRound,
+    utcnow,
+)
+from atomd.db.schemas import (
+    ACTIVE_JOB_STATES,
+    TERMINAL_JOB_STATES,
+    CheckpointRecord,
+    EventRecord,
+    JobRecord,
+    NodeRecord,
+    PeerRecord,
+    ProgressPoint,
+    RoundRecord,
+)
+from atomd.errors import ConfigError, NotFoundError
+
+
+async def _job(s: AsyncSession, job_id: str) -> Job:
+    job = await s.get(Job, job_id)
+    if job is None:
+        raise NotFoundError(f"no job {job_id!r}")
+    return job
+
+
+def _check(what: str, value: str, allowed: tuple[str, ...]) -> None:
+    # The database has a CHECK too; this names the allowed values instead of "constraint failed".
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(allowed)}")
+
+
+# Node ----------------------------------------------------------------------------------------
+
+
+async def get_or_create_node(s: AsyncSession, *, peer_id: str, public_key: str) -> NodeRecord:
+    """This node's identity, recorded on first start. Raises ``ConfigError`` if the database
+    belongs to another identity (the key in the data directory was replaced)."""
+    node = await s.get(Node, 1)
+    if node is None:
+        node = Node(id=1, peer_id=peer_id, public_key=public_key)
+        s.add(node)
+        await s.flush()
+    elif (node.peer_id, node.public_key) != (peer_id, public_key):
+        raise ConfigError(
+            f"the database belongs to peer {node.peer_id} (public key {node.public_key}), but "
+            f"the identity key is peer {peer_id} (public key {public_key}); restore the "
+            "original key or start from an empty data directory"
+        )
+    return NodeRecord.model_validate(node)
+
+
+# Jobs ----------------------------------------------------------------------------------------
+
+
+async def create_job(
+    s: AsyncSession,
+    *,
+    job_id: str,
+    spec: dict[str, Any],
+    out_dir: str,
+    state: str = "pending",
+) -> JobRecord:
+    """Record a new job."""
+    _check("job state", state, JOB_STATES)
+    now = utcnow()
+    job = Job(
+        id=job_id,
+        spec=spec,
+        state=state,
+        out_dir=out_dir,
+        created_at=now,
+        started_at=now if state == "running" else None,
+        updated_at=now,
+    )
+    s.add(job)
+    await s.flush()
+    return JobRecord.model_validate(job)
+
+
+async def get_job(s: AsyncSession, *, job_id: str) -> JobRecord | None:
+    """The job, or ``None``."""
+    job = await s.get(Job, job_id)
+    return None if job is None else JobRecord.model_validate(job)
+
+
+async def list_jobs(s: AsyncSession, *, limit: int = 100) -> list[JobRecord]:
+    """The newest ``limit`` jobs, newest first."""
+    rows = await s.scalars(select(Job).order_by(Job.created_at.desc(), Job.id).limit(limit))
+    return [JobRecord.model_validate(j) for j in rows]
+
+
+async def active_jobs(s: AsyncSession) -> list[JobRecord]:
+    """Jobs pending, running or stopping, oldest first: what to resume after a restart."""
+    stmt = select(Job).where(Job.state.in_(ACTIVE_JOB_STATES)).order_by(Job.created_at, Job.id)
+    return [JobRecord.model_validate(j) for j in await s.scalars(stmt)]
+
+
+async def set_job_state(
+    s: AsyncSession, *, job_id: str, state: str, reason: str | None = None
+) -> JobRecord:
+    """Move a job to ``state``. ``started_at`` is set the first time it runs; ``finished_at``
+    when it stops, finishes or fails (and cleared if it becomes active again). ``reason``
+    replaces the old one when given; going back to pending or running clears it."""
+    _check("job state", state, JOB_STATES)
+    job = await _job(s, job_id)
+    now = utcnow()
+    if state == "running" and job.started_at is None:
+        job.started_at = now
+    if state in TERMINAL_JOB_STATES:
+        if job.finished_at is None:
+            job.finished_at = now
+    else:
+        job.finished_at = None
+    if reason is not None:
+        job.reason = reason
+    elif state in ("pending", "running"):
+        job.reason = None
+    job.state = state
+    job.updated_at = now
+    await s.flush()
+    return JobRecord.model_validate(job)
+
+
+async def set_job_plan(s: AsyncSession, *, job_id: str, plan: dict[str, Any]) -> JobRecord:
+    """Record the swap plan a job runs with."""
+    job = await _job(s, job_id)
+    job.plan = plan
+    job.updated_at = utcnow()
+    await s.flush()
+    return JobRecord.model_validate(job)
+
+
+async def delete_job(s: AsyncSession, *, job_id: str) -> None:
+    """Delete a job with its progress, rounds and checkpoint records (not its files)."""
+    result = await s.execute(delete(Job).where(Job.id == job_id))
+    if result.rowcount == 0:  # type: ignore[attr-defined]
+        raise NotFoundError(f"no job {job_id!r}")
+
+
+# Progress ------------------------------------------------------------------------------------
+
+
+async def add_progress(s: AsyncSession, *, job_id: str, points: Sequence[ProgressPoint]) -> int:
+    """Insert progress points, skipping steps already recorded, and copy the newest step's
+    numbers onto the job (``val_loss`` from the newest point that has one). Points older than
+    the job's step are recorded but leave the job as it is. Returns the rows inserted."""
+    if not points:
+        return 0
+    job = await _job(s, job_id)
+    stmt = (
+        sqlite_insert(Progress)
+        .on_conflict_do_nothing(index_elements=[Progress.job_id, Progress.step])
+        .returning(Progress.id)
+    )
+    rows = [{"job_id": job_id, **p.model_dump()} for p in points]
+    inserted = len((await s.scalars(stmt, rows)).all())
+
+    newest = max(points, key=lambda p: p.step)
+    if newest.step >= job.step:
+        evaluated = [p for p in points if p.val_loss is not None and p.step >= job.step]
+        job.step, job.tokens, job.loss = newest.step, newest.tokens, newest.loss
+        if evaluated:
+            job.val_loss = max(evaluated, key=lambda p: p.step).val_loss
+        job.updated_at = utcnow()
+        await s.flush()
+    return inserted
+
+
+async def delete_progress_after(s: AsyncSession, *, job_id: str, step: int) -> int:
+    """Forget the points after ``step`` (a job resumed from an older checkpoint will log those
+    steps again) and copy the newest remaining point onto the job. Returns the rows deleted."""
+    job = await _job(s, job_id)
+    result = await s.execute(
+        delete(Progress).where(Progress.job_id == job_id, Progress.step > step)
+    )
+    last = await s.scalar(
+        select(Progress).where(Progress.job_id == job_id).order_by(Progress.step.desc()).limit(1)
+    )
+    last_val = await s.scalar(
+        select(Progress.val_loss)
+        .where(Progress.job_id == job_id, Progress.val_loss.is_not(None))
+        .order_by(Progress.step.desc())
+        .limit(1)
+    )
+    job.step = last.step if last else 0
+    job.tokens = last.tokens if last else 0
+    job.loss = last.loss if last else None
+    job.val_loss = last_val
+    job.updated_at = utcnow()
+    await s.flush()
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+async def list_progress(
+    s: AsyncSession, *, job_id: str, after_step: int | None = None, limit: int = 1000
+) -> list[ProgressPoint]:
+    """Up to ``limit`` points in step order, those after ``after_step`` if given."""
+    await _job(s, job_id)
+    stmt = select(Progress).where(Progress.job_id == job_id)
+    if after_step is not None:
+        stmt = stmt.where(Progress.step > after_step)
+    rows = await s.scalars(stmt.order_by(Progress.step).limit(limit))
+    return [ProgressPoint.model_validate(p) for p in rows]
+
+
+# Checkpoints ---------------------------------------------------------------------------------
+
+
+async def add_checkpoint(
+    s: AsyncSession, *, job_id: str, step: int, path: str, sha256: str
+) -> CheckpointRecord:
+    """Record a checkpoint written to ``path``."""
+    await _job(s, job_id)
+    ckpt = Checkpoint(job_id=job_id, step=step, path=path, sha256=sha256, at=utcnow())
+    s.add(ckpt)
+    await s.flush()
+    return CheckpointRecord.model_validate(ckpt)
+
+
+async def latest_checkpoint(s: AsyncSession, *, job_id: str) -> CheckpointRecord | None:
+    """The job's checkpoint with the highest step (the newest record on a tie), or ``None``."""
+    await _job(s, job_id)
+    stmt = (
+        select(Checkpoint)
+        .where(Checkpoint.job_id == job_id)
+        .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+        .limit(1)
+    )
+    ckpt = await s.scalar(stmt)
+    return None if ckpt is None else CheckpointRecord.model_validate(ckpt)
+
+
+# Events --------------------------------------------------------------------------------------
+
+
+async def add_event(
+    s: AsyncSession,
+    *,
+    kind: str,
+    message: str,
+    job_id: str | None = None,
+    peer_id: str | None = None,
+    data: dict[str, Any] | None = None,
+) -> None:
+    """Append to the audit log. ``job_id`` need not exist: the log outlives deleted jobs."""
+    s.add(Event(at=utcnow(), kind=kind, message=message, job_id=job_id, peer_id=peer_id, data=data))
+    await s.flush()
+
+
+async def list_events(
+    s: AsyncSession, *, limit: int = 100, kind: str | None = None
+) -> list[EventRecord]:
+    """The newest ``limit`` events, newest first, only those of ``kind`` if given."""
+    stmt = select(Event)
+    if kind is not None:
+        stmt = stmt.where(Event.kind == kind)
+    rows = await s.scalars(stmt.order_by(Event.id.desc()).limit(limit))
+    return [EventRecord.model_validate(e) for e in rows]
+
+
+# Sync rounds ---------------------------------------------------------------------------------
+
+
+async def add_round(
+    s: AsyncSession,
+    *,
+    job_id: str,
+    round: int,
+    direction: str,
+    peer_id: str,
+    bytes: int,
+    codec: str,
+    compression_ratio: float,
+    staleness: int | None,
+    applied: bool,
+    reason: str | None,
+) -> None:
+    """Record one delta sent or received; ``reason`` says why it was not applied."""
+    _check("direction", direction, DIRECTIONS)
+    await _job(s, job_id)
+    s.add(
+        SyncRound(
+            job_id=job_id,
+            round=round,
+            direction=direction,
+            peer_id=peer_id,
+            bytes=bytes,
+            codec=codec,
+            compression_ratio=compression_ratio,
+            staleness=staleness,
+            applied=applied,
+            reason=reason,
+            at=utcnow(),
+        )
+    )
+    await s.flush()
+
+
+async def list_rounds(s: AsyncSession, *, job_id: str, limit: int = 1000) -> list[RoundRecord]:
+    """The job's newest ``limit`` rounds, newest first."""
+    await _job(s, job_id)
+    stmt = (
+        select(SyncRound)
+        .where(SyncRound.job_id == job_id)
+        .order_by(SyncRound.id.desc())
+        .limit(limit)
+    )
+    return [RoundRecord.model_validate(r) for r in await s.scalars(stmt)]
+
+
+# Peers ---------------------------------------------------------------------------------------
+
+
+async def upsert_peer(
+    s: AsyncSession,
+    *,
+    peer_id: str,
+    url: str,
+    public_key: str | None,
+    state: str,
+    incarnation: int,
+    rtt_ms: float | None = None,
+) -> PeerRecord:
+    """Insert or update a peer. ``first_seen_at`` is set on insert, ``last_seen_at`` always;
+    a ``None`` public key or round-trip time keeps the one already known."""
+    _check("peer state", state, PEER_STATES)
+    now = utcnow()
+    stmt = sqlite_insert(Peer).values(
+        id=peer_id,
+        url=url,
+        public_key=public_key,
+        state=state,
+        incarnation=incarnation,
+        first_seen_at=now,
+        last_seen_at=now,
+        rtt_ms=rtt_ms,
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[Peer.id],
+        set_={
+            "url": stmt.excluded.url,
+            "public_key": func.coalesce(stmt.excluded.public_key, Peer.public_key),
+            "state": stmt.excluded.state,
+            "incarnation": stmt.excluded.incarnation,
+            "last_seen_at": stmt.excluded.last_seen_at,
+            "rtt_ms": func.coalesce(stmt.excluded.rtt_ms, Peer.rtt_ms),
+        },
+    )
+    # populate_existing: a Peer already loaded in this session must not shadow the new row.
+    peer = await s.scalar(stmt.returning(Peer), execution_options={"populate_existing": True})
+    assert peer is not None  # an upsert always returns its row
+    return PeerRecord.model_validate(peer)
+
+
+async def list_peers(s: AsyncSession) -> list[PeerRecord]:
+    """Every peer ever seen, by id."""
+    return [PeerRecord.model_validate(p) for p in await s.scalars(select(Peer).order_by(Peer.id))]

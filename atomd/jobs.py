@@ -1,0 +1,348 @@
+"""The job manager: one training job at a time, run on a dedicated trainer thread.
+
+The event loop never waits for training: the trainer thread hands step reports and checkpoint
+notices to the loop through ``call_soon_threadsafe`` onto an asyncio queue, and the loop records
+them in SQLite. States: pending -> running -> stopping -> stopped | finished | failed.
+
+Durability: ``metrics.jsonl`` and the checkpoints are written by the trainer thread itself, so
+nothing depends on the loop keeping up. After a crash, a restarted daemon resumes every job that
+was pending, running or stopping-by-shutdown from its newest good checkpoint, and re-syncs the
+progress table with the run's ``metrics.jsonl`` (truncated to that checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from atomd.data.dataset import check_source
+from atomd.db import repo
+from atomd.db.schemas import JobRecord, JobState, ProgressPoint
+from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
+from atomd.errors import AtomdError, ConfigError, JobConflictError, NotFoundError
+from atomd.logs import get_logger
+from atomd.model import GPT, get_preset
+from atomd.spec import JobSpec
+from atomd.telemetry import Telemetry
+from atomd.train.checkpoint import sha256_file
+from atomd.train.metrics import read_metrics
+from atomd.train.trainer import StepReport, Trainer, TrainSummary
+
+log = get_logger(__name__)
+
+ACTIVE_STATES = ("pending", "running", "stopping")
+SHUTDOWN_REASON = "interrupted by daemon shutdown; resumes when the daemon starts"
+RESUMING_REASON = "resuming from the last good checkpoint"
+
+
+@dataclass
+class _Started:
+    start_step: int
+
+
+@dataclass
+class _Resumed:
+    start_step: int
+    rows: list[dict[str, Any]]
+
+
+@dataclass
+class _Saved:
+    path: Path
+    step: int
+
+
+_Message = StepReport | _Saved | _Resumed | _Started
+
+
+@dataclass
+class ActiveJob:
+    id: str
+    spec: JobSpec
+    out_dir: Path
+    resume: bool
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    queue: asyncio.Queue[_Message] = field(default_factory=asyncio.Queue)
+    user_stop: bool = False
+    tokens_seen: int = 0
+
+
+def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
+    d = r.to_row() if isinstance(r, StepReport) else r
+    return ProgressPoint(
+        step=int(d["step"]),
+        tokens=int(d["tokens"]),
+        loss=float(d["loss"]),
+        val_loss=d.get("val_loss"),
+        tokens_per_s=float(d["tokens_per_s"]),
+        lr=d.get("lr"),
+        at=at or datetime.now(UTC),
+    )
+
+
+@functools.cache
+def _parameters(preset: str) -> int:
+    with torch.device("meta"):  # counts without allocating
+        return GPT(get_preset(preset)).num_parameters()
+
+
+def admit(spec: JobSpec) -> None:
+    """Refuse, with the reason, a job that cannot start here (before anything is queued)."""
+    check_source(spec.data)
+    need = _parameters(spec.preset) * TRAIN_BYTES_PER_PARAMETER
+    have = host_memory_available()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"preset {spec.preset!r} needs about {need / 2**30:.1f} GiB of host memory for its "
+            f"weights, gradients and AdamW state; this host has {have / 2**30:.1f} GiB available"
+        )
+
+
+class JobManager:
+    """Starts, stops and records jobs. ``run()`` lives in the daemon's TaskGroup."""
+
+    def __init__(
+        self,
+        *,
+        jobs_dir: Path,
+        sessions: async_sessionmaker[AsyncSession],
+        telemetry: Telemetry,
+        device: str,
+    ) -> None:
+        self.jobs_dir = jobs_dir
+        self.sessions = sessions
+        self.telemetry = telemetry
+        self.device = device
+        self.active: ActiveJob | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomd-trainer")
+        self._tg: asyncio.TaskGroup | None = None
+        self._closing = asyncio.Event()
+        self._started = asyncio.Event()
+
+    async def run(self) -> None:
+        """Own the per-job tasks until ``shutdown()``; resume interrupted jobs first."""
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            await self._resume_interrupted()
+            self._started.set()
+            await self._closing.wait()
+        self._executor.shutdown(wait=True)
+
+    async def wait_started(self) -> None:
+        await self._started.wait()
+
+    async def shutdown(self) -> None:
+        """Stop the current job at a step boundary (it checkpoints) and end ``run()``."""
+        if self.active is not None:
+            self.active.stop_event.set()
+        self._closing.set()
+
+    # -- queries -----------------------------------------------------------------------------
+
+    async def get(self, job_id: str) -> JobRecord:
+        async with self.sessions() as s:
+            job = await repo.get_job(s, job_id=job_id)
+        if job is None:
+            raise NotFoundError(f"no job {job_id!r}")
+        return job
+
+    async def list_jobs(self) -> list[JobRecord]:
+        async with self.sessions() as s:
+            return await repo.list_jobs(s)
+
+    async def progress(
+        self, job_id: str, after_step: int | None, limit: int
+    ) -> list[ProgressPoint]:
+        await self.get(job_id)
+        async with self.sessions() as s:
+            return await repo.list_progress(s, job_id=job_id, after_step=after_step, limit=limit)
+
+    # -- commands ----------------------------------------------------------------------------
+
+    async def start(self, spec: JobSpec) -> JobRecord:
+        if self._closing.is_set():
+            raise JobConflictError("the daemon is shutting down; no new jobs")
+        if self.active is not None:
+            raise JobConflictError(
+                f"job {self.active.id} is active; "
+                f"stop it first (POST /v1/jobs/{self.active.id}/stop)"
+            )
+        await asyncio.to_thread(admit, spec)
+        job_id = uuid.uuid4().hex
+        out_dir = self.jobs_dir / job_id
+        async with self.sessions() as s, s.begin():
+            job = await repo.create_job(
+                s, job_id=job_id, spec=spec.model_dump(), out_dir=str(out_dir)
+            )
+            await repo.add_event(
+                s, kind="job.created", job_id=job_id, message=f"preset {spec.preset}"
+            )
+        self._launch(ActiveJob(id=job_id, spec=spec, out_dir=out_dir, resume=False))
+        return job
+
+    async def stop(self, job_id: str) -> JobRecord:
+        job = await self.get(job_id)
+        active = self.active
+        if active is None or active.id != job_id:
+            raise JobConflictError(f"job {job_id} is {job.state}, not active; nothing to stop")
+        active.user_stop = True
+        active.stop_event.set()
+        return await self._set_state(job_id, "stopping", None, "job.stopping", "stop requested")
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _resume_interrupted(self) -> None:
+        async with self.sessions() as s:
+            jobs = await repo.active_jobs(s)
+        for job in jobs:
+            if job.state == "stopping":
+                # The user asked it to stop and the daemon died first: honour the stop.
+                await self._set_state(
+                    job.id, "stopped", "stopped (daemon restarted)", "job.stopped", ""
+                )
+                continue
+            if self.active is not None:
+                await self._set_state(
+                    job.id, "failed", "another job was resumed first", "job.failed", ""
+                )
+                continue
+            log.info("resuming job %s from %s", job.id, job.out_dir)
+            # Pending until the trainer has loaded the checkpoint and runs again.
+            await self._set_state(job.id, "pending", RESUMING_REASON, "job.resuming", "")
+            spec = JobSpec.model_validate(job.spec)
+            self._launch(ActiveJob(id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True))
+
+    def _launch(self, active: ActiveJob) -> None:
+        assert self._tg is not None, "JobManager.run() is not running"
+        self.active = active
+        self._tg.create_task(self._drive(active), name=f"job-{active.id}")
+
+    def _train_blocking(self, active: ActiveJob, loop: asyncio.AbstractEventLoop) -> TrainSummary:
+        """Runs on the trainer thread."""
+
+        def send(item: _Message) -> None:
+            loop.call_soon_threadsafe(active.queue.put_nowait, item)
+
+        trainer = Trainer(
+            active.spec,
+            active.out_dir,
+            device=self.device,
+            resume=active.resume,
+            on_report=send,
+            on_checkpoint=lambda path, step: send(_Saved(path, step)),
+            stop_event=active.stop_event,
+        )
+        if active.resume:
+            rows = read_metrics(trainer.metrics.path) if trainer.metrics.path.exists() else []
+            send(_Resumed(trainer.start_step, rows))
+        send(_Started(trainer.start_step))
+        return trainer.run()
+
+    async def _drive(self, active: ActiveJob) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._executor, self._train_blocking, active, loop)
+        try:
+            while not fut.done() or not active.queue.empty():
+                getter = asyncio.ensure_future(active.queue.get())
+                waiting: set[asyncio.Future[Any]] = {fut, getter}
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                items = [getter.result()]
+                while not active.queue.empty():
+                    items.append(active.queue.get_nowait())
+                await self._record(active, items)
+            await self._finish(active, fut)
+        finally:
+            self.active = None
+            if not self._closing.is_set():
+                self.telemetry.job_state.state("none")
+
+    async def _record(self, active: ActiveJob, items: Sequence[_Message]) -> None:
+        points: list[ProgressPoint] = []
+        async with self.sessions() as s, s.begin():
+            for item in items:
+                if isinstance(item, _Resumed):
+                    await repo.delete_progress_after(s, job_id=active.id, step=item.start_step)
+                    backfill = [_point(r) for r in item.rows if int(r["step"]) <= item.start_step]
+                    await repo.add_progress(s, job_id=active.id, points=backfill)
+                    await repo.add_event(
+                        s,
+                        kind="job.resumed",
+                        job_id=active.id,
+                        message=f"resumed from step {item.start_step}",
+                    )
+                elif isinstance(item, _Saved):
+                    digest = await asyncio.to_thread(sha256_file, item.path / "model.safetensors")
+                    await repo.add_checkpoint(
+                        s, job_id=active.id, step=item.step, path=str(item.path), sha256=digest
+                    )
+                    self.telemetry.checkpoints.inc()
+                elif isinstance(item, _Started):
+                    active.tokens_seen = item.start_step * active.spec.tokens_per_step
+                    if not active.stop_event.is_set():
+                        await repo.set_job_state(s, job_id=active.id, state="running")
+                        await repo.add_event(s, kind="job.running", job_id=active.id, message="")
+                    self.telemetry.job_state.state("running")
+                else:
+                    points.append(_point(item))
+            if points:
+                await repo.add_progress(s, job_id=active.id, points=points)
+        for p in points:
+            self.telemetry.step.set(p.step)
+            self.telemetry.loss.set(p.loss)
+            self.telemetry.tokens_per_s.set(p.tokens_per_s)
+            if p.val_loss is not None:
+                self.telemetry.val_loss.set(p.val_loss)
+            self.telemetry.tokens.inc(max(0, p.tokens - active.tokens_seen))
+            active.tokens_seen = max(active.tokens_seen, p.tokens)
+
+    async def _finish(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> None:
+        try:
+            summary = fut.result()
+        except AtomdError as e:
+            await self._set_state(active.id, "failed", str(e), "job.failed", str(e))
+            return
+        except Exception as e:  # a bug, not bad input: keep the traceback in the log
+            log.exception("job %s crashed", active.id)
+            reason = f"{type(e).__name__}: {e}"
+            await self._set_state(active.id, "failed", reason, "job.failed", reason)
+            return
+        if summary.state == "finished":
+            await self._set_state(
+                active.id, "finished", None, "job.finished", f"step {summary.step}"
+            )
+        elif active.user_stop:
+            await self._set_state(
+                active.id, "stopped", "stopped by request", "job.stopped", f"step {summary.step}"
+            )
+        else:
+            await self._set_state(
+                active.id,
+                "pending",
+                SHUTDOWN_REASON,
+                "job.interrupted",
+                f"checkpointed at step {summary.step}",
+            )
+
+    async def _set_state(
+        self, job_id: str, state: JobState, reason: str | None, kind: str, message: str
+    ) -> JobRecord:
+        async with self.sessions() as s, s.begin():
+            job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
+            await repo.add_event(s, kind=kind, job_id=job_id, message=message)
+        self.telemetry.job_state.state(state)
+        log.info("job %s: %s%s", job_id, state, f" ({reason})" if reason else "")
+        return job

@@ -1,0 +1,494 @@
+"""``SwapEngine``: training with the whole model in host memory and K layer slots on the device.
+
+It wraps a ``GPT`` without changing it: ``GPT.layers()`` is [embedding, blocks..., head]. The
+embedding and head (tied: one parameter, gradients from both uses) and the first
+``plan.resident_blocks`` blocks are *resident*: they live on the device with their AdamW state,
+as in ``ResidentEngine``. Every other block is *swapped*: its fp32 master weights, gradient and
+AdamW state stay in host memory (16 B/parameter, pinned on CUDA) and a slot receives a copy of
+its weights when a visit needs it. A block runs on a slot's tensors via
+``torch.func.functional_call`` on the host module, so the model code knows nothing of slots.
+
+One optimizer step of G micro-batches is G / M *waves*; in a wave, all M micro-batches pass
+through a layer before the next layer is needed (layer-major), so one load serves M.
+- Forward (no autograd graph): each layer's input is kept (activation checkpointing; spilled to
+  host memory when the plan says so); the load of a later layer is issued as soon as its slot's
+  previous visit has been issued (``schedule``), on the load stream.
+- The turn: the head's forward and backward run together; the last K swapped layers are still
+  in their slots and serve the first backward visits without a reload.
+- Backward: each layer's forward is recomputed from its saved input, and its gradient
+  accumulated in the slot's fp32 buffer; the buffer is copied to the host on the store stream
+  and the layer's host AdamW step is submitted to a worker thread right away (overlapping the
+  backward of earlier layers). Waves after the first start from the host's partial gradient.
+- Gradient clipping (``grad_clip > 0``) needs the global norm, known only after the whole
+  backward: per-parameter norms are taken on the device as each gradient completes, and the
+  host steps are submitted after the backward, in forward order, with the clipping
+  coefficient; the next step's forward waits for each layer's update just before loading it.
+  With ``grad_clip = 0`` each layer steps as soon as its gradient is complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from atomd.data.dataset import Batch
+from atomd.errors import CheckpointError, SwapError
+from atomd.logs import get_logger
+from atomd.model.gpt import GPT, lm_loss
+from atomd.spec import JobSpec
+from atomd.swap.hostopt import HostOptimizer
+from atomd.swap.plan import SwapPlan
+from atomd.swap.schedule import schedule_slots, training_visits
+from atomd.swap.streams import DONE, Marker, Streams
+from atomd.train.engine import autocast, load_model_tensors, model_tensors
+from atomd.train.optim import build_adamw, optimizer_tensors
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Slot:
+    """Device room for one block: its fp32 weights and fp32 gradient accumulator."""
+
+    weights: list[Tensor]
+    grads: list[Tensor]
+    layer: int | None = None
+    """The layer whose current weights the slot holds (None: empty, or stale after a step)."""
+    loaded: Marker = DONE
+    """Load-stream work into this slot (weights, partial gradients) is done."""
+    used: Marker = DONE
+    """Compute-stream work reading this slot is done (it may be overwritten)."""
+    stored: Marker = DONE
+    """The gradient copy out of this slot is done (its buffer may be reused)."""
+
+
+@dataclass
+class SwapStats:
+    """What the last ``train_step`` or ``evaluate`` moved (bytes) and held on the device."""
+
+    layer_loads: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    peak_held_bytes: int = 0
+    """Layer inputs and gradients held on the device between layers (on the CPU the only
+    activation figure there is; the transient working set inside a layer is not counted)."""
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def _nbytes(ts: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+class _Wave:
+    """Walks one wave's visits of swapped layers, issuing each load at its scheduled point."""
+
+    def __init__(self, engine: SwapEngine, visits: list[int], backward_from: int) -> None:
+        self.engine, self.visits, self.backward_from = engine, visits, backward_from
+        self.sched = schedule_slots(visits, [s.layer for s in engine.slots])
+        self.loads_after: dict[int, list[tuple[int, int]]] = {}
+        for ld in self.sched.loads:
+            self.loads_after.setdefault(ld.after, []).append((ld.layer, ld.slot))
+        self.partial_grads = False
+        self.p = -1
+        self._issue(-1)
+
+    def start_from_partial_grads(self) -> None:
+        """Backward visits begin from the host's gradient of the previous waves."""
+        self.partial_grads = True
+
+    def next(self, layer: int) -> Slot:
+        self.p += 1
+        assert self.visits[self.p] == layer, (self.visits, self.p, layer)
+        return self.engine.slots[self.sched.slot_of[self.p]]
+
+    def done(self) -> None:
+        """The current visit is issued: issue the loads that waited for its slot."""
+        self._issue(self.p)
+
+    def _issue(self, p: int) -> None:
+        for layer, slot in self.loads_after.pop(p, []):
+            self.engine._load_weights(layer, self.engine.slots[slot])
+        q = p + 1  # the partial gradient of the next backward visit, one visit ahead
+        if self.partial_grads and self.backward_from <= q < len(self.visits):
+            self.engine._load_partial_grads(
+                self.visits[q], self.engine.slots[self.sched.slot_of[q]]
+            )
+
+
+class SwapEngine:
+    """A ``StepEngine`` that streams blocks through K device slots (see the module docstring)."""
+
+    def __init__(self, model: GPT, spec: JobSpec, device: torch.device, plan: SwapPlan) -> None:
+        cfg = model.config
+        if cfg.dropout:
+            raise SwapError("the swap engine recomputes layers in backward and needs dropout 0")
+        if plan.n_layer != cfg.n_layer or plan.swapped_blocks < 2:
+            raise SwapError(
+                f"plan for {plan.n_layer} blocks does not fit a {cfg.n_layer}-block model"
+            )
+        self.model, self.spec, self.device, self.plan = model, spec, device, plan
+        self.streams = Streams(device)
+        self.layers: list[nn.Module] = model.layers()
+        n = len(self.layers)
+        self.swapped = list(range(1 + plan.resident_blocks, n - 1))
+        self._swapped_set = set(self.swapped)
+        self.resident = [i for i in range(n) if i not in self._swapped_set]
+        cuda = device.type == "cuda"
+        for i in self.resident:  # Module.to moves each Parameter in place: the tie survives
+            self.layers[i].to(device)
+        self.resident_opt = build_adamw(
+            nn.ModuleList(self.layers[i] for i in self.resident), spec, fused=True if cuda else None
+        )
+        self.host_params: dict[int, list[nn.Parameter]] = {}
+        for i in self.swapped:
+            params = list(self.layers[i].parameters())
+            for p in params:  # fp32 master in host memory, pinned so copies can be async
+                p.data = p.data.to("cpu", torch.float32)
+                if cuda:
+                    p.data = p.data.pin_memory()
+                p.grad = torch.zeros(p.shape, dtype=torch.float32, pin_memory=cuda)
+            self.host_params[i] = params
+        first = self.layers[self.swapped[0]]
+        self._names = [name for name, _ in first.named_parameters()]
+        shapes = [p.shape for p in first.parameters()]
+        if any([p.shape for p in self.host_params[i]] != shapes for i in self.swapped):
+            raise SwapError("swapped layers must all have the same parameter shapes")
+        self.slots = [
+            Slot(
+                weights=[torch.empty(s, device=device) for s in shapes],
+                grads=[torch.empty(s, device=device) for s in shapes],
+            )
+            for _ in range(plan.slots)
+        ]
+        self.host_opt = HostOptimizer({i: self.layers[i] for i in self.swapped}, spec)
+        self._grad_stored: dict[int, Marker] = {}
+        self._spill_pool: dict[tuple[int, int], Tensor] = {}
+        self._spill_free: dict[int, Marker] = {}  # layer -> its spill buffers were read back
+        self._spilled_layers = set(range(1, n - 2)) if plan.spill else set()
+        self.stats = SwapStats()
+        self.reason = "swap on"  # why this run swaps, for plan.json (set by make_engine)
+        log.info(
+            "swap engine: %d swapped blocks, %d slots, M=%d, resident: embedding, head and %d "
+            "blocks, spill %s",
+            len(self.swapped),
+            plan.slots,
+            plan.micro_batches,
+            plan.resident_blocks,
+            "on" if plan.spill else "off",
+        )
+
+    # -- copies ---------------------------------------------------------------------------------
+
+    def _load_weights(self, layer: int, slot: Slot) -> None:
+        st = self.streams
+        self.host_opt.wait(layer)  # its update must be in the host master before we copy it
+        st.wait(st.load, slot.used)
+        with st.on(st.load), torch.no_grad():
+            for w, p in zip(slot.weights, self.host_params[layer], strict=True):
+                w.copy_(p, non_blocking=True)
+        slot.loaded, slot.layer = st.mark(st.load), layer
+        self.stats.layer_loads += 1
+        self.stats.bytes_loaded += _nbytes(slot.weights)
+
+    def _load_partial_grads(self, layer: int, slot: Slot) -> None:
+        st = self.streams
+        st.wait(st.load, slot.stored, self._grad_stored[layer])
+        with st.on(st.load), torch.no_grad():
+            for acc, p in zip(slot.grads, self.host_params[layer], strict=True):
+                assert p.grad is not None
+                acc.copy_(p.grad, non_blocking=True)
+        slot.loaded = st.mark(st.load)
+        self.stats.bytes_loaded += _nbytes(slot.grads)
+
+    def _store_grads(self, layer: int, slot: Slot) -> Marker:
+        st = self.streams
+        st.wait(st.store, slot.used)
+        with st.on(st.store), torch.no_grad():
+            for acc, p in zip(slot.grads, self.host_params[layer], strict=True):
+                assert p.grad is not None
+                p.grad.copy_(acc, non_blocking=True)
+        slot.stored = self._grad_stored[layer] = st.mark(st.store)
+        self.stats.bytes_stored += _nbytes(slot.grads)
+        return slot.stored
+
+    def _spill(self, layer: int, acts: list[Tensor]) -> tuple[list[Tensor], Marker]:
+        """Copy ``layer``'s inputs to pinned host buffers (reused), on the store stream."""
+        st = self.streams
+        st.wait(st.store, st.mark(st.compute), self._spill_free.pop(layer, DONE))
+        hosts = []
+        with st.on(st.store):
+            for mi, a in enumerate(acts):
+                buf = self._spill_pool.get((layer, mi))
+                if buf is None or buf.shape != a.shape or buf.dtype != a.dtype:
+                    buf = torch.empty(a.shape, dtype=a.dtype, pin_memory=self.streams.cuda)
+                    self._spill_pool[(layer, mi)] = buf
+                buf.copy_(a, non_blocking=True)
+                st.hand_over(a, st.store)
+                hosts.append(buf)
+        self.stats.bytes_stored += _nbytes(acts)
+        return hosts, st.mark(st.store)
+
+    def _fetch(self, layer: int, hosts: list[Tensor], ready: Marker) -> tuple[list[Tensor], Marker]:
+        """Bring spilled inputs back on the load stream (issued one layer ahead of their use)."""
+        st = self.streams
+        st.wait(st.load, ready)
+        with st.on(st.load):
+            devs = [h.to(self.device, non_blocking=True) for h in hosts]
+        for d in devs:
+            st.hand_over(d, st.compute)
+        self._spill_free[layer] = st.mark(st.load)
+        self.stats.bytes_loaded += _nbytes(devs)
+        return devs, self._spill_free[layer]
+
+    # -- compute --------------------------------------------------------------------------------
+
+    def _call(self, i: int, x: Tensor, weights: Sequence[Tensor] | None) -> Tensor:
+        with autocast(self.device):
+            if weights is None:
+                out: Tensor = self.layers[i](x)
+            else:
+                out = functional_call(
+                    self.layers[i], dict(zip(self._names, weights, strict=True)), (x,)
+                )
+        return out
+
+    def _backward_layer(
+        self,
+        i: int,
+        inputs: list[Tensor],
+        grad_outs: list[Tensor],
+        targets: list[Tensor],
+        weights: list[Tensor] | None,
+        accs: list[Tensor] | None,
+        fresh: bool,
+        g_total: int,
+        total: Tensor,
+    ) -> list[Tensor]:
+        """Recompute layer i from its inputs and backpropagate every micro-batch through it.
+        Parameter gradients go to ``accs`` (a slot) or to ``.grad`` (resident layers)."""
+        leaves: list[Tensor] = (
+            [w.detach().requires_grad_() for w in weights]
+            if weights is not None
+            else list(self.layers[i].parameters())
+        )
+        grad_ins: list[Tensor] = []
+        for mi, a in enumerate(inputs):
+            floating = a.is_floating_point()  # the embedding's input is token ids
+            x = a.detach().requires_grad_() if floating else a
+            with torch.enable_grad():
+                out = self._call(i, x, leaves if weights is not None else None)
+                if i == len(self.layers) - 1:  # the head: the loss, as ResidentEngine scales it
+                    with autocast(self.device):
+                        loss = lm_loss(out, targets[mi]) / g_total
+                    total += loss.detach()
+                    grads = torch.autograd.grad(loss, [x, *leaves])
+                else:
+                    wrt = [x, *leaves] if floating else leaves
+                    grads = torch.autograd.grad(out, wrt, grad_outs[mi])
+            if floating:
+                grad_ins.append(grads[0])
+                grads = grads[1:]
+            with torch.no_grad():
+                if accs is not None:
+                    for acc, g in zip(accs, grads, strict=True):
+                        if fresh and mi == 0:
+                            acc.copy_(g)
+                        else:
+                            acc.add_(g)
+                else:
+                    for p, g in zip(leaves, grads, strict=True):
+                        p.grad = g if p.grad is None else p.grad.add_(g)
+        return grad_ins
+
+    def train_step(self, batches: Sequence[Batch], lr: float) -> float:
+        g_total, m = len(batches), self.plan.micro_batches
+        if g_total % m:
+            raise SwapError(f"{g_total} micro-batches per step do not divide into waves of M={m}")
+        self.model.train()
+        self.stats = SwapStats()
+        clip = self.spec.grad_clip > 0
+        total = torch.zeros((), device=self.device)
+        norms: list[Tensor] = []
+        waves = g_total // m
+        for w in range(waves):
+            self._train_wave(
+                batches[w * m : (w + 1) * m],
+                g_total=g_total,
+                first=w == 0,
+                last=w == waves - 1,
+                lr=None if clip else lr,
+                norms=norms,
+                total=total,
+            )
+        resident_params = [p for grp in self.resident_opt.param_groups for p in grp["params"]]
+        if clip:  # as torch.nn.utils.clip_grad_norm_: norm of per-parameter norms
+            resident_grads = [p.grad for p in resident_params if p.grad is not None]
+            norms.extend(torch._foreach_norm(resident_grads))
+            total_norm = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]))
+            coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
+            torch._foreach_mul_(resident_grads, coef)
+            coef_host = float(coef)  # waits for the compute stream, as the loss below does
+            for layer in self.swapped:  # forward order: the next step needs these first
+                self.host_opt.submit(layer, lr, self._grad_stored[layer], coef_host)
+        for grp in self.resident_opt.param_groups:
+            grp["lr"] = lr
+        self.resident_opt.step()
+        self.resident_opt.zero_grad(set_to_none=True)
+        for slot in self.slots:
+            slot.layer = None  # stale: the host masters change
+        return float(total)
+
+    def _train_wave(
+        self,
+        batches: Sequence[Batch],
+        *,
+        g_total: int,
+        first: bool,
+        last: bool,
+        lr: float | None,
+        norms: list[Tensor],
+        total: Tensor,
+    ) -> None:
+        st, n = self.streams, len(self.layers)
+        xs = [b.x.to(self.device, non_blocking=True) for b in batches]
+        ys = [b.y.to(self.device, non_blocking=True) for b in batches]
+        wave = _Wave(self, training_visits(self.swapped), backward_from=len(self.swapped))
+        if not first:
+            wave.start_from_partial_grads()
+        # saved[i]: layer i's inputs on the device, or spilled[i]: on the host (+ its marker)
+        saved: dict[int, list[Tensor]] = {0: xs}
+        spilled: dict[int, tuple[list[Tensor], Marker]] = {}
+        acts = xs
+        for i in range(n - 1):  # forward up to the head; the head runs at the turn
+            slot = wave.next(i) if i in self._swapped_set else None
+            if slot is not None:
+                st.wait(st.compute, slot.loaded)
+            with torch.no_grad():
+                acts = [self._call(i, a, slot.weights if slot else None) for a in acts]
+            if slot is not None:
+                slot.used = st.mark(st.compute)
+                wave.done()
+            if i + 1 in self._spilled_layers:
+                spilled[i + 1] = self._spill(i + 1, acts)
+            else:
+                saved[i + 1] = acts
+            self._note_held(saved, acts)
+        grad_outs: list[Tensor] = []
+        fetched: dict[int, tuple[list[Tensor], Marker]] = {}
+        for i in range(n - 1, -1, -1):
+            if i - 1 in spilled:  # prefetch the next layer's inputs while this one computes
+                fetched[i - 1] = self._fetch(i - 1, *spilled.pop(i - 1))
+            if i in fetched:
+                inputs, ready = fetched.pop(i)
+                st.wait(st.compute, ready)
+            else:
+                inputs = saved.pop(i)
+            slot = wave.next(i) if i in self._swapped_set else None
+            if slot is None:
+                grad_outs = self._backward_layer(
+                    i, inputs, grad_outs, ys, None, None, first, g_total, total
+                )
+            else:
+                st.wait(st.compute, slot.loaded, slot.stored)
+                grad_outs = self._backward_layer(
+                    i, inputs, grad_outs, ys, slot.weights, slot.grads, first, g_total, total
+                )
+                if last and self.spec.grad_clip > 0:
+                    norms.extend(torch._foreach_norm(slot.grads))
+                slot.used = st.mark(st.compute)
+                stored = self._store_grads(i, slot)
+                if last and lr is not None:
+                    self.host_opt.submit(i, lr, stored, None)
+                wave.done()
+            del inputs
+            self._note_held(saved, grad_outs)
+
+    def _note_held(self, saved: dict[int, list[Tensor]], current: list[Tensor]) -> None:
+        held = sum(_nbytes(ts) for ts in saved.values()) + _nbytes(current)
+        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, held)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[Batch]) -> float:
+        self.model.eval()
+        self.stats = SwapStats()
+        st, m, n = self.streams, self.plan.micro_batches, len(self.layers)
+        losses: list[Tensor] = []
+        for c in range(0, len(batches), m):
+            chunk = batches[c : c + m]
+            acts = [b.x.to(self.device, non_blocking=True) for b in chunk]
+            wave = _Wave(self, list(self.swapped), backward_from=len(self.swapped))
+            for i in range(n - 1):
+                slot = wave.next(i) if i in self._swapped_set else None
+                if slot is not None:
+                    st.wait(st.compute, slot.loaded)
+                acts = [self._call(i, a, slot.weights if slot else None) for a in acts]
+                if slot is not None:
+                    slot.used = st.mark(st.compute)
+                    wave.done()
+            for a, b in zip(acts, chunk, strict=True):  # logits one micro-batch at a time
+                logits = self._call(n - 1, a, None)
+                losses.append(lm_loss(logits, b.y.to(self.device, non_blocking=True)))
+        return float(torch.stack(losses).mean())
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _optimizers(self) -> list[torch.optim.AdamW]:
+        return [self.resident_opt, *(opt for _, opt in self.host_opt.each())]
+
+    def model_tensors(self) -> dict[str, Tensor]:
+        self.host_opt.drain()
+        return model_tensors(self.model)
+
+    def optimizer_tensors(self) -> dict[str, Tensor]:
+        self.host_opt.drain()
+        out: dict[str, Tensor] = {}
+        for opt in self._optimizers():
+            out.update(optimizer_tensors(opt, self.model))
+        return out
+
+    def load_tensors(self, model: dict[str, Tensor], optimizer: dict[str, Tensor]) -> None:
+        """Load ``model_tensors``/``optimizer_tensors`` of a swapped or a resident run."""
+        self.host_opt.drain()
+        load_model_tensors(self.model, model)
+        for slot in self.slots:
+            slot.layer = None
+        params = dict(self.model.named_parameters())
+        owner = {id(p): o for o in self._optimizers() for g in o.param_groups for p in g["params"]}
+        per_param: dict[str, dict[str, Tensor]] = {}
+        for full, t in optimizer.items():
+            if not full.startswith("optim."):
+                continue
+            name, _, key = full[len("optim.") :].rpartition(".")
+            if name not in params:
+                raise CheckpointError(f"optimizer state names unknown parameter {name!r}")
+            per_param.setdefault(name, {})[key] = t
+        for name, state in per_param.items():
+            p = params[name]
+            opt = owner[id(p)]
+            on_device = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
+            for key, t in state.items():
+                if t.dim() > 0 and t.shape != p.shape:
+                    raise CheckpointError(
+                        f"optimizer state {name}.{key} has shape {tuple(t.shape)}, "
+                        f"parameter has {tuple(p.shape)}"
+                    )
+                # Moments live with the parameter; a fused/capturable AdamW keeps 'step' there too.
+                if t.dim() > 0 or on_device:
+                    state[key] = t.to(p.device, torch.float32)
+            opt.state[p] = state
+
+    def device_state_bytes(self) -> int:
+        """Bytes the engine keeps on the device between steps: slots and resident layers'
+        weights, gradients and AdamW moments."""
+        slots = sum(_nbytes(s.weights) + _nbytes(s.grads) for s in self.slots)
+        params = [p for g in self.resident_opt.param_groups for p in g["params"]]
+        moments = [t for st in self.resident_opt.state.values() for t in st.values() if t.dim() > 0]
+        return slots + 2 * _nbytes(params) + _nbytes(moments)
+
+    def close(self) -> None:
+        """Finish pending host optimizer steps and stop the worker thread."""
+        self.host_opt.close()

@@ -1,0 +1,106 @@
+"""Choosing the step engine for a job: resident or swapped, per ``spec.swap`` and the plan."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from atomd.logs import get_logger
+from atomd.model.gpt import GPT
+from atomd.model.presets import get_preset
+from atomd.spec import JobSpec
+from atomd.swap import hardware
+from atomd.swap.plan import Shape, SwapPlan, make_plan, resident_peak_bytes
+from atomd.train.engine import ResidentEngine, StepEngine
+from atomd.units import format_bytes
+
+log = get_logger(__name__)
+
+
+def shape_for(spec: JobSpec, device: torch.device) -> Shape:
+    return Shape(
+        cfg=get_preset(spec.preset),
+        micro_batch_size=spec.micro_batch_size,
+        seq_len=spec.effective_seq_len,
+        grad_accum=spec.grad_accum,
+        dtype_bytes=2 if device.type == "cuda" else 4,
+    )
+
+
+def device_budget(spec: JobSpec, device: torch.device) -> int:
+    """``spec.gpu_mem``, else the device's total memory (on the CPU: the host's)."""
+    if spec.gpu_mem is not None:
+        return spec.gpu_mem
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def decide(spec: JobSpec, device: torch.device) -> tuple[bool, str]:
+    """Whether to swap, and why (recorded in plan.json)."""
+    if spec.swap == "off":
+        return False, "swap off"
+    if spec.swap == "on":
+        return True, "swap on"
+    if device.type != "cuda":
+        return False, "swap auto: the device is the CPU, whose memory already holds the model"
+    need = resident_peak_bytes(shape_for(spec, device))
+    budget = device_budget(spec, device)
+    verdict = "does not fit" if need > budget else "fits"
+    return need > budget, (
+        f"swap auto: resident training needs about {format_bytes(need)}, "
+        f"which {verdict} the {format_bytes(budget)} budget"
+    )
+
+
+def plan_for(spec: JobSpec, device: torch.device, hw: hardware.Hardware | None = None) -> SwapPlan:
+    """The plan the engine runs: measured rates on CUDA (assumed ones on the CPU, where they
+    only affect the prediction), the spec's budget and overrides."""
+    if hw is None:
+        hw = hardware.measure(device) if device.type == "cuda" else hardware.assumed()
+    resident_blocks = spec.swap_resident_blocks
+    if resident_blocks is None and device.type != "cuda" and spec.gpu_mem is None:
+        # A CPU has no device memory to save: swapping there exists to exercise the engine.
+        resident_blocks = 0
+    return make_plan(
+        shape_for(spec, device),
+        budget_bytes=device_budget(spec, device),
+        hardware=hw,
+        slots=spec.swap_slots,
+        micro_batches=spec.swap_micro_batches,
+        resident_blocks=resident_blocks,
+    )
+
+
+def make_engine(model: GPT, spec: JobSpec, device: torch.device) -> StepEngine:
+    """``ResidentEngine`` or ``SwapEngine`` for ``spec.swap`` (auto: swap only when resident
+    training does not fit the device-memory budget)."""
+    from atomd.swap.engine import SwapEngine
+
+    swap, reason = decide(spec, device)
+    if not swap:
+        log.info("resident training (%s)", reason)
+        return ResidentEngine(model, spec, device)
+    plan = plan_for(spec, device)
+    log.info(
+        "swapped training (%s): K=%d, M=%d, predicted %.3g s/step, peak %s",
+        reason,
+        plan.slots,
+        plan.micro_batches,
+        plan.step_s,
+        format_bytes(plan.peak_device_bytes),
+    )
+    engine = SwapEngine(model, spec, device, plan)
+    engine.reason = reason
+    return engine
+
+
+def engine_plan(engine: StepEngine, spec: JobSpec, device: torch.device) -> dict[str, Any]:
+    """What ``plan.json`` and checkpoint meta record about the engine a run uses."""
+    from atomd.swap.engine import SwapEngine
+
+    if isinstance(engine, SwapEngine):
+        return {"engine": "swap", "reason": engine.reason, **engine.plan.to_dict()}
+    return {"engine": type(engine).__name__, "reason": decide(spec, device)[1]}

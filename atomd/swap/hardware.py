@@ -1,0 +1,116 @@
+"""The rates the planner works from: link bandwidths, compute rate, host optimizer rate.
+
+They are measured on the device at hand (``measure``), or assumed and said so (``assumed``):
+``atomd plan`` on a machine without a GPU plans for a typical consumer GPU box.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from atomd.logs import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """Sustained rates of one host + device pair."""
+
+    h2d_bytes_per_s: float
+    """Host (pinned) -> device copy bandwidth."""
+    d2h_bytes_per_s: float
+    """Device -> host (pinned) copy bandwidth; PCIe is full duplex, so both run at once."""
+    flops_per_s: float
+    """Achieved matmul rate in the compute dtype (bf16 on CUDA, fp32 on the CPU)."""
+    host_adam_params_per_s: float
+    """Parameters per second the host's fused AdamW updates (memory-bound: ~28 B/param)."""
+    source: str
+    """How these were obtained: 'measured on ...' or 'assumed: ...'."""
+
+    def __post_init__(self) -> None:
+        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "flops_per_s", "host_adam_params_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def assumed() -> Hardware:
+    """A consumer GPU box: PCIe 4.0 x16 (~25 GB/s each way in practice), an RTX 4090-class GPU
+    (~165 TFLOP/s dense bf16 peak, ~100 achieved), fused AdamW on a desktop CPU (~50 GB/s of
+    memory bandwidth / 28 B per parameter ~ 1.5 G parameters/s)."""
+    return Hardware(
+        h2d_bytes_per_s=25e9,
+        d2h_bytes_per_s=25e9,
+        flops_per_s=100e12,
+        host_adam_params_per_s=1.5e9,
+        source="assumed (not measured): PCIe 4.0 x16 at 25 GB/s each way, 100 TFLOP/s bf16, "
+        "host AdamW 1.5 G params/s",
+    )
+
+
+def _time(fn: Any, repeat: int) -> float:
+    """Best-of-``repeat`` seconds for ``fn()`` (which synchronizes on its own)."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(device: torch.device, *, repeat: int = 3) -> Hardware:
+    """Measure the rates on ``device`` in about a second (on the CPU the "links" are memcpy)."""
+    cuda = device.type == "cuda"
+    # Sizes: large enough to reach steady state, small enough to take well under a second.
+    copy_bytes = (256 if cuda else 32) * 2**20
+    n_mat = 4096 if cuda else 384
+    dtype = torch.bfloat16 if cuda else torch.float32
+    host = torch.empty(copy_bytes // 4, dtype=torch.float32, pin_memory=cuda)
+    dev = torch.empty_like(host, device=device)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def h2d() -> None:
+        dev.copy_(host, non_blocking=True)
+        sync()
+
+    def d2h() -> None:
+        host.copy_(dev, non_blocking=True)
+        sync()
+
+    a = torch.randn(n_mat, n_mat, device=device, dtype=dtype)
+    b = torch.randn(n_mat, n_mat, device=device, dtype=dtype)
+
+    def mm() -> None:
+        for _ in range(4):
+            torch.mm(a, b)
+        sync()
+
+    n_adam = 4 * 2**20
+    p = torch.nn.Parameter(torch.randn(n_adam))
+    p.grad = torch.randn(n_adam)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+
+    for warm_up in (h2d, d2h, mm, opt.step):  # allocators, kernels, optimizer state
+        warm_up()
+    t_h2d, t_d2h = _time(h2d, repeat), _time(d2h, repeat)
+    t_mm, t_adam = _time(mm, repeat), _time(opt.step, repeat)
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    hw = Hardware(
+        h2d_bytes_per_s=copy_bytes / t_h2d,
+        d2h_bytes_per_s=copy_bytes / t_d2h,
+        flops_per_s=4 * 2 * n_mat**3 / t_mm,
+        host_adam_params_per_s=n_adam / t_adam,
+        source=f"measured on {name} ({torch.get_num_threads()} host threads)",
+    )
+    log.info("measured hardware: %s", hw)
+    return hw

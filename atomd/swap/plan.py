@@ -1,0 +1,301 @@
+"""The planner: K slots, M micro-batches per layer visit and the resident set for a budget.
+
+It models each layer's compute (from FLOPs) and transfers (from bytes) with the rates in a
+``Hardware``, and device memory from the tensors the engine keeps, then picks the plan with the
+least predicted time per token that fits the budget. Units: bytes, seconds, FLOP.
+
+Device memory of a plan (a = 4: the residual stream is fp32, also under bf16 autocast;
+d = bytes of the compute dtype; BTC = micro_batch_size * seq_len * n_embd):
+- resident state: 16 B per resident parameter (fp32 weight, gradient, AdamW m and v);
+- slots: K * 8 B per block parameter (fp32 weights and the fp32 gradient accumulator);
+- saved layer inputs (activation checkpoints): (n_layer + 1) * M * BTC * a, or, when spilled
+  to host memory, the 4 layers' worth that are on the device at once;
+- flowing: 2 * M * BTC * a (one layer's outputs in forward; gradients in and out in backward);
+- working set of one micro-batch inside one layer: a block's recomputed graph
+  (BTC * (2a + 24d)) or the head's logits and their fp32 loss gradient (B*T*V * (2d + 12));
+- a fixed reserve for cuBLAS workspaces and allocator rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from atomd.errors import PlanError
+from atomd.model.gpt import Block, GPTConfig, Head
+from atomd.swap.hardware import Hardware
+from atomd.swap.schedule import count_loads
+from atomd.units import format_bytes
+
+RESERVE_BYTES = 256 * 2**20
+ACT_BYTES = 4  # the residual stream (saved layer inputs, their gradients) is fp32
+MAX_SLOTS = 8
+FREE_M = (1, 2, 4, 8, 16, 32, 64)  # M candidates when the gradient accumulation is free
+NEAR_BEST = 1.03  # plans within 3% of the best time per token count as equally fast
+
+
+@dataclass(frozen=True)
+class LayerSizes:
+    """Parameter counts: one block, the embedding, the head (without a tied weight)."""
+
+    block: int
+    embed: int
+    head: int
+
+    @classmethod
+    @functools.cache
+    def of(cls, cfg: GPTConfig) -> LayerSizes:
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            block = sum(p.numel() for p in Block(cfg).parameters())
+            head = sum(p.numel() for p in Head(cfg).parameters())
+        # Embedding's wte + wpe, counted by hand: initializing it on meta takes a second.
+        embed = (cfg.vocab_size + cfg.block_size) * cfg.n_embd
+        if cfg.tie_embeddings:
+            head -= cfg.vocab_size * cfg.n_embd
+        return cls(block=block, embed=embed, head=head)
+
+    def total(self, n_layer: int) -> int:
+        return self.embed + self.head + n_layer * self.block
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwapPlan:
+    """What the engine does and what the planner predicts for it (all per optimizer step)."""
+
+    slots: int
+    micro_batches: int
+    """M: micro-batches that pass through a layer per load."""
+    waves: int
+    """grad_accum / M: forward-backward passes per optimizer step."""
+    grad_accum: int
+    resident_blocks: int
+    """Blocks kept on the device (the first ones), besides embedding and head."""
+    swapped_blocks: int
+    spill: bool
+    """Saved layer inputs are kept in host memory (copied out in forward, back in backward)."""
+    optimizer: str
+    """Where swapped layers' AdamW runs: 'host' (fused, on a worker thread)."""
+    micro_batch_size: int
+    seq_len: int
+    tokens_per_step: int
+    n_layer: int
+    params_total: int
+    params_per_block: int
+    params_resident: int
+    budget_bytes: int
+    memory: dict[str, int]
+    """Predicted device bytes by part (see the module docstring)."""
+    peak_device_bytes: int
+    host_bytes: int
+    """Host memory of the swapped layers (16 B/parameter) plus spill buffers."""
+    layer_loads: int
+    bytes_loaded: int
+    bytes_stored: int
+    compute_s: float
+    load_s: float
+    store_s: float
+    host_optimizer_s: float
+    fill_s: float
+    """Exposed time at the start of a step: the first swapped layer's update and load."""
+    step_s: float
+    bottleneck: str
+    tokens_per_s: float
+    resident_step_s: float
+    """Compute time of the same step trained resident (no recompute, no transfers)."""
+    hardware: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SwapPlan:
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """What the planner is asked about."""
+
+    cfg: GPTConfig
+    micro_batch_size: int
+    seq_len: int
+    grad_accum: int | None
+    """Micro-batches per optimizer step; None lets the planner choose M (and grad_accum = M)."""
+    dtype_bytes: int = 2
+    """Bytes of the compute dtype: 2 (bf16 autocast on CUDA) or 4 (fp32 on the CPU)."""
+
+
+def _memory(shape: Shape, sizes: LayerSizes, k: int, m: int, r: int, spill: bool) -> dict[str, int]:
+    cfg, d = shape.cfg, shape.dtype_bytes
+    tokens = shape.micro_batch_size * shape.seq_len
+    btc = tokens * cfg.n_embd
+    saved_layers = min(cfg.n_layer + 1, 4) if spill else cfg.n_layer + 1
+    return {
+        "resident_state": 16 * (sizes.embed + sizes.head + r * sizes.block),
+        "slots": k * 8 * sizes.block,
+        "saved_inputs": saved_layers * m * btc * ACT_BYTES,
+        "flowing": 2 * m * btc * ACT_BYTES,
+        "working": max(
+            btc * (2 * ACT_BYTES + 24 * d),
+            tokens * cfg.vocab_size * (2 * d + 12) + 2 * btc * ACT_BYTES,
+        ),
+        "reserve": RESERVE_BYTES,
+    }
+
+
+def resident_peak_bytes(shape: Shape) -> int:
+    """Device bytes for plain resident training (ResidentEngine: no checkpointing)."""
+    cfg, d = shape.cfg, shape.dtype_bytes
+    sizes = LayerSizes.of(cfg)
+    tokens = shape.micro_batch_size * shape.seq_len
+    btc = tokens * cfg.n_embd
+    graph = cfg.n_layer * btc * (2 * ACT_BYTES + 15 * d)  # a whole micro-batch's saved graph
+    head = tokens * cfg.vocab_size * (2 * d + 12)
+    return 16 * sizes.total(cfg.n_layer) + graph + head + RESERVE_BYTES
+
+
+@functools.cache
+def _count_loads(swapped: int, slots: int, waves: int) -> int:
+    return count_loads(list(range(swapped)), slots, waves)[1]
+
+
+def _flops(shape: Shape, sizes: LayerSizes) -> tuple[float, float]:
+    """Forward FLOPs of one micro-batch: (one block, the head)."""
+    cfg = shape.cfg
+    b, t = shape.micro_batch_size, shape.seq_len
+    # Matmuls: 2 FLOP per parameter per token; causal attention: QK^T and AV, half the square.
+    block = 2.0 * sizes.block * b * t + 2.0 * b * t * t * cfg.n_embd
+    head = 2.0 * cfg.n_embd * cfg.vocab_size * b * t
+    return block, head
+
+
+def _evaluate(
+    shape: Shape, hw: Hardware, budget: int, k: int, m: int, g: int, r: int, spill: bool
+) -> SwapPlan:
+    cfg, sizes = shape.cfg, LayerSizes.of(shape.cfg)
+    q = cfg.n_layer - r
+    waves = g // m
+    btc = shape.micro_batch_size * shape.seq_len * cfg.n_embd
+    memory = _memory(shape, sizes, k, m, r, spill)
+    spilled_layers = cfg.n_layer - 1 if spill else 0  # block inputs but the last block's
+    loads = _count_loads(q, k, waves)
+    w_bytes = 4 * sizes.block  # fp32 master weights are what travels
+    spill_bytes = waves * spilled_layers * m * btc * ACT_BYTES
+    bytes_loaded = loads * w_bytes + (waves - 1) * q * w_bytes + spill_bytes  # + partial grads
+    bytes_stored = waves * q * w_bytes + spill_bytes  # gradients out, inputs out
+    f_block, f_head = _flops(shape, sizes)
+    # Every block recomputes its forward in backward: forward + recompute + 2x backward.
+    compute_s = g * (cfg.n_layer * 4 * f_block + 3 * f_head) / hw.flops_per_s
+    resident_step_s = g * (cfg.n_layer * 3 * f_block + 3 * f_head) / hw.flops_per_s
+    load_s = bytes_loaded / hw.h2d_bytes_per_s
+    store_s = bytes_stored / hw.d2h_bytes_per_s
+    host_opt_s = q * sizes.block / hw.host_adam_params_per_s
+    # The first swapped layer is stepped last in backward and needed first in forward; the
+    # embedding and resident blocks' forward of the first micro-batches hides part of it.
+    ahead_s = m * (r * f_block) / hw.flops_per_s
+    fill_s = max(
+        0.0, sizes.block / hw.host_adam_params_per_s + w_bytes / hw.h2d_bytes_per_s - ahead_s
+    )
+    parts = {"compute": compute_s, "load": load_s, "store": store_s, "host_optimizer": host_opt_s}
+    bottleneck = max(parts, key=lambda key: parts[key])
+    step_s = parts[bottleneck] + fill_s
+    tokens = g * shape.micro_batch_size * shape.seq_len
+    return SwapPlan(
+        slots=k,
+        micro_batches=m,
+        waves=waves,
+        grad_accum=g,
+        resident_blocks=r,
+        swapped_blocks=q,
+        spill=spill,
+        optimizer="host",
+        micro_batch_size=shape.micro_batch_size,
+        seq_len=shape.seq_len,
+        tokens_per_step=tokens,
+        n_layer=cfg.n_layer,
+        params_total=sizes.total(cfg.n_layer),
+        params_per_block=sizes.block,
+        params_resident=sizes.embed + sizes.head + r * sizes.block,
+        budget_bytes=budget,
+        memory=memory,
+        peak_device_bytes=sum(memory.values()),
+        host_bytes=16 * q * sizes.block + spilled_layers * m * btc * ACT_BYTES,
+        layer_loads=loads,
+        bytes_loaded=bytes_loaded,
+        bytes_stored=bytes_stored,
+        compute_s=compute_s,
+        load_s=load_s,
+        store_s=store_s,
+        host_optimizer_s=host_opt_s,
+        fill_s=fill_s,
+        step_s=step_s,
+        bottleneck=bottleneck,
+        tokens_per_s=tokens / step_s,
+        resident_step_s=resident_step_s,
+        hardware=hw.to_dict(),
+    )
+
+
+def make_plan(
+    shape: Shape,
+    *,
+    budget_bytes: int,
+    hardware: Hardware,
+    slots: int | None = None,
+    micro_batches: int | None = None,
+    resident_blocks: int | None = None,
+) -> SwapPlan:
+    """The fastest plan per token that fits ``budget_bytes``; ``PlanError`` when none does.
+
+    Among plans within 3% of the best time per token it takes the smallest M, then no spill,
+    then the least device memory. ``slots``/``micro_batches``/``resident_blocks`` fix a choice.
+    """
+    cfg, g = shape.cfg, shape.grad_accum
+    if cfg.n_layer < 2:
+        raise PlanError(f"swapping needs at least 2 blocks, the model has {cfg.n_layer}")
+    if cfg.dropout:
+        raise PlanError("swapping recomputes layers in backward and needs dropout 0")
+    if micro_batches is not None and g is not None and g % micro_batches:
+        raise PlanError(f"M = {micro_batches} micro-batches must divide grad_accum {g}")
+    if resident_blocks is not None and not 0 <= resident_blocks <= cfg.n_layer - 2:
+        raise PlanError(
+            f"resident_blocks must be in 0..{cfg.n_layer - 2} (at least 2 blocks are swapped), "
+            f"got {resident_blocks}"
+        )
+    if slots is not None and not 2 <= slots <= cfg.n_layer:
+        raise PlanError(f"slots (K) must be in 2..{cfg.n_layer}, got {slots}")
+    if micro_batches is not None:
+        ms: list[int] = [micro_batches]
+    elif g is not None:
+        ms = [d for d in range(1, g + 1) if g % d == 0]
+    else:
+        ms = list(FREE_M)
+    rs = [resident_blocks] if resident_blocks is not None else list(range(cfg.n_layer - 1))
+    ks = [slots] if slots is not None else list(range(2, min(MAX_SLOTS, cfg.n_layer) + 1))
+    feasible: list[SwapPlan] = []
+    smallest: SwapPlan | None = None
+    for k, m, r, spill in itertools.product(ks, ms, rs, (False, True)):
+        if k > cfg.n_layer - r:
+            continue  # more slots than swapped blocks
+        p = _evaluate(shape, hardware, budget_bytes, k, m, g if g is not None else m, r, spill)
+        if p.peak_device_bytes <= budget_bytes:
+            feasible.append(p)
+        elif smallest is None or p.peak_device_bytes < smallest.peak_device_bytes:
+            smallest = p
+    if not feasible:
+        assert smallest is not None
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in smallest.memory.items())
+        raise PlanError(
+            f"no swap plan fits {format_bytes(budget_bytes)} of device memory: the smallest "
+            f"(K={smallest.slots}, M={smallest.micro_batches}, "
+            f"{smallest.resident_blocks} resident blocks, spill "
+            f"{'on' if smallest.spill else 'off'}) needs {format_bytes(smallest.peak_device_bytes)}"
+            f" ({parts}). Raise the budget or lower the micro-batch size or sequence length."
+        )
+    best = min(p.step_s / p.tokens_per_step for p in feasible)
+    near = [p for p in feasible if p.step_s / p.tokens_per_step <= best * NEAR_BEST]
+    return min(near, key=lambda p: (p.micro_batches, p.spill, p.peak_device_bytes, p.slots))

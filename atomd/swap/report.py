@@ -1,0 +1,67 @@
+"""A swap plan as a readable table (``atomd plan``)."""
+
+from __future__ import annotations
+
+from atomd.swap.plan import SwapPlan
+from atomd.units import format_bytes
+
+_MEMORY_LABELS = {
+    "resident_state": "resident state (16 B/param)",
+    "slots": "layer slots (weights + grads)",
+    "saved_inputs": "saved layer inputs",
+    "flowing": "activations in flight",
+    "working": "working set of one layer",
+    "reserve": "reserve",
+}
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def format_plan(plan: SwapPlan, *, preset: str) -> str:
+    """The plan in three short tables: choices, device memory, time per optimizer step."""
+    hw = plan.hardware
+    resident = "embedding + head (tied)"
+    if plan.resident_blocks == 1:
+        resident += " + block 0"
+    elif plan.resident_blocks:
+        resident += f" + blocks 0..{plan.resident_blocks - 1}"
+    rows = [
+        f"atomd plan: {preset} ({plan.params_total / 1e9:.2f}B parameters), micro-batch "
+        f"{plan.micro_batch_size} x {plan.seq_len} tokens, device budget "
+        f"{format_bytes(plan.budget_bytes)}",
+        f"rates: {hw['source']}",
+        "",
+        f"  {'slots (K)':<36}{plan.slots}",
+        f"  {'micro-batches per layer visit (M)':<36}{plan.micro_batches}",
+        f"  {'gradient accumulation':<36}{plan.grad_accum} ({plan.waves} wave(s) per step)",
+        f"  {'resident on the device':<36}{resident}",
+        f"  {'swapped':<36}{plan.swapped_blocks} blocks x {plan.params_per_block / 1e6:.1f}M "
+        f"params ({_gb(4 * plan.params_per_block)} fp32 each)",
+        f"  {'saved layer inputs':<36}{'spilled to host memory' if plan.spill else 'on device'}",
+        f"  {'optimizer of swapped layers':<36}{plan.optimizer} (fused AdamW, worker thread)",
+        "",
+        f"  {'device memory':<36}{'predicted':>12}",
+    ]
+    for key, value in plan.memory.items():
+        rows.append(f"    {_MEMORY_LABELS.get(key, key):<34}{format_bytes(value):>12}")
+    rows += [
+        f"    {'peak':<34}{format_bytes(plan.peak_device_bytes):>12}"
+        f"  of {format_bytes(plan.budget_bytes)}",
+        f"  {'host memory':<36}{format_bytes(plan.host_bytes):>12}"
+        "  (16 B/param of swapped blocks + spill buffers)",
+        "",
+        f"  {'per optimizer step':<36}{'bytes':>12}{'seconds':>10}",
+        f"    {'tokens':<34}{plan.tokens_per_step:>12,}",
+        f"    {'host -> device (' + str(plan.layer_loads) + ' layer loads)':<34}"
+        f"{_gb(plan.bytes_loaded):>12}{plan.load_s:>10.3f}",
+        f"    {'device -> host (gradients)':<34}{_gb(plan.bytes_stored):>12}{plan.store_s:>10.3f}",
+        f"    {'compute (with recompute)':<34}{'':>12}{plan.compute_s:>10.3f}",
+        f"    {'host AdamW':<34}{'':>12}{plan.host_optimizer_s:>10.3f}",
+        f"    {'pipeline fill':<34}{'':>12}{plan.fill_s:>10.3f}",
+        f"    {'step (bound: ' + plan.bottleneck + ')':<34}{'':>12}{plan.step_s:>10.3f}",
+        f"  {'predicted throughput':<36}{plan.tokens_per_s:,.0f} tokens/s "
+        f"({plan.resident_step_s / plan.step_s:.2f} x resident training's compute-bound rate)",
+    ]
+    return "\n".join(rows)

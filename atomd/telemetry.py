@@ -1,0 +1,34 @@
+"""Prometheus metrics of one daemon (its own registry, so several daemons can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, generate_latest
+
+JOB_STATES = ["none", "pending", "running", "stopping", "stopped", "finished", "failed"]
+
+
+class Telemetry:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.step = Gauge("atomd_job_step", "Optimizer steps done by the current job", registry=r)
+        self.loss = Gauge("atomd_job_loss", "Training loss (nats/token), last step", registry=r)
+        self.val_loss = Gauge("atomd_job_val_loss", "Last validation loss (nats/token)", registry=r)
+        self.tokens_per_s = Gauge("atomd_job_tokens_per_second", "Training throughput", registry=r)
+        self.tokens = Counter("atomd_tokens_trained", "Tokens trained by this daemon", registry=r)
+        self.job_state = Enum(
+            "atomd_job_state", "State of the current job", states=JOB_STATES, registry=r
+        )
+        self.bytes_sent = Counter("atomd_sync_sent_bytes", "Delta bytes sent to peers", registry=r)
+        self.bytes_received = Counter(
+            "atomd_sync_received_bytes", "Delta bytes received from peers", registry=r
+        )
+        self.rounds = Counter(
+            "atomd_sync_rounds", "Sync rounds", ["direction", "applied"], registry=r
+        )
+        self.peers_alive = Gauge("atomd_peers_alive", "Peers currently alive", registry=r)
+        self.checkpoints = Counter("atomd_checkpoints_written", "Checkpoints written", registry=r)
+        self.job_state.state("none")
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

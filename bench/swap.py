@@ -1,0 +1,162 @@
+"""The swap engine against resident training, in one run: the same optimizer steps on the same
+batches from the same seed, resident (skipped, and said so, when it cannot fit) then swapped.
+
+Prints throughput of both, their ratio, how far the two runs' parameters ended apart, the
+swapped run's peak device memory and bytes loaded per step, and the planner's prediction.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import torch
+
+from atomd.data.dataset import Batch, load_dataset
+from atomd.devices import resolve_device
+from atomd.model.gpt import GPT
+from atomd.model.presets import get_preset
+from atomd.spec import JobSpec
+from atomd.swap import hardware
+from atomd.swap.compare import max_rel_param_diff
+from atomd.swap.engine import SwapEngine
+from atomd.swap.factory import device_budget, plan_for, shape_for
+from atomd.swap.plan import resident_peak_bytes
+from atomd.train.engine import ResidentEngine, StepEngine
+from atomd.units import format_bytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # timing only: the engines themselves never synchronize the device
+        torch.cuda.synchronize(device)
+
+
+def _train(
+    engine: StepEngine, steps: list[list[Batch]], lr: float, device: torch.device
+) -> tuple[float, float]:
+    """One untimed warm-up step, then the rest timed: (seconds, last loss)."""
+    loss = engine.train_step(steps[0], lr)
+    _sync(device)
+    t0 = time.perf_counter()
+    for batches in steps[1:]:
+        loss = engine.train_step(batches, lr)
+    _sync(device)
+    return time.perf_counter() - t0, loss
+
+
+def _host_params(engine: StepEngine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in engine.model_tensors().items()}
+
+
+def run(
+    preset: str = "tiny",
+    device: str = "cpu",
+    micro_batch_size: int = 8,
+    seq_len: int = 64,
+    grad_accum: int = 4,
+    steps: int = 4,
+    slots: int | None = None,
+    micro_batches: int | None = None,
+    resident_blocks: int | None = 0,
+    gpu_mem: str | None = None,
+) -> dict[str, Any]:
+    dev = resolve_device(device)
+    spec = JobSpec(
+        preset=preset,
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum,
+        max_steps=steps + 1,
+        swap="on",
+        gpu_mem=gpu_mem,
+        swap_slots=slots,
+        swap_micro_batches=micro_batches,
+        swap_resident_blocks=resident_blocks,
+    )
+    cfg = get_preset(preset)
+    data = load_dataset(spec.data, seq_len=seq_len)
+    batches = [
+        [
+            data.train_batch(seed=0, step=s, micro=m, batch_size=micro_batch_size)
+            for m in range(grad_accum)
+        ]
+        for s in range(steps + 1)
+    ]
+    lr = spec.effective_lr
+    tokens = steps * spec.tokens_per_step
+    out: dict[str, Any] = {
+        "preset": preset,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "micro_batch_size": micro_batch_size,
+        "seq_len": seq_len,
+        "grad_accum": grad_accum,
+        "steps": steps,
+        "threads": torch.get_num_threads(),
+    }
+
+    budget = device_budget(spec, dev)
+    need = resident_peak_bytes(shape_for(spec, dev))
+    resident_params: dict[str, torch.Tensor] | None = None
+    resident_tps: float | None = None
+    if dev.type == "cuda" and need > budget:
+        out["resident_skipped"] = (
+            f"resident training needs about {format_bytes(need)}, more than the "
+            f"{format_bytes(budget)} budget"
+        )
+    else:
+        torch.manual_seed(0)
+        resident = ResidentEngine(GPT(cfg), spec, dev)
+        seconds, _ = _train(resident, batches, lr, dev)
+        resident_tps = tokens / seconds
+        resident_params = _host_params(resident)
+        del resident
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    plan = plan_for(spec, dev, hardware.measure(dev))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    torch.manual_seed(0)
+    swapped = SwapEngine(GPT(cfg), spec, dev, plan)
+    seconds, loss = _train(swapped, batches, lr, dev)
+    swapped_tps = tokens / seconds
+    if dev.type == "cuda":
+        peak, source = torch.cuda.max_memory_allocated(dev), "torch.cuda.max_memory_allocated"
+    else:
+        peak = swapped.device_state_bytes() + swapped.stats.peak_held_bytes
+        source = "accounted: slots, resident state and activations held between layers"
+    swapped_params = _host_params(swapped)
+    swapped.close()
+    out.update(
+        {
+            "resident_tokens_per_s": round(resident_tps, 1) if resident_tps else None,
+            "swapped_tokens_per_s": round(swapped_tps, 1),
+            "ratio": round(swapped_tps / resident_tps, 3) if resident_tps else None,
+            "max_rel_param_diff": (
+                max_rel_param_diff(swapped_params, resident_params)
+                if resident_params is not None
+                else None
+            ),
+            "final_loss": round(loss, 4),
+            "peak_device_bytes": int(peak),
+            "peak_device_bytes_source": source,
+            "bytes_loaded_per_step": swapped.stats.bytes_loaded,
+            "bytes_stored_per_step": swapped.stats.bytes_stored,
+            "layer_loads_per_step": swapped.stats.layer_loads,
+            "plan": {
+                "slots": plan.slots,
+                "micro_batches": plan.micro_batches,
+                "resident_blocks": plan.resident_blocks,
+                "spill": plan.spill,
+                "predicted_tokens_per_s": round(plan.tokens_per_s, 1),
+                "predicted_step_s": plan.step_s,
+                "predicted_bound": plan.bottleneck,
+                "predicted_peak_device_bytes": plan.peak_device_bytes,
+                "predicted_bytes_loaded_per_step": plan.bytes_loaded,
+                "rates": plan.hardware,
+            },
+        }
+    )
+    return out

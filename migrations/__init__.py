@@ -1,0 +1,1 @@
+"""atomd's Alembic environment (SQLite, batch mode); ``atomd.db.migrate`` runs it."""

@@ -1,0 +1,49 @@
+"""Real ``atomd run`` processes on free loopback ports, always cleaned up."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atomd.launch import DaemonProcess
+
+# A spec that trains the tiny model quickly on the CPU (steps of 128 tokens).
+FAST_JOB: dict[str, Any] = {
+    "preset": "tiny",
+    "seq_len": 32,
+    "micro_batch_size": 4,
+    "eval_batches": 2,
+    "eval_interval": 50,
+    "log_interval": 1,
+    "checkpoint_interval": 5,
+    "warmup_steps": 2,
+}
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[Any]:
+    """Factory of daemons; every one is stopped (then killed) at the end of the test."""
+    started: list[DaemonProcess] = []
+
+    def make(name: str = "d0", **kw: Any) -> DaemonProcess:
+        d = DaemonProcess(tmp_path / name, **kw)
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        d.stop()
+
+
+def wait_for(predicate: Any, timeout: float = 60, interval: float = 0.1, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")

@@ -1,0 +1,220 @@
+"""A real ``atomd run`` driven over HTTP: jobs, progress, stop, SIGTERM, SIGKILL + restart."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from atomd.launch import DaemonProcess
+from tests.integration.conftest import FAST_JOB, wait_for
+
+
+def _job(c: httpx.Client, job_id: str) -> dict[str, Any]:
+    r = c.get(f"/v1/jobs/{job_id}")
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _steps(c: httpx.Client, job_id: str) -> list[int]:
+    return [p["step"] for p in c.get(f"/v1/jobs/{job_id}/progress", params={"limit": 10000}).json()]
+
+
+def test_job_lifecycle_over_rest(daemons: Any) -> None:
+    d: DaemonProcess = daemons().start()
+    with d.client() as c:
+        assert c.get("/healthz").json() == {"status": "ok"}
+        assert c.get("/readyz").json()["ready"] is True
+
+        bad = c.post("/v1/jobs", json={"preset": "tiny", "micro_batch_size": 0, "typo": 1})
+        assert bad.status_code == 422
+        fields = {e["loc"][-1] for e in bad.json()["detail"]}
+        assert {"micro_batch_size", "typo"} <= fields
+        assert c.get("/v1/jobs/nope").status_code == 404
+
+        r = c.post("/v1/jobs", json={**FAST_JOB, "max_steps": 100000})
+        assert r.status_code == 201, r.text
+        job = r.json()
+        assert job["state"] in ("pending", "running") and job["id"]
+        jid = job["id"]
+
+        busy = c.post("/v1/jobs", json={"preset": "tiny"})
+        assert busy.status_code == 409 and jid in busy.json()["detail"]
+
+        wait_for(lambda: _job(c, jid)["state"] == "running", what="running")
+        first = wait_for(lambda: _job(c, jid)["step"] >= 3 and _job(c, jid)["step"], what="steps")
+        later = wait_for(
+            lambda: _job(c, jid)["step"] > first + 3 and _job(c, jid)["step"], what="more"
+        )
+        assert later > first  # progress advances
+        points = c.get(f"/v1/jobs/{jid}/progress").json()
+        assert {"step", "tokens", "loss", "tokens_per_s", "at"} <= set(points[0])
+
+        status = c.get("/v1/status").json()
+        assert status["job"]["id"] == jid
+
+        metrics = c.get("/metrics").text
+        assert (
+            "atomd_job_step" in metrics
+            and 'atomd_job_state{atomd_job_state="running"} 1.0' in metrics
+        )
+
+        stop = c.post(f"/v1/jobs/{jid}/stop")
+        assert stop.status_code == 200 and stop.json()["state"] == "stopping"
+        final = wait_for(
+            lambda: _job(c, jid)["state"] == "stopped" and _job(c, jid), what="stopped"
+        )
+        assert final["reason"] == "stopped by request"
+        assert c.post(f"/v1/jobs/{jid}/stop").status_code == 409  # not active any more
+
+        steps = _steps(c, jid)
+        assert steps == list(range(1, final["step"] + 1))  # every step recorded once
+        ckpt = Path(final["out_dir"]) / "checkpoints" / f"step-{final['step']:08d}"
+        assert (ckpt / "meta.json").exists()  # stopped at a step boundary, checkpointed
+        assert (Path(final["out_dir"]) / "metrics.jsonl").exists()
+        assert c.get(f"/v1/jobs/{jid}/rounds").json() == []
+
+        # A short job runs to the end.
+        r = c.post("/v1/jobs", json={**FAST_JOB, "max_steps": 8})
+        assert r.status_code == 201, r.text
+        done = wait_for(
+            lambda: _job(c, r.json()["id"])["state"] == "finished" and _job(c, r.json()["id"])
+        )
+        assert done["step"] == 8 and done["finished_at"] and done["val_loss"] is not None
+        assert [j["id"] for j in c.get("/v1/jobs").json()] == [done["id"], jid]
+
+
+def test_sigterm_checkpoints_exits_zero_and_resumes(daemons: Any) -> None:
+    d: DaemonProcess = daemons().start()
+    with d.client() as c:
+        jid = c.post("/v1/jobs", json={**FAST_JOB, "max_steps": 100000}).json()["id"]
+        wait_for(lambda: _job(c, jid)["step"] >= 6, what="steps")
+    d.signal(signal.SIGTERM)
+    assert d.wait(timeout=60) == 0
+    assert "shutting down (SIGTERM)" in d.log()
+
+    db = sqlite3.connect(d.data_dir / "atomd.db")
+    state, reason, step = db.execute(
+        "SELECT state, reason, step FROM jobs WHERE id=?", (jid,)
+    ).fetchone()
+    db.close()
+    assert state == "pending" and "resumes" in reason
+    ckpt = d.data_dir / "jobs" / jid / "checkpoints" / f"step-{step:08d}"
+    assert (ckpt / "meta.json").exists()  # the last step is on disk: nothing lost
+
+    d.start()  # same data dir: the job resumes from its checkpoint
+    with d.client() as c:
+        wait_for(lambda: _job(c, jid)["state"] == "running" and _job(c, jid)["step"] > step + 2)
+        steps = _steps(c, jid)
+        assert steps == list(range(1, len(steps) + 1))
+
+
+def test_sigkill_then_restart_resumes_from_last_good_checkpoint(daemons: Any) -> None:
+    d: DaemonProcess = daemons().start()
+    with d.client() as c:
+        jid = c.post("/v1/jobs", json={**FAST_JOB, "max_steps": 100000}).json()["id"]
+        wait_for(lambda: _job(c, jid)["step"] >= 13, what="steps")
+    d.signal(signal.SIGKILL)
+    d.wait(timeout=10)
+
+    db = sqlite3.connect(d.data_dir / "atomd.db")
+    assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    db.close()
+    ckpts = sorted((d.data_dir / "jobs" / jid / "checkpoints").glob("step-*"))
+    last_good = int(ckpts[-1].name.split("-")[1])
+    assert last_good >= 10
+
+    d.start()
+    with d.client() as c:
+        wait_for(
+            lambda: _job(c, jid)["state"] == "running" and _job(c, jid)["step"] > last_good + 2
+        )
+        steps = _steps(c, jid)
+        assert steps[:last_good] == list(range(1, last_good + 1))  # nothing before it lost
+        assert steps == sorted(set(steps))  # and nothing doubled
+        events = (
+            sqlite3.connect(d.data_dir / "atomd.db")
+            .execute("SELECT message FROM events WHERE kind='job.resumed'")
+            .fetchall()
+        )
+        assert events and f"step {last_good}" in events[-1][0]
+
+
+def test_control_token_required_when_set(daemons: Any) -> None:
+    d: DaemonProcess = daemons(env={"ATOMD_CONTROL_TOKEN": "s3cret"}).start()
+    with httpx.Client(base_url=d.url, timeout=5) as c:
+        assert c.get("/healthz").status_code == 200  # health stays open for probes
+        for path in ("/v1/status", "/v1/jobs", "/metrics", "/readyz"):
+            r = c.get(path)
+            assert r.status_code == 401, path
+            assert r.json()["error"] == "unauthorized"
+        assert c.get("/v1/status", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get("/v1/status", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def _atomd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ATOMD_")}
+    return subprocess.run(
+        [sys.executable, "-m", "atomd", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, **(env or {})},
+    )
+
+
+def test_bad_settings_stop_the_start_with_a_clear_message(tmp_path: Path) -> None:
+    r = _atomd("run", "--data-dir", str(tmp_path), env={"ATOMD_DEVCE": "cpu"})
+    assert r.returncode == 2 and "ATOMD_DEVCE (did you mean ATOMD_DEVICE?)" in r.stderr
+    r = _atomd("run", "--data-dir", str(tmp_path), "--control", "0.0.0.0:7070")
+    assert r.returncode == 2 and "ATOMD_CONTROL_TOKEN" in r.stderr
+    r = _atomd("run", "--data-dir", str(tmp_path), "--device", "tpu")
+    assert r.returncode == 2 and "--device" in r.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = _atomd("run", "--data-dir", str(tmp_path), "--control", f"127.0.0.1:{port}")
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+
+
+def test_cli_clients_talk_to_the_daemon(daemons: Any) -> None:
+    d: DaemonProcess = daemons().start()
+    url = ["--url", d.url]
+    r = _atomd(
+        "job",
+        "start",
+        *url,
+        "--json",
+        "--set",
+        f"seq_len={FAST_JOB['seq_len']}",
+        "--set",
+        "micro_batch_size=4",
+        "--max-steps",
+        "100000",
+    )
+    assert r.returncode == 0, r.stderr
+    jid = json.loads(r.stdout)["id"]
+    with d.client() as c:
+        wait_for(lambda: _job(c, jid)["step"] >= 2, what="steps")
+    r = _atomd("status", *url)
+    assert r.returncode == 0 and jid in r.stdout
+    r = _atomd("job", "list", *url)
+    assert r.returncode == 0 and jid in r.stdout and "running" in r.stdout
+    r = _atomd("job", "show", jid, *url)
+    assert r.returncode == 0 and "tokens/s" in r.stdout
+    r = _atomd("job", "stop", jid, *url)
+    assert r.returncode == 0 and "stopping" in r.stdout
+    r = _atomd("job", "show", "nope", *url)
+    assert r.returncode == 2 and "404" in r.stderr
+    r = _atomd("status", "--url", "http://127.0.0.1:9")
+    assert r.returncode == 2 and "cannot reach atomd" in r.stderr

@@ -1,0 +1,139 @@
+"""The control app through httpx's ASGI transport: a real SQLite file and job manager."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from api.control import ControlContext, create_control_app
+from atomd.config import Settings
+from atomd.db import migrate
+from atomd.db.engine import make_engine, make_sessionmaker
+from atomd.jobs import JobManager
+from atomd.telemetry import Telemetry
+
+FAST = {"seq_len": 16, "micro_batch_size": 2, "eval_batches": 1, "log_interval": 1}
+Factory = Callable[..., Any]
+
+
+@pytest.fixture
+async def make_client(tmp_path: Path) -> AsyncIterator[Factory]:
+    cleanups: list[Any] = []
+
+    async def make(token: str | None = None, ready: bool = True) -> httpx.AsyncClient:
+        settings = Settings(
+            data_dir=tmp_path, control_token=SecretStr(token) if token else None, device="cpu"
+        )
+        await asyncio.to_thread(migrate.upgrade, settings.db_path)
+        engine = make_engine(settings.db_path)
+        sessions = make_sessionmaker(engine)
+        telemetry = Telemetry()
+        jobs = JobManager(
+            jobs_dir=settings.jobs_dir, sessions=sessions, telemetry=telemetry, device="cpu"
+        )
+        task = asyncio.create_task(jobs.run())
+        await jobs.wait_started()
+        ctx = ControlContext(
+            settings=settings,
+            jobs=jobs,
+            telemetry=telemetry,
+            sessions=sessions,
+            readiness=lambda: {"database": True, "peer": ready},
+            started_at=time.monotonic(),
+        )
+        app = create_control_app(ctx)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+
+        async def cleanup() -> None:
+            await client.aclose()
+            await jobs.shutdown()
+            await task
+            await engine.dispose()
+
+        cleanups.append(cleanup)
+        return client
+
+    yield make
+    for c in cleanups:
+        await c()
+
+
+async def test_health_and_readiness(make_client: Factory) -> None:
+    c = await make_client(ready=False)
+    assert (await c.get("/healthz")).json() == {"status": "ok"}
+    r = await c.get("/readyz")
+    assert r.status_code == 503
+    assert r.json() == {"ready": False, "checks": {"database": True, "peer": False}}
+
+
+async def test_errors_have_one_shape(make_client: Factory) -> None:
+    c = await make_client()
+    r = await c.get("/v1/jobs/nope")
+    assert r.status_code == 404
+    assert r.json() == {"error": "not_found", "detail": "no job 'nope'"}
+    r = await c.get("/no/such/route")
+    assert r.status_code == 404 and r.json()["error"] == "not_found"
+    r = await c.post("/v1/jobs", content=b"\xff\xfe", headers={"content-type": "application/json"})
+    assert r.status_code in (400, 422)
+    r = await c.post("/v1/jobs", json={"preset": "gpt5", "lr": -1})
+    assert r.status_code == 422
+    assert {e["loc"][-1] for e in r.json()["detail"]} == {"preset", "lr"}
+
+
+async def test_refuses_jobs_that_cannot_run_here(make_client: Factory, tmp_path: Path) -> None:
+    c = await make_client()
+    r = await c.post("/v1/jobs", json={"data": str(tmp_path / "missing.txt")})
+    assert r.status_code == 422 and "not found" in r.json()["detail"]
+    if (await c.get("/v1/jobs")).json():
+        raise AssertionError("a refused job must leave no record")
+
+
+async def test_bearer_token(make_client: Factory) -> None:
+    c = await make_client(token="t0k")
+    assert (await c.get("/healthz")).status_code == 200
+    r = await c.get("/v1/jobs")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    bad = await c.get("/v1/jobs", headers={"Authorization": "Basic t0k"})
+    assert bad.status_code == 401
+    ok = await c.get("/v1/jobs", headers={"Authorization": "Bearer t0k"})
+    assert ok.status_code == 200 and ok.json() == []
+
+
+async def test_openapi_documents_the_error_codes(make_client: Factory) -> None:
+    c = await make_client()
+    paths = (await c.get("/openapi.json")).json()["paths"]
+    assert set(paths["/v1/jobs"]["post"]["responses"]) >= {"201", "400", "401", "409", "422"}
+    assert set(paths["/v1/jobs/{job_id}/stop"]["post"]["responses"]) >= {"200", "404", "409"}
+    assert "401" not in paths["/healthz"]["get"]["responses"]
+
+
+async def test_job_runs_records_progress_and_stops(make_client: Factory) -> None:
+    c = await make_client()
+    r = await c.post("/v1/jobs", json={**FAST, "max_steps": 100000})
+    assert r.status_code == 201
+    job = r.json()
+    assert (await c.post("/v1/jobs", json={})).status_code == 409
+    for _ in range(300):
+        points = (await c.get(f"/v1/jobs/{job['id']}/progress")).json()
+        if len(points) >= 3:
+            break
+        await asyncio.sleep(0.05)
+    assert [p["step"] for p in points[:3]] == [1, 2, 3]
+    metrics = (await c.get("/metrics")).text
+    assert "atomd_job_step" in metrics and "atomd_tokens_trained_total" in metrics
+    assert (await c.post(f"/v1/jobs/{job['id']}/stop")).json()["state"] == "stopping"
+    for _ in range(300):
+        state = (await c.get(f"/v1/jobs/{job['id']}")).json()["state"]
+        if state == "stopped":
+            break
+        await asyncio.sleep(0.05)
+    assert state == "stopped"
+    status = (await c.get("/v1/status")).json()
+    assert status["job"] is None and status["device"] == "cpu"

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from atomd.config import Settings, check_environment, load_settings, split_host_port
+from atomd.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("ATOMD_"):
+            monkeypatch.delenv(k)
+
+
+def test_defaults_follow_the_design() -> None:
+    s = load_settings()
+    assert s.control == "127.0.0.1:7070" and s.listen == "0.0.0.0:7071"
+    assert s.device == "auto" and s.seeds == [] and s.swarm == "default"
+
+
+def test_flags_beat_environment_beat_toml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    toml = tmp_path / "atomd.toml"
+    toml.write_text('swarm = "from-toml"\ndevice = "cpu"\nlog_level = "debug"\n')
+    monkeypatch.setenv("ATOMD_CONFIG", str(toml))
+    monkeypatch.setenv("ATOMD_DEVICE", "cuda")
+    s = load_settings(swarm="from-flag")
+    assert s.swarm == "from-flag"  # flag
+    assert s.device == "cuda"  # environment over TOML
+    assert s.log_level == "DEBUG"  # TOML over default, normalised
+
+
+def test_seeds_from_a_comma_separated_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATOMD_SEEDS", "http://a:7071, http://b:7071,")
+    assert load_settings().seeds == ["http://a:7071", "http://b:7071"]
+    monkeypatch.setenv("ATOMD_SEEDS", "a:7071")
+    with pytest.raises(ConfigError, match=r"ATOMD_SEEDS.*http"):
+        load_settings()
+
+
+def test_unknown_variable_is_named_with_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match=r"ATOMD_SWARM_SECRT \(did you mean ATOMD_SWARM_SECRET"):
+        check_environment({"ATOMD_SWARM_SECRT": "x", "ATOMD_SWARM": "ok", "OTHER": "1"})
+    check_environment({"ATOMD_CONFIG": "x", "ATOMD_URL": "y", "ATOMD_CONTROL_TOKEN": "z"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"control": "0.0.0.0:7070"}, "ATOMD_CONTROL_TOKEN"),
+        ({"control": "nonsense"}, "--control / ATOMD_CONTROL"),
+        ({"listen": "host:99999"}, "out of range"),
+        ({"device": "tpu"}, "--device / ATOMD_DEVICE"),
+        ({"advertise": "peer:7071"}, "http"),
+    ],
+)
+def test_bad_values_stop_the_start(overrides: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_settings(**overrides)
+
+
+def test_token_allows_binding_off_loopback() -> None:
+    s = load_settings(control="0.0.0.0:7070", control_token="t")
+    assert s.control_host_port == ("0.0.0.0", 7070)
+
+
+def test_missing_config_file_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATOMD_CONFIG", "/nonexistent/atomd.toml")
+    with pytest.raises(ConfigError, match="no such file"):
+        load_settings()
+
+
+def test_host_port_and_derived_paths(tmp_path: Path) -> None:
+    assert split_host_port("[::1]:7070") == ("::1", 7070)
+    s = Settings(data_dir=tmp_path, listen="127.0.0.1:9000")
+    assert s.db_path == tmp_path / "atomd.db" and s.jobs_dir == tmp_path / "jobs"
+    assert s.advertise_url == "http://127.0.0.1:9000"
+    assert Settings(advertise="http://me:1/").advertise_url == "http://me:1"

@@ -1,0 +1,127 @@
+"""The planner and the slot schedule (pure arithmetic: no tensors are allocated)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atomd.errors import PlanError
+from atomd.model.gpt import GPT
+from atomd.model.presets import get_preset
+from atomd.swap.hardware import Hardware, assumed
+from atomd.swap.plan import LayerSizes, Shape, make_plan, resident_peak_bytes
+from atomd.swap.schedule import schedule_slots, training_visits
+from atomd.units import format_bytes, parse_bytes
+
+GiB = 2**30
+
+
+def _shape(preset: str, grad_accum: int | None = None, batch: int = 1) -> Shape:
+    cfg = get_preset(preset)
+    return Shape(cfg=cfg, micro_batch_size=batch, seq_len=cfg.block_size, grad_accum=grad_accum)
+
+
+@pytest.mark.parametrize(("preset", "budget"), [("gpt3-6.7b", 12 * GiB), ("gpt3-2.7b", 8 * GiB)])
+@pytest.mark.parametrize("grad_accum", [None, 8])
+def test_big_models_fit_small_gpus(preset: str, budget: int, grad_accum: int | None) -> None:
+    plan = make_plan(_shape(preset, grad_accum), budget_bytes=budget, hardware=assumed())
+    assert plan.slots >= 2
+    assert plan.peak_device_bytes <= budget
+    assert plan.peak_device_bytes == sum(plan.memory.values())
+    assert resident_peak_bytes(_shape(preset, grad_accum)) > budget  # it needs swapping
+    assert plan.swapped_blocks + plan.resident_blocks == get_preset(preset).n_layer
+    assert plan.tokens_per_s > 0 and plan.step_s >= max(plan.compute_s, plan.load_s)
+    if grad_accum is not None:
+        assert grad_accum % plan.micro_batches == 0
+        assert plan.waves == grad_accum // plan.micro_batches
+
+
+@pytest.mark.parametrize("budget", [9 * GiB, 12 * GiB, 16 * GiB, 24 * GiB, 40 * GiB])
+def test_budget_is_respected_and_more_memory_keeps_more_resident(budget: int) -> None:
+    plan = make_plan(_shape("gpt3-6.7b", 8), budget_bytes=budget, hardware=assumed())
+    assert plan.peak_device_bytes <= budget and plan.slots >= 2
+    tight = make_plan(_shape("gpt3-6.7b", 8), budget_bytes=9 * GiB, hardware=assumed())
+    assert plan.resident_blocks >= tight.resident_blocks
+
+
+def test_resident_set_choice() -> None:
+    """With room to spare, blocks stay resident (each saves two loads and a host AdamW step);
+    with none, only the tied embedding + head do; saved inputs spill when memory is tight."""
+    roomy = make_plan(_shape("gpt3-2.7b", 8), budget_bytes=40 * GiB, hardware=assumed())
+    tight = make_plan(_shape("gpt3-2.7b", 8), budget_bytes=6 * GiB, hardware=assumed())
+    assert roomy.resident_blocks > 0
+    assert tight.resident_blocks == 0 and tight.spill
+    assert roomy.params_resident > tight.params_resident
+    sizes = LayerSizes.of(get_preset("gpt3-2.7b"))
+    assert tight.params_resident == sizes.embed + sizes.head  # the tied weight counted once
+
+
+def test_impossible_budget_is_a_clear_error() -> None:
+    with pytest.raises(PlanError, match=r"no swap plan fits 2\.00 GiB.*needs .*Raise the budget"):
+        make_plan(_shape("gpt3-6.7b"), budget_bytes=2 * GiB, hardware=assumed())
+
+
+def test_overrides_are_kept_or_refused() -> None:
+    plan = make_plan(
+        _shape("gpt3-2.7b", 8),
+        budget_bytes=24 * GiB,
+        hardware=assumed(),
+        slots=3,
+        micro_batches=2,
+        resident_blocks=1,
+    )
+    assert (plan.slots, plan.micro_batches, plan.resident_blocks, plan.waves) == (3, 2, 1, 4)
+    with pytest.raises(PlanError, match="must divide"):
+        make_plan(_shape("gpt3-2.7b", 8), budget_bytes=24 * GiB, hardware=assumed(), micro_batches=3)
+    with pytest.raises(PlanError, match="slots"):
+        make_plan(_shape("gpt3-2.7b"), budget_bytes=24 * GiB, hardware=assumed(), slots=1)
+
+
+def test_faster_link_does_not_slow_the_plan() -> None:
+    slow = make_plan(_shape("gpt3-6.7b", 1), budget_bytes=12 * GiB, hardware=assumed())
+    rates = assumed().to_dict() | {"h2d_bytes_per_s": 100e9, "d2h_bytes_per_s": 100e9}
+    fast = make_plan(_shape("gpt3-6.7b", 1), budget_bytes=12 * GiB, hardware=Hardware(**rates))
+    assert slow.bottleneck == "load"  # one micro-batch per visit cannot hide 4 B/param loads
+    assert fast.step_s < slow.step_s
+
+
+def test_layer_sizes_match_the_model() -> None:
+    cfg = get_preset("tiny")
+    assert LayerSizes.of(cfg).total(cfg.n_layer) == GPT(cfg).num_parameters()
+    with torch.device("meta"):
+        big = GPT(get_preset("gpt3-2.7b")).num_parameters()
+    assert LayerSizes.of(get_preset("gpt3-2.7b")).total(32) == big
+
+
+def test_schedule_prefetches_and_keeps_the_turn() -> None:
+    layers = [1, 2, 3, 4, 5]
+    visits = training_visits(layers)
+    for k in (2, 3):
+        sched = schedule_slots(visits, [None] * k)
+        # One load per forward visit; backward reloads all but the K layers left at the turn.
+        assert len(sched.loads) == 2 * len(layers) - k
+        assert {ld.layer for ld in sched.loads[len(layers) :]} == set(layers[: len(layers) - k])
+        needed = {}
+        for p, layer in enumerate(visits):
+            needed.setdefault((layer, sched.slot_of[p]), p)
+        for i, ld in enumerate(sched.loads):
+            first_use = min(p for p, v in enumerate(visits) if v == ld.layer and p > ld.after)
+            assert ld.after < first_use  # issued before it is needed
+            if i >= k:  # steady state: issued K - 1 visits ahead of its use
+                assert first_use - ld.after >= k - 1
+        # A slot is only reloaded after its previous layer's last visit before the load.
+        for ld in sched.loads:
+            holder = [v for p, v in enumerate(visits) if p <= ld.after and sched.slot_of[p] == ld.slot]
+            assert ld.after == -1 or visits[ld.after] in holder
+    later = schedule_slots(visits, schedule_slots(visits, [None, None]).final)
+    assert len(later.loads) == 2 * len(layers) - 4  # the next wave starts on what is left
+
+
+def test_sizes_parse_and_print() -> None:
+    assert parse_bytes("24GiB") == 24 * GiB
+    assert parse_bytes("8GB") == 8 * 10**9
+    assert parse_bytes("1.5 MiB") == 3 * 2**19
+    assert parse_bytes(123) == 123
+    assert format_bytes(3 * GiB) == "3.00 GiB"
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_bytes("12 parsecs")
