@@ -29,7 +29,6 @@ through a layer before the next layer is needed (layer-major), so one load serve
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -42,81 +41,13 @@ from atomd.model.gpt import GPT, lm_loss
 from atomd.spec import JobSpec
 from atomd.swap.hostopt import HostOptimizer
 from atomd.swap.plan import SwapPlan
-from atomd.swap.schedule import schedule_slots, training_visits
+from atomd.swap.schedule import training_visits
+from atomd.swap.slots import Slot, SwapStats, Wave, nbytes
 from atomd.swap.streams import DONE, Marker, Streams
 from atomd.train.engine import autocast, load_model_tensors, model_tensors
 from atomd.train.optim import build_adamw, optimizer_tensors
 
 log = get_logger(__name__)
-
-
-@dataclass
-class Slot:
-    """Device room for one block: its fp32 weights and fp32 gradient accumulator."""
-
-    weights: list[Tensor]
-    grads: list[Tensor]
-    layer: int | None = None
-    """The layer whose current weights the slot holds (None: empty, or stale after a step)."""
-    loaded: Marker = DONE
-    """Load-stream work into this slot (weights, partial gradients) is done."""
-    used: Marker = DONE
-    """Compute-stream work reading this slot is done (it may be overwritten)."""
-    stored: Marker = DONE
-    """The gradient copy out of this slot is done (its buffer may be reused)."""
-
-
-@dataclass
-class SwapStats:
-    """What the last ``train_step`` or ``evaluate`` moved (bytes) and held on the device."""
-
-    layer_loads: int = 0
-    bytes_loaded: int = 0
-    bytes_stored: int = 0
-    peak_held_bytes: int = 0
-    """Layer inputs and gradients held on the device between layers (on the CPU the only
-    activation figure there is; the transient working set inside a layer is not counted)."""
-    extra: dict[str, int] = field(default_factory=dict)
-
-
-def _nbytes(ts: Sequence[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
-class _Wave:
-    """Walks one wave's visits of swapped layers, issuing each load at its scheduled point."""
-
-    def __init__(self, engine: SwapEngine, visits: list[int], backward_from: int) -> None:
-        self.engine, self.visits, self.backward_from = engine, visits, backward_from
-        self.sched = schedule_slots(visits, [s.layer for s in engine.slots])
-        self.loads_after: dict[int, list[tuple[int, int]]] = {}
-        for ld in self.sched.loads:
-            self.loads_after.setdefault(ld.after, []).append((ld.layer, ld.slot))
-        self.partial_grads = False
-        self.p = -1
-        self._issue(-1)
-
-    def start_from_partial_grads(self) -> None:
-        """Backward visits begin from the host's gradient of the previous waves."""
-        self.partial_grads = True
-
-    def next(self, layer: int) -> Slot:
-        self.p += 1
-        assert self.visits[self.p] == layer, (self.visits, self.p, layer)
-        return self.engine.slots[self.sched.slot_of[self.p]]
-
-    def done(self) -> None:
-        """The current visit is issued: issue the loads that waited for its slot."""
-        self._issue(self.p)
-
-    def _issue(self, p: int) -> None:
-        for layer, slot in self.loads_after.pop(p, []):
-            self.engine._load_weights(layer, self.engine.slots[slot])
-        q = p + 1  # the partial gradient of the next backward visit, one visit ahead
-        if self.partial_grads and self.backward_from <= q < len(self.visits):
-            self.engine._load_partial_grads(
-                self.visits[q], self.engine.slots[self.sched.slot_of[q]]
-            )
 
 
 class SwapEngine:
@@ -181,6 +112,15 @@ class SwapEngine:
             "on" if plan.spill else "off",
         )
 
+    def _wave(self, visits: list[int]) -> Wave:
+        return Wave(
+            self.slots,
+            visits,
+            len(self.swapped),  # the first backward visit (evaluation has none)
+            self._load_weights,
+            self._load_partial_grads,
+        )
+
     # -- copies ---------------------------------------------------------------------------------
 
     def _load_weights(self, layer: int, slot: Slot) -> None:
@@ -192,7 +132,7 @@ class SwapEngine:
                 w.copy_(p, non_blocking=True)
         slot.loaded, slot.layer = st.mark(st.load), layer
         self.stats.layer_loads += 1
-        self.stats.bytes_loaded += _nbytes(slot.weights)
+        self.stats.bytes_loaded += nbytes(slot.weights)
 
     def _load_partial_grads(self, layer: int, slot: Slot) -> None:
         st = self.streams
@@ -202,7 +142,7 @@ class SwapEngine:
                 assert p.grad is not None
                 acc.copy_(p.grad, non_blocking=True)
         slot.loaded = st.mark(st.load)
-        self.stats.bytes_loaded += _nbytes(slot.grads)
+        self.stats.bytes_loaded += nbytes(slot.grads)
 
     def _store_grads(self, layer: int, slot: Slot) -> Marker:
         st = self.streams
@@ -212,7 +152,7 @@ class SwapEngine:
                 assert p.grad is not None
                 p.grad.copy_(acc, non_blocking=True)
         slot.stored = self._grad_stored[layer] = st.mark(st.store)
-        self.stats.bytes_stored += _nbytes(slot.grads)
+        self.stats.bytes_stored += nbytes(slot.grads)
         return slot.stored
 
     def _spill(self, layer: int, acts: list[Tensor]) -> tuple[list[Tensor], Marker]:
@@ -229,7 +169,7 @@ class SwapEngine:
                 buf.copy_(a, non_blocking=True)
                 st.hand_over(a, st.store)
                 hosts.append(buf)
-        self.stats.bytes_stored += _nbytes(acts)
+        self.stats.bytes_stored += nbytes(acts)
         return hosts, st.mark(st.store)
 
     def _fetch(self, layer: int, hosts: list[Tensor], ready: Marker) -> tuple[list[Tensor], Marker]:
@@ -241,7 +181,7 @@ class SwapEngine:
         for d in devs:
             st.hand_over(d, st.compute)
         self._spill_free[layer] = st.mark(st.load)
-        self.stats.bytes_loaded += _nbytes(devs)
+        self.stats.bytes_loaded += nbytes(devs)
         return devs, self._spill_free[layer]
 
     # -- compute --------------------------------------------------------------------------------
@@ -356,7 +296,7 @@ class SwapEngine:
         st, n = self.streams, len(self.layers)
         xs = [b.x.to(self.device, non_blocking=True) for b in batches]
         ys = [b.y.to(self.device, non_blocking=True) for b in batches]
-        wave = _Wave(self, training_visits(self.swapped), backward_from=len(self.swapped))
+        wave = self._wave(training_visits(self.swapped))
         if not first:
             wave.start_from_partial_grads()
         # saved[i]: layer i's inputs on the device, or spilled[i]: on the host (+ its marker)
@@ -408,7 +348,7 @@ class SwapEngine:
             self._note_held(saved, grad_outs)
 
     def _note_held(self, saved: dict[int, list[Tensor]], current: list[Tensor]) -> None:
-        held = sum(_nbytes(ts) for ts in saved.values()) + _nbytes(current)
+        held = sum(nbytes(ts) for ts in saved.values()) + nbytes(current)
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, held)
 
     @torch.no_grad()
@@ -420,7 +360,7 @@ class SwapEngine:
         for c in range(0, len(batches), m):
             chunk = batches[c : c + m]
             acts = [b.x.to(self.device, non_blocking=True) for b in chunk]
-            wave = _Wave(self, list(self.swapped), backward_from=len(self.swapped))
+            wave = self._wave(list(self.swapped))
             for i in range(n - 1):
                 slot = wave.next(i) if i in self._swapped_set else None
                 if slot is not None:
@@ -484,10 +424,10 @@ class SwapEngine:
     def device_state_bytes(self) -> int:
         """Bytes the engine keeps on the device between steps: slots and resident layers'
         weights, gradients and AdamW moments."""
-        slots = sum(_nbytes(s.weights) + _nbytes(s.grads) for s in self.slots)
+        slots = sum(nbytes(s.weights) + nbytes(s.grads) for s in self.slots)
         params = [p for g in self.resident_opt.param_groups for p in g["params"]]
         moments = [t for st in self.resident_opt.state.values() for t in st.values() if t.dim() > 0]
-        return slots + 2 * _nbytes(params) + _nbytes(moments)
+        return slots + 2 * nbytes(params) + nbytes(moments)
 
     def close(self) -> None:
         """Finish pending host optimizer steps and stop the worker thread."""

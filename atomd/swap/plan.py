@@ -248,11 +248,13 @@ def make_plan(
     slots: int | None = None,
     micro_batches: int | None = None,
     resident_blocks: int | None = None,
+    spill: bool | None = None,
 ) -> SwapPlan:
     """The fastest plan per token that fits ``budget_bytes``; ``PlanError`` when none does.
 
     Among plans within 3% of the best time per token it takes the smallest M, then no spill,
-    then the least device memory. ``slots``/``micro_batches``/``resident_blocks`` fix a choice.
+    then the least device memory. ``slots``, ``micro_batches``, ``resident_blocks`` and ``spill``
+    fix a choice.
     """
     cfg, g = shape.cfg, shape.grad_accum
     if cfg.n_layer < 2:
@@ -278,10 +280,11 @@ def make_plan(
     ks = [slots] if slots is not None else list(range(2, min(MAX_SLOTS, cfg.n_layer) + 1))
     feasible: list[SwapPlan] = []
     smallest: SwapPlan | None = None
-    for k, m, r, spill in itertools.product(ks, ms, rs, (False, True)):
+    spills = [spill] if spill is not None else [False, True]
+    for k, m, r, s in itertools.product(ks, ms, rs, spills):
         if k > cfg.n_layer - r:
             continue  # more slots than swapped blocks
-        p = _evaluate(shape, hardware, budget_bytes, k, m, g if g is not None else m, r, spill)
+        p = _evaluate(shape, hardware, budget_bytes, k, m, g if g is not None else m, r, s)
         if p.peak_device_bytes <= budget_bytes:
             feasible.append(p)
         elif smallest is None or p.peak_device_bytes < smallest.peak_device_bytes:

@@ -72,17 +72,21 @@ def test_overrides_are_kept_or_refused() -> None:
     )
     assert (plan.slots, plan.micro_batches, plan.resident_blocks, plan.waves) == (3, 2, 1, 4)
     with pytest.raises(PlanError, match="must divide"):
-        make_plan(_shape("gpt3-2.7b", 8), budget_bytes=24 * GiB, hardware=assumed(), micro_batches=3)
+        make_plan(
+            _shape("gpt3-2.7b", 8), budget_bytes=24 * GiB, hardware=assumed(), micro_batches=3
+        )
     with pytest.raises(PlanError, match="slots"):
         make_plan(_shape("gpt3-2.7b"), budget_bytes=24 * GiB, hardware=assumed(), slots=1)
 
 
 def test_faster_link_does_not_slow_the_plan() -> None:
-    slow = make_plan(_shape("gpt3-6.7b", 1), budget_bytes=12 * GiB, hardware=assumed())
-    rates = assumed().to_dict() | {"h2d_bytes_per_s": 100e9, "d2h_bytes_per_s": 100e9}
+    base = assumed().to_dict() | {"host_adam_params_per_s": 1e12}  # isolate the link
+    slow = make_plan(_shape("gpt3-6.7b", 1), budget_bytes=12 * GiB, hardware=Hardware(**base))
+    rates = base | {"h2d_bytes_per_s": 100e9, "d2h_bytes_per_s": 100e9}
     fast = make_plan(_shape("gpt3-6.7b", 1), budget_bytes=12 * GiB, hardware=Hardware(**rates))
     assert slow.bottleneck == "load"  # one micro-batch per visit cannot hide 4 B/param loads
     assert fast.step_s < slow.step_s
+    assert fast.load_s == pytest.approx(slow.load_s / 4, rel=0.3)
 
 
 def test_layer_sizes_match_the_model() -> None:
@@ -101,9 +105,6 @@ def test_schedule_prefetches_and_keeps_the_turn() -> None:
         # One load per forward visit; backward reloads all but the K layers left at the turn.
         assert len(sched.loads) == 2 * len(layers) - k
         assert {ld.layer for ld in sched.loads[len(layers) :]} == set(layers[: len(layers) - k])
-        needed = {}
-        for p, layer in enumerate(visits):
-            needed.setdefault((layer, sched.slot_of[p]), p)
         for i, ld in enumerate(sched.loads):
             first_use = min(p for p, v in enumerate(visits) if v == ld.layer and p > ld.after)
             assert ld.after < first_use  # issued before it is needed
@@ -111,7 +112,9 @@ def test_schedule_prefetches_and_keeps_the_turn() -> None:
                 assert first_use - ld.after >= k - 1
         # A slot is only reloaded after its previous layer's last visit before the load.
         for ld in sched.loads:
-            holder = [v for p, v in enumerate(visits) if p <= ld.after and sched.slot_of[p] == ld.slot]
+            holder = [
+                v for p, v in enumerate(visits) if p <= ld.after and sched.slot_of[p] == ld.slot
+            ]
             assert ld.after == -1 or visits[ld.after] in holder
     later = schedule_slots(visits, schedule_slots(visits, [None, None]).final)
     assert len(later.loads) == 2 * len(layers) - 4  # the next wave starts on what is left

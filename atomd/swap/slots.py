@@ -1,0 +1,86 @@
+"""Device slots, per-step transfer statistics, and the walk through one wave's visits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from atomd.swap.schedule import schedule_slots
+from atomd.swap.streams import DONE, Marker
+
+
+@dataclass
+class Slot:
+    """Device room for one block: its fp32 weights and fp32 gradient accumulator."""
+
+    weights: list[Tensor]
+    grads: list[Tensor]
+    layer: int | None = None
+    """The layer whose current weights the slot holds (None: empty, or stale after a step)."""
+    loaded: Marker = DONE
+    """Load-stream work into this slot (weights, partial gradients) is done."""
+    used: Marker = DONE
+    """Compute-stream work reading this slot is done (it may be overwritten)."""
+    stored: Marker = DONE
+    """The gradient copy out of this slot is done (its buffer may be reused)."""
+
+
+@dataclass
+class SwapStats:
+    """What the last ``train_step`` or ``evaluate`` moved (bytes) and held on the device."""
+
+    layer_loads: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    peak_held_bytes: int = 0
+    """Layer inputs and gradients held on the device between layers (on the CPU the only
+    activation figure there is; the transient working set inside a layer is not counted)."""
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def nbytes(ts: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+class Wave:
+    """Walks one wave's visits of swapped layers, issuing each load at its scheduled point."""
+
+    def __init__(
+        self,
+        slots: list[Slot],
+        visits: list[int],
+        backward_from: int,
+        load_weights: Callable[[int, Slot], None],
+        load_partial_grads: Callable[[int, Slot], None],
+    ) -> None:
+        self.slots, self.visits, self.backward_from = slots, visits, backward_from
+        self.load_weights, self.load_partial_grads = load_weights, load_partial_grads
+        self.sched = schedule_slots(visits, [s.layer for s in slots])
+        self.loads_after: dict[int, list[tuple[int, int]]] = {}
+        for ld in self.sched.loads:
+            self.loads_after.setdefault(ld.after, []).append((ld.layer, ld.slot))
+        self.partial_grads = False
+        self.p = -1
+        self._issue(-1)
+
+    def start_from_partial_grads(self) -> None:
+        """Backward visits begin from the host's gradient of the previous waves."""
+        self.partial_grads = True
+
+    def next(self, layer: int) -> Slot:
+        self.p += 1
+        assert self.visits[self.p] == layer, (self.visits, self.p, layer)
+        return self.slots[self.sched.slot_of[self.p]]
+
+    def done(self) -> None:
+        """The current visit is issued: issue the loads that waited for its slot."""
+        self._issue(self.p)
+
+    def _issue(self, p: int) -> None:
+        for layer, slot in self.loads_after.pop(p, []):
+            self.load_weights(layer, self.slots[slot])
+        q = p + 1  # the partial gradient of the next backward visit, one visit ahead
+        if self.partial_grads and self.backward_from <= q < len(self.visits):
+            self.load_partial_grads(self.visits[q], self.slots[self.sched.slot_of[q]])
