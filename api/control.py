@@ -26,7 +26,8 @@ from atomd import __version__
 from atomd.config import Settings
 from atomd.db import repo
 from atomd.errors import UnauthorizedError
-from atomd.jobs import JobManager
+from atomd.jobs import JobManager, Scope
+from atomd.p2p.node import SwarmNode
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 
@@ -41,6 +42,7 @@ class ControlContext:
     sessions: async_sessionmaker[AsyncSession]
     readiness: Callable[[], dict[str, bool]]
     started_at: float
+    swarm: SwarmNode | None = None
 
 
 def _ctx(request: Request) -> ControlContext:
@@ -75,8 +77,12 @@ async def get_status(ctx: Ctx) -> StatusPublic:
     active = ctx.jobs.active
     job = _job(await ctx.jobs.get(active.id)) if active is not None else None
     s = ctx.settings
+    node = ctx.swarm
     return StatusPublic(
         version=__version__,
+        peer_id=node.peer_id if node else "",
+        public_key=node.identity.public_key_hex if node else "",
+        peers_alive=len(node.membership.others("alive")) if node else 0,
         uptime_s=round(time.monotonic() - ctx.started_at, 3),
         data_dir=str(s.data_dir),
         control=s.control,
@@ -90,6 +96,10 @@ async def get_status(ctx: Ctx) -> StatusPublic:
 
 @v1.get("/peers", response_model=list[PeerPublic], summary="Known peers and their state")
 async def get_peers(ctx: Ctx) -> list[PeerPublic]:
+    """Every member this daemon knows, itself first (``is_self``), live from the protocol;
+    without a swarm, the peers remembered in the database."""
+    if ctx.swarm is not None:
+        return [PeerPublic.model_validate(p) for p in ctx.swarm.peers()]
     async with ctx.sessions() as s:
         peers = await repo.list_peers(s)
     return [PeerPublic.model_validate(p, from_attributes=True) for p in peers]
@@ -102,10 +112,16 @@ async def get_peers(ctx: Ctx) -> list[PeerPublic]:
     summary="Start a training job",
     responses=errors.responses(400, 409),
 )
-async def create_job(ctx: Ctx, spec: JobSpec) -> JobPublic:
+async def create_job(
+    ctx: Ctx,
+    spec: JobSpec,
+    scope: Annotated[
+        Scope, Query(description="swarm: announce it, peers join; local: this daemon only")
+    ] = "swarm",
+) -> JobPublic:
     """Every field of the spec has a default: `{"preset": "tiny"}` is a valid body.
     One job runs per daemon: 409 while another is active."""
-    return _job(await ctx.jobs.start(spec))
+    return _job(await ctx.jobs.start(spec, scope))
 
 
 @v1.get("/jobs", response_model=list[JobPublic], summary="Jobs, newest first")
@@ -124,8 +140,14 @@ async def get_job(ctx: Ctx, job_id: str) -> JobPublic:
     summary="Stop a job at the next step boundary (it checkpoints first)",
     responses=errors.responses(404, 409),
 )
-async def stop_job(ctx: Ctx, job_id: str) -> JobPublic:
-    return _job(await ctx.jobs.stop(job_id))
+async def stop_job(
+    ctx: Ctx,
+    job_id: str,
+    scope: Annotated[
+        Scope, Query(description="local: this daemon only; swarm: every peer training it")
+    ] = "local",
+) -> JobPublic:
+    return _job(await ctx.jobs.stop(job_id, scope))
 
 
 @v1.get(

@@ -16,6 +16,7 @@ from atomd.errors import (
     DataError,
     JobConflictError,
     NotFoundError,
+    PeerAuthError,
     UnauthorizedError,
 )
 
@@ -31,6 +32,9 @@ _STATUS: list[tuple[type[AtomdError], int, str]] = [
 
 
 def status_of(exc: AtomdError) -> tuple[int, str]:
+    if isinstance(exc, PeerAuthError):
+        # The verifier decides: 401 the request is not authentic, 403 the peer is not admitted.
+        return exc.status, "unauthorized" if exc.status == 401 else "forbidden"
     for cls, code, kind in _STATUS:
         if isinstance(exc, cls):
             return code, kind
@@ -46,7 +50,8 @@ def install(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, AtomdError)
         code, kind = status_of(exc)
-        headers = {"WWW-Authenticate": "Bearer"} if code == 401 else None
+        scheme = "Atomd-Signature" if isinstance(exc, PeerAuthError) else "Bearer"
+        headers = {"WWW-Authenticate": scheme} if code == 401 else None
         body = ErrorBody(error=kind, detail=str(exc)).model_dump()
         return JSONResponse(body, status_code=code, headers=headers)
 

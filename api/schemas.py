@@ -13,7 +13,7 @@ JobState = Literal["pending", "running", "stopping", "stopped", "finished", "fai
 class ErrorBody(BaseModel):
     """Every error: a machine-readable kind and a sentence for people."""
 
-    error: str = Field(description="not_found, conflict, unauthorized, invalid, unavailable")
+    error: str = Field(description="not_found, conflict, unauthorized, forbidden, invalid")
     detail: str
 
 
@@ -29,6 +29,8 @@ class Readiness(BaseModel):
 class JobPublic(BaseModel):
     id: str
     state: JobState
+    scope: Literal["local", "swarm"] = "local"
+    origin: str | None = Field(None, description="Peer id of the daemon that started it")
     reason: str | None = None
     spec: dict[str, Any]
     out_dir: str
@@ -73,16 +75,20 @@ class PeerPublic(BaseModel):
     incarnation: int
     first_seen_at: datetime
     last_seen_at: datetime
-    rtt_ms: float | None = None
+    rtt_ms: float | None = Field(None, description="Round-trip time of the last direct ping")
+    is_self: bool = Field(False, description="This daemon")
 
 
 class StatusPublic(BaseModel):
     version: str
+    peer_id: str
+    public_key: str
     uptime_s: float
     data_dir: str
     control: str
     listen: str
     advertise: str
     swarm: str
+    peers_alive: int
     device: str
     job: JobPublic | None = None

@@ -254,10 +254,10 @@ def plan(
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Plan swapped training: K slots, M micro-batches per visit, resident set, predictions."""
+    from atomd.errors import PlanError
     from atomd.model.presets import get_preset
     from atomd.swap import hardware
     from atomd.swap.plan import Shape, make_plan
-    from atomd.errors import PlanError
     from atomd.swap.report import format_plan
     from atomd.units import parse_bytes
 

@@ -89,32 +89,52 @@ def _job_detail(j: dict[str, Any]) -> None:
 
 def run(
     data_dir: Annotated[
-        Path | None, typer.Option(help="Database, identity key, job folders. [env ATOMD_DATA_DIR]")
+        Path | None, typer.Option(help="Database, identity key, job folders. (env ATOMD_DATA_DIR)")
     ] = None,
     control: Annotated[
         str | None,
-        typer.Option(help="Control API HOST:PORT (default 127.0.0.1:7070). [env ATOMD_CONTROL]"),
+        typer.Option(help="Control API HOST:PORT (default 127.0.0.1:7070). (env ATOMD_CONTROL)"),
     ] = None,
     listen: Annotated[
         str | None,
-        typer.Option(help="Peer plane HOST:PORT (default 0.0.0.0:7071). [env ATOMD_LISTEN]"),
+        typer.Option(help="Peer plane HOST:PORT (default 0.0.0.0:7071). (env ATOMD_LISTEN)"),
     ] = None,
     advertise: Annotated[
-        str | None, typer.Option(help="URL peers use to reach this daemon. [env ATOMD_ADVERTISE]")
+        str | None, typer.Option(help="URL peers use to reach this daemon. (env ATOMD_ADVERTISE)")
     ] = None,
     seed: Annotated[
         list[str] | None,
-        typer.Option(help="Peer URL to join through; repeatable. [env ATOMD_SEEDS]"),
+        typer.Option(help="Peer URL to join through; repeatable. (env ATOMD_SEEDS)"),
     ] = None,
-    swarm: Annotated[str | None, typer.Option(help="Swarm name. [env ATOMD_SWARM]")] = None,
+    swarm: Annotated[str | None, typer.Option(help="Swarm name. (env ATOMD_SWARM)")] = None,
     swarm_secret: Annotated[
-        str | None, typer.Option(help="Shared swarm secret. [env ATOMD_SWARM_SECRET]")
+        str | None, typer.Option(help="Shared swarm secret. (env ATOMD_SWARM_SECRET)")
+    ] = None,
+    allow_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Admit only these peer public keys (hex); repeatable. (env ATOMD_ALLOWED_KEYS)"
+        ),
+    ] = None,
+    auto_join: Annotated[
+        bool | None,
+        typer.Option(
+            "--auto-join/--no-auto-join",
+            help="Join jobs peers announce. (env ATOMD_AUTO_JOIN; default on)",
+        ),
+    ] = None,
+    zeroconf: Annotated[
+        bool | None,
+        typer.Option(
+            "--zeroconf/--no-zeroconf",
+            help="Find peers on the LAN by mDNS. (env ATOMD_ZEROCONF; default off)",
+        ),
     ] = None,
     device: Annotated[
-        str | None, typer.Option(help="auto, cpu or cuda. [env ATOMD_DEVICE]")
+        str | None, typer.Option(help="auto, cpu or cuda. (env ATOMD_DEVICE)")
     ] = None,
     log_level: Annotated[
-        str | None, typer.Option(help="DEBUG, INFO, WARNING, ERROR. [env ATOMD_LOG_LEVEL]")
+        str | None, typer.Option(help="DEBUG, INFO, WARNING, ERROR. (env ATOMD_LOG_LEVEL)")
     ] = None,
 ) -> None:
     """Run the daemon in the foreground (what the systemd unit starts).
@@ -137,6 +157,9 @@ def run(
         swarm_secret=swarm_secret,
         device=device,
         log_level=log_level,
+        allowed_keys=allow_key or None,
+        auto_join=auto_join,
+        zeroconf=zeroconf,
     )
     setup_logging(settings.log_level)
     asyncio.run(Daemon(settings).run())
@@ -144,7 +167,7 @@ def run(
 
 def migrate(
     data_dir: Annotated[
-        Path | None, typer.Option(help="The daemon's data folder. [env ATOMD_DATA_DIR]")
+        Path | None, typer.Option(help="The daemon's data folder. (env ATOMD_DATA_DIR)")
     ] = None,
     downgrade: Annotated[
         str | None, typer.Option(help="Downgrade to this revision instead ('base' = empty).")

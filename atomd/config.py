@@ -72,13 +72,26 @@ class Settings(BaseSettings):
     )
     swarm: str = Field("default", description="Swarm name; peers of other swarms are refused.")
     swarm_secret: SecretStr | None = Field(None, description="Shared secret admitting peers.")
+    allowed_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Ed25519 public keys (hex) admitted to the swarm (comma-separated); with a "
+        "swarm secret too, a peer must pass both.",
+    )
+    auto_join: bool = Field(True, description="Join jobs other peers announce to the swarm.")
+    zeroconf: bool = Field(False, description="Find peers on the local network (mDNS).")
+    gossip_interval: float = Field(
+        0.5, gt=0, le=60, description="Seconds between membership probes (SWIM protocol period)."
+    )
+    suspect_timeout: float = Field(
+        5.0, gt=0, le=600, description="Seconds a suspected peer has to refute before it is dead."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")
     control_token: SecretStr | None = Field(
         None, description="Bearer token for the control API; required off loopback."
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
 
-    @field_validator("seeds", mode="before")
+    @field_validator("seeds", "allowed_keys", mode="before")
     @classmethod
     def _split_seeds(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -103,6 +116,18 @@ class Settings(BaseSettings):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{url!r} must be an http:// or https:// URL")
         return v
+
+    @field_validator("allowed_keys")
+    @classmethod
+    def _hex_keys(cls, v: list[str]) -> list[str]:
+        for key in v:
+            try:
+                raw = bytes.fromhex(key)
+            except ValueError:
+                raw = b""
+            if len(raw) != 32:
+                raise ValueError(f"{key!r} is not a 32-byte Ed25519 public key in hex")
+        return [k.lower() for k in v]
 
     @model_validator(mode="after")
     def _token_off_loopback(self) -> Settings:

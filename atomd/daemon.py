@@ -23,11 +23,13 @@ from api.control import ControlContext, create_control_app
 from api.peer import create_peer_app
 from atomd import systemd
 from atomd.config import Settings
-from atomd.db import migrate
+from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.errors import ConfigError
 from atomd.jobs import JobManager
 from atomd.logs import get_logger
+from atomd.p2p.identity import Identity
+from atomd.p2p.node import SwarmNode
 from atomd.telemetry import Telemetry
 
 log = get_logger(__name__)
@@ -94,11 +96,25 @@ class Daemon:
         peer_sock = _bind(s.listen_host_port, "peer plane")
         await asyncio.to_thread(migrate.upgrade, s.db_path)
         self._db_ready = True
+        identity = Identity.load_or_create(s.data_dir)
         engine = make_engine(s.db_path)
         sessions = make_sessionmaker(engine)
+        async with sessions() as session, session.begin():
+            await repo.get_or_create_node(
+                session, peer_id=identity.peer_id, public_key=identity.public_key_hex
+            )
+        log.info("peer id %s, swarm %r", identity.peer_id, s.swarm)
         jobs = JobManager(
-            jobs_dir=s.jobs_dir, sessions=sessions, telemetry=self.telemetry, device=s.device
+            jobs_dir=s.jobs_dir,
+            sessions=sessions,
+            telemetry=self.telemetry,
+            device=s.device,
+            peer_id=identity.peer_id,
         )
+        node = SwarmNode(
+            settings=s, identity=identity, sessions=sessions, telemetry=self.telemetry, jobs=jobs
+        )
+        jobs.swarm = node
         control = _server(
             create_control_app(
                 ControlContext(
@@ -112,11 +128,12 @@ class Daemon:
                         "peer": peer.started,
                     },
                     started_at=time.monotonic(),
+                    swarm=node,
                 )
             ),
             s.log_level,
         )
-        peer = _server(create_peer_app(swarm=s.swarm, url=s.advertise_url), s.log_level)
+        peer = _server(create_peer_app(node), s.log_level)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown, signal.Signals(sig).name)
@@ -127,11 +144,20 @@ class Daemon:
                 tg.create_task(peer.serve(sockets=[peer_sock]), name="peer-server")
                 watchdog = tg.create_task(self._watchdog(), name="watchdog")
                 await self._until_ready(control, peer, jobs)
+                node_task = tg.create_task(node.run(), name="swarm")
+                lan = await self._lan_discovery(node) if s.zeroconf else None
                 await self._shutdown.wait()
                 systemd.stopping()
                 extend = tg.create_task(self._extend_stop_timeout(), name="extend-stop")
+                # Tell the swarm first (peers stop counting on us within a second), then let
+                # the job finish its step and checkpoint.
+                leaving = tg.create_task(node.leave(), name="leave")
                 await jobs.shutdown()
                 await jobs_task  # the trainer has checkpointed and the job is recorded
+                await leaving
+                node_task.cancel()
+                if lan is not None:
+                    await lan.aclose()
                 control.should_exit = peer.should_exit = True
                 watchdog.cancel()
                 extend.cancel()
@@ -157,6 +183,16 @@ class Daemon:
         )
         systemd.ready()
         systemd.status("ready")
+
+    async def _lan_discovery(self, node: SwarmNode) -> Any:
+        from atomd.p2p.discovery import LanDiscovery
+
+        return await LanDiscovery.create(
+            swarm=self.settings.swarm,
+            peer_id=node.peer_id,
+            url=self.settings.advertise_url,
+            on_found=node.lan_found,
+        )
 
     async def _extend_stop_timeout(self) -> None:
         """While the job finishes its step and checkpoints, keep systemd from killing us."""

@@ -41,3 +41,21 @@ class JobConflictError(AtomdError):
 
 class UnauthorizedError(AtomdError):
     """A request lacks valid credentials (bearer token, peer signature)."""
+
+
+class PeerAuthError(AtomdError):
+    """A peer-plane request failed authentication (401) or admission to the swarm (403)."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class PeerRequestError(AtomdError):
+    """A request to another daemon's peer plane failed: unreachable, timed out or non-2xx.
+
+    ``status`` is the peer's HTTP status, or None when no response came back."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status

@@ -4,16 +4,21 @@ The event loop never waits for training: the trainer thread hands step reports a
 notices to the loop through ``call_soon_threadsafe`` onto an asyncio queue, and the loop records
 them in SQLite. States: pending -> running -> stopping -> stopped | finished | failed.
 
+Swarm jobs (scope "swarm", the default) are announced to the peers through a ``SwarmLink``;
+a peer that hears of one it has no record of joins it (auto-join), fetching the newest state
+from a live peer first. A stop is local, or swarm-wide when asked.
+
 Durability: ``metrics.jsonl`` and the checkpoints are written by the trainer thread itself, so
 nothing depends on the loop keeping up. After a crash, a restarted daemon resumes every job that
-was pending, running or stopping-by-shutdown from its newest good checkpoint, and re-syncs the
-progress table with the run's ``metrics.jsonl`` (truncated to that checkpoint).
+was pending or running from its newest good checkpoint, and re-syncs the progress table with the
+run's ``metrics.jsonl`` (truncated to that checkpoint).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import threading
 import uuid
 from collections.abc import Sequence
@@ -21,12 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import torch
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from atomd.data.dataset import check_source
+from atomd.data.dataset import check_source, shard_for_peer
 from atomd.db import repo
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
 from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
@@ -35,15 +40,23 @@ from atomd.logs import get_logger
 from atomd.model import GPT, get_preset
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
-from atomd.train.checkpoint import sha256_file
+from atomd.train.checkpoint import checkpoint_root, sha256_file
 from atomd.train.metrics import read_metrics
 from atomd.train.trainer import StepReport, Trainer, TrainSummary
 
 log = get_logger(__name__)
 
-ACTIVE_STATES = ("pending", "running", "stopping")
+Scope = Literal["local", "swarm"]
 SHUTDOWN_REASON = "interrupted by daemon shutdown; resumes when the daemon starts"
 RESUMING_REASON = "resuming from the last good checkpoint"
+
+
+class SwarmLink(Protocol):
+    """What the job manager needs from the swarm (``atomd.p2p.node.SwarmNode``)."""
+
+    def announce(self, advert: dict[str, Any]) -> None: ...
+    def broadcast_stop(self, job_id: str) -> None: ...
+    async def fetch_state(self, job_id: str, donors: list[str], root: Path) -> int | None: ...
 
 
 @dataclass
@@ -72,9 +85,12 @@ class ActiveJob:
     spec: JobSpec
     out_dir: Path
     resume: bool
+    scope: Scope = "local"
+    origin: str | None = None
+    donors: list[str] = field(default_factory=list)
     stop_event: threading.Event = field(default_factory=threading.Event)
     queue: asyncio.Queue[_Message] = field(default_factory=asyncio.Queue)
-    user_stop: bool = False
+    stop_reason: str | None = None  # set when a person or the swarm asked it to stop
     tokens_seen: int = 0
 
 
@@ -109,6 +125,12 @@ def admit(spec: JobSpec) -> None:
         )
 
 
+def data_seed(peer_id: str, seed: int) -> int:
+    """This peer's sampling seed for a job: distinct per peer, stable across restarts."""
+    digest = hashlib.sha256(f"{peer_id}:{seed}".encode()).digest()
+    return int.from_bytes(digest[:6], "big")
+
+
 class JobManager:
     """Starts, stops and records jobs. ``run()`` lives in the daemon's TaskGroup."""
 
@@ -119,16 +141,20 @@ class JobManager:
         sessions: async_sessionmaker[AsyncSession],
         telemetry: Telemetry,
         device: str,
+        peer_id: str = "local",
     ) -> None:
         self.jobs_dir = jobs_dir
         self.sessions = sessions
         self.telemetry = telemetry
         self.device = device
+        self.peer_id = peer_id
+        self.swarm: SwarmLink | None = None
         self.active: ActiveJob | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomd-trainer")
         self._tg: asyncio.TaskGroup | None = None
         self._closing = asyncio.Event()
         self._started = asyncio.Event()
+        self._considering: set[str] = set()
 
     async def run(self) -> None:
         """Own the per-job tasks until ``shutdown()``; resume interrupted jobs first."""
@@ -168,9 +194,19 @@ class JobManager:
         async with self.sessions() as s:
             return await repo.list_progress(s, job_id=job_id, after_step=after_step, limit=limit)
 
+    def advert(self) -> dict[str, Any] | None:
+        """The swarm job this daemon trains, as told to peers (None if none)."""
+        a = self.active
+        if a is None or a.scope != "swarm" or a.stop_event.is_set():
+            return None
+        return {"id": a.id, "spec": a.spec.model_dump(), "origin": a.origin}
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.jobs_dir / job_id
+
     # -- commands ----------------------------------------------------------------------------
 
-    async def start(self, spec: JobSpec) -> JobRecord:
+    def _check_free(self) -> None:
         if self._closing.is_set():
             raise JobConflictError("the daemon is shutting down; no new jobs")
         if self.active is not None:
@@ -178,27 +214,111 @@ class JobManager:
                 f"job {self.active.id} is active; "
                 f"stop it first (POST /v1/jobs/{self.active.id}/stop)"
             )
+
+    async def start(self, spec: JobSpec, scope: Scope = "swarm") -> JobRecord:
+        self._check_free()
         await asyncio.to_thread(admit, spec)
+        self._check_free()  # the admission ran off the loop: look again
         job_id = uuid.uuid4().hex
-        out_dir = self.jobs_dir / job_id
+        out_dir = self.job_dir(job_id)
         async with self.sessions() as s, s.begin():
             job = await repo.create_job(
-                s, job_id=job_id, spec=spec.model_dump(), out_dir=str(out_dir)
+                s,
+                job_id=job_id,
+                spec=spec.model_dump(),
+                out_dir=str(out_dir),
+                scope=scope,
+                origin=self.peer_id,
             )
             await repo.add_event(
-                s, kind="job.created", job_id=job_id, message=f"preset {spec.preset}"
+                s, kind="job.created", job_id=job_id, message=f"preset {spec.preset}, {scope}"
             )
-        self._launch(ActiveJob(id=job_id, spec=spec, out_dir=out_dir, resume=False))
+        active = ActiveJob(
+            id=job_id, spec=spec, out_dir=out_dir, resume=False, scope=scope, origin=self.peer_id
+        )
+        self._launch(active)
+        if scope == "swarm" and self.swarm is not None:
+            advert = self.advert()
+            if advert is not None:
+                self.swarm.announce(advert)
         return job
 
-    async def stop(self, job_id: str) -> JobRecord:
+    async def stop(self, job_id: str, scope: Scope = "local") -> JobRecord:
         job = await self.get(job_id)
+        if scope == "swarm" and self.swarm is not None:
+            self.swarm.broadcast_stop(job_id)
         active = self.active
         if active is None or active.id != job_id:
+            if scope == "swarm":
+                return job  # not training it here, but the swarm has been told
             raise JobConflictError(f"job {job_id} is {job.state}, not active; nothing to stop")
-        active.user_stop = True
+        return await self._request_stop(active, "stopped by request")
+
+    async def stop_from_peer(self, job_id: str, peer_id: str) -> None:
+        """A peer stopped ``job_id`` swarm-wide: stop our copy (if we train it)."""
+        active = self.active
+        if active is not None and active.id == job_id and active.stop_reason is None:
+            await self._request_stop(active, f"stopped by the swarm (peer {peer_id[:12]})")
+
+    async def _request_stop(self, active: ActiveJob, reason: str) -> JobRecord:
+        active.stop_reason = reason
         active.stop_event.set()
-        return await self._set_state(job_id, "stopping", None, "job.stopping", "stop requested")
+        return await self._set_state(active.id, "stopping", None, "job.stopping", reason)
+
+    def offer(self, advert: dict[str, Any], donors: list[str]) -> None:
+        """A peer trains ``advert``: join it if we are free and have never had it."""
+        job_id = str(advert.get("id", ""))
+        if (
+            self._tg is None
+            or self._closing.is_set()
+            or self.active is not None
+            or not job_id
+            or job_id in self._considering
+        ):
+            return
+        self._considering.add(job_id)
+        self._tg.create_task(self._join(job_id, advert, donors), name=f"join-{job_id}")
+
+    async def _join(self, job_id: str, advert: dict[str, Any], donors: list[str]) -> None:
+        try:
+            async with self.sessions() as s:
+                if await repo.get_job(s, job_id=job_id) is not None:
+                    return  # we had it: stopped, finished or failed here; do not rejoin
+            spec = JobSpec.model_validate(advert.get("spec", {}))
+            if spec.num_shards > 1:
+                spec = spec.model_copy(
+                    update={"shard_index": shard_for_peer(self.peer_id, spec.num_shards)}
+                )
+            await asyncio.to_thread(admit, spec)
+            if self.active is not None or self._closing.is_set():
+                return
+            out_dir = self.job_dir(job_id)
+            origin = str(advert.get("origin") or "") or None
+            async with self.sessions() as s, s.begin():
+                await repo.create_job(
+                    s,
+                    job_id=job_id,
+                    spec=spec.model_dump(),
+                    out_dir=str(out_dir),
+                    scope="swarm",
+                    origin=origin,
+                )
+                await repo.add_event(
+                    s,
+                    kind="job.joined",
+                    job_id=job_id,
+                    message=f"joined the swarm's job from {origin or 'a peer'}",
+                )
+            self._launch(
+                ActiveJob(
+                    id=job_id, spec=spec, out_dir=out_dir, resume=True, scope="swarm",
+                    origin=origin, donors=donors,
+                )
+            )  # fmt: skip
+        except (AtomdError, ValueError) as e:
+            log.warning("not joining job %s: %s", job_id, e)
+        finally:
+            self._considering.discard(job_id)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -207,7 +327,7 @@ class JobManager:
             jobs = await repo.active_jobs(s)
         for job in jobs:
             if job.state == "stopping":
-                # The user asked it to stop and the daemon died first: honour the stop.
+                # Someone asked it to stop and the daemon died first: honour the stop.
                 await self._set_state(
                     job.id, "stopped", "stopped (daemon restarted)", "job.stopped", ""
                 )
@@ -221,7 +341,12 @@ class JobManager:
             # Pending until the trainer has loaded the checkpoint and runs again.
             await self._set_state(job.id, "pending", RESUMING_REASON, "job.resuming", "")
             spec = JobSpec.model_validate(job.spec)
-            self._launch(ActiveJob(id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True))
+            self._launch(
+                ActiveJob(
+                    id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True,
+                    scope=job.scope, origin=job.origin,
+                )
+            )  # fmt: skip
 
     def _launch(self, active: ActiveJob) -> None:
         assert self._tg is not None, "JobManager.run() is not running"
@@ -242,6 +367,7 @@ class JobManager:
             on_report=send,
             on_checkpoint=lambda path, step: send(_Saved(path, step)),
             stop_event=active.stop_event,
+            data_seed=data_seed(self.peer_id, active.spec.seed),
         )
         if active.resume:
             rows = read_metrics(trainer.metrics.path) if trainer.metrics.path.exists() else []
@@ -251,8 +377,16 @@ class JobManager:
 
     async def _drive(self, active: ActiveJob) -> None:
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._executor, self._train_blocking, active, loop)
         try:
+            if active.donors and self.swarm is not None:
+                root = checkpoint_root(active.out_dir)
+                try:
+                    step = await self.swarm.fetch_state(active.id, active.donors, root)
+                except AtomdError as e:
+                    await self._set_state(active.id, "failed", str(e), "job.failed", str(e))
+                    return
+                log.info("job %s starts from %s", active.id, f"step {step}" if step else "its seed")
+            fut = loop.run_in_executor(self._executor, self._train_blocking, active, loop)
             while not fut.done() or not active.queue.empty():
                 getter = asyncio.ensure_future(active.queue.get())
                 waiting: set[asyncio.Future[Any]] = {fut, getter}
@@ -279,11 +413,9 @@ class JobManager:
                     backfill = [_point(r) for r in item.rows if int(r["step"]) <= item.start_step]
                     await repo.add_progress(s, job_id=active.id, points=backfill)
                     await repo.add_event(
-                        s,
-                        kind="job.resumed",
-                        job_id=active.id,
+                        s, kind="job.resumed", job_id=active.id,
                         message=f"resumed from step {item.start_step}",
-                    )
+                    )  # fmt: skip
                 elif isinstance(item, _Saved):
                     digest = await asyncio.to_thread(sha256_file, item.path / "model.safetensors")
                     await repo.add_checkpoint(
@@ -295,7 +427,7 @@ class JobManager:
                     if not active.stop_event.is_set():
                         await repo.set_job_state(s, job_id=active.id, state="running")
                         await repo.add_event(s, kind="job.running", job_id=active.id, message="")
-                    self.telemetry.job_state.state("running")
+                        self.telemetry.job_state.state("running")
                 else:
                     points.append(_point(item))
             if points:
@@ -320,21 +452,14 @@ class JobManager:
             reason = f"{type(e).__name__}: {e}"
             await self._set_state(active.id, "failed", reason, "job.failed", reason)
             return
+        at = f"step {summary.step}"
         if summary.state == "finished":
-            await self._set_state(
-                active.id, "finished", None, "job.finished", f"step {summary.step}"
-            )
-        elif active.user_stop:
-            await self._set_state(
-                active.id, "stopped", "stopped by request", "job.stopped", f"step {summary.step}"
-            )
+            await self._set_state(active.id, "finished", None, "job.finished", at)
+        elif active.stop_reason is not None:
+            await self._set_state(active.id, "stopped", active.stop_reason, "job.stopped", at)
         else:
             await self._set_state(
-                active.id,
-                "pending",
-                SHUTDOWN_REASON,
-                "job.interrupted",
-                f"checkpointed at step {summary.step}",
+                active.id, "pending", SHUTDOWN_REASON, "job.interrupted", f"checkpointed at {at}"
             )
 
     async def _set_state(

@@ -111,3 +111,44 @@ class DaemonProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+def wait_until(predicate: Any, *, timeout: float, interval: float = 0.1, what: str = "") -> float:
+    """Poll ``predicate`` until truthy; return the seconds it took (TimeoutError past timeout)."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            if predicate():
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass  # a daemon still starting or already gone: keep polling until the deadline
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"not within {timeout} s: {what or predicate}")
+        time.sleep(interval)
+
+
+def peer_view(d: DaemonProcess) -> dict[str, str]:
+    """What one daemon believes: peer id -> state (itself included)."""
+    r = httpx.get(d.url + "/v1/peers", headers=d.headers, timeout=5)
+    r.raise_for_status()
+    return {p["id"]: p["state"] for p in r.json()}
+
+
+def peer_id(d: DaemonProcess) -> str:
+    r = httpx.get(d.url + "/v1/status", headers=d.headers, timeout=5)
+    r.raise_for_status()
+    return str(r.json()["peer_id"])
+
+
+def start_swarm(root: Path, n: int, **kw: Any) -> list[DaemonProcess]:
+    """``n`` daemons, the first the seed of the others, started concurrently, all ready."""
+    seed = DaemonProcess(root / "peer0", **kw).start()
+    rest = [
+        DaemonProcess(root / f"peer{i}", extra_args=["--seed", seed.peer_url], **kw)
+        for i in range(1, n)
+    ]
+    for d in rest:
+        d.start(wait=False)
+    for d in rest:
+        d.wait_ready()
+    return [seed, *rest]

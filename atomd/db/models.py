@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from atomd.db.schemas import Direction, JobState, PeerState
+from atomd.db.schemas import Direction, JobScope, JobState, PeerState
 
 # Named constraints: SQLite batch migrations recreate tables and can only drop or alter
 # constraints that have names.
@@ -38,6 +38,7 @@ NAMING_CONVENTION = {
 }
 
 JOB_STATES: tuple[str, ...] = get_args(JobState)
+JOB_SCOPES: tuple[str, ...] = get_args(JobScope)
 PEER_STATES: tuple[str, ...] = get_args(PeerState)
 DIRECTIONS: tuple[str, ...] = get_args(Direction)
 
@@ -112,7 +113,10 @@ class Job(Base):
     """A training job; ``step``..``val_loss`` mirror its newest progress point."""
 
     __tablename__ = "jobs"
-    __table_args__ = (CheckConstraint(_one_of("state", JOB_STATES), name="state"),)
+    __table_args__ = (
+        CheckConstraint(_one_of("state", JOB_STATES), name="state"),
+        CheckConstraint(_one_of("scope", JOB_SCOPES), name="scope"),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)  # uuid4 hex
     spec: Mapped[dict[str, Any]]
@@ -128,6 +132,9 @@ class Job(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # "swarm": announced to the peers, who join it; "local": this daemon's alone (0002).
+    scope: Mapped[str] = mapped_column(String(8), default="local", server_default="local")
+    origin: Mapped[str | None] = mapped_column(String(128))  # peer id that started it
 
 
 class Progress(Base):

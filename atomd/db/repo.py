@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from atomd.db.models import (
     DIRECTIONS,
+    JOB_SCOPES,
     JOB_STATES,
     PEER_STATES,
     Checkpoint,
@@ -93,15 +94,20 @@ async def create_job(
     spec: dict[str, Any],
     out_dir: str,
     state: str = "pending",
+    scope: str = "local",
+    origin: str | None = None,
 ) -> JobRecord:
-    """Record a new job."""
+    """Record a new job (``scope`` "swarm": announced to the peers; ``origin``: who started it)."""
     _check("job state", state, JOB_STATES)
+    _check("job scope", scope, JOB_SCOPES)
     now = utcnow()
     job = Job(
         id=job_id,
         spec=spec,
         state=state,
         out_dir=out_dir,
+        scope=scope,
+        origin=origin,
         created_at=now,
         started_at=now if state == "running" else None,
         updated_at=now,

@@ -9,6 +9,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict
 JobState = Literal["pending", "running", "stopping", "stopped", "finished", "failed"]
 PeerState = Literal["alive", "suspect", "dead", "left"]
 Direction = Literal["sent", "received"]
+JobScope = Literal["local", "swarm"]
 
 # Jobs in these states are resumed after a crash or restart.
 ACTIVE_JOB_STATES: frozenset[JobState] = frozenset({"pending", "running", "stopping"})
@@ -57,6 +58,8 @@ class JobRecord(_Record):
     started_at: AwareDatetime | None
     finished_at: AwareDatetime | None
     updated_at: AwareDatetime
+    scope: JobScope = "local"
+    origin: str | None = None
 
 
 class ProgressPoint(_Record):

@@ -83,6 +83,7 @@ class Trainer:
         stop_event: threading.Event | None = None,
         dataset: TokenDataset | None = None,
         on_checkpoint: Callable[[Path, int], None] | None = None,
+        data_seed: int | None = None,
     ) -> None:
         self.spec = spec
         self.out_dir = out_dir
@@ -90,6 +91,9 @@ class Trainer:
         self.progress = progress
         self.on_report = on_report
         self.on_checkpoint = on_checkpoint
+        # Peers of one swarm job share spec.seed (the same initial weights) but must not draw
+        # the same batches: the daemon passes a seed derived from its peer id.
+        self.data_seed = spec.seed if data_seed is None else data_seed
         self.stop_event = stop_event or threading.Event()
         self.ckpt_root = ckpt.checkpoint_root(out_dir)
         self.metrics = MetricsLog(out_dir / "metrics.jsonl")
@@ -183,7 +187,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 batches = [
                     self.dataset.train_batch(
-                        seed=spec.seed, step=step, micro=m, batch_size=spec.micro_batch_size
+                        seed=self.data_seed, step=step, micro=m, batch_size=spec.micro_batch_size
                     )
                     for m in range(spec.grad_accum)
                 ]

@@ -1,0 +1,1 @@
+"""The peer-to-peer layer: peer identity, signed peer-plane requests, membership, discovery."""

@@ -1,0 +1,149 @@
+"""Real daemons on loopback forming a swarm: discovery, failure detection, leave, restart,
+job propagation, state transfer and peer-plane authentication."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from atomd.launch import DaemonProcess, peer_id, peer_view, start_swarm, wait_until
+from tests.integration.conftest import FAST_JOB
+
+
+def _all_see(daemons: list[DaemonProcess], pid: str, state: str) -> bool:
+    return all(peer_view(d).get(pid) == state for d in daemons)
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Any:
+    started: list[list[DaemonProcess]] = []
+
+    def make(n: int, **kw: Any) -> list[DaemonProcess]:
+        ds = start_swarm(tmp_path, n, **kw)
+        started.append(ds)
+        return ds
+
+    yield make
+    for ds in started:
+        for d in ds:
+            d.stop()
+
+
+def test_membership_of_eight_daemons(swarm: Any, tmp_path: Path) -> None:
+    ds = swarm(8)
+    ids = [peer_id(d) for d in ds]
+    formed = wait_until(
+        lambda: all(peer_view(d) == dict.fromkeys(ids, "alive") for d in ds),
+        timeout=10, what="8 daemons see 8 alive",
+    )  # fmt: skip
+    timings = {"formed_s": formed}
+
+    # SIGTERM: marked left everywhere within 2 s.
+    leaver, others = ds[3], [d for d in ds if d is not ds[3]]
+    t0 = time.monotonic()
+    leaver.signal(signal.SIGTERM)
+    wait_until(lambda: _all_see(others, ids[3], "left"), timeout=2, what="left")
+    timings["left_s"] = time.monotonic() - t0
+    assert leaver.wait(timeout=30) == 0
+
+    # Restarted: alive again everywhere within 10 s, with the same id.
+    t0 = time.monotonic()
+    leaver.start()
+    assert peer_id(leaver) == ids[3]
+    wait_until(lambda: _all_see(ds, ids[3], "alive"), timeout=10, what="back alive")
+    timings["rejoined_s"] = time.monotonic() - t0
+
+    # SIGKILL of the seed: dead everywhere within 15 s; the rest carry on.
+    seed, rest = ds[0], ds[1:]
+    t0 = time.monotonic()
+    seed.signal(signal.SIGKILL)
+    seed.wait(timeout=10)
+    wait_until(lambda: _all_see(rest, ids[0], "dead"), timeout=15, what="seed dead")
+    timings["dead_s"] = time.monotonic() - t0
+    assert all(peer_view(d)[i] == "alive" for d in rest for i in ids[1:])
+
+    # With its seed dead, a restarted daemon still joins through a peer it remembers.
+    late = ds[5]
+    late.stop()
+    late.start()
+    wait_until(lambda: _all_see(rest, ids[5], "alive"), timeout=10, what="rejoin, seed dead")
+    assert "could not join through " + seed.peer_url in late.log()
+
+    events = (
+        sqlite3.connect(ds[1].data_dir / "atomd.db")
+        .execute("SELECT kind FROM events WHERE peer_id = ?", (ids[0],))
+        .fetchall()
+    )
+    assert ("peer.dead",) in events  # state changes are recorded
+    (tmp_path / "membership_timings.json").write_text(json.dumps(timings))
+    print("membership timings:", timings)
+
+
+def test_jobs_spread_to_the_swarm_and_newcomers_fetch_the_state(swarm: Any) -> None:
+    ds = swarm(3)
+    a = ds[0]
+    with a.client() as c:
+        job = c.post("/v1/jobs", json={**FAST_JOB, "max_steps": 100000}).json()
+        assert job["scope"] == "swarm"
+    jid = job["id"]
+
+    def job_of(d: DaemonProcess) -> dict[str, Any] | None:
+        r = httpx.get(f"{d.url}/v1/jobs/{jid}", timeout=5)
+        return dict(r.json()) if r.status_code == 200 else None
+
+    wait_until(
+        lambda: all((j := job_of(d)) and j["state"] == "running" for d in ds),
+        timeout=30, what="all three train the job",
+    )  # fmt: skip
+    assert job_of(ds[1])["origin"] == peer_id(a)  # type: ignore[index]
+    wait_until(lambda: (job_of(a) or {}).get("step", 0) >= 12, timeout=60, what="steps")
+
+    # A newcomer joins the running job from the donors' newest checkpoint, not from scratch.
+    newcomer = DaemonProcess(a.data_dir.parent / "late", extra_args=["--seed", a.peer_url])
+    ds.append(newcomer.start())
+    wait_until(lambda: (j := job_of(newcomer)) and j["step"] > 0, timeout=60, what="joined")
+    with newcomer.client() as c:
+        first = c.get(f"/v1/jobs/{jid}/progress").json()[0]["step"]
+    assert first > 5  # it started from a transferred checkpoint
+    ckpts = list((newcomer.data_dir / "jobs" / jid / "checkpoints").iterdir())
+    assert not [p for p in ckpts if p.name.startswith(".incoming")]
+
+    # Stopping swarm-wide stops every copy.
+    with a.client() as c:
+        assert c.post(f"/v1/jobs/{jid}/stop", params={"scope": "swarm"}).status_code == 200
+    wait_until(
+        lambda: all((job_of(d) or {}).get("state") == "stopped" for d in ds),
+        timeout=30, what="all stopped",
+    )  # fmt: skip
+    assert "stopped by the swarm" in (job_of(ds[1]) or {})["reason"]
+
+
+def test_peer_plane_refuses_strangers_and_records_it(swarm: Any, tmp_path: Path) -> None:
+    ds = swarm(2, env={"ATOMD_SWARM_SECRET": "right"})
+    a = ds[0]
+    r = httpx.post(a.peer_url + "/p2p/v1/ping", json={"from": {}}, timeout=5)
+    assert r.status_code == 401 and r.json()["error"] == "unauthorized"
+
+    intruder = DaemonProcess(
+        tmp_path / "intruder", env={"ATOMD_SWARM_SECRET": "wrong"},
+        extra_args=["--seed", a.peer_url],
+    ).start()  # fmt: skip
+    try:
+        time.sleep(3)
+        assert peer_id(intruder) not in peer_view(a)  # changes nothing
+        assert "403" in intruder.log()
+    finally:
+        intruder.stop()
+    rows = (
+        sqlite3.connect(a.data_dir / "atomd.db")
+        .execute("SELECT message FROM events WHERE kind = 'auth.rejected'")
+        .fetchall()
+    )
+    assert any("401" in m for (m,) in rows) and any("403" in m for (m,) in rows)

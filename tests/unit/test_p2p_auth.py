@@ -1,0 +1,516 @@
+"""Peer identity and signed peer-plane requests: every refusal, the replay cache, the FastAPI
+dependency through ASGI, and ``PeerClient`` against a real uvicorn server on loopback."""
+
+# No ``from __future__ import annotations``: FastAPI resolves string annotations in module
+# globals only, and the routes below use a dependency alias local to ``make_peer_app``.
+
+import asyncio
+import hashlib
+import os
+import socket
+import stat
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import pytest
+import uvicorn
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import SecretStr
+from starlette.datastructures import Headers
+
+from api import errors
+from atomd.config import Settings
+from atomd.errors import ConfigError, PeerAuthError, PeerRequestError
+from atomd.p2p.auth import (
+    NONCE,
+    PEER,
+    PROOF,
+    SIGNATURE,
+    SWARM,
+    TIME,
+    Admission,
+    PeerClient,
+    ReplayCache,
+    RequestVerifier,
+    VerifiedPeer,
+    canonical_request,
+    peer_auth,
+    sign_request,
+)
+from atomd.p2p.identity import Identity, peer_id_from_public_key, verify_signature
+
+NOW = 1_700_000_000.0
+PATH = "/p2p/v1/ping?round=3"
+BODY = b'{"incarnation":1}'
+
+
+def admission(
+    swarm: str = "lab", secret: bytes | None = None, allowed: frozenset[str] = frozenset()
+) -> Admission:
+    return Admission(swarm=swarm, secret=secret, allowed_keys=allowed)
+
+
+@pytest.fixture(scope="module")
+def alice() -> Identity:
+    return Identity.generate()
+
+
+@pytest.fixture(scope="module")
+def bob() -> Identity:
+    return Identity.generate()
+
+
+def refused(
+    verifier: RequestVerifier,
+    headers: dict[str, str],
+    *,
+    method: str = "POST",
+    path: str = PATH,
+    body: bytes = BODY,
+    now: float = NOW,
+) -> PeerAuthError:
+    with pytest.raises(PeerAuthError) as info:
+        verifier.verify(method, path, headers, body, now=now)
+    return info.value
+
+
+# Identity ------------------------------------------------------------------------------------
+
+
+def test_key_file_is_created_private_and_reused(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"  # does not exist yet
+    first = Identity.load_or_create(data_dir)
+    key_file = data_dir / "identity.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert key_file.read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")
+    second = Identity.load_or_create(data_dir)
+    assert (second.peer_id, second.public_key_hex) == (first.peer_id, first.public_key_hex)
+    assert len(first.public_key_hex) == 64 and first.public_key_hex == first.public_key_hex.lower()
+    digest = hashlib.sha256(bytes.fromhex(first.public_key_hex)).hexdigest()
+    assert first.peer_id == peer_id_from_public_key(first.public_key_hex) == digest[:32]
+    assert "PRIVATE" not in repr(first)
+
+
+def test_key_file_mode_ignores_a_permissive_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        Identity.load_or_create(tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "identity.key").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_readable_key_file_is_refused(tmp_path: Path, mode: int) -> None:
+    Identity.load_or_create(tmp_path)
+    key_file = tmp_path / "identity.key"
+    key_file.chmod(mode)
+    with pytest.raises(ConfigError, match=r"chmod 600") as info:
+        Identity.load_or_create(tmp_path)
+    assert f"{mode:04o}" in str(info.value)
+
+
+def _write_key(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def test_corrupt_key_file_is_refused(tmp_path: Path) -> None:
+    _write_key(tmp_path / "identity.key", b"-----BEGIN PRIVATE KEY-----\nnot base64\n")
+    with pytest.raises(ConfigError, match=r"not an unencrypted PKCS8 PEM.*delete it"):
+        Identity.load_or_create(tmp_path)
+
+
+def test_non_ed25519_key_file_is_refused(tmp_path: Path) -> None:
+    pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    _write_key(tmp_path / "identity.key", pem)
+    with pytest.raises(ConfigError, match=r"expected an Ed25519"):
+        Identity.load_or_create(tmp_path)
+
+
+def test_verify_signature(alice: Identity, bob: Identity) -> None:
+    sig = alice.sign(b"data")
+    assert verify_signature(alice.public_key_hex, b"data", sig)
+    assert not verify_signature(alice.public_key_hex, b"datA", sig)
+    assert not verify_signature(bob.public_key_hex, b"data", sig)
+    assert not verify_signature("zz", b"data", sig)
+    assert not verify_signature(alice.public_key_hex, b"data", b"short")
+
+
+# Signing and verifying -----------------------------------------------------------------------
+
+
+def test_round_trip_and_canonical_string(alice: Identity) -> None:
+    adm = admission(secret=b"s3cret", allowed=frozenset({alice.public_key_hex}))
+    headers = sign_request(alice, adm, "post", PATH, BODY, now=NOW)
+    assert headers[TIME] == "1700000000.000000" and len(headers[NONCE]) == 32
+    peer = RequestVerifier(adm).verify("POST", PATH, headers, BODY, now=NOW + 1)
+    assert peer == VerifiedPeer(peer_id=alice.peer_id, public_key_hex=alice.public_key_hex)
+    canonical = canonical_request(
+        method="post",
+        path=PATH,
+        swarm="lab",
+        time=headers[TIME],
+        nonce=headers[NONCE],
+        peer_id=alice.peer_id,
+        public_key_hex=alice.public_key_hex,
+        body_sha256=hashlib.sha256(BODY).hexdigest(),
+    )
+    assert canonical.split(b"\n")[:4] == [b"atomd-peer-v1", b"POST", PATH.encode(), b"lab"]
+    assert verify_signature(alice.public_key_hex, canonical, bytes.fromhex(headers[SIGNATURE]))
+    with pytest.raises(ValueError, match="line break"):
+        canonical_request(**{**_fields(), "path": "/a\nb"})
+
+
+def _fields() -> dict[str, str]:
+    return dict.fromkeys(
+        ["method", "path", "swarm", "time", "nonce", "peer_id", "public_key_hex", "body_sha256"],
+        "x",
+    )
+
+
+def test_header_names_are_case_insensitive(alice: Identity) -> None:
+    headers = sign_request(alice, admission(), "GET", "/p2p/v1/info", b"", now=NOW)
+    lower = {k.lower(): v for k, v in headers.items()}
+    assert RequestVerifier(admission()).verify("GET", "/p2p/v1/info", lower, b"", now=NOW)
+
+
+def test_no_proof_header_is_fine_without_a_secret(alice: Identity) -> None:
+    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    del headers[PROOF]
+    assert RequestVerifier(admission()).verify("POST", PATH, headers, BODY, now=NOW)
+
+
+def test_wrong_swarm_is_forbidden(alice: Identity) -> None:
+    headers = sign_request(alice, admission(swarm="other"), "POST", PATH, BODY, now=NOW)
+    err = refused(RequestVerifier(admission()), headers)
+    assert err.status == 403
+    assert str(err) == "wrong swarm: expected 'lab', got 'other'"
+
+
+def test_missing_secret_proof_is_forbidden(alice: Identity) -> None:
+    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    err = refused(RequestVerifier(admission(secret=b"s3cret")), headers)
+    assert err.status == 403 and "missing swarm secret proof" in str(err)
+
+
+def test_wrong_secret_is_forbidden(alice: Identity) -> None:
+    headers = sign_request(alice, admission(secret=b"guess"), "POST", PATH, BODY, now=NOW)
+    err = refused(RequestVerifier(admission(secret=b"s3cret")), headers)
+    assert err.status == 403 and "wrong swarm secret" in str(err)
+
+
+def test_key_not_in_allow_list_is_forbidden(alice: Identity, bob: Identity) -> None:
+    verifier = RequestVerifier(admission(allowed=frozenset({bob.public_key_hex})))
+    err = refused(verifier, sign_request(alice, admission(), "POST", PATH, BODY, now=NOW))
+    assert err.status == 403 and "key not allowed" in str(err) and alice.peer_id in str(err)
+    assert verifier.verify(
+        "POST", PATH, sign_request(bob, admission(), "POST", PATH, BODY, now=NOW), BODY, now=NOW
+    )
+
+
+def test_secret_and_allow_list_must_both_pass(alice: Identity, bob: Identity) -> None:
+    verifier = RequestVerifier(admission(secret=b"s", allowed=frozenset({alice.public_key_hex})))
+    stranger = sign_request(bob, admission(secret=b"s"), "GET", PATH, b"", now=NOW)
+    assert "key not allowed" in str(refused(verifier, stranger, method="GET", body=b""))
+    no_secret = sign_request(alice, admission(), "GET", PATH, b"", now=NOW)
+    assert "missing swarm secret" in str(refused(verifier, no_secret, method="GET", body=b""))
+    good = sign_request(alice, admission(secret=b"s"), "GET", PATH, b"", now=NOW)
+    assert verifier.verify("GET", PATH, good, b"", now=NOW)
+
+
+@pytest.mark.parametrize(
+    ("change", "value"),
+    [
+        ("body", b'{"incarnation":2}'),
+        ("path", "/p2p/v1/ping?round=4"),
+        ("method", "PUT"),
+        (TIME, f"{NOW + 0.5:.6f}"),
+        (NONCE, "0" * 32),
+        (SIGNATURE, "00" * 64),
+    ],
+)
+def test_tampering_is_unauthorized(alice: Identity, change: str, value: Any) -> None:
+    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    request: dict[str, Any] = {"method": "POST", "path": PATH, "body": BODY}
+    if change in request:
+        request[change] = value
+    else:
+        headers[change] = value
+    err = refused(RequestVerifier(admission()), headers, **request)
+    assert err.status == 401 and "bad signature" in str(err)
+
+
+def test_tampered_swarm_header_is_refused(alice: Identity) -> None:
+    # Re-labelled to this daemon's swarm: the signature covered the original one.
+    headers = sign_request(alice, admission(swarm="other"), "POST", PATH, BODY, now=NOW)
+    headers[SWARM] = "lab"
+    assert refused(RequestVerifier(admission()), headers).status == 401
+
+
+@pytest.mark.parametrize("offset", [31.0, -31.0, 3600.0])
+def test_stale_and_future_requests_are_unauthorized(alice: Identity, offset: float) -> None:
+    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW + offset)
+    err = refused(RequestVerifier(admission()), headers)
+    assert err.status == 401 and f"stale request: clock skew {offset:+.1f} s" in str(err)
+
+
+def test_replay_is_unauthorized_only_after_the_first_passed(alice: Identity) -> None:
+    verifier = RequestVerifier(admission())
+    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    # A forged attempt with the nonce fails and must not use the nonce up.
+    assert refused(verifier, headers, body=b"forged").status == 401
+    assert verifier.verify("POST", PATH, headers, BODY, now=NOW + 1)
+    err = refused(verifier, headers, now=NOW + 2)
+    assert err.status == 401 and "replayed request" in str(err)
+
+
+def test_peer_id_must_match_key(alice: Identity, bob: Identity) -> None:
+    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    headers[PEER] = bob.peer_id
+    err = refused(RequestVerifier(admission()), headers)
+    assert err.status == 401 and f"expected {alice.peer_id}" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        (PEER, None),
+        (SIGNATURE, None),
+        ("X-Atomd-Key", "AB" * 32),
+        (PEER, "peer-1"),
+        (TIME, "nan"),
+        (TIME, "-1"),
+        (TIME, "1e9"),
+        (NONCE, "00"),
+        (PROOF, "xyz"),
+        (SIGNATURE, "zz" * 64),
+        (SIGNATURE, "00" * 63),
+        (SWARM, ""),
+    ],
+)
+def test_malformed_headers_are_unauthorized(
+    alice: Identity, header: str, value: str | None
+) -> None:
+    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    if value is None:
+        del headers[header]
+    else:
+        headers[header] = value
+    err = refused(RequestVerifier(admission()), headers)
+    assert err.status == 401
+    assert header in str(err)
+
+
+def test_repeated_auth_header_is_unauthorized(alice: Identity) -> None:
+    signed = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    raw = [(k.lower().encode(), v.encode()) for k, v in signed.items()]
+    raw.append((b"x-atomd-swarm", b"lab"))
+    err = refused(RequestVerifier(admission()), Headers(raw=raw))  # type: ignore[arg-type]
+    assert err.status == 401 and "given twice" in str(err)
+
+
+def test_admission_from_settings(alice: Identity) -> None:
+    settings = Settings(
+        swarm="lab", swarm_secret=SecretStr("s3cret"), allowed_keys=[alice.public_key_hex.upper()]
+    )
+    adm = Admission.from_settings(settings)
+    assert adm == Admission("lab", b"s3cret", frozenset({alice.public_key_hex}))
+    assert Admission.from_settings(Settings(swarm_secret=SecretStr(""))).secret is None
+    with pytest.raises(ConfigError, match="swarm name"):
+        Admission.from_settings(Settings(swarm="laboratoř"))
+
+
+# Replay cache --------------------------------------------------------------------------------
+
+
+def test_replay_cache_evicts_old_nonces() -> None:
+    cache = ReplayCache(ttl_s=60, max_entries=100)
+    cache.record("a", request_time=NOW, now=NOW)
+    cache.record("b", request_time=NOW + 30, now=NOW + 30)
+    with pytest.raises(PeerAuthError, match="replayed"):
+        cache.record("a", request_time=NOW, now=NOW + 59)
+    cache.record("c", request_time=NOW + 61, now=NOW + 61)  # "a" expires
+    assert "a" not in cache and "b" in cache and len(cache) == 2
+    cache.record("a", request_time=NOW + 61, now=NOW + 61)
+
+
+def test_replay_cache_size_is_capped_and_dropped_nonces_cannot_be_replayed(
+    alice: Identity,
+) -> None:
+    verifier = RequestVerifier(admission(), max_nonces=3)
+    sent = [sign_request(alice, admission(), "GET", PATH, b"", now=NOW + i) for i in range(5)]
+    for i, headers in enumerate(sent):
+        verifier.verify("GET", PATH, headers, b"", now=NOW + i)
+    assert len(verifier.replay_cache) == 3
+    assert sent[1][NONCE] not in verifier.replay_cache
+    # Request 1's nonce was dropped early: its replay (and anything signed no later) is refused.
+    err = refused(verifier, sent[1], method="GET", body=b"", now=NOW + 5)
+    assert err.status == 401 and "cannot rule out a replay" in str(err)
+    late = sign_request(alice, admission(), "GET", PATH, b"", now=NOW + 5)
+    assert verifier.verify("GET", PATH, late, b"", now=NOW + 5)
+
+
+# The FastAPI dependency ----------------------------------------------------------------------
+
+
+@dataclass
+class PeerApp:
+    app: FastAPI
+    rejected: list[PeerAuthError]
+
+
+def make_peer_app(adm: Admission, *, failing_on_reject: bool = False) -> PeerApp:
+    rejected: list[PeerAuthError] = []
+
+    async def on_reject(request: Request, error: PeerAuthError) -> None:
+        assert isinstance(request, Request)
+        rejected.append(error)
+        if failing_on_reject:
+            raise RuntimeError("database is gone")
+
+    app = FastAPI()
+    errors.install(app)
+    Peer = Annotated[VerifiedPeer, Depends(peer_auth(RequestVerifier(adm), on_reject))]
+
+    @app.post("/p2p/v1/echo")
+    async def echo(peer: Peer, request: Request) -> dict[str, Any]:
+        return {"peer": peer.peer_id, "payload": await request.json()}
+
+    @app.get("/p2p/v1/files/{name}")
+    async def download(peer: Peer, name: str) -> StreamingResponse:
+        async def chunks() -> AsyncIterator[bytes]:
+            for i in range(4):
+                yield bytes([i]) * 65536
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream")
+
+    @app.get("/p2p/v1/slow")
+    async def slow(peer: Peer) -> dict[str, str]:
+        await asyncio.sleep(0.5)
+        return {}
+
+    return PeerApp(app, rejected)
+
+
+async def test_dependency_accepts_signed_and_reports_refused(alice: Identity) -> None:
+    adm = admission(secret=b"s3cret")
+    peer_app = make_peer_app(adm)
+    transport = httpx.ASGITransport(app=peer_app.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://peer") as http:
+        path = "/p2p/v1/echo?round=7&who=a%20b"
+        body = b'{"x":1}'
+        headers = sign_request(alice, adm, "POST", path, body)
+        answer = await http.post(path, content=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {"peer": alice.peer_id, "payload": {"x": 1}}
+        assert peer_app.rejected == []
+
+        unsigned = await http.post(path, content=body)
+        assert unsigned.status_code == 401
+        assert unsigned.json()["error"] == "unauthorized"
+        assert unsigned.headers["WWW-Authenticate"] == "Atomd-Signature"
+
+        wrong = sign_request(alice, admission(secret=b"guess"), "POST", path, body)
+        forbidden = await http.post(path, content=body, headers=wrong)
+        assert forbidden.status_code == 403
+        assert forbidden.json()["error"] == "forbidden"
+        assert "wrong swarm secret" in forbidden.json()["detail"]
+
+    assert [e.status for e in peer_app.rejected] == [401, 403]
+    assert str(peer_app.rejected[1]) == forbidden.json()["detail"]
+
+
+async def test_failing_on_reject_still_answers_401(alice: Identity) -> None:
+    peer_app = make_peer_app(admission(), failing_on_reject=True)
+    transport = httpx.ASGITransport(app=peer_app.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://peer") as http:
+        answer = await http.post("/p2p/v1/echo", content=b"{}")
+    assert answer.status_code == 401 and len(peer_app.rejected) == 1
+
+
+async def test_large_body_is_verified_off_the_loop(alice: Identity) -> None:
+    adm = admission()
+    peer_app = make_peer_app(adm)
+    body = b'{"blob":"' + b"a" * (2 << 20) + b'"}'
+    transport = httpx.ASGITransport(app=peer_app.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://peer") as http:
+        headers = sign_request(alice, adm, "POST", "/p2p/v1/echo", body)
+        answer = await http.post("/p2p/v1/echo", content=body, headers=headers)
+    assert answer.status_code == 200 and answer.json()["peer"] == alice.peer_id
+
+
+# PeerClient against a real server ------------------------------------------------------------
+
+
+@pytest.fixture
+async def peer_url() -> AsyncIterator[str]:
+    adm = admission(secret=b"s3cret")
+    server = uvicorn.Server(
+        uvicorn.Config(make_peer_app(adm).app, log_level="warning", lifespan="off")
+    )
+    # Bind first and hand the socket over: no window for another process to take the port.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(5):
+            while not server.started:  # noqa: ASYNC110 (uvicorn offers no event to wait on)
+                await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 5)
+        sock.close()
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+async def test_peer_client_signed_requests_pass(alice: Identity, peer_url: str) -> None:
+    async with PeerClient(alice, admission(secret=b"s3cret")) as client:
+        answer = await client.post_json(peer_url, "/p2p/v1/echo?q=a b", {"ok": [1, 2]})
+        assert answer == {"peer": alice.peer_id, "payload": {"ok": [1, 2]}}
+        async with client.stream("GET", peer_url, "/p2p/v1/files/delta%201.bin") as response:
+            data = b"".join([chunk async for chunk in response.aiter_bytes()])
+        assert data == b"".join(bytes([i]) * 65536 for i in range(4))
+        with pytest.raises(PeerRequestError, match=r"answered 405") as info:
+            await client.get_json(peer_url, "/p2p/v1/echo")
+        assert info.value.status == 405
+        with pytest.raises(PeerRequestError, match=r"timed out after 0.2 s") as info:
+            await client.get_json(peer_url, "/p2p/v1/slow", timeout=0.2)
+        assert info.value.status is None
+
+
+async def test_peer_client_with_wrong_secret_is_forbidden(alice: Identity, peer_url: str) -> None:
+    async with PeerClient(alice, admission(secret=b"guess")) as client:
+        with pytest.raises(PeerRequestError, match=r"answered 403: wrong swarm secret") as info:
+            await client.post_json(peer_url, "/p2p/v1/echo", {})
+        assert info.value.status == 403
+        with pytest.raises(PeerRequestError, match=r"answered 403") as info:
+            async with client.stream("GET", peer_url, "/p2p/v1/files/x"):
+                pass
+        assert info.value.status == 403
+
+
+async def test_peer_client_unreachable_peer(alice: Identity, closed_port: int) -> None:
+    async with PeerClient(alice, admission(), timeout=2) as client:
+        with pytest.raises(PeerRequestError, match=r"failed") as info:
+            await client.get_json(f"http://127.0.0.1:{closed_port}", "/p2p/v1/info")
+        assert info.value.status is None

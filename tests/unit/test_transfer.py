@@ -1,0 +1,109 @@
+"""State transfer against real HTTP donors that die mid-stream, lie, or have nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+
+from atomd.errors import CheckpointError
+from atomd.p2p.auth import Admission, PeerClient
+from atomd.p2p.identity import Identity
+from atomd.p2p.transfer import fetch_state, newest_manifest
+from atomd.train import checkpoint as ckpt
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def donor_app(root: Path, behaviour: str) -> FastAPI:
+    """A donor serving ``root``'s newest checkpoint: honestly, or dying, or lying."""
+    app = FastAPI()
+
+    @app.get("/p2p/v1/jobs/{job_id}/state")
+    async def manifest(job_id: str) -> Any:
+        m = newest_manifest(root)
+        if m is None or behaviour == "empty":
+            return JSONResponse({"error": "not_found", "detail": "none"}, status_code=404)
+        return m
+
+    @app.get("/p2p/v1/jobs/{job_id}/state/{step}/{name}")
+    async def file(job_id: str, step: int, name: str) -> Any:
+        path = root / f"step-{step:08d}" / name
+        data = path.read_bytes()
+        if behaviour == "dies":
+
+            async def half() -> AsyncIterator[bytes]:
+                yield data[: len(data) // 2]
+                raise ConnectionResetError("donor died")
+
+            return StreamingResponse(half(), headers={"content-length": str(len(data))})
+        if behaviour == "lies":
+            return StreamingResponse(iter([bytes(len(data))]))  # right size, wrong bytes
+        return FileResponse(path)
+
+    return app
+
+
+@pytest.fixture
+async def donors(tmp_path: Path) -> AsyncIterator[Any]:
+    servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+    source = tmp_path / "source"
+    ckpt.save_checkpoint(
+        source, step=7, model={"w": torch.arange(50_000.0)},
+        state={"optim.w.exp_avg": torch.ones(10)}, meta={"model_config": {}},
+    )  # fmt: skip
+
+    async def start(behaviour: str) -> str:
+        port = _free_port()
+        config = uvicorn.Config(donor_app(source, behaviour), port=port, log_level="error")
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve())
+        while not server.started:  # noqa: ASYNC110 (uvicorn offers only a flag)
+            await asyncio.sleep(0.01)
+        servers.append((server, task))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, task in servers:
+        server.should_exit = True
+        await task
+
+
+async def test_failed_donors_cost_an_attempt_and_leave_nothing(tmp_path: Path, donors: Any) -> None:
+    urls = [await donors("dies"), await donors("lies"), await donors("empty"), await donors("ok")]
+    root = tmp_path / "joiner" / "checkpoints"
+    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+        step = await fetch_state(client, urls, "job1", root)
+    assert step == 7
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000007"]  # no .incoming left
+    got = ckpt.load_latest(root)
+    assert got is not None and torch.equal(got.model["w"], torch.arange(50_000.0))
+    assert json.loads((root / "step-00000007" / "meta.json").read_text())["step"] == 7
+
+
+async def test_only_bad_donors_is_an_error_and_nothing_is_kept(tmp_path: Path, donors: Any) -> None:
+    urls = [await donors("dies"), await donors("lies")]
+    root = tmp_path / "joiner"
+    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+        with pytest.raises(CheckpointError, match="could not fetch"):
+            await fetch_state(client, urls, "job1", root, rounds=1)
+    assert list(root.iterdir()) == []
+
+
+async def test_no_donor_has_state_yet(tmp_path: Path, donors: Any) -> None:
+    urls = [await donors("empty")]
+    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+        assert await fetch_state(client, urls, "job1", tmp_path / "j") is None
