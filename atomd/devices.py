@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from atomd.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 
 def resolve_device(name: str) -> torch.device:
     """``auto`` picks CUDA when present, else the CPU; ``cuda`` without CUDA is an error."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda":

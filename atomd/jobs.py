@@ -26,23 +26,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from atomd.data.dataset import check_source, shard_for_peer
+from atomd.data.sources import check_source, shard_for_peer
 from atomd.db import repo
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
 from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
 from atomd.errors import AtomdError, ConfigError, JobConflictError, NotFoundError
 from atomd.logs import get_logger
-from atomd.model import GPT, get_preset
+from atomd.model import get_preset
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 from atomd.train.checkpoint import checkpoint_root, sha256_file
-from atomd.train.metrics import read_metrics
-from atomd.train.trainer import StepReport, Trainer, TrainSummary
+from atomd.train.metrics import StepReport, read_metrics
+
+if TYPE_CHECKING:  # torch loads when the first job trains, not when the daemon starts
+    from atomd.train.trainer import TrainSummary
 
 log = get_logger(__name__)
 
@@ -109,6 +110,10 @@ def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> Progre
 
 @functools.cache
 def _parameters(preset: str) -> int:
+    import torch
+
+    from atomd.model.gpt import GPT
+
     with torch.device("meta"):  # counts without allocating
         return GPT(get_preset(preset)).num_parameters()
 
@@ -355,6 +360,7 @@ class JobManager:
 
     def _train_blocking(self, active: ActiveJob, loop: asyncio.AbstractEventLoop) -> TrainSummary:
         """Runs on the trainer thread."""
+        from atomd.train.trainer import Trainer
 
         def send(item: _Message) -> None:
             loop.call_soon_threadsafe(active.queue.put_nowait, item)

@@ -18,7 +18,6 @@ Sources (the ``data`` string):
 
 from __future__ import annotations
 
-import hashlib
 import lzma
 from dataclasses import dataclass
 from importlib import resources
@@ -30,10 +29,12 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor
 
+from atomd.data.sources import BUNDLED, check_source, shard_for_peer
 from atomd.data.tokenizer import ByteTokenizer
 from atomd.errors import DataError
 
-BUNDLED = "shakespeare"
+__all__ = ["BUNDLED", "Batch", "TokenDataset", "check_source", "load_dataset", "shard_for_peer"]
+
 ShardMode = Literal["interleaved", "contiguous"]
 _TEXT_SUFFIXES = {".txt", ".md"}
 
@@ -82,20 +83,6 @@ def _load_source(data: str) -> tuple[NDArray[np.uint16], NDArray[np.uint16] | No
     if path.suffix == ".bin":
         return _read_bin(path), None
     return _read_text_tokens([path]), None
-
-
-def check_source(data: str) -> None:
-    """Cheap up-front check that a source exists (the daemon calls it before queueing a job)."""
-    if data != BUNDLED and not Path(data).expanduser().exists():
-        raise DataError(
-            f"dataset {data!r} not found: give {BUNDLED!r}, a .txt/.bin file or a folder"
-        )
-
-
-def shard_for_peer(peer_id: str, num_shards: int) -> int:
-    """A deterministic shard index for a peer id."""
-    digest = hashlib.sha256(peer_id.encode()).digest()
-    return int.from_bytes(digest[:8], "big") % num_shards
 
 
 class TokenDataset:

@@ -9,50 +9,14 @@ C (n_embd), nh (heads), hs (head size).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from atomd.model.config import GPTConfig
 
-@dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Shape of a GPT model."""
-
-    n_layer: int
-    """Number of transformer blocks."""
-    n_head: int
-    """Attention heads per block; must divide ``n_embd``."""
-    n_embd: int
-    """Model width (d_model)."""
-    vocab_size: int = 256
-    """Vocabulary size; 256 for the byte-level tokenizer."""
-    block_size: int = 256
-    """Longest sequence the position embedding covers."""
-    dropout: float = 0.0
-    """Dropout probability (0 for pre-training, as GPT-3 and nanoGPT do)."""
-    bias: bool = True
-    """Biases in Linear and LayerNorm layers (GPT-2 style)."""
-    tie_embeddings: bool = True
-    """Share the token embedding with the output projection."""
-
-    def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> GPTConfig:
-        return cls(**data)
+__all__ = ["GPT", "Block", "Embedding", "GPTConfig", "Head", "lm_loss"]
 
 
 class CausalSelfAttention(nn.Module):

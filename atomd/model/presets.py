@@ -7,7 +7,7 @@ uses token ids 0..255 of that vocabulary.
 
 from __future__ import annotations
 
-from atomd.model.gpt import GPTConfig
+from atomd.model.config import GPTConfig
 
 PRESETS: dict[str, GPTConfig] = {
     # ~0.84M parameters, 128-token context: the CPU preset for tests, the demo and the

@@ -18,12 +18,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from atomd.errors import CheckpointError
 from atomd.logs import get_logger
@@ -94,6 +94,8 @@ def save_checkpoint(
     keep: int = 3,
 ) -> Path:
     """Write a checkpoint atomically and prune old ones, keeping ``keep`` good ones."""
+    from safetensors.torch import save_file  # torch loads only where tensors are written
+
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
@@ -126,6 +128,8 @@ def save_checkpoint(
 
 def load_checkpoint(path: Path) -> Checkpoint:
     """Load and verify one checkpoint folder; raise ``CheckpointError`` saying what is wrong."""
+    from safetensors.torch import load_file
+
     meta_path = path / META_FILE
     try:
         meta = json.loads(meta_path.read_text())
@@ -202,6 +206,8 @@ def load_latest(root: Path) -> Checkpoint | None:
 
 def rng_state() -> dict[str, Tensor]:
     """RNG states as tensors, to be stored in ``state.safetensors``."""
+    import torch
+
     out = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -210,6 +216,8 @@ def rng_state() -> dict[str, Tensor]:
 
 
 def set_rng_state(state: dict[str, Tensor]) -> None:
+    import torch
+
     if "rng.torch" in state:
         torch.set_rng_state(state["rng.torch"])
     if torch.cuda.is_available():

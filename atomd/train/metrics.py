@@ -4,8 +4,28 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the loop reports after each optimizer step."""
+
+    step: int
+    tokens: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    val_loss: float | None
+    elapsed_s: float
+
+    def to_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        if row["val_loss"] is None:
+            del row["val_loss"]
+        return row
 
 
 class MetricsLog:

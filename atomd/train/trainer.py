@@ -11,9 +11,9 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from tqdm import tqdm
@@ -29,28 +29,9 @@ from atomd.spec import JobSpec, lr_at
 from atomd.swap.factory import engine_plan, make_engine
 from atomd.train import checkpoint as ckpt
 from atomd.train.engine import StepEngine
-from atomd.train.metrics import MetricsLog
+from atomd.train.metrics import MetricsLog, StepReport
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What the loop reports after each optimizer step."""
-
-    step: int
-    tokens: int
-    loss: float
-    lr: float
-    tokens_per_s: float
-    val_loss: float | None
-    elapsed_s: float
-
-    def to_row(self) -> dict[str, Any]:
-        row = asdict(self)
-        if row["val_loss"] is None:
-            del row["val_loss"]
-        return row
 
 
 @dataclass(frozen=True)

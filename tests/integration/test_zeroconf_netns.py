@@ -246,3 +246,49 @@ def test_peers_of_one_swarm_find_each_other_and_only_each_other(lan: Lan, peers:
         f"mDNS discovery in netns: both s1 peers found after {found_after:.2f}s "
         f"(a: {a.found()[b.peer_id]['t']}s, b: {b.found()[a.peer_id]['t']}s after start)\n"
     )
+
+
+def test_daemons_without_seeds_form_a_swarm_over_mdns(lan: Lan, tmp_path: Path) -> None:
+    """Two real ``atomd run --zeroconf`` daemons, one per namespace, no seeds: one swarm."""
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    procs: list[subprocess.Popen[bytes]] = []
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATOMD_")}
+    try:
+        for ns, addr, name in ((lan.ns_a, lan.addr_a, "a"), (lan.ns_b, lan.addr_b, "b")):
+            args = [
+                "ip", "netns", "exec", ns, sys.executable, "-m", "atomd", "run",
+                "--data-dir", str(tmp_path / name), "--control", "127.0.0.1:7070",
+                "--listen", f"{addr}:7071", "--advertise", f"http://{addr}:7071",
+                "--device", "cpu", "--zeroconf", "--swarm", "lan-test",
+            ]  # fmt: skip
+            log = (tmp_path / f"{name}.log").open("wb")
+            procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT))
+
+        def view(ns: str) -> dict[str, str]:
+            out = subprocess.run(
+                ["ip", "netns", "exec", ns, "curl", "-sf", "http://127.0.0.1:7070/v1/peers"],
+                capture_output=True, timeout=5, check=False,
+            )  # fmt: skip
+            if out.returncode != 0:
+                return {}
+            return {p["url"]: p["state"] for p in json.loads(out.stdout)}
+
+        want = {f"http://{lan.addr_a}:7071": "alive", f"http://{lan.addr_b}:7071": "alive"}
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            if view(lan.ns_a) == want and view(lan.ns_b) == want:
+                break
+            time.sleep(0.5)
+        else:
+            logs = "\n".join((tmp_path / f"{n}.log").read_text() for n in "ab")
+            raise AssertionError(f"no swarm over mDNS: {view(lan.ns_a)} {view(lan.ns_b)}\n{logs}")
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)

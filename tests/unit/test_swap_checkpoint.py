@@ -19,7 +19,8 @@ from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
 from atomd.swap.plan import Shape, make_plan
 from atomd.train.engine import ResidentEngine
-from atomd.train.trainer import StepReport, Trainer, model_from_checkpoint
+from atomd.train.metrics import StepReport
+from atomd.train.trainer import Trainer, model_from_checkpoint
 from tests.conftest import fast_spec
 
 TOL = 1e-5  # as in test_swap_engine: fp32 summation order only (see there)

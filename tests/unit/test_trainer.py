@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from atomd.errors import ConfigError, TrainingError
-from atomd.train.metrics import read_metrics
-from atomd.train.trainer import StepReport, Trainer, model_from_checkpoint
+from atomd.train.metrics import StepReport, read_metrics
+from atomd.train.trainer import Trainer, model_from_checkpoint
 from tests.conftest import fast_spec
 
 
