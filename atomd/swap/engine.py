@@ -45,7 +45,7 @@ from atomd.swap.schedule import training_visits
 from atomd.swap.slots import Slot, SwapStats, Wave, nbytes
 from atomd.swap.streams import DONE, Marker, Streams
 from atomd.train.engine import autocast, load_model_tensors, model_tensors
-from atomd.train.optim import build_adamw, optimizer_tensors
+from atomd.train.optim import build_adamw, optimizer_state_by_param, optimizer_tensors
 
 log = get_logger(__name__)
 
@@ -398,14 +398,7 @@ class SwapEngine:
             slot.layer = None
         params = dict(self.model.named_parameters())
         owner = {id(p): o for o in self._optimizers() for g in o.param_groups for p in g["params"]}
-        per_param: dict[str, dict[str, Tensor]] = {}
-        for full, t in optimizer.items():
-            if not full.startswith("optim."):
-                continue
-            name, _, key = full[len("optim.") :].rpartition(".")
-            if name not in params:
-                raise CheckpointError(f"optimizer state names unknown parameter {name!r}")
-            per_param.setdefault(name, {})[key] = t
+        per_param = optimizer_state_by_param(optimizer, params)
         for name, state in per_param.items():
             p = params[name]
             opt = owner[id(p)]

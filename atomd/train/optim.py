@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -41,11 +42,10 @@ def optimizer_tensors(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str,
     return out
 
 
-def load_optimizer_tensors(
-    opt: torch.optim.Optimizer, model: nn.Module, tensors: dict[str, Tensor]
-) -> None:
-    """Restore what ``optimizer_tensors`` produced, checking names and shapes."""
-    params = dict(named_unique_parameters(model))
+def optimizer_state_by_param(
+    tensors: Mapping[str, Tensor], params: Mapping[str, object]
+) -> dict[str, dict[str, Tensor]]:
+    """``optim.<param name>.<key>`` tensors grouped by parameter; an unknown name is an error."""
     per_param: dict[str, dict[str, Tensor]] = {}
     for full, t in tensors.items():
         if not full.startswith("optim."):
@@ -54,6 +54,15 @@ def load_optimizer_tensors(
         if name not in params:
             raise CheckpointError(f"optimizer state names unknown parameter {name!r}")
         per_param.setdefault(name, {})[key] = t
+    return per_param
+
+
+def load_optimizer_tensors(
+    opt: torch.optim.Optimizer, model: nn.Module, tensors: dict[str, Tensor]
+) -> None:
+    """Restore what ``optimizer_tensors`` produced, checking names and shapes."""
+    params = dict(named_unique_parameters(model))
+    per_param = optimizer_state_by_param(tensors, params)
     for name, st in per_param.items():
         p = params[name]
         for key, t in st.items():
