@@ -59,3 +59,15 @@ class PeerRequestError(AtomdError):
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class WireError(AtomdError):
+    """A delta frame or tensor payload is refused; it never touches a model.
+
+    ``reason`` is a short machine code for records and metrics: oversize, truncated, bad_hash,
+    bad_signature, unknown_sender, stale, replayed, wrong_shape, non_finite, malformed,
+    wrong_job or unsupported_version. The message says what was expected."""
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(f"{reason}: {message}" if message else reason)
+        self.reason = reason
