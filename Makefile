@@ -7,10 +7,11 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean help
+.PHONY: demo demo-local test lint typecheck unit bench clean help
 
 help:
-	@echo "make demo   - set up .venv, train the tiny GPT on Shakespeare with progress, print a sample"
+	@echo "make demo   - set up .venv, run 3 daemons on loopback that train the tiny GPT together"
+	@echo "make demo-local - one process: train the tiny GPT with a progress bar, print a sample"
 	@echo "make test   - set up .venv, run ruff, mypy and the whole test suite"
 	@echo "make bench  - run the benchmarks (JSON to stdout)"
 
@@ -23,6 +24,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/atomd demo
+
+demo-local: $(STAMP)
+	$(BIN)/atomd demo --local
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -17,7 +17,9 @@ from atomd.errors import (
     JobConflictError,
     NotFoundError,
     PeerAuthError,
+    SpecError,
     UnauthorizedError,
+    WireError,
 )
 
 # Most specific first.
@@ -35,6 +37,8 @@ def status_of(exc: AtomdError) -> tuple[int, str]:
     if isinstance(exc, PeerAuthError):
         # The verifier decides: 401 the request is not authentic, 403 the peer is not admitted.
         return exc.status, "unauthorized" if exc.status == 401 else "forbidden"
+    if isinstance(exc, WireError):  # a refused delta frame; the reason code is in the detail
+        return (413, "too_large") if exc.reason == "oversize" else (422, "refused")
     for cls, code, kind in _STATUS:
         if isinstance(exc, cls):
             return code, kind
@@ -49,6 +53,10 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 def install(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, AtomdError)
+        if isinstance(exc, SpecError):
+            # The same shape as FastAPI's own 422: the field and the reason.
+            error = {"type": "value_error", "loc": ["body", exc.field], "msg": str(exc)}
+            return JSONResponse({"detail": [error]}, status_code=422)
         code, kind = status_of(exc)
         scheme = "Atomd-Signature" if isinstance(exc, PeerAuthError) else "Bearer"
         headers = {"WWW-Authenticate": scheme} if code == 401 else None

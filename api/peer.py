@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from api import errors
 from atomd import __version__
-from atomd.errors import NotFoundError, PeerAuthError
+from atomd.errors import NotFoundError, PeerAuthError, WireError
 from atomd.p2p.auth import VerifiedPeer, peer_auth
 from atomd.p2p.node import SwarmNode
 from atomd.p2p.transfer import checkpoint_file, newest_manifest
@@ -105,6 +105,27 @@ def create_peer_app(node: SwarmNode) -> FastAPI:
         await message(request, peer)
         await node.jobs.stop_from_peer(job_id, peer.peer_id)
         return {}
+
+    async def size_guard(job_id: str, request: Request) -> None:
+        """Refuse an oversized delta before its body is read (memory stays bounded)."""
+        limit = node.max_frame_bytes(job_id)
+        if limit == 0:
+            raise NotFoundError(f"not training job {job_id} here")
+        length = request.headers.get("content-length")
+        if length is None or not length.isdigit():
+            raise HTTPException(411, "a delta upload needs a Content-Length")
+        if int(length) > limit:
+            raise WireError("oversize", f"{length} bytes; this job's frames are at most {limit}")
+
+    @app.post(
+        "/p2p/v1/jobs/{job_id}/deltas",
+        status_code=202,
+        dependencies=[Depends(size_guard)],  # runs before the body is read for `peer`
+    )
+    async def delta(job_id: str, request: Request, peer: Peer) -> dict[str, Any]:
+        """A signed delta frame for the next round boundary; checked whole before queueing."""
+        size = await node.receive_delta(job_id, await request.body(), peer.peer_id)
+        return {"accepted": True, "bytes": size}
 
     def _root(job_id: str) -> Any:
         if not job_id.isalnum():

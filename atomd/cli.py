@@ -194,10 +194,23 @@ def presets() -> None:
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="Where the demo run goes.")] = Path("runs"),
-    max_steps: Annotated[int, typer.Option(help="Training steps.")] = 600,
+    max_steps: Annotated[int, typer.Option(help="Training steps (per peer).")] = 600,
+    local: Annotated[
+        bool, typer.Option("--local", help="One process, no daemons: atomd train with a sample.")
+    ] = False,
+    peers: Annotated[int, typer.Option(help="Daemons in the swarm demo.")] = 3,
+    every: Annotated[int, typer.Option(help="Steps between delta exchanges (H).")] = 50,
     device: DeviceOpt = "auto",
 ) -> None:
-    """Train the tiny model on the bundled Shakespeare corpus, then print a sample."""
+    """A swarm of daemons on loopback training the tiny GPT on Shakespeare together
+    (with --local: one process, then a sample of its text). Ctrl-C stops it cleanly."""
+    if not local:
+        from atomd.demo import run_swarm_demo
+
+        raise typer.Exit(
+            run_swarm_demo(out / time.strftime("demo-swarm-%Y%m%d-%H%M%S"), peers=peers,
+                           max_steps=max_steps, every=every)
+        )  # fmt: skip
     from atomd.spec import JobSpec
     from atomd.train.trainer import Trainer
 
@@ -336,6 +349,34 @@ def bench_swap(
         resident_blocks=resident_blocks,
         gpu_mem=gpu_mem,
     )
+    typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
+
+
+@bench_app.command("sync")
+def bench_sync(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="A smoke test: fewer, smaller steps (under a minute).")
+    ] = False,
+    runs: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated run names (default: all; see the bench's docstring)."),
+    ] = None,
+    workers: Annotated[
+        int, typer.Option(help="Processes of one thread each; 0 runs in this process.")
+    ] = 2,
+    json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
+) -> None:
+    """Simulated 4-peer swarms on the tiny GPT: val loss, bytes per round, anchor divergence."""
+    try:
+        from bench.sync import run as run_sync_bench
+    except ImportError:
+        fail("atomd bench needs the bench/ package (a source checkout or `pip install -e .`)")
+    try:
+        result = run_sync_bench(
+            quick=quick, runs=runs.split(",") if runs else None, workers=workers
+        )
+    except ValueError as e:
+        fail(str(e))
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
 
 

@@ -71,3 +71,11 @@ class WireError(AtomdError):
     def __init__(self, reason: str, message: str = "") -> None:
         super().__init__(f"{reason}: {message}" if message else reason)
         self.reason = reason
+
+
+class SpecError(ConfigError):
+    """A job spec is valid in form but cannot run here; ``field`` names the culprit."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field

@@ -34,16 +34,16 @@ from atomd.data.sources import check_source, shard_for_peer
 from atomd.db import repo
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
 from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
-from atomd.errors import AtomdError, ConfigError, JobConflictError, NotFoundError
+from atomd.errors import AtomdError, DataError, JobConflictError, NotFoundError, SpecError
 from atomd.logs import get_logger
 from atomd.model import get_preset
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
-from atomd.train.checkpoint import checkpoint_root, sha256_file
+from atomd.train.checkpoint import checkpoint_root, list_checkpoints, sha256_file
 from atomd.train.metrics import StepReport, read_metrics
 
 if TYPE_CHECKING:  # torch loads when the first job trains, not when the daemon starts
-    from atomd.train.trainer import TrainSummary
+    from atomd.train.trainer import RoundPlugin, TrainSummary
 
 log = get_logger(__name__)
 
@@ -58,6 +58,8 @@ class SwarmLink(Protocol):
     def announce(self, advert: dict[str, Any]) -> None: ...
     def broadcast_stop(self, job_id: str) -> None: ...
     async def fetch_state(self, job_id: str, donors: list[str], root: Path) -> int | None: ...
+    def job_donors(self, job_id: str) -> list[str]: ...
+    def sync_plugin(self, job_id: str, spec: JobSpec) -> RoundPlugin: ...
 
 
 @dataclass
@@ -93,6 +95,8 @@ class ActiveJob:
     queue: asyncio.Queue[_Message] = field(default_factory=asyncio.Queue)
     stop_reason: str | None = None  # set when a person or the swarm asked it to stop
     tokens_seen: int = 0
+    plugin: RoundPlugin | None = None  # the delta exchange (swarm jobs)
+    adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -120,13 +124,17 @@ def _parameters(preset: str) -> int:
 
 def admit(spec: JobSpec) -> None:
     """Refuse, with the reason, a job that cannot start here (before anything is queued)."""
-    check_source(spec.data)
+    try:
+        check_source(spec.data)
+    except DataError as e:
+        raise SpecError(str(e), field="data") from None
     need = _parameters(spec.preset) * TRAIN_BYTES_PER_PARAMETER
     have = host_memory_available()
     if have is not None and need > have:
-        raise ConfigError(
+        raise SpecError(
             f"preset {spec.preset!r} needs about {need / 2**30:.1f} GiB of host memory for its "
-            f"weights, gradients and AdamW state; this host has {have / 2**30:.1f} GiB available"
+            f"weights, gradients and AdamW state; this host has {have / 2**30:.1f} GiB available",
+            field="preset",
         )
 
 
@@ -374,6 +382,8 @@ class JobManager:
             on_checkpoint=lambda path, step: send(_Saved(path, step)),
             stop_event=active.stop_event,
             data_seed=data_seed(self.peer_id, active.spec.seed),
+            plugin=active.plugin,
+            adopt_step=active.adopt_step,
         )
         if active.resume:
             rows = read_metrics(trainer.metrics.path) if trainer.metrics.path.exists() else []
@@ -384,14 +394,10 @@ class JobManager:
     async def _drive(self, active: ActiveJob) -> None:
         loop = asyncio.get_running_loop()
         try:
-            if active.donors and self.swarm is not None:
-                root = checkpoint_root(active.out_dir)
-                try:
-                    step = await self.swarm.fetch_state(active.id, active.donors, root)
-                except AtomdError as e:
-                    await self._set_state(active.id, "failed", str(e), "job.failed", str(e))
+            if active.scope == "swarm" and self.swarm is not None:
+                if not await self._take_swarm_state(active):
                     return
-                log.info("job %s starts from %s", active.id, f"step {step}" if step else "its seed")
+                active.plugin = self.swarm.sync_plugin(active.id, active.spec)
             fut = loop.run_in_executor(self._executor, self._train_blocking, active, loop)
             while not fut.done() or not active.queue.empty():
                 getter = asyncio.ensure_future(active.queue.get())
@@ -409,6 +415,36 @@ class JobManager:
             self.active = None
             if not self._closing.is_set():
                 self.telemetry.job_state.state("none")
+
+    async def _take_swarm_state(self, active: ActiveJob) -> bool:
+        """Before a swarm job trains here: fetch the swarm's newest state from a peer that
+        trains it, when that is newer than our own checkpoint. False if the job failed."""
+        assert self.swarm is not None
+        donors = active.donors
+        if not donors and active.resume:
+            # Restarted: give the membership a moment to hear who trains the job now.
+            for _ in range(20):
+                donors = self.swarm.job_donors(active.id)
+                if donors or self._closing.is_set():
+                    break
+                await asyncio.sleep(0.25)
+        if not donors:
+            return True
+        root = checkpoint_root(active.out_dir)
+        own = await asyncio.to_thread(list_checkpoints, root)
+        own_step = int(own[0].name.split("-")[1]) if own else 0
+        try:
+            step = await self.swarm.fetch_state(active.id, donors, root)
+        except AtomdError as e:
+            if own:  # our own checkpoint still serves: resume from it
+                log.warning("job %s: %s; resuming from our own checkpoint", active.id, e)
+                return True
+            await self._set_state(active.id, "failed", str(e), "job.failed", str(e))
+            return False
+        if step is not None and step >= own_step:
+            active.adopt_step = step
+            log.info("job %s continues from the swarm's state at step %d", active.id, step)
+        return True
 
     async def _record(self, active: ActiveJob, items: Sequence[_Message]) -> None:
         points: list[ProgressPoint] = []

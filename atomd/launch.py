@@ -141,7 +141,12 @@ def peer_id(d: DaemonProcess) -> str:
 
 
 def start_swarm(root: Path, n: int, **kw: Any) -> list[DaemonProcess]:
-    """``n`` daemons, the first the seed of the others, started concurrently, all ready."""
+    """``n`` daemons, the first the seed of the others, started concurrently, all ready.
+
+    They share this machine's cores: each gets its share of torch threads, since OpenMP
+    threads spinning against each other make every daemon many times slower."""
+    threads = max(1, (os.cpu_count() or 1) // n)
+    kw["env"] = {"OMP_NUM_THREADS": str(threads), **kw.get("env", {})}
     seed = DaemonProcess(root / "peer0", **kw).start()
     rest = [
         DaemonProcess(root / f"peer{i}", extra_args=["--seed", seed.peer_url], **kw)

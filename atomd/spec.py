@@ -24,6 +24,39 @@ DEFAULT_LR: dict[str, float] = {
 }
 
 
+class SyncSpec(BaseModel):
+    """How peers of a swarm job exchange progress: compressed weight deltas every H steps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every: int = Field(50, ge=1, description="H: inner steps between rounds (delta exchanges).")
+    codec: Literal["fp32", "bf16", "int8", "topk"] = Field(
+        "topk", description="Delta codec; all keep what they drop for the next round."
+    )
+    topk_fraction: float = Field(
+        0.01, gt=0, le=1, description="Share of each tensor's entries the topk codec sends."
+    )
+    # Defaults measured by `atomd bench sync` (bench/sync.py): with few rounds and deltas that
+    # arrive a round late, DiLoCo's Nesterov step (lr 0.7, momentum 0.9) overshoots; the plain
+    # average (lr 1, momentum 0) does better for every codec.
+    outer_lr: float = Field(1.0, gt=0, le=10, description="Outer (merge) learning rate.")
+    outer_momentum: float = Field(
+        0.0, ge=0, lt=1, description="Nesterov momentum of the outer step (0: plain average)."
+    )
+    residual: Literal["replica", "feedback"] = Field(
+        "replica",
+        description="Where the part of a delta a lossy codec did not send waits for the next "
+        "round: 'replica' (error reset: the replica keeps it and trains on) or 'feedback' "
+        "(error feedback: the sender adds it to its next delta; the replica restarts from the "
+        "anchor).",
+    )
+    ef_decay: float = Field(1.0, gt=0, le=1, description="Decay of the unsent residual per round.")
+    max_staleness: int = Field(
+        4, ge=0, description="Rounds a delta may lag behind before it is refused."
+    )
+    zstd: bool = Field(True, description="zstd on top of the codec where it shrinks the bytes.")
+
+
 class JobSpec(BaseModel):
     """A training job. Unknown fields are an error, so a typo never passes silently."""
 
@@ -59,6 +92,9 @@ class JobSpec(BaseModel):
     val_fraction: float = Field(0.05, gt=0, lt=1, description="Tail of the data held out.")
     shard_index: int = Field(0, ge=0, description="This peer's data shard.")
     num_shards: int = Field(1, ge=1, description="Number of data shards.")
+    sync: SyncSpec = Field(
+        default_factory=SyncSpec, description="Delta exchange with the swarm's other peers."
+    )
     shard_mode: Literal["interleaved", "contiguous"] = Field(
         "interleaved",
         description="Deal chunks round-robin, or give each shard one contiguous part.",

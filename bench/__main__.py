@@ -7,13 +7,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench import healthz, membership, swap, train_tiny
+from bench import healthz, membership, swap, sync, train_tiny
 
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "train_tiny": train_tiny.run,
     "healthz": healthz.run,
     "swap": swap.run,
     "membership": membership.run,
+    "sync": sync.run,
 }
 
 

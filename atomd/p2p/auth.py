@@ -447,6 +447,10 @@ def _detail(body: bytes | None) -> str:
     return (text[:200] + "...") if len(text) > 200 else text or "(empty body)"
 
 
+_JSON = "application/json"
+_OCTETS = "application/octet-stream"
+
+
 class PeerClient:
     """Calls other daemons' peer planes, signing every request. One pooled HTTP client.
 
@@ -482,6 +486,12 @@ class PeerClient:
         body = json.dumps(payload, separators=(",", ":")).encode()
         return await self._json("POST", base_url, path, body, timeout)
 
+    async def post_bytes(
+        self, base_url: str, path: str, body: bytes, *, timeout: float | None = None
+    ) -> Any:
+        """POST raw bytes (a delta frame) to ``base_url + path``; the decoded JSON answer."""
+        return await self._json("POST", base_url, path, body, timeout, _OCTETS)
+
     async def get_json(self, base_url: str, path: str, *, timeout: float | None = None) -> Any:
         """GET ``base_url + path``; the decoded JSON answer."""
         return await self._json("GET", base_url, path, b"", timeout)
@@ -494,13 +504,19 @@ class PeerClient:
         return self._open(method, base_url, path, b"", timeout)
 
     async def _json(
-        self, method: str, base_url: str, path: str, body: bytes, timeout: float | None
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: bytes,
+        timeout: float | None,
+        content_type: str = _JSON,
     ) -> Any:
         limit = self._timeout if timeout is None else timeout
         try:
             async with (
                 asyncio.timeout(limit),
-                self._open(method, base_url, path, body, limit) as response,
+                self._open(method, base_url, path, body, limit, content_type) as response,
             ):
                 data = await _read_capped(response, _MAX_JSON_BYTES)
                 status = response.status_code
@@ -526,7 +542,13 @@ class PeerClient:
 
     @asynccontextmanager
     async def _open(
-        self, method: str, base_url: str, path: str, body: bytes, timeout: float | None
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: bytes,
+        timeout: float | None,
+        content_type: str = _JSON,
     ) -> AsyncIterator[httpx.Response]:
         method = method.upper()
         if not path.startswith("/"):
@@ -539,7 +561,7 @@ class PeerClient:
         target = url.raw_path.decode("ascii")
         headers = sign_request(self._identity, self._admission, method, target, body)
         if body:
-            headers["Content-Type"] = "application/json"
+            headers["Content-Type"] = content_type
         limit = self._timeout if timeout is None else timeout
         try:
             async with self._client.stream(

@@ -13,20 +13,27 @@ import asyncio
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.config import Settings
 from atomd.db import repo
-from atomd.errors import PeerAuthError, PeerRequestError
+from atomd.errors import NotFoundError, PeerAuthError, PeerRequestError, WireError
 from atomd.jobs import JobManager
 from atomd.logs import get_logger
 from atomd.p2p.auth import Admission, PeerClient, RequestVerifier
 from atomd.p2p.identity import Identity
 from atomd.p2p.membership import Member, Membership, PeerState, Swim, SwimConfig, Update
 from atomd.p2p.transfer import fetch_state
+from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
+
+if TYPE_CHECKING:  # the delta exchange loads torch with the first swarm job, not at start
+    from torch import Tensor
+
+    from atomd.sync.runner import RoundOut, SyncPlugin
+    from atomd.sync.wire import DeltaFrame, ReplayGuard
 
 log = get_logger(__name__)
 
@@ -103,6 +110,11 @@ class SwarmNode:
         self._changes: asyncio.Queue[tuple[Update, PeerState | None]] = asyncio.Queue()
         self._tg: asyncio.TaskGroup | None = None
         self._lan: list[str] = []
+        # job id -> peer id -> when we last heard that peer train it (monotonic seconds)
+        self._job_peers: dict[str, dict[str, float]] = {}
+        self.plugins: dict[str, SyncPlugin] = {}
+        self._replay_guard: ReplayGuard | None = None
+        self._received_bytes: dict[tuple[str, str, int], int] = {}
 
     @property
     def peer_id(self) -> str:
@@ -227,6 +239,8 @@ class SwarmNode:
 
     def _on_message(self, sender: str, msg: dict[str, Any]) -> None:
         advert = msg.get("job")
+        if isinstance(advert, dict) and isinstance(advert.get("id"), str):
+            self._job_peers.setdefault(advert["id"], {})[sender] = time.monotonic()
         if isinstance(advert, dict) and self.settings.auto_join:
             member = self.membership.get(sender)
             donors = [member.url] if member is not None else []
@@ -261,3 +275,141 @@ class SwarmNode:
 
     async def fetch_state(self, job_id: str, donors: list[str], root: Path) -> int | None:
         return await fetch_state(self.client, donors, job_id, root)
+
+    # -- delta exchange ---------------------------------------------------------------------------
+
+    def job_peers(self, job_id: str) -> list[Member]:
+        """Live members heard training ``job_id`` recently (this daemon excluded)."""
+        window = max(15.0, 30 * self.settings.gossip_interval)
+        now = time.monotonic()
+        heard = self._job_peers.get(job_id, {})
+        out = []
+        for pid, at in heard.items():
+            m = self.membership.get(pid)
+            fresh = now - at <= window
+            if fresh and m is not None and m is not self.membership.me and m.state == "alive":
+                out.append(m)
+        return out
+
+    def job_donors(self, job_id: str) -> list[str]:
+        return [m.url for m in self.job_peers(job_id)]
+
+    def sync_plugin(self, job_id: str, spec: JobSpec) -> SyncPlugin:
+        """The trainer-thread side of the delta exchange of one job, wired to this node."""
+        from atomd.sync.runner import SyncPlugin
+
+        loop = asyncio.get_running_loop()
+
+        def send(out: RoundOut) -> None:  # called on the trainer thread
+            loop.call_soon_threadsafe(self._spawn, self._deliver(out), f"round-{out.step}")
+
+        plugin = SyncPlugin(
+            job_id=job_id,
+            spec=spec.sync,
+            identity=self.identity,
+            n_peers=lambda: 1 + len(self.job_peers(job_id)),
+            send=send,
+        )
+        self.plugins[job_id] = plugin
+        return plugin
+
+    async def _deliver(self, out: RoundOut) -> None:
+        """Send one round's frame to every peer training the job; record what happened."""
+        plugin = self.plugins.get(out.job_id)
+        raw = out.outgoing.raw_bytes
+        codec = plugin.spec.codec if plugin else "?"
+        await self._record_merge(out, codec, raw)
+        targets = self.job_peers(out.job_id)
+
+        async def one(m: Member) -> tuple[Member, str | None]:
+            path = f"/p2p/v1/jobs/{out.job_id}/deltas"
+            for attempt in range(2):
+                try:
+                    await self.client.post_bytes(m.url, path, out.frame, timeout=30.0)
+                    return m, None
+                except PeerRequestError as e:
+                    if e.status is not None and 400 <= e.status < 500:
+                        return m, str(e)  # refused: retrying the same frame cannot help
+                    if attempt == 1:
+                        return m, str(e)
+                    await asyncio.sleep(0.5)
+            return m, "unreachable"
+
+        results = await asyncio.gather(*(one(m) for m in targets))
+        async with self.sessions() as s, s.begin():
+            for m, error in results:
+                await repo.add_round(
+                    s, job_id=out.job_id, round=out.outgoing.round, direction="sent",
+                    peer_id=m.id, bytes=len(out.frame), codec=codec,
+                    compression_ratio=raw / len(out.frame), staleness=None,
+                    applied=error is None, reason=error,
+                )  # fmt: skip
+                if error is None:
+                    self.telemetry.bytes_sent.inc(len(out.frame))
+                self.telemetry.rounds.labels("sent", str(error is None).lower()).inc()
+
+    async def _record_merge(self, out: RoundOut, codec: str, raw: int) -> None:
+        rows = [(a.sender, a.round, a.staleness, True, None) for a in out.merge.applied] + [
+            (r.sender, r.round, None, False, r.reason) for r in out.merge.refused
+        ]
+        if not rows:
+            return
+        async with self.sessions() as s, s.begin():
+            for sender, rnd, staleness, applied, reason in rows:
+                size = self._received_bytes.pop((out.job_id, sender, rnd), 0)
+                await repo.add_round(
+                    s, job_id=out.job_id, round=rnd, direction="received", peer_id=sender,
+                    bytes=size, codec=codec, compression_ratio=raw / size if size else 0.0,
+                    staleness=staleness, applied=applied, reason=reason,
+                )  # fmt: skip
+                self.telemetry.rounds.labels("received", str(applied).lower()).inc()
+
+    def max_frame_bytes(self, job_id: str) -> int:
+        plugin = self.plugins.get(job_id)
+        if plugin is None or plugin.state is None:
+            return 0
+        # Every codec is at most fp32-sized; headroom for framing and the header.
+        return int(plugin.state.numel * 4 * 1.05) + (2 << 20)
+
+    async def receive_delta(self, job_id: str, body: bytes, signer: str) -> int:
+        """Check and queue one frame for the next round boundary; raises WireError (recorded)
+        or NotFoundError. Nothing reaches the model unless every check passed."""
+        from atomd.sync.state import Contribution
+        from atomd.sync.wire import FrameDecoder, ReplayGuard, decode_tensors
+
+        plugin = self.plugins.get(job_id)
+        if plugin is None or plugin.state is None or self.jobs.advert() is None:
+            raise NotFoundError(f"not training job {job_id} here")
+        if self._replay_guard is None:
+            self._replay_guard = ReplayGuard()
+        decoder = FrameDecoder(
+            job_id=job_id,
+            public_key_of=lambda pid: m.public_key if (m := self.membership.get(pid)) else None,
+            expected_shapes=plugin.expected_shapes,
+            max_bytes=self.max_frame_bytes(job_id),
+            seen=self._replay_guard,
+        )
+
+        def decode() -> tuple[DeltaFrame, dict[str, Tensor]]:
+            for i in range(0, len(body), 1 << 20):
+                decoder.feed(body[i : i + (1 << 20)])
+            frame = decoder.finish()
+            if frame.sender != signer:
+                raise WireError("bad_signature", f"frame of {frame.sender} sent by {signer}")
+            return frame, decode_tensors(frame, plugin.expected_shapes)
+
+        try:
+            frame, tensors = await asyncio.to_thread(decode)
+        except WireError as e:
+            async with self.sessions() as s, s.begin():
+                await repo.add_round(
+                    s, job_id=job_id, round=-1, direction="received", peer_id=signer,
+                    bytes=len(body), codec=plugin.spec.codec, compression_ratio=0.0,
+                    staleness=None, applied=False, reason=str(e),
+                )  # fmt: skip
+            self.telemetry.rounds.labels("received", "false").inc()
+            raise
+        self._received_bytes[(job_id, frame.sender, frame.round)] = frame.wire_bytes
+        self.telemetry.bytes_received.inc(frame.wire_bytes)
+        plugin.inbox.put(Contribution(frame.sender, frame.round, frame.base_version, tensors))
+        return frame.wire_bytes

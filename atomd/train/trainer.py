@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from atomd import __version__
@@ -32,6 +33,16 @@ from atomd.train.engine import StepEngine
 from atomd.train.metrics import MetricsLog, StepReport
 
 log = get_logger(__name__)
+
+
+class RoundPlugin(Protocol):
+    """Something that acts on the replica between steps (the swarm's delta exchange)."""
+
+    def attach(self, engine: StepEngine) -> None: ...
+    def after_step(self, step: int) -> None: ...
+    def state_tensors(self) -> dict[str, Tensor]: ...
+    def load_state_tensors(self, tensors: dict[str, Tensor]) -> bool: ...
+    def adopt(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,8 @@ class Trainer:
         dataset: TokenDataset | None = None,
         on_checkpoint: Callable[[Path, int], None] | None = None,
         data_seed: int | None = None,
+        plugin: RoundPlugin | None = None,
+        adopt_step: int | None = None,
     ) -> None:
         self.spec = spec
         self.out_dir = out_dir
@@ -75,6 +88,10 @@ class Trainer:
         # Peers of one swarm job share spec.seed (the same initial weights) but must not draw
         # the same batches: the daemon passes a seed derived from its peer id.
         self.data_seed = spec.seed if data_seed is None else data_seed
+        self.plugin = plugin
+        # A checkpoint at this step came from another peer (state transfer): train from its
+        # anchor, not its replica (see SyncPlugin.adopt).
+        self.adopt_step = adopt_step
         self.stop_event = stop_event or threading.Event()
         self.ckpt_root = ckpt.checkpoint_root(out_dir)
         self.metrics = MetricsLog(out_dir / "metrics.jsonl")
@@ -101,6 +118,8 @@ class Trainer:
         )
         # Resident or swapped, and the swap plan: recorded with the run and every checkpoint.
         self.plan = engine_plan(self.engine, spec, self.device)
+        if plugin is not None:
+            plugin.attach(self.engine)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "plan.json").write_text(json.dumps(self.plan, indent=2) + "\n")
         self.start_step = 0
@@ -123,6 +142,10 @@ class Trainer:
             )
         self.engine.load_tensors(found.model, found.state)
         ckpt.set_rng_state(found.state)
+        if self.plugin is not None:
+            has_sync_state = self.plugin.load_state_tensors(found.state)
+            if has_sync_state and found.step == self.adopt_step:
+                self.plugin.adopt()
         self.start_step = found.step
         self.last_checkpoint = found.path
         self.metrics.truncate_after(found.step)
@@ -139,6 +162,8 @@ class Trainer:
             "plan": self.plan,
         }
         state = {**self.engine.optimizer_tensors(), **ckpt.rng_state()}
+        if self.plugin is not None:
+            state.update(self.plugin.state_tensors())
         path = ckpt.save_checkpoint(
             self.ckpt_root,
             step=step,
@@ -179,6 +204,8 @@ class Trainer:
                         f"{self.last_checkpoint or 'none'} (lower the learning rate and resume)"
                     )
                 step += 1
+                if self.plugin is not None:  # a round boundary: merge, reset, send
+                    self.plugin.after_step(step)
                 window_time += time.perf_counter() - t0
                 window_tokens += spec.tokens_per_step
                 val_loss = None

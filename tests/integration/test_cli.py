@@ -94,3 +94,15 @@ def test_missing_data_and_checkpoint_are_clear_errors(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "not found" in proc.stderr
     proc = run("sample", "--checkpoint", str(tmp_path))
     assert proc.returncode == 2 and "no checkpoint" in proc.stderr
+
+
+def test_swarm_demo_runs_to_the_end(tmp_path: Path) -> None:
+    """What `make demo` runs, on a small budget: daemons start, train together, stop cleanly."""
+    proc = run("demo", "--out", str(tmp_path), "--peers", "2", "--max-steps", "24",
+               "--every", "8", timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the job has finished on every peer" in proc.stdout
+    assert "all daemons stopped" in proc.stdout
+    last = [line for line in proc.stdout.splitlines() if "deltas merged" in line][-2:]
+    assert all("finished" in line for line in last)
+    assert any("deltas merged   0" not in line for line in last)  # deltas were merged

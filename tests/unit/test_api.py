@@ -90,7 +90,9 @@ async def test_errors_have_one_shape(make_client: Factory) -> None:
 async def test_refuses_jobs_that_cannot_run_here(make_client: Factory, tmp_path: Path) -> None:
     c = await make_client()
     r = await c.post("/v1/jobs", json={"data": str(tmp_path / "missing.txt")})
-    assert r.status_code == 422 and "not found" in r.json()["detail"]
+    assert r.status_code == 422
+    [error] = r.json()["detail"]
+    assert error["loc"] == ["body", "data"] and "not found" in error["msg"]
     if (await c.get("/v1/jobs")).json():
         raise AssertionError("a refused job must leave no record")
 

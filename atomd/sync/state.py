@@ -1,0 +1,370 @@
+"""One peer's sync state for one job: anchor, outer optimizer, error feedback, round boundary.
+
+Transport-agnostic: the daemon's trainer thread calls ``round_boundary`` every H inner steps with
+the deltas its inbox holds and ships the returned ``Outgoing`` to the swarm; the benchmark
+(``bench/sync.py``) calls it with simulated deliveries. Nothing here knows about the network.
+
+A round r closes, for a peer whose anchor holds every round before r-1, like this:
+1. own delta = replica - start point of the round; compressed. What receivers reconstruct
+   (``sent``) is what this peer merges too, so all peers sum the same deltas.
+2. each received delta's staleness s = version - base_version; refused beyond ``max_staleness``,
+   otherwise weighted by ``outer.staleness_weight(s)`` (1 for s <= 1).
+3. *commit*: the deltas of every round before r (own and received), and those of round r when
+   a synchronous swarm has all ``n_peers`` of them (``prepare``/``merge``), make one outer gradient
+   g = -(1/n_peers) * sum_j w_j * delta_j and one outer step on the anchor.
+4. the deltas of round r still incomplete stay *pending*: the replica restarts from
+   ``anchor + outer_lr/n_peers * pending`` (the freshest model this peer knows), while the anchor
+   waits a round for the late ones. So when every delta arrives within a round, every peer
+   commits the same sums and the anchors agree; the start points differ only by deltas in flight.
+5. the unsent part of a lossy codec's delta waits for the next round either in the replica
+   (``residual="replica"``, error reset as in CSER: the replica restarts from the start point plus
+   ``ef_decay`` times the residual and the next delta carries it) or in the error feedback
+   (``residual="feedback"``: the replica restarts from the start point, the residual is added to
+   the next delta). Inner optimizer state (AdamW) is not touched: it carries over (DiLoCo).
+
+With fp32, no momentum, outer lr 1 and a synchronous swarm a round makes the anchor the mean of
+the replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from atomd.logs import get_logger
+from atomd.spec import SyncSpec
+from atomd.sync.codecs import Encoded, ErrorFeedback, decode, make_codec
+from atomd.sync.outer import NesterovOuter, staleness_weight
+
+log = get_logger(__name__)
+
+_ANCHOR, _MOMENTUM, _EF = "anchor.", "outer.momentum.", "ef."
+_PENDING, _PENDING_COUNT = "pending.", "pending_count."
+_VERSION, _ROUND, _N_PEERS = "sync.version", "sync.round", "sync.n_peers"
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """A delta received from another peer, decoded: ``replica - anchor`` of the sender."""
+
+    sender: str
+    round: int
+    base_version: int
+    tensors: dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """What a round boundary hands to the transport: this peer's encoded delta.
+
+    ``raw_bytes`` is the delta's size as fp32; ``wire_ratio`` is ``raw_bytes`` over the encoded
+    payload bytes (what the codec saved; framing not included).
+    """
+
+    round: int
+    base_version: int
+    tensors: list[tuple[str, Encoded]]
+    raw_bytes: int
+    wire_ratio: float
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(enc.payload) for _, enc in self.tensors)
+
+
+@dataclass(frozen=True)
+class AppliedDelta:
+    sender: str
+    round: int
+    staleness: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class RefusedDelta:
+    sender: str
+    round: int
+    reason: str
+
+
+@dataclass
+class MergeReport:
+    """What one round boundary did with its inbox (for the sync-rounds records)."""
+
+    version: int
+    applied: list[AppliedDelta] = field(default_factory=list)
+    refused: list[RefusedDelta] = field(default_factory=list)
+
+
+class SyncState:
+    """Anchor, outer-optimizer state and error feedback of one peer for one job."""
+
+    def __init__(self, params: Mapping[str, Tensor], spec: SyncSpec, *, peer_id: str = "") -> None:
+        """``params``: the replica's live parameter tensors (any device, any float dtype).
+
+        The anchor is a CPU fp32 copy of them; the replica is written back to in place.
+        ``peer_id`` is the id receivers see as ``Contribution.sender``.
+        """
+        bad = [n for n, p in params.items() if not p.is_floating_point()]
+        if bad:
+            raise ValueError(f"sync needs floating-point tensors; not: {', '.join(bad)}")
+        self.spec = spec
+        self.peer_id = peer_id
+        self.params = dict(params)
+        with torch.no_grad():
+            self.anchor = {
+                n: p.detach().to("cpu", torch.float32, copy=True) for n, p in params.items()
+            }
+        self.codec = make_codec(spec.codec, topk_fraction=spec.topk_fraction, zstd=spec.zstd)
+        self.feedback = ErrorFeedback(self.codec, decay=spec.ef_decay)
+        self.outer = NesterovOuter(lr=spec.outer_lr, momentum=spec.outer_momentum)
+        self.version = 0  # rounds closed; round r's deltas carry base_version r
+        self.round = 0  # rounds this peer has sent (its own counter; differs after a join)
+        self.last_merge = MergeReport(version=0)
+        # base_version -> weighted sum of that round's deltas not committed yet, and how many.
+        self._pending: dict[int, dict[str, Tensor]] = {}
+        self._pending_count: dict[int, int] = {}
+        self._n_peers = 1  # as of the last merge: scales the pending deltas in the start point
+        self._seen: set[tuple[str, int]] = set()  # (sender, base_version) merged recently
+        # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
+        self._sent: dict[str, Tensor] | None = None
+        self._kept: dict[str, Tensor] = {}
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.anchor.values())
+
+    def staleness(self, c: Contribution) -> int:
+        """Rounds a delta lags behind this peer's (0 when it is not behind)."""
+        return max(0, self.version - c.base_version)
+
+    def refusal(self, c: Contribution) -> str | None:
+        """Why a received delta cannot be merged now, or None when it can."""
+        s = self.version - c.base_version
+        if s > self.spec.max_staleness:
+            return (
+                f"stale: base version {c.base_version} lags {s} rounds behind version "
+                f"{self.version}; at most {self.spec.max_staleness} allowed"
+            )
+        if (c.sender, c.base_version) in self._seen:
+            return f"duplicate: a delta from {c.sender} on base version {c.base_version} was merged"
+        missing = sorted(set(self.anchor) - set(c.tensors))
+        extra = sorted(set(c.tensors) - set(self.anchor))
+        if missing or extra:
+            return f"tensors do not fit the model: missing {missing[:5]}, unexpected {extra[:5]}"
+        for name, t in c.tensors.items():
+            want = self.anchor[name].shape
+            if t.shape != want:
+                return f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(want)}"
+            if not bool(torch.isfinite(t).all()):
+                return f"tensor {name} holds NaN or Inf"
+        return None
+
+    def round_boundary(self, inbox: Sequence[Contribution], *, n_peers: int) -> Outgoing:
+        """Close this peer's round: compress its delta, merge it with ``inbox``, step the anchor.
+
+        ``n_peers``: peers training the job (this one included). Returns the encoded delta to
+        send; ``last_merge`` says what was applied or refused and why.
+        """
+        out = self.prepare()
+        # Asynchronous: a peer holding a whole round cannot know the others do, so rounds are
+        # committed a round later everywhere (alone, there is no one to disagree with).
+        self.merge(inbox, n_peers=n_peers, commit_complete=n_peers == 1)
+        return out
+
+    @torch.no_grad()
+    def prepare(self) -> Outgoing:
+        """First half of a round boundary: encode this peer's delta.
+
+        A synchronous swarm sends this, waits for the others' deltas of the round, then calls
+        ``merge``; the replica must not train in between.
+        """
+        if self._sent is not None:
+            raise RuntimeError("prepare() called twice without merge()")
+        start = self.start_point()
+        encoded: list[tuple[str, Encoded]] = []
+        sent: dict[str, Tensor] = {}
+        raw_bytes = 0
+        for name, p in self.params.items():
+            delta = p.detach().to("cpu", torch.float32) - start[name]
+            if self.spec.residual == "replica":
+                enc = self.codec.encode(delta)
+                reconstructed = decode(enc)
+                self._kept[name] = delta - reconstructed.reshape(delta.shape)
+            else:
+                enc, reconstructed = self.feedback.compress(name, delta)
+            encoded.append((name, enc))
+            sent[name] = reconstructed.to("cpu", torch.float32).reshape(delta.shape).clone()
+            raw_bytes += delta.numel() * 4
+        self._sent = sent
+        return Outgoing(
+            round=self.round,
+            base_version=self.version,
+            tensors=encoded,
+            raw_bytes=raw_bytes,
+            wire_ratio=raw_bytes / max(1, sum(len(e.payload) for _, e in encoded)),
+        )
+
+    @torch.no_grad()
+    def merge(
+        self, inbox: Sequence[Contribution], *, n_peers: int, commit_complete: bool = True
+    ) -> MergeReport:
+        """Second half: merge the own delta and ``inbox``, commit what is due, reset the replica.
+
+        ``commit_complete``: commit this round at once when all ``n_peers`` deltas are in (a
+        synchronous swarm, where every peer has them). ``round_boundary`` passes False unless the
+        peer is alone: in an asynchronous swarm a peer that happens to hold a whole round cannot
+        know the others do, so every round is committed one round later everywhere and the
+        anchors stay equal.
+        """
+        if n_peers < 1:
+            raise ValueError(f"n_peers must be >= 1, got {n_peers}")
+        if self._sent is None:
+            raise RuntimeError("merge() needs prepare() first")
+        own, self._sent = self._sent, None
+        report = MergeReport(version=self.version)
+        self._add_pending(self.version, own, 1.0)
+        self._seen.add((self.peer_id, self.version))
+        for c in inbox:
+            reason = self.refusal(c)
+            if reason is not None:
+                report.refused.append(RefusedDelta(c.sender, c.round, reason))
+                log.info("delta from %s (round %d) refused: %s", c.sender, c.round, reason)
+                continue
+            s = self.staleness(c)
+            w = staleness_weight(s)
+            self._add_pending(c.base_version, c.tensors, w)
+            self._seen.add((c.sender, c.base_version))
+            report.applied.append(AppliedDelta(c.sender, c.round, s, w))
+        # Commit every earlier round, and this one once all its deltas are in.
+        due = sorted(
+            b
+            for b in self._pending
+            if b < self.version
+            or (commit_complete and b == self.version and self._pending_count[b] >= n_peers)
+        )
+        if due:
+            grads: dict[str, Tensor] = {}
+            for name, a in self.anchor.items():
+                g = torch.zeros_like(a)
+                for b in due:
+                    g.add_(self._pending[b][name])
+                grads[name] = g.mul_(-1.0 / n_peers)  # g = -(1/n_peers) * sum_j w_j delta_j
+            self.outer.step(self.anchor, grads)
+            for b in due:
+                del self._pending[b], self._pending_count[b]
+        self._n_peers = n_peers
+        self._restart_replica(keep=self._kept)
+        self._kept = {}
+        self.version += 1
+        self.round += 1
+        floor = self.version - self.spec.max_staleness
+        self._seen = {key for key in self._seen if key[1] >= floor}
+        self.last_merge = report
+        return report
+
+    def _add_pending(self, base_version: int, tensors: Mapping[str, Tensor], w: float) -> None:
+        acc = self._pending.get(base_version)
+        if acc is None:
+            acc = self._pending[base_version] = {
+                n: torch.zeros_like(a) for n, a in self.anchor.items()
+            }
+            self._pending_count[base_version] = 0
+        for name, t in tensors.items():
+            acc[name].add_(t.to("cpu", torch.float32).reshape(acc[name].shape), alpha=w)
+        self._pending_count[base_version] += 1
+
+    def start_point(self) -> dict[str, Tensor]:
+        """Where the replica restarts: the anchor plus the pending deltas, as a plain step."""
+        if not self._pending:
+            return self.anchor
+        scale = self.spec.outer_lr / self._n_peers
+        out = {}
+        for name, a in self.anchor.items():
+            t = a.clone()
+            for acc in self._pending.values():
+                t.add_(acc[name], alpha=scale)
+            out[name] = t
+        return out
+
+    @torch.no_grad()
+    def _restart_replica(self, *, keep: Mapping[str, Tensor]) -> None:
+        start = self.start_point()
+        for name, p in self.params.items():
+            kept = keep.get(name)
+            if kept is None:
+                p.copy_(start[name])
+            else:
+                p.copy_(start[name].add(kept, alpha=self.spec.ef_decay))
+
+    def reset_replica(self) -> None:
+        """Copy the start point (anchor plus pending deltas) into the replica, in place."""
+        self._restart_replica(keep={})
+
+    def divergence(self, other_anchor: Mapping[str, Tensor]) -> float:
+        """Relative L2 distance ``|a - b| / |a|`` between this anchor and another, all tensors."""
+        diff = norm = 0.0
+        for name, a in self.anchor.items():
+            b = other_anchor[name].to("cpu", torch.float32)
+            diff += float((a - b).double().square().sum())
+            norm += float(a.double().square().sum())
+        return math.sqrt(diff) / max(math.sqrt(norm), 1e-30)
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        """Anchor, pending deltas, outer momentum, error-feedback residuals, counters (CPU)."""
+        out = {_ANCHOR + n: t.clone() for n, t in self.anchor.items()}
+        out.update({_MOMENTUM + n: t for n, t in self.outer.state_tensors().items()})
+        out.update(
+            {_EF + n: t.detach().cpu().clone() for n, t in self.feedback.state_tensors().items()}
+        )
+        for b, acc in self._pending.items():
+            out.update({f"{_PENDING}{b}.{n}": t.clone() for n, t in acc.items()})
+            out[f"{_PENDING_COUNT}{b}"] = torch.tensor(self._pending_count[b], dtype=torch.int64)
+        out[_VERSION] = torch.tensor(self.version, dtype=torch.int64)
+        out[_ROUND] = torch.tensor(self.round, dtype=torch.int64)
+        out[_N_PEERS] = torch.tensor(self._n_peers, dtype=torch.int64)
+        return out
+
+    def load_state_tensors(self, d: Mapping[str, Tensor]) -> None:
+        """Restore what ``state_tensors`` produced (checkpoint or state transfer).
+
+        The replica is not touched: after a state transfer call ``reset_replica``.
+        """
+        anchor = {k[len(_ANCHOR) :]: t for k, t in d.items() if k.startswith(_ANCHOR)}
+        if set(anchor) != set(self.anchor):
+            missing = sorted(set(self.anchor) - set(anchor))
+            extra = sorted(set(anchor) - set(self.anchor))
+            raise ValueError(
+                f"sync state does not fit: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
+        for name, t in anchor.items():
+            if t.shape != self.anchor[name].shape:
+                raise ValueError(
+                    f"sync state anchor {name} has shape {tuple(t.shape)}, "
+                    f"expected {tuple(self.anchor[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, t in anchor.items():
+                self.anchor[name].copy_(t)
+        self.outer.load_state_tensors(
+            {k[len(_MOMENTUM) :]: t for k, t in d.items() if k.startswith(_MOMENTUM)}
+        )
+        self.feedback.load_state_tensors(
+            {k[len(_EF) :]: t for k, t in d.items() if k.startswith(_EF)}
+        )
+        self._pending, self._pending_count = {}, {}
+        for k, t in d.items():
+            if k.startswith(_PENDING_COUNT):
+                self._pending_count[int(k[len(_PENDING_COUNT) :])] = int(t)
+            elif k.startswith(_PENDING):
+                b, _, name = k[len(_PENDING) :].partition(".")
+                acc = self._pending.setdefault(int(b), {})
+                acc[name] = t.detach().to("cpu", torch.float32).clone()
+        self.version = int(d[_VERSION]) if _VERSION in d else 0
+        self.round = int(d[_ROUND]) if _ROUND in d else 0
+        self._n_peers = int(d[_N_PEERS]) if _N_PEERS in d else 1
+        self._seen = set()

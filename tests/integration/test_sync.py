@@ -1,0 +1,94 @@
+"""Three real daemons train one job and exchange compressed deltas over HTTP."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from atomd.launch import DaemonProcess, peer_id, start_swarm, wait_until
+from tests.integration.conftest import FAST_JOB
+
+SYNC_JOB = {**FAST_JOB, "max_steps": 100000, "sync": {"every": 5, "codec": "topk"}}
+
+
+def _rounds(d: DaemonProcess, jid: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{d.url}/v1/jobs/{jid}/rounds", timeout=5)
+    return list(r.json()) if r.status_code == 200 else []
+
+
+def _job(d: DaemonProcess, jid: str) -> dict[str, Any]:
+    r = httpx.get(f"{d.url}/v1/jobs/{jid}", timeout=5)
+    return dict(r.json()) if r.status_code == 200 else {}
+
+
+def _truncated_upload(d: DaemonProcess, jid: str) -> None:
+    """A sender that dies mid-upload: headers promise 50 kB, 1 kB arrives, the socket closes."""
+    with socket.create_connection(("127.0.0.1", d.listen_port), timeout=5) as s:
+        s.sendall(
+            f"POST /p2p/v1/jobs/{jid}/deltas HTTP/1.1\r\nHost: x\r\n"
+            "Content-Type: application/octet-stream\r\nContent-Length: 50000\r\n\r\n".encode()
+            + b"ATD1" + bytes(1000)
+        )  # fmt: skip
+
+
+def test_swarm_trains_with_deltas_and_survives_a_crash(tmp_path: Path) -> None:
+    ds = start_swarm(tmp_path, 3)
+    try:
+        ids = [peer_id(d) for d in ds]
+        a, b, c = ds
+        wait_until(lambda: all(len(httpx.get(d.url + "/v1/peers").json()) == 3 for d in ds),
+                   timeout=20)  # fmt: skip
+        jid = httpx.post(f"{a.url}/v1/jobs", json=SYNC_JOB, timeout=30).json()["id"]
+
+        def merged_from_both(d: DaemonProcess) -> bool:
+            got = {
+                r["peer_id"]
+                for r in _rounds(d, jid)
+                if r["direction"] == "received" and r["applied"]
+            }
+            return len(got) == 2
+
+        wait_until(lambda: all(merged_from_both(d) for d in ds), timeout=90, what="deltas merged")
+        sent = [r for r in _rounds(a, jid) if r["direction"] == "sent" and r["applied"]]
+        assert sent and all(r["codec"] == "topk" for r in sent)
+        assert min(r["compression_ratio"] for r in sent) > 20  # vs the fp32 delta
+        assert {r["peer_id"] for r in sent} == {ids[1], ids[2]}
+        metrics = httpx.get(a.url + "/metrics").text
+        assert "atomd_sync_sent_bytes_total" in metrics and "atomd_peers_alive 2.0" in metrics
+
+        # Garbage never touches a model: unsigned -> 401; a torn upload -> nothing queued.
+        r = httpx.post(f"{b.peer_url}/p2p/v1/jobs/{jid}/deltas", content=b"ATD1xx", timeout=5)
+        assert r.status_code == 401
+        _truncated_upload(b, jid)
+        assert httpx.get(b.url + "/healthz").status_code == 200
+
+        # SIGKILL one peer mid-training (and mid-round, as often as not): the others go on.
+        c_step = _job(c, jid)["step"]
+        c.signal(signal.SIGKILL)
+        c.wait(timeout=10)
+        steps = {d.url: _job(d, jid)["step"] for d in (a, b)}
+        wait_until(lambda: all(_job(d, jid)["step"] > steps[d.url] + 10 for d in (a, b)),
+                   timeout=60, what="the others train on")  # fmt: skip
+        for d in (a, b):
+            applied = [r for r in _rounds(d, jid) if r["direction"] == "received" and r["applied"]]
+            assert all(r["peer_id"] in ids for r in applied)  # only whole, signed frames
+
+        # The restarted peer rejoins, fetches the swarm's state and continues from it.
+        first_loss = httpx.get(f"{a.url}/v1/jobs/{jid}/progress").json()[0]["loss"]
+        c.start()
+        wait_until(lambda: _job(c, jid).get("state") == "running", timeout=60, what="c back")
+        fetched = re.findall(r"continues from the swarm's state at step (\d+)", c.log())
+        assert fetched and int(fetched[-1]) > c_step  # newer than anything it had itself
+        wait_until(lambda: _job(c, jid)["step"] > c_step, timeout=60)
+        progress = httpx.get(
+            f"{c.url}/v1/jobs/{jid}/progress", params={"after_step": c_step}
+        ).json()
+        assert progress and progress[0]["loss"] < first_loss - 1.0  # not from scratch
+    finally:
+        for d in ds:
+            d.stop()

@@ -1,0 +1,69 @@
+"""The sync benchmark on a tiny budget: every run kind completes and reports its fields."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from atomd.cli import app
+from bench.sync import Budget, RunSpec, default_runs, resolve_runs, run
+
+TINY = Budget(steps=12, peers=2, seq_len=32, batch_scale=0.25, every_scale=0.1, val_batches=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_quick_runs_report_their_fields() -> None:
+    runs: list[str | RunSpec] = ["topk-h50", "topk-h50-sync", "fp32-h10", "alone-b16"]
+    result = run(runs=runs, budget=TINY, workers=0, progress=None)
+    json.dumps(result)  # JSON all the way down
+    assert result["task"]["steps"] == 12
+    by_name = {r["name"]: r for r in result["runs"]}
+    assert list(by_name) == runs
+    for name in ("topk-h50", "topk-h50-sync", "fp32-h10"):
+        r = by_name[name]
+        assert r["peers"] == 2 and r["steps"] == 12 and r["rounds"] >= 2
+        assert len(r["val_loss_per_peer"]) == 2
+        assert 0 < r["val_loss"] < 6 and r["bytes_per_round"] > 0 and r["wall_s"] > 0
+        assert r["ratio_vs_fp32_model"] == pytest.approx(
+            r["model_fp32_bytes"] / r["bytes_per_round"]
+        )
+        assert r["divergence_max"] >= r["divergence_final"] >= 0
+        assert r["start_divergence_max"] >= r["start_divergence_final"] >= 0
+        assert 0 < r["val_loss_anchor"] < 6
+        # Every delta arrives within a round, so the committed anchors agree (up to rounding).
+        assert r["divergence_max"] < 1e-6
+    # Synchronous peers also restart from the same point; asynchronous ones do not.
+    assert by_name["topk-h50-sync"]["start_divergence_max"] < 1e-6
+    assert by_name["topk-h50"]["start_divergence_max"] > 1e-6
+    assert (
+        by_name["topk-h50"]["ratio_vs_fp32_model"] > 20 * by_name["fp32-h10"]["ratio_vs_fp32_model"]
+    )
+    assert by_name["alone-b16"]["codec"] is None
+    assert set(result["targets"]) >= {"loss_below_hivemind", "bytes_ratio", "async_vs_sync"}
+
+
+def test_run_names() -> None:
+    names = [r.name for r in default_runs()]
+    assert len(names) == len(set(names)) == 10
+    assert {"fp32-h50", "bf16-h50", "int8-h50", "alone-b16", "single-b64"} <= set(names)
+    assert [r.name for r in resolve_runs(None)] == names
+    assert resolve_runs(["fp32-h50-nesterov"])[0].sync["outer_momentum"] == 0.9
+    with pytest.raises(ValueError, match="unknown run"):
+        resolve_runs(["nope"])
+
+
+def test_cli_rejects_unknown_runs() -> None:
+    result = CliRunner().invoke(app, ["bench", "sync", "--runs", "nope", "--workers", "0"])
+    assert result.exit_code == 2
+    assert "unknown run" in result.output

@@ -1,0 +1,273 @@
+"""SyncState: the round boundary's merge, staleness, error feedback and state round-trip."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from atomd.spec import SyncSpec
+from atomd.sync.codecs import decode
+from atomd.sync.outer import NesterovOuter, staleness_weight
+from atomd.sync.state import Contribution, Outgoing, SyncState
+
+SHAPES = {"w": (8, 6), "b": (6,), "e": (300,)}
+
+
+def params(seed: int = 0) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def spec(**kw: Any) -> SyncSpec:
+    base: dict[str, Any] = {"codec": "fp32", "outer_lr": 1.0, "outer_momentum": 0.0}
+    base.update(kw)
+    return SyncSpec(**base)
+
+
+def swarm(n: int, s: SyncSpec) -> tuple[list[dict[str, Tensor]], list[SyncState]]:
+    """n peers from the same initial weights, each with its own live replica tensors."""
+    init = params()
+    replicas = [{k: v.clone() for k, v in init.items()} for _ in range(n)]
+    states = [SyncState(r, s, peer_id=f"p{i}") for i, r in enumerate(replicas)]
+    return replicas, states
+
+
+def train(replica: dict[str, Tensor], seed: int) -> None:
+    """Stand-in for H inner steps: move the replica in place."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    for t in replica.values():
+        t.add_(0.1 * torch.randn(t.shape, generator=g))
+
+
+def received(sender: str, out: Outgoing) -> Contribution:
+    return Contribution(
+        sender=sender,
+        round=out.round,
+        base_version=out.base_version,
+        tensors={n: decode(e) for n, e in out.tensors},
+    )
+
+
+def rel(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+    num = sum(float((a[k] - b[k]).square().sum()) for k in a)
+    return math.sqrt(num / sum(float(a[k].square().sum()) for k in a))
+
+
+def sync_round(replicas: list[dict[str, Tensor]], states: list[SyncState], rnd: int) -> None:
+    for i, r in enumerate(replicas):
+        train(r, seed=100 * rnd + i)
+    outs = [s.prepare() for s in states]
+    for i, s in enumerate(states):
+        s.merge([received(f"p{j}", o) for j, o in enumerate(outs) if j != i], n_peers=len(states))
+
+
+def test_anchor_becomes_the_mean_of_the_replicas() -> None:
+    replicas, states = swarm(3, spec())
+    for i, r in enumerate(replicas):
+        train(r, seed=i)
+    mean = {k: torch.stack([r[k] for r in replicas]).mean(0) for k in SHAPES}
+    outs = [s.prepare() for s in states]
+    for i, s in enumerate(states):
+        report = s.merge([received(f"p{j}", o) for j, o in enumerate(outs) if j != i], n_peers=3)
+        assert len(report.applied) == 2 and not report.refused
+    for s, r in zip(states, replicas, strict=True):
+        assert s.version == 1
+        for k in SHAPES:
+            torch.testing.assert_close(s.anchor[k], mean[k], rtol=0, atol=1e-6)
+            assert torch.equal(r[k], s.anchor[k])  # the replica is reset to the anchor
+    for s in states[1:]:
+        assert s.divergence(states[0].anchor) < 1e-7
+
+
+def test_replica_reset_in_place_keeps_dtype() -> None:
+    replica = {k: v.to(torch.bfloat16) for k, v in params().items()}
+    live = dict(replica)
+    state = SyncState(replica, spec())
+    train(replica, seed=0)
+    state.round_boundary([], n_peers=1)
+    for k, t in live.items():
+        assert t is replica[k] and t.dtype == torch.bfloat16
+        assert torch.equal(t, state.anchor[k].to(torch.bfloat16))
+
+
+def test_outgoing_reports_sizes() -> None:
+    replicas, states = swarm(1, spec())
+    train(replicas[0], seed=0)
+    out = states[0].round_boundary([], n_peers=1)
+    assert (out.round, out.base_version) == (0, 0)
+    assert out.raw_bytes == 4 * sum(torch.Size(s).numel() for s in SHAPES.values())
+    assert out.wire_ratio == pytest.approx(out.raw_bytes / out.payload_bytes)
+    assert {n for n, _ in out.tensors} == set(SHAPES)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_arrival_order_does_not_matter_in_sync(momentum: float) -> None:
+    """Two observers merging the same deltas, arriving in different orders: same anchors."""
+    replicas, states = swarm(4, spec(outer_lr=0.7, outer_momentum=momentum))
+    for rnd in range(2):
+        for i in (2, 3):
+            train(replicas[i], seed=10 * rnd + i)
+        o2, o3 = states[2].prepare(), states[3].prepare()
+        c2, c3 = received("p2", o2), received("p3", o3)
+        states[0].round_boundary([c2, c3], n_peers=4)
+        states[1].round_boundary([c3, c2], n_peers=4)
+        states[2].merge([c3], n_peers=4)
+        states[3].merge([c2], n_peers=4)
+    assert all(torch.equal(states[0].anchor[k], states[1].anchor[k]) for k in SHAPES)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_late_delta_counts_a_round_later(momentum: float) -> None:
+    """Observer A gets a delta on time, B one round late: the same anchors, commit by commit."""
+    s = spec(outer_lr=0.7, outer_momentum=momentum)
+    replicas, states = swarm(3, s)
+    a, b, sender = states
+    train(replicas[2], seed=1)
+    c0 = received("p2", sender.round_boundary([], n_peers=3))
+    train(replicas[2], seed=2)
+    c1 = received("p2", sender.round_boundary([], n_peers=3))
+    a.round_boundary([c0], n_peers=3)
+    b.round_boundary([], n_peers=3)
+    # Round 0 is not complete anywhere: the anchors wait, A's start point already holds c0.
+    assert a.divergence(b.anchor) == 0.0
+    assert rel(a.start_point(), b.start_point()) > 1e-3
+    torch.testing.assert_close(replicas[0]["w"], a.start_point()["w"])
+    a.round_boundary([c1], n_peers=3)
+    b.round_boundary([c0, c1], n_peers=3)
+    assert sorted(d.staleness for d in b.last_merge.applied) == [0, 1]
+    assert all(d.weight == 1.0 for d in b.last_merge.applied)
+    # Both committed round 0 (with c0) at their round 1: equal anchors, and equal start points.
+    assert a.divergence(b.anchor) < 1e-7
+    assert rel(a.start_point(), b.start_point()) < 1e-7
+    assert sender.divergence(a.anchor) < 1e-7  # the sender committed the same round 0
+
+
+def test_stale_duplicate_and_non_finite_deltas_are_refused() -> None:
+    replicas, states = swarm(2, spec(max_staleness=1))
+    me, other = states
+    train(replicas[1], seed=0)
+    old = received("p1", other.round_boundary([], n_peers=2))
+    me.round_boundary([old], n_peers=2)
+    before = {k: v.clone() for k, v in me.start_point().items()}
+    # Version 1 now; the same delta again is a duplicate.
+    me.round_boundary([old], n_peers=2)
+    assert me.last_merge.refused and "duplicate" in me.last_merge.refused[0].reason
+    assert rel(me.start_point(), before) < 1e-7
+    # Version 2, then 3: a delta on base version 0 lags 3 rounds (> 1 allowed).
+    me.round_boundary([], n_peers=2)
+    stale = Contribution("p9", 0, 0, {k: torch.ones(s) for k, s in SHAPES.items()})
+    me.round_boundary([stale], n_peers=2)
+    assert "stale" in me.last_merge.refused[0].reason
+    assert not me.last_merge.applied
+    bad = {k: torch.zeros(s) for k, s in SHAPES.items()}
+    bad["w"][0, 0] = float("nan")
+    me.round_boundary([Contribution("p9", 4, me.version, bad)], n_peers=2)
+    assert "NaN" in me.last_merge.refused[0].reason
+    wrong = {k: torch.zeros(3) for k in SHAPES}
+    me.round_boundary([Contribution("p9", 5, me.version, wrong)], n_peers=2)
+    assert "shape" in me.last_merge.refused[0].reason
+    assert rel(me.start_point(), before) < 1e-7
+    assert rel(me.anchor, before) < 1e-7
+
+
+def test_error_feedback_residual_is_carried() -> None:
+    s = spec(codec="topk", topk_fraction=0.05, ef_decay=1.0, residual="feedback")
+    replica = params()
+    state = SyncState(replica, s)
+    start = {k: v.clone() for k, v in replica.items()}
+    train(replica, seed=0)
+    moved = {k: replica[k] - start[k] for k in SHAPES}
+    sent1 = {n: decode(e) for n, e in state.round_boundary([], n_peers=1).tensors}
+    ef = {k[3:]: v for k, v in state.state_tensors().items() if k.startswith("ef.")}
+    assert set(ef) == set(SHAPES)
+    for k in SHAPES:
+        # What was not sent stays in the residual.
+        torch.testing.assert_close(ef[k], moved[k] - sent1[k], rtol=0, atol=1e-6)
+        assert float(ef[k].abs().sum()) > 0
+    # The replica restarts from the anchor; with no new progress the next round sends (part
+    # of) the residual.
+    assert all(torch.equal(replica[k], state.anchor[k]) for k in SHAPES)
+    sent2 = {n: decode(e) for n, e in state.round_boundary([], n_peers=1).tensors}
+    assert any(float(sent2[k].abs().sum()) > 0 for k in SHAPES)
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_residual_kept_in_the_replica(decay: float) -> None:
+    """Error reset: the replica restarts from the anchor plus what was not sent."""
+    s = spec(codec="topk", topk_fraction=0.05, ef_decay=decay, residual="replica")
+    replica = params()
+    state = SyncState(replica, s)
+    start = {k: v.clone() for k, v in replica.items()}
+    train(replica, seed=0)
+    moved = {k: replica[k] - start[k] for k in SHAPES}
+    sent = {n: decode(e) for n, e in state.round_boundary([], n_peers=1).tensors}
+    assert state.feedback.state_tensors() == {}
+    for k in SHAPES:
+        torch.testing.assert_close(state.anchor[k], start[k] + sent[k], rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            replica[k] - state.anchor[k], decay * (moved[k] - sent[k]), rtol=0, atol=1e-6
+        )
+    # The next delta carries the residual: with no new progress it is exactly the residual.
+    out = state.prepare()
+    assert {n: decode(e).abs().sum() > 0 for n, e in out.tensors} == {k: True for k in SHAPES}
+
+
+def test_state_round_trip() -> None:
+    s = spec(codec="topk", topk_fraction=0.1, outer_lr=0.7, outer_momentum=0.9)
+    replicas, states = swarm(2, s)
+    for rnd in range(2):
+        sync_round(replicas, states, rnd)
+    saved = states[0].state_tensors()
+    assert int(saved["sync.version"]) == 2
+    fresh_replica = params(seed=5)
+    fresh = SyncState(fresh_replica, s, peer_id="p0")
+    fresh.load_state_tensors(saved)
+    assert fresh.version == 2 and fresh.round == 2
+    fresh.reset_replica()  # after a state transfer: train from the anchor
+    for k in SHAPES:
+        assert torch.equal(fresh.anchor[k], states[0].anchor[k])
+        assert torch.equal(fresh_replica[k], states[0].anchor[k])
+    for k in SHAPES:  # a checkpoint restores the replica too (it holds the unsent residual)
+        fresh_replica[k].copy_(replicas[0][k])
+    # Same state, same progress -> the same next round, bit for bit.
+    train(replicas[0], seed=77)
+    train(fresh_replica, seed=77)
+    a, b = states[0].round_boundary([], n_peers=2), fresh.round_boundary([], n_peers=2)
+    assert [e.payload for _, e in a.tensors] == [e.payload for _, e in b.tensors]
+    for k in SHAPES:
+        assert torch.equal(fresh.anchor[k], states[0].anchor[k])
+    with pytest.raises(ValueError, match="does not fit"):
+        SyncState({"x": torch.zeros(2)}, s).load_state_tensors(saved)
+
+
+def test_nesterov_step_matches_the_formula() -> None:
+    opt = NesterovOuter(lr=0.5, momentum=0.9)
+    anchor = {"x": torch.zeros(3)}
+    g = torch.tensor([1.0, -2.0, 0.5])
+    opt.step(anchor, {"x": g})
+    torch.testing.assert_close(anchor["x"], -0.5 * (g + 0.9 * g))
+    opt.step(anchor, {"x": g})
+    buf = 0.9 * g + g
+    torch.testing.assert_close(anchor["x"], -0.5 * (g + 0.9 * g) - 0.5 * (g + 0.9 * buf))
+
+
+def test_staleness_weight() -> None:
+    assert staleness_weight(0) == staleness_weight(1) == 1.0
+    assert staleness_weight(4) == 0.25
+    with pytest.raises(ValueError):
+        staleness_weight(-1)
+
+
+def test_prepare_and_merge_pair_up() -> None:
+    _, states = swarm(1, spec())
+    with pytest.raises(RuntimeError):
+        states[0].merge([], n_peers=1)
+    states[0].prepare()
+    with pytest.raises(RuntimeError):
+        states[0].prepare()
+    with pytest.raises(ValueError):
+        states[0].merge([], n_peers=0)
