@@ -19,8 +19,9 @@ replica after the last round: its start point plus, with ``residual="replica"``,
 residual; ``val_loss_anchor``: the committed anchor's), bytes each peer sends per round (the
 signed frame the daemon sends, header included), the ratio of the fp32 model's size to that,
 the largest relative L2 distance between two peers' committed anchors after warm-up
-(``divergence_max``) and between the points their replicas restart from, which also hold the
-deltas still in flight (``start_divergence_max``), and wall time.
+(``divergence_max``), between the points their replicas restart from, which also hold the
+deltas still in flight (``start_divergence_max``), and between the models they end with
+(``model_divergence_final``: start point plus any residual kept in the replica), and wall time.
 """
 
 from __future__ import annotations
@@ -273,6 +274,8 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
             start_divergences.append(_max_divergence([s.start_point() for s in states]))
         rnd += 1
     losses = [e.evaluate(val) for e in engines]
+    # The models the peers hold: with residual="replica" each also carries its unsent residual.
+    models = [{n: p.detach().clone() for n, p in e.model.named_parameters()} for e in engines]
     anchor_losses = [_anchor_loss(e, s, val) for e, s in zip(engines, states, strict=True)]
     model_bytes = states[0].numel * 4
     per_round = sum(bytes_sent) / max(1, len(bytes_sent))
@@ -296,6 +299,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         "payload_ratio": sum(ratios) / max(1, len(ratios)),
         "divergence_max": max(divergences, default=0.0),
         "divergence_final": divergences[-1] if divergences else 0.0,
+        "model_divergence_final": _max_divergence(models),
         "start_divergence_max": max(start_divergences, default=0.0),
         "start_divergence_final": start_divergences[-1] if start_divergences else 0.0,
         "undelivered": sum(len(v) for v in inbox.values()),

@@ -41,6 +41,7 @@ def test_quick_runs_report_their_fields() -> None:
         assert r["divergence_max"] >= r["divergence_final"] >= 0
         assert r["start_divergence_max"] >= r["start_divergence_final"] >= 0
         assert 0 < r["val_loss_anchor"] < 6
+        assert r["model_divergence_final"] >= 0
         # Every delta arrives within a round, so the committed anchors agree (up to rounding).
         assert r["divergence_max"] < 1e-6
     # Synchronous peers also restart from the same point; asynchronous ones do not.
