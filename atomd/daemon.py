@@ -167,8 +167,7 @@ class Daemon:
             await engine.dispose()
         log.info("stopped")
 
-    async def _until_ready(self, *servers_and_jobs: Any) -> None:
-        control, peer, jobs = servers_and_jobs
+    async def _until_ready(self, control: _Server, peer: _Server, jobs: JobManager) -> None:
         # uvicorn exposes only a flag for "listening"; poll it briefly at start-up.
         while not (control.started and peer.started):  # noqa: ASYNC110
             await asyncio.sleep(0.02)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from safetensors import SafetensorError, safe_open
 
 from atomd.errors import AtomdError, CheckpointError, PeerRequestError
 from atomd.logs import get_logger
@@ -86,6 +87,11 @@ async def _fetch_from(client: PeerClient, url: str, job_id: str, root: Path) -> 
     manifest = await client.get_json(url, f"/p2p/v1/jobs/{job_id}/state", timeout=10)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int):
         raise CheckpointError(f"malformed state manifest from {url}")
+    if manifest.get("format_version") != ckpt.FORMAT_VERSION:
+        raise CheckpointError(
+            f"state from {url} has format_version {manifest.get('format_version')!r}, "
+            f"expected {ckpt.FORMAT_VERSION}"
+        )
     step: int = manifest["step"]
     files = manifest.get("files", {})
     tmp = root / f".incoming-step-{step:08d}-{os.getpid()}"
@@ -119,7 +125,14 @@ async def _fetch_from(client: PeerClient, url: str, job_id: str, root: Path) -> 
 def _fsync_and_publish(tmp: Path, final: Path) -> None:
     with (tmp / ckpt.META_FILE).open("rb") as f:
         os.fsync(f.fileno())
-    ckpt.load_checkpoint(tmp)  # the same verification a resume does, before it gets a name
+    # Sizes and sha256 were checked as the bytes arrived; here only that each file is a
+    # well-formed safetensors file (its header, not its tensors: the trainer loads those once).
+    for name in TRANSFER_FILES:
+        try:
+            with safe_open(str(tmp / name), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{name} from the donor is not a safetensors file: {e}") from e
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

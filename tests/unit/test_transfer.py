@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -21,6 +22,9 @@ from atomd.p2p.identity import Identity
 from atomd.p2p.transfer import fetch_state, newest_manifest
 from atomd.train import checkpoint as ckpt
 
+GARBAGE = b"\x08\x00\x00\x00\x00\x00\x00\x00not json" * 64
+GARBAGE_SHA = hashlib.sha256(GARBAGE).hexdigest()
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -37,6 +41,11 @@ def donor_app(root: Path, behaviour: str) -> FastAPI:
         m = newest_manifest(root)
         if m is None or behaviour == "empty":
             return JSONResponse({"error": "not_found", "detail": "none"}, status_code=404)
+        if behaviour == "garbage":  # consistent sizes and hashes of bytes that are no checkpoint
+            m = {
+                **m,
+                "files": {n: {"bytes": len(GARBAGE), "sha256": GARBAGE_SHA} for n in m["files"]},
+            }
         return m
 
     @app.get("/p2p/v1/jobs/{job_id}/state/{step}/{name}")
@@ -50,6 +59,8 @@ def donor_app(root: Path, behaviour: str) -> FastAPI:
                 raise ConnectionResetError("donor died")
 
             return StreamingResponse(half(), headers={"content-length": str(len(data))})
+        if behaviour == "garbage":
+            return StreamingResponse(iter([GARBAGE]))
         if behaviour == "lies":
             return StreamingResponse(iter([bytes(len(data))]))  # right size, wrong bytes
         return FileResponse(path)
@@ -83,7 +94,7 @@ async def donors(tmp_path: Path) -> AsyncIterator[Any]:
 
 
 async def test_failed_donors_cost_an_attempt_and_leave_nothing(tmp_path: Path, donors: Any) -> None:
-    urls = [await donors("dies"), await donors("lies"), await donors("empty"), await donors("ok")]
+    urls = [await donors(b) for b in ("dies", "lies", "garbage", "empty", "ok")]
     root = tmp_path / "joiner" / "checkpoints"
     async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
         step = await fetch_state(client, urls, "job1", root)
@@ -95,7 +106,7 @@ async def test_failed_donors_cost_an_attempt_and_leave_nothing(tmp_path: Path, d
 
 
 async def test_only_bad_donors_is_an_error_and_nothing_is_kept(tmp_path: Path, donors: Any) -> None:
-    urls = [await donors("dies"), await donors("lies")]
+    urls = [await donors("dies"), await donors("lies"), await donors("garbage")]
     root = tmp_path / "joiner"
     async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
         with pytest.raises(CheckpointError, match="could not fetch"):
