@@ -36,9 +36,9 @@ class SyncSpec(BaseModel):
     topk_fraction: float = Field(
         0.01, gt=0, le=1, description="Share of each tensor's entries the topk codec sends."
     )
-    # Defaults measured by `atomd bench sync` (bench/sync.py): with few rounds and deltas that
-    # arrive a round late, DiLoCo's Nesterov step (lr 0.7, momentum 0.9) overshoots; the plain
-    # average (lr 1, momentum 0) does better for every codec.
+    # Defaults measured by `atomd bench sync` (bench/sync.py): with its dozen rounds DiLoCo's
+    # Nesterov step (lr 0.7, momentum 0.9) gains nothing over the plain average (lr 1, momentum
+    # 0), and smaller or larger outer lrs do worse.
     outer_lr: float = Field(1.0, gt=0, le=10, description="Outer (merge) learning rate.")
     outer_momentum: float = Field(
         0.0, ge=0, lt=1, description="Nesterov momentum of the outer step (0: plain average)."
@@ -50,11 +50,24 @@ class SyncSpec(BaseModel):
         "(error feedback: the sender adds it to its next delta; the replica restarts from the "
         "anchor).",
     )
-    ef_decay: float = Field(1.0, gt=0, le=1, description="Decay of the unsent residual per round.")
+    ef_decay: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="With residual='replica': the replica's share of the unsent part (the rest "
+        "waits in the error feedback); with 'feedback': the residual's decay per round.",
+    )
     max_staleness: int = Field(
         4, ge=0, description="Rounds a delta may lag behind before it is refused."
     )
     zstd: bool = Field(True, description="zstd on top of the codec where it shrinks the bytes.")
+    final_wait_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="After its last step, how long a peer waits for the other peers' last deltas "
+        "(absorbed into its final model) before it finishes.",
+    )
 
 
 class JobSpec(BaseModel):

@@ -7,21 +7,24 @@ run trains 4 peers, each 600 AdamW steps on micro-batches of 16 sequences from i
 (lr 3e-3, 50 warm-up steps, cosine to 10%), all from the same initial weights, each with its own
 ``SyncState`` (the daemon's merge code). Baselines: one peer alone, and one process with batch 64.
 
-Asynchrony is simulated deterministically. In each round the peers reach their boundaries in a
-seeded random order; a delta reaches a peer in the round it was sent only when that peer's
-boundary comes later *and* its delivery delay, drawn per (sender, receiver, round) from
-{0, 1} rounds, is 0; otherwise it lands in the receiver's inbox for the next round. So about
-three deltas in four arrive a round late, and no two peers ever see each other's delta of the
-same round. ``sync`` runs wait for every delta of the round (all prepare, then all merge).
+Asynchrony is simulated deterministically. The peers step together, but a delta reaches each
+other peer after a delay drawn per (sender, receiver, round) uniformly from 0 to H steps (peers
+out of phase by up to a whole round, as when they run at different speeds). At a boundary the
+peers close their rounds in a seeded random order; a delay of 0 reaches a peer at the same
+boundary only if it closes later, otherwise the step after. Between boundaries a peer absorbs
+what has arrived after each step, as the daemon does. So on average a delta is half a round late
+and most arrive mid-round. ``sync`` runs wait for every delta of the round (all prepare, then
+all merge).
 
-Reported per run: final validation loss (``val_loss``: mean over peers of each peer's model, the
-replica after the last round: its start point plus, with ``residual="replica"``, its unsent
-residual; ``val_loss_anchor``: the committed anchor's), bytes each peer sends per round (the
-signed frame the daemon sends, header included), the ratio of the fp32 model's size to that,
-the largest relative L2 distance between two peers' committed anchors after warm-up
-(``divergence_max``), between the points their replicas restart from, which also hold the
-deltas still in flight (``start_divergence_max``), and between the models they end with
-(``model_divergence_final``: start point plus any residual kept in the replica), and wall time.
+Reported per run: final validation loss (``val_loss``: mean over peers of each peer's model once
+the last round's deltas have arrived, as the daemon's final wait ``sync.final_wait_s`` gives it;
+``val_loss_at_last_step``: the same right after the last step, before that wait;
+``val_loss_anchor``: the committed anchor's), bytes each peer sends per round (the signed frame
+the daemon sends, header included), the ratio of the fp32 model's size to that, the largest
+relative L2 distance between two peers' committed anchors after warm-up (``divergence_max``),
+between the points their replicas restart from, which also hold the deltas still in flight
+(``start_divergence_max``), and between the models they end with (``model_divergence_final``:
+start point plus any residual kept in the replica), and wall time.
 """
 
 from __future__ import annotations
@@ -202,25 +205,33 @@ def _sync_round(states: Sequence[SyncState]) -> list[Outgoing]:
     return outs
 
 
-def _async_round(
-    states: Sequence[SyncState], inbox: dict[tuple[int, int], list[Contribution]], rnd: int
-) -> list[Outgoing]:
-    """Peers close round ``rnd`` in a seeded order, each merging what has reached it.
+Inbox = dict[tuple[int, int], list[Contribution]]  # (receiver, step it is there by) -> deltas
 
-    A delta reaches a peer this round only if that peer's boundary comes later and the delay
-    drawn for (sender, receiver, round) is 0; otherwise it waits in the inbox for ``rnd + 1``.
-    """
-    n = len(states)
+
+def _async_round(
+    states: Sequence[SyncState], inbox: Inbox, rnd: int, step: int, total: int
+) -> list[Outgoing]:
+    """Peers close round ``rnd`` (after ``step`` steps) in a seeded order, each merging what has
+    reached it; each delta is posted to the others with its drawn delay (see the docstring), at
+    most until the next boundary (the last round may be short)."""
+    n, h = len(states), min(states[0].spec.every, max(1, total - step))
     outs: dict[int, Outgoing] = {}
     for i in random.Random(f"order:{SEED}:{rnd}").sample(range(n), n):
-        outs[i] = states[i].round_boundary(inbox.pop((i, rnd), []), n_peers=n)
+        outs[i] = states[i].round_boundary(_arrived(inbox, i, step), n_peers=n)
         c = _contribution(i, outs[i])
         for j in range(n):
             if j != i:
-                delay = random.Random(f"delay:{SEED}:{rnd}:{i}:{j}").randint(0, 1)
-                late = j in outs or delay == 1
-                inbox.setdefault((j, rnd + int(late)), []).append(c)
+                delay = random.Random(f"delay:{SEED}:{rnd}:{i}:{j}").randint(0, h)
+                if delay == 0 and j in outs:
+                    delay = 1
+                inbox.setdefault((j, step + delay), []).append(c)
     return [outs[i] for i in range(n)]
+
+
+def _arrived(inbox: Inbox, receiver: int, step: float) -> list[Contribution]:
+    """Take what has reached ``receiver`` by ``step`` (in order of arrival)."""
+    due = sorted(k for k in inbox if k[0] == receiver and k[1] <= step)
+    return [c for k in due for c in inbox.pop(k)]
 
 
 def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
@@ -249,7 +260,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         for i, e in enumerate(engines)
     ]
     identities = [Identity.generate() for _ in range(n)]
-    inbox: dict[tuple[int, int], list[Contribution]] = {}  # (receiver, round) -> deltas
+    inbox: Inbox = {}
     bytes_sent: list[int] = []
     ratios: list[float] = []
     divergences: list[float] = []  # committed anchors
@@ -265,14 +276,27 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
             if not math.isfinite(loss):
                 raise RuntimeError(f"{run.name}: peer {i} loss {loss} at step {step + 1}")
         if (step + 1) % h and step + 1 < spec.total_steps:
+            if run.mode == "async":
+                for i, state in enumerate(states):
+                    arrived = _arrived(inbox, i, step + 1)
+                    if arrived:
+                        state.absorb(arrived)
             continue
-        outs = _sync_round(states) if run.mode == "sync" else _async_round(states, inbox, rnd)
+        if run.mode == "sync":
+            outs = _sync_round(states)
+        else:
+            outs = _async_round(states, inbox, rnd, step + 1, spec.total_steps)
         bytes_sent += [_frame_bytes(o, ident) for o, ident in zip(outs, identities, strict=True)]
         ratios += [o.wire_ratio for o in outs]
         if (step + 1) > spec.warmup_steps:
             divergences.append(_max_divergence([s.anchor for s in states]))
             start_divergences.append(_max_divergence([s.start_point() for s in states]))
         rnd += 1
+    # The daemon's final wait (sync.final_wait_s): the last round's deltas still in flight reach
+    # every peer before it finishes. The loss before it is reported too.
+    losses_at_last_step = [e.evaluate(val) for e in engines]
+    for i, state in enumerate(states):
+        state.absorb(_arrived(inbox, i, math.inf))
     losses = [e.evaluate(val) for e in engines]
     # The models the peers hold: with residual="replica" each also carries its unsent residual.
     models = [{n: p.detach().clone() for n, p in e.model.named_parameters()} for e in engines]
@@ -292,6 +316,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         "sync": sync.model_dump(),
         "val_loss": sum(losses) / len(losses),
         "val_loss_per_peer": losses,
+        "val_loss_at_last_step": sum(losses_at_last_step) / len(losses_at_last_step),
         "val_loss_anchor": sum(anchor_losses) / len(anchor_losses),
         "bytes_per_round": per_round,
         "model_fp32_bytes": model_bytes,

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the delta exchange loads torch with the first swarm job, no
     from torch import Tensor
 
     from atomd.sync.runner import RoundOut, SyncPlugin
+    from atomd.sync.state import MergeReport
     from atomd.sync.wire import DeltaFrame, ReplayGuard
 
 log = get_logger(__name__)
@@ -303,12 +304,16 @@ class SwarmNode:
         def send(out: RoundOut) -> None:  # called on the trainer thread
             loop.call_soon_threadsafe(self._spawn, self._deliver(out), f"round-{out.step}")
 
+        def absorbed(job: str, merge: MergeReport) -> None:  # the trainer thread, too
+            loop.call_soon_threadsafe(self._spawn, self._record_merge(job, merge), "absorbed")
+
         plugin = SyncPlugin(
             job_id=job_id,
             spec=spec.sync,
             identity=self.identity,
             n_peers=lambda: 1 + len(self.job_peers(job_id)),
             send=send,
+            absorbed=absorbed,
         )
         self.plugins[job_id] = plugin
         return plugin
@@ -318,7 +323,7 @@ class SwarmNode:
         plugin = self.plugins.get(out.job_id)
         raw = out.outgoing.raw_bytes
         codec = plugin.spec.codec if plugin else "?"
-        await self._record_merge(out, codec, raw)
+        await self._record_merge(out.job_id, out.merge)
         targets = self.job_peers(out.job_id)
 
         async def one(m: Member) -> tuple[Member, str | None]:
@@ -348,17 +353,21 @@ class SwarmNode:
                     self.telemetry.bytes_sent.inc(len(out.frame))
                 self.telemetry.rounds.labels("sent", str(error is None).lower()).inc()
 
-    async def _record_merge(self, out: RoundOut, codec: str, raw: int) -> None:
-        rows = [(a.sender, a.round, a.staleness, True, None) for a in out.merge.applied] + [
-            (r.sender, r.round, None, False, r.reason) for r in out.merge.refused
+    async def _record_merge(self, job_id: str, merge: MergeReport) -> None:
+        """Record what a merge did with the deltas it was given (applied, or why not)."""
+        plugin = self.plugins.get(job_id)
+        codec = plugin.spec.codec if plugin else "?"
+        raw = plugin.state.numel * 4 if plugin is not None and plugin.state is not None else 0
+        rows = [(a.sender, a.round, a.staleness, True, None) for a in merge.applied] + [
+            (r.sender, r.round, None, False, r.reason) for r in merge.refused
         ]
         if not rows:
             return
         async with self.sessions() as s, s.begin():
             for sender, rnd, staleness, applied, reason in rows:
-                size = self._received_bytes.pop((out.job_id, sender, rnd), 0)
+                size = self._received_bytes.pop((job_id, sender, rnd), 0)
                 await repo.add_round(
-                    s, job_id=out.job_id, round=rnd, direction="received", peer_id=sender,
+                    s, job_id=job_id, round=rnd, direction="received", peer_id=sender,
                     bytes=size, codec=codec, compression_ratio=raw / size if size else 0.0,
                     staleness=staleness, applied=applied, reason=reason,
                 )  # fmt: skip

@@ -301,6 +301,15 @@ class ErrorFeedback:
         self._residual[name] = acc - sent
         return enc, sent
 
+    def split(self, name: str, fraction: float) -> Tensor:
+        """Take ``fraction`` of ``name``'s residual out (returned); the rest stays for the next
+        round. ``fraction`` 1 hands all of it over (zeros when there is none yet)."""
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        residual = self._residual[name]
+        self._residual[name] = residual * (1.0 - fraction)
+        return residual * fraction
+
     def state_tensors(self) -> dict[str, Tensor]:
         """Residuals by tensor name, for a checkpoint (which stores them as ``"ef.<name>"``).
 

@@ -1,16 +1,19 @@
 """The trainer-thread side of delta exchange for one job.
 
-Every ``every`` steps the trainer calls ``after_step``: the plugin takes whatever deltas have
-arrived (the inbox, filled by the event loop), merges them with this peer's own delta through
-``SyncState`` (compress, outer step, reset the replica), encodes this peer's delta as a signed
-frame and hands it to the loop to send. The trainer never waits for the network: deltas that
-arrive late are merged at a later boundary (weighted by their staleness).
+After every optimizer step the trainer calls ``after_step``. Every ``every`` steps (a round
+boundary) the plugin takes whatever deltas have arrived (the inbox, filled by the event loop),
+merges them with this peer's own delta through ``SyncState`` (compress, outer step, reset the
+replica), encodes this peer's delta as a signed frame and hands it to the loop to send. Between
+boundaries, deltas that have arrived are absorbed at once (``SyncState.absorb``): the replica
+moves by as much as the swarm's estimate does and keeps what it trained. The trainer never waits
+for the network.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -74,12 +77,16 @@ class SyncPlugin:
         identity: Identity,
         n_peers: Callable[[], int],
         send: Callable[[RoundOut], None],
+        absorbed: Callable[[str, MergeReport], None] | None = None,
     ) -> None:
+        """``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
+        boundaries (job id, report), for the records."""
         self.job_id = job_id
         self.spec = spec
         self.identity = identity
         self.n_peers = n_peers
         self.send = send
+        self.absorbed = absorbed
         self.inbox = Inbox()
         self.state: SyncState | None = None
 
@@ -98,8 +105,23 @@ class SyncPlugin:
         return self.state.version if self.state is not None else 0
 
     def after_step(self, step: int) -> None:
-        if self.state is None or step % self.spec.every:
+        if self.state is None:
             return
+        if step % self.spec.every:
+            self._absorb()
+        else:
+            self._boundary(step)
+
+    def _absorb(self) -> None:
+        """Merge what has arrived since the last look (between boundaries)."""
+        if self.state is None or not len(self.inbox):
+            return
+        merge = self.state.absorb(self.inbox.take())
+        if self.absorbed is not None and (merge.applied or merge.refused):
+            self.absorbed(self.job_id, merge)
+
+    def _boundary(self, step: int) -> None:
+        assert self.state is not None
         inbox = self.inbox.take()
         out = self.state.round_boundary(inbox, n_peers=max(1, self.n_peers()))
         frame = encode_frame(
@@ -116,6 +138,23 @@ class SyncPlugin:
         )  # fmt: skip
         self.send(RoundOut(self.job_id, step, frame, out, merge))
 
+    def finish(self, step: int, stop: threading.Event) -> None:
+        """Instead of ``after_step`` after the job's last step: close the last round (also when
+        H does not divide the steps), then absorb the other peers' last deltas as they arrive,
+        for at most ``final_wait_s`` (less if ``stop`` is set or every live peer's is in)."""
+        if self.state is None:
+            return
+        self._boundary(step)
+        last = self.state.version - 1
+        deadline = time.monotonic() + self.spec.final_wait_s
+        while True:
+            self._absorb()
+            have = self.state.deltas_in(last)
+            if have >= self.n_peers() or stop.is_set() or time.monotonic() >= deadline:
+                log.info("finished: %d of %d peers' last deltas in", have, self.n_peers())
+                return
+            stop.wait(0.05)
+
     def state_tensors(self) -> dict[str, Tensor]:
         if self.state is None:
             return {}
@@ -130,9 +169,14 @@ class SyncPlugin:
         return True
 
     def adopt(self) -> None:
-        """After taking another peer's state: train from the swarm's anchor, send none of the
-        donor's unsent residual (it is the donor's to send), so nothing is counted twice."""
+        """After taking another peer's state (a join or a restart): send none of the donor's
+        error feedback (it is the donor's to send). With ``residual="feedback"`` train from the
+        swarm's estimate (anchor plus the deltas in); with ``"replica"`` keep the donor's model:
+        its replica also holds the part of its progress top-k has not sent yet (most of it), so
+        the shared anchor alone is a much worse start. That part is then counted once more in
+        the anchor as this peer's deltas carry it too: bounded, and once per join."""
         if self.state is None:
             return
         self.state.feedback.load_state_tensors({})
-        self.state.reset_replica()
+        if self.spec.residual == "feedback":
+            self.state.reset_replica()

@@ -1,8 +1,9 @@
 """One peer's sync state for one job: anchor, outer optimizer, error feedback, round boundary.
 
 Transport-agnostic: the daemon's trainer thread calls ``round_boundary`` every H inner steps with
-the deltas its inbox holds and ships the returned ``Outgoing`` to the swarm; the benchmark
-(``bench/sync.py``) calls it with simulated deliveries. Nothing here knows about the network.
+the deltas its inbox holds and ships the returned ``Outgoing`` to the swarm, and ``absorb`` after
+the steps in between with whatever has arrived since; the benchmark (``bench/sync.py``) calls
+both with simulated deliveries. Nothing here knows about the network.
 
 A round r closes, for a peer whose anchor holds every round before r-1, like this:
 1. own delta = replica - start point of the round; compressed. What receivers reconstruct
@@ -12,10 +13,13 @@ A round r closes, for a peer whose anchor holds every round before r-1, like thi
 3. *commit*: the deltas of every round before r (own and received), and those of round r when
    a synchronous swarm has all ``n_peers`` of them (``prepare``/``merge``), make one outer gradient
    g = -(1/n_peers) * sum_j w_j * delta_j and one outer step on the anchor.
-4. the deltas of round r still incomplete stay *pending*: the replica restarts from
-   ``anchor + outer_lr/n_peers * pending`` (the freshest model this peer knows), while the anchor
-   waits a round for the late ones. So when every delta arrives within a round, every peer
-   commits the same sums and the anchors agree; the start points differ only by deltas in flight.
+4. the deltas of round r still incomplete stay *pending* while the anchor waits a round for the
+   late ones, and the replica restarts from the *start point*: where the anchor will be after
+   that commit if the missing deltas equal the mean of those in (a look-ahead of the outer step,
+   momentum included). A peer that has heard from nobody keeps its own progress whole. When a
+   late delta arrives mid-round, ``absorb`` moves the replica by as much as the start point moves,
+   so what it trained since stays. When every delta arrives within a round, every peer commits
+   the same sums and the anchors agree; the start points differ only by deltas in flight.
 5. the unsent part of a lossy codec's delta waits for the next round either in the replica
    (``residual="replica"``, error reset as in CSER: the replica restarts from the start point plus
    ``ef_decay`` times the residual and the next delta carries it) or in the error feedback
@@ -37,14 +41,14 @@ from torch import Tensor
 
 from atomd.logs import get_logger
 from atomd.spec import SyncSpec
-from atomd.sync.codecs import Encoded, ErrorFeedback, decode, make_codec
+from atomd.sync.codecs import Encoded, ErrorFeedback, make_codec
 from atomd.sync.outer import NesterovOuter, staleness_weight
 
 log = get_logger(__name__)
 
 _ANCHOR, _MOMENTUM, _EF = "anchor.", "outer.momentum.", "ef."
 _PENDING, _PENDING_COUNT = "pending.", "pending_count."
-_VERSION, _ROUND, _N_PEERS = "sync.version", "sync.round", "sync.n_peers"
+_VERSION, _ROUND = "sync.version", "sync.round"
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,9 @@ class SyncState:
                 n: p.detach().to("cpu", torch.float32, copy=True) for n, p in params.items()
             }
         self.codec = make_codec(spec.codec, topk_fraction=spec.topk_fraction, zstd=spec.zstd)
-        self.feedback = ErrorFeedback(self.codec, decay=spec.ef_decay)
+        # With residual="replica", ef_decay is the replica's share of the unsent part instead.
+        decay = spec.ef_decay if spec.residual == "feedback" else 1.0
+        self.feedback = ErrorFeedback(self.codec, decay=decay)
         self.outer = NesterovOuter(lr=spec.outer_lr, momentum=spec.outer_momentum)
         self.version = 0  # rounds closed; round r's deltas carry base_version r
         self.round = 0  # rounds this peer has sent (its own counter; differs after a join)
@@ -128,7 +134,7 @@ class SyncState:
         # base_version -> weighted sum of that round's deltas not committed yet, and how many.
         self._pending: dict[int, dict[str, Tensor]] = {}
         self._pending_count: dict[int, int] = {}
-        self._n_peers = 1  # as of the last merge: scales the pending deltas in the start point
+        self._n_peers = 1  # as of the last merge: how rounds already committed are scaled
         self._seen: set[tuple[str, int]] = set()  # (sender, base_version) merged recently
         # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
         self._sent: dict[str, Tensor] | None = None
@@ -191,12 +197,9 @@ class SyncState:
         raw_bytes = 0
         for name, p in self.params.items():
             delta = p.detach().to("cpu", torch.float32) - start[name]
-            if self.spec.residual == "replica":
-                enc = self.codec.encode(delta)
-                reconstructed = decode(enc)
-                self._kept[name] = delta - reconstructed.reshape(delta.shape)
-            else:
-                enc, reconstructed = self.feedback.compress(name, delta)
+            enc, reconstructed = self.feedback.compress(name, delta)
+            if self.spec.residual == "replica":  # the replica trains on with its share
+                self._kept[name] = self.feedback.split(name, self.spec.ef_decay)
             encoded.append((name, enc))
             sent[name] = reconstructed.to("cpu", torch.float32).reshape(delta.shape).clone()
             raw_bytes += delta.numel() * 4
@@ -229,6 +232,74 @@ class SyncState:
         report = MergeReport(version=self.version)
         self._add_pending(self.version, own, 1.0)
         self._seen.add((self.peer_id, self.version))
+        self._take(inbox, report)
+        # Commit every earlier round, and this one once all its deltas are in.
+        due = sorted(
+            b
+            for b in self._pending
+            if b < self.version
+            or (commit_complete and b == self.version and self._pending_count[b] >= n_peers)
+        )
+        if due:
+            # g = -(1/n) * sum_j w_j delta_j per round; n is at least the deltas the round has
+            # (a peer that left after sending still counted in its round).
+            scales = {b: 1.0 / max(n_peers, self._pending_count[b]) for b in due}
+            self.outer.step(self.anchor, self._outer_grad(scales))
+            for b in due:
+                del self._pending[b], self._pending_count[b]
+        self._n_peers = n_peers
+        self.version += 1
+        self.round += 1
+        self._restart_replica(keep=self._kept)
+        self._kept = {}
+        floor = self.version - self.spec.max_staleness
+        self._seen = {key for key in self._seen if key[1] >= floor}
+        self.last_merge = report
+        return report
+
+    @torch.no_grad()
+    def absorb(self, inbox: Sequence[Contribution]) -> MergeReport:
+        """Merge deltas that arrive between round boundaries, without waiting for the next one.
+
+        They join the pending rounds, and the replica moves by exactly as much as its start
+        point does: what it trained since the boundary (and any residual it keeps) stays. Deltas
+        of a round this peer has not closed yet only wait: its own delta of that round is still
+        being trained. Call between optimizer steps, on the thread that trains the replica.
+        """
+        report = MergeReport(version=self.version)
+        if not inbox:
+            return report
+        before = dict(self._pending_count)
+        taken = self._take(inbox, report)
+        # Closed rounds whose estimate changed: mean S/k before, S'/k' after, S = S' - added.
+        changed = {
+            b: (before.get(b, 0), k)
+            for b, k in self._pending_count.items()
+            if b < self.version and k != before.get(b, 0)
+        }
+        for name, p in self.params.items():
+            if not changed:
+                break
+            dg = torch.zeros_like(self.anchor[name])  # change of the estimated outer gradient
+            for b, (k_old, k_new) in changed.items():
+                total = self._pending[b][name]
+                dg.sub_(total, alpha=self._scale(b, k_new))
+                if k_old:
+                    old = total.clone()
+                    for w, c in taken[b]:
+                        old.sub_(c.tensors[name].reshape(old.shape), alpha=w)
+                    dg.add_(old, alpha=self._scale(b, k_old))
+            p.add_(self.outer.peek_shift(dg).to(p.device, p.dtype).reshape(p.shape))
+        self.last_merge = report
+        return report
+
+    def _take(
+        self, inbox: Sequence[Contribution], report: MergeReport
+    ) -> dict[int, list[tuple[float, Contribution]]]:
+        """Add every acceptable delta of ``inbox`` to its pending round; record the rest.
+
+        Returns the deltas taken, with their weights, by round."""
+        taken: dict[int, list[tuple[float, Contribution]]] = {}
         for c in inbox:
             reason = self.refusal(c)
             if reason is not None:
@@ -240,32 +311,8 @@ class SyncState:
             self._add_pending(c.base_version, c.tensors, w)
             self._seen.add((c.sender, c.base_version))
             report.applied.append(AppliedDelta(c.sender, c.round, s, w))
-        # Commit every earlier round, and this one once all its deltas are in.
-        due = sorted(
-            b
-            for b in self._pending
-            if b < self.version
-            or (commit_complete and b == self.version and self._pending_count[b] >= n_peers)
-        )
-        if due:
-            grads: dict[str, Tensor] = {}
-            for name, a in self.anchor.items():
-                g = torch.zeros_like(a)
-                for b in due:
-                    g.add_(self._pending[b][name])
-                grads[name] = g.mul_(-1.0 / n_peers)  # g = -(1/n_peers) * sum_j w_j delta_j
-            self.outer.step(self.anchor, grads)
-            for b in due:
-                del self._pending[b], self._pending_count[b]
-        self._n_peers = n_peers
-        self._restart_replica(keep=self._kept)
-        self._kept = {}
-        self.version += 1
-        self.round += 1
-        floor = self.version - self.spec.max_staleness
-        self._seen = {key for key in self._seen if key[1] >= floor}
-        self.last_merge = report
-        return report
+            taken.setdefault(c.base_version, []).append((w, c))
+        return taken
 
     def _add_pending(self, base_version: int, tensors: Mapping[str, Tensor], w: float) -> None:
         acc = self._pending.get(base_version)
@@ -278,18 +325,48 @@ class SyncState:
             acc[name].add_(t.to("cpu", torch.float32).reshape(acc[name].shape), alpha=w)
         self._pending_count[base_version] += 1
 
-    def start_point(self) -> dict[str, Tensor]:
-        """Where the replica restarts: the anchor plus the pending deltas, as a plain step."""
-        if not self._pending:
-            return self.anchor
-        scale = self.spec.outer_lr / self._n_peers
-        out = {}
+    def _outer_grad(self, scales: Mapping[int, float]) -> dict[str, Tensor]:
+        """``-sum_b scales[b] * pending[b]``: an outer gradient from pending rounds."""
+        grads = {}
         for name, a in self.anchor.items():
-            t = a.clone()
-            for acc in self._pending.values():
-                t.add_(acc[name], alpha=scale)
-            out[name] = t
-        return out
+            g = torch.zeros_like(a)
+            for b, scale in scales.items():
+                g.add_(self._pending[b][name], alpha=scale)
+            grads[name] = g.neg_()
+        return grads
+
+    def _estimate_scales(self) -> dict[int, float]:
+        """How much of each closed pending round the start point holds (see ``_scale``)."""
+        return {
+            b: self._scale(b, k)
+            for b, k in self._pending_count.items()
+            if b < self.version and k > 0
+        }
+
+    def _scale(self, base_version: int, count: int) -> float:
+        """The last closed round: 1 / its ``count`` deltas (their mean stands in for the rest).
+        An older round is committed already: a late delta of it will count 1 / n_peers."""
+        if base_version == self.version - 1:
+            return 1.0 / count
+        return 1.0 / max(count, self._n_peers)
+
+    def deltas_in(self, base_version: int) -> int:
+        """Deltas (own included) this peer holds of round ``base_version`` not yet committed."""
+        return self._pending_count.get(base_version, 0)
+
+    def start_point(self) -> dict[str, Tensor]:
+        """Where the replica restarts: where the anchor will be once the pending rounds commit.
+
+        Each closed round's missing deltas are estimated by the mean of those that arrived, so a
+        peer that has heard from nobody yet keeps its own progress whole instead of shrinking it
+        to 1/n, and the outer step (momentum included) is the one the commit will take. When
+        every delta is in, this is exactly the anchor after the commit. Deltas of a round this
+        peer has not closed yet are left out until it has.
+        """
+        scales = self._estimate_scales()
+        if not scales:
+            return self.anchor
+        return self.outer.peek(self.anchor, self._outer_grad(scales))
 
     @torch.no_grad()
     def _restart_replica(self, *, keep: Mapping[str, Tensor]) -> None:
@@ -299,7 +376,7 @@ class SyncState:
             if kept is None:
                 p.copy_(start[name])
             else:
-                p.copy_(start[name].add(kept, alpha=self.spec.ef_decay))
+                p.copy_(start[name].add(kept.reshape(p.shape)))
 
     def reset_replica(self) -> None:
         """Copy the start point (anchor plus pending deltas) into the replica, in place."""
@@ -326,7 +403,6 @@ class SyncState:
             out[f"{_PENDING_COUNT}{b}"] = torch.tensor(self._pending_count[b], dtype=torch.int64)
         out[_VERSION] = torch.tensor(self.version, dtype=torch.int64)
         out[_ROUND] = torch.tensor(self.round, dtype=torch.int64)
-        out[_N_PEERS] = torch.tensor(self._n_peers, dtype=torch.int64)
         return out
 
     def load_state_tensors(self, d: Mapping[str, Tensor]) -> None:
@@ -366,5 +442,4 @@ class SyncState:
                 acc[name] = t.detach().to("cpu", torch.float32).clone()
         self.version = int(d[_VERSION]) if _VERSION in d else 0
         self.round = int(d[_ROUND]) if _ROUND in d else 0
-        self._n_peers = int(d[_N_PEERS]) if _N_PEERS in d else 1
         self._seen = set()

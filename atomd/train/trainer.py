@@ -40,6 +40,7 @@ class RoundPlugin(Protocol):
 
     def attach(self, engine: StepEngine) -> None: ...
     def after_step(self, step: int) -> None: ...
+    def finish(self, step: int, stop: threading.Event) -> None: ...
     def state_tensors(self) -> dict[str, Tensor]: ...
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> bool: ...
     def adopt(self) -> None: ...
@@ -89,8 +90,8 @@ class Trainer:
         # the same batches: the daemon passes a seed derived from its peer id.
         self.data_seed = spec.seed if data_seed is None else data_seed
         self.plugin = plugin
-        # A checkpoint at this step came from another peer (state transfer): train from its
-        # anchor, not its replica (see SyncPlugin.adopt).
+        # A checkpoint at this step came from another peer (state transfer): the plugin decides
+        # what of the donor's state this peer trains on (see SyncPlugin.adopt).
         self.adopt_step = adopt_step
         self.stop_event = stop_event or threading.Event()
         self.ckpt_root = ckpt.checkpoint_root(out_dir)
@@ -204,8 +205,11 @@ class Trainer:
                         f"{self.last_checkpoint or 'none'} (lower the learning rate and resume)"
                     )
                 step += 1
-                if self.plugin is not None:  # a round boundary: merge, reset, send
-                    self.plugin.after_step(step)
+                if self.plugin is not None:  # round boundaries, deltas absorbed in between
+                    if step < total:
+                        self.plugin.after_step(step)
+                    else:  # the last round, and the others' last deltas, make the final model
+                        self.plugin.finish(step, self.stop_event)
                 window_time += time.perf_counter() - t0
                 window_tokens += spec.tokens_per_step
                 val_loss = None

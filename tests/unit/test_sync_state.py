@@ -146,6 +146,122 @@ def test_late_delta_counts_a_round_later(momentum: float) -> None:
     assert sender.divergence(a.anchor) < 1e-7  # the sender committed the same round 0
 
 
+def test_a_peer_nobody_has_reached_yet_keeps_its_own_progress() -> None:
+    """Missing deltas are estimated by the mean of those in: alone in its round, a peer restarts
+    from its own replica (not from anchor + delta / n); with one more delta in, from their mean."""
+    replicas, states = swarm(3, spec())
+    for i in range(3):
+        train(replicas[i], seed=i)
+    before = [{k: v.clone() for k, v in r.items()} for r in replicas]
+    c1 = received("p1", states[1].round_boundary([], n_peers=3))
+    states[0].round_boundary([], n_peers=3)
+    states[2].round_boundary([c1], n_peers=3)
+    for k in SHAPES:
+        torch.testing.assert_close(replicas[0][k], before[0][k])
+        torch.testing.assert_close(replicas[2][k], (before[1][k] + before[2][k]) / 2)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_start_point_is_the_anchor_the_commit_will_make(momentum: float) -> None:
+    """Once every delta of a round is in, the start point (a look-ahead of the outer step,
+    momentum included) is exactly where the next commit puts the anchor."""
+    replicas, states = swarm(2, spec(outer_lr=0.7, outer_momentum=momentum))
+    for rnd in range(3):
+        for i in range(2):
+            train(replicas[i], seed=10 * rnd + i)
+        outs = [s.prepare() for s in states]
+        for i, s in enumerate(states):
+            s.merge([received(f"p{1 - i}", outs[1 - i])], n_peers=2, commit_complete=False)
+        predicted = {k: v.clone() for k, v in states[0].start_point().items()}
+        for s in states:  # the next round, with nothing new: commits the last one
+            s.prepare()
+            s.merge([], n_peers=2, commit_complete=False)
+        torch.testing.assert_close(states[0].anchor, predicted, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_absorb_between_boundaries_keeps_what_the_replica_trained(momentum: float) -> None:
+    """A late delta absorbed mid-round moves the replica exactly as far as the start point moves;
+    the next boundary then ends where one with the delta in its inbox would have."""
+    s = spec(outer_lr=0.7, outer_momentum=momentum)
+    replicas, states = swarm(3, s)
+    twin_replicas, twins = swarm(3, s)  # the same swarm, the late delta kept for the boundary
+    outs = []
+    for reps, sts in ((replicas, states), (twin_replicas, twins)):
+        for i in range(3):
+            train(reps[i], seed=i)
+        sts[0].round_boundary([], n_peers=3)
+        outs.append(sts[1].round_boundary([], n_peers=3))
+    late = received("p1", outs[0])
+    for reps in (replicas, twin_replicas):
+        train(reps[0], seed=7)  # peer 0 trains on into round 1
+    trained = {k: v.clone() for k, v in replicas[0].items()}
+    start = {k: v.clone() for k, v in states[0].start_point().items()}
+    report = states[0].absorb([late])
+    assert [a.sender for a in report.applied] == ["p1"]
+    moved = {k: replicas[0][k] - trained[k] for k in SHAPES}
+    expected = {k: states[0].start_point()[k] - start[k] for k in SHAPES}
+    torch.testing.assert_close(moved, expected, rtol=0, atol=1e-6)
+    assert rel(moved, {k: torch.zeros_like(v) for k, v in moved.items()}) > 0
+    states[0].round_boundary([], n_peers=3)
+    twins[0].round_boundary([received("p1", outs[1])], n_peers=3)
+    assert states[0].divergence(twins[0].anchor) < 1e-6
+    assert rel(states[0].start_point(), twins[0].start_point()) < 1e-6
+
+
+def test_a_delta_of_a_round_already_committed_counts_as_its_commit_will() -> None:
+    """Two rounds late (weight 1/2): absorbed mid-round at the scale the next commit gives it
+    (1/n_peers, not as the mean of a round), so the boundary does not move it again."""
+    replicas, states = swarm(3, spec())
+    me, other = states[0], states[1]
+    train(replicas[1], seed=5)
+    old = received("p1", other.round_boundary([], n_peers=3))  # round 0 of p1
+    train(replicas[0], seed=1)
+    me.round_boundary([], n_peers=3)  # round 0: only mine
+    train(replicas[0], seed=2)
+    me.round_boundary([], n_peers=3)  # round 1: only mine; round 0 committed without p1's
+    d1 = {k: replicas[0][k] - me.anchor[k] for k in SHAPES}  # the round-1 estimate: my delta
+    before = {k: v.clone() for k, v in replicas[0].items()}
+    report = me.absorb([old])
+    assert [(a.staleness, a.weight) for a in report.applied] == [(2, 0.5)]
+    for k in SHAPES:
+        torch.testing.assert_close(replicas[0][k] - before[k], 0.5 * old.tensors[k] / 3)
+    mid = {k: v.clone() for k, v in replicas[0].items()}
+    me.round_boundary([], n_peers=3)  # nothing trained: commits rounds 0 (late part) and 1
+    for k in SHAPES:  # only round 1 moves: its estimate (my delta, whole) becomes 1/3 of it
+        torch.testing.assert_close(replicas[0][k] - mid[k], -2 / 3 * d1[k], rtol=0, atol=1e-6)
+
+
+def test_absorb_waits_with_a_round_this_peer_has_not_closed() -> None:
+    """A delta from a peer ahead (its round is still this peer's current one) does not move the
+    replica: this peer's own delta of that round is still being trained. It counts at the
+    boundary."""
+    replicas, states = swarm(2, spec())
+    for i in range(2):
+        train(replicas[i], seed=i)
+    ahead = received("p1", states[1].round_boundary([], n_peers=2))
+    before = {k: v.clone() for k, v in replicas[0].items()}
+    report = states[0].absorb([ahead])
+    assert len(report.applied) == 1
+    assert all(torch.equal(replicas[0][k], before[k]) for k in SHAPES)
+    states[0].round_boundary([], n_peers=2)
+    for k in SHAPES:  # both deltas of round 0 in: the replica restarts from their mean
+        torch.testing.assert_close(replicas[0][k], (before[k] + states[1].params[k]) / 2)
+
+
+def test_absorb_refuses_bad_deltas_without_touching_the_replica() -> None:
+    replicas, states = swarm(2, spec())
+    train(replicas[1], seed=1)
+    out = states[1].round_boundary([], n_peers=2)
+    states[0].round_boundary([], n_peers=2)
+    bad = received("p1", out)
+    bad.tensors["w"][0, 0] = float("nan")
+    before = {k: v.clone() for k, v in replicas[0].items()}
+    report = states[0].absorb([bad])
+    assert report.applied == [] and "NaN" in report.refused[0].reason
+    assert all(torch.equal(replicas[0][k], before[k]) for k in SHAPES)
+
+
 def test_stale_duplicate_and_non_finite_deltas_are_refused() -> None:
     replicas, states = swarm(2, spec(max_staleness=1))
     me, other = states
@@ -197,7 +313,8 @@ def test_error_feedback_residual_is_carried() -> None:
 
 @pytest.mark.parametrize("decay", [1.0, 0.5])
 def test_residual_kept_in_the_replica(decay: float) -> None:
-    """Error reset: the replica restarts from the anchor plus what was not sent."""
+    """Error reset: the replica restarts from the anchor plus its share (``ef_decay``) of what
+    was not sent; the rest waits in the error feedback for the next delta. Nothing is lost."""
     s = spec(codec="topk", topk_fraction=0.05, ef_decay=decay, residual="replica")
     replica = params()
     state = SyncState(replica, s)
@@ -205,8 +322,9 @@ def test_residual_kept_in_the_replica(decay: float) -> None:
     train(replica, seed=0)
     moved = {k: replica[k] - start[k] for k in SHAPES}
     sent = {n: decode(e) for n, e in state.round_boundary([], n_peers=1).tensors}
-    assert state.feedback.state_tensors() == {}
+    ef = state.feedback.state_tensors()
     for k in SHAPES:
+        torch.testing.assert_close(ef[k], (1 - decay) * (moved[k] - sent[k]), rtol=0, atol=1e-6)
         torch.testing.assert_close(state.anchor[k], start[k] + sent[k], rtol=0, atol=1e-6)
         torch.testing.assert_close(
             replica[k] - state.anchor[k], decay * (moved[k] - sent[k]), rtol=0, atol=1e-6

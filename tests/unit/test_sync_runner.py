@@ -1,0 +1,115 @@
+"""SyncPlugin: round boundaries every H steps, deltas absorbed as they arrive in between."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import torch
+
+from atomd.p2p.identity import Identity
+from atomd.spec import SyncSpec
+from atomd.sync.codecs import decode
+from atomd.sync.runner import RoundOut, SyncPlugin
+from atomd.sync.state import Contribution, MergeReport
+
+
+def plugin(peer_sends: list[RoundOut], absorbed: list[MergeReport]) -> SyncPlugin:
+    p = SyncPlugin(
+        job_id="j" * 32,
+        spec=SyncSpec(codec="fp32", every=3),
+        identity=Identity.generate(),
+        n_peers=lambda: 2,
+        send=peer_sends.append,
+        absorbed=lambda job, merge: absorbed.append(merge),
+    )
+    torch.manual_seed(0)
+    p.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3))))
+    return p
+
+
+def test_boundaries_send_and_deltas_between_them_are_absorbed_at_once() -> None:
+    sent: list[RoundOut] = []
+    absorbed: list[MergeReport] = []
+    me = plugin(sent, absorbed)
+    assert me.state is not None
+    weight = me.state.params["weight"]
+    for step in (1, 2):
+        me.after_step(step)
+    assert sent == [] and absorbed == []
+    with torch.no_grad():
+        weight.add_(1.0)  # "training": +1 everywhere in round 0
+    me.after_step(3)  # a boundary: one frame out, nothing received yet
+    assert len(sent) == 1 and sent[0].frame and sent[0].outgoing.base_version == 0
+    torch.testing.assert_close(decode(dict(sent[0].outgoing.tensors)["weight"]), torch.ones(3, 4))
+    before = weight.detach().clone()  # alone in round 0 so far: my +1 is kept whole
+    # The other peer's round-0 delta (-1) reaches me mid-round 1.
+    delta = {"weight": torch.full((3, 4), -1.0), "bias": torch.zeros(3)}
+    me.inbox.put(Contribution("other", 0, 0, delta))
+    me.after_step(4)
+    assert len(absorbed) == 1 and [a.sender for a in absorbed[0].applied] == ["other"]
+    # The round's mean is now 0 instead of +1: the replica moved by -1 at once.
+    torch.testing.assert_close(weight.detach(), before - 1.0)
+    assert len(me.inbox) == 0 and len(sent) == 1
+
+
+def test_finish_closes_the_last_round_and_waits_for_the_others_last_deltas() -> None:
+    sent: list[RoundOut] = []
+    absorbed: list[MergeReport] = []
+    me = plugin(sent, absorbed)  # every=3, two peers
+    assert me.state is not None
+    weight = me.state.params["weight"]
+    with torch.no_grad():
+        weight.add_(1.0)
+    before = weight.detach().clone()
+    delta = {"weight": torch.full((3, 4), -1.0), "bias": torch.zeros(3)}
+    late = threading.Timer(0.2, lambda: me.inbox.put(Contribution("other", 0, 0, delta)))
+    late.start()
+    t0 = time.monotonic()
+    me.finish(2, threading.Event())  # 2 steps: H does not divide them, the round closes anyway
+    late.join()
+    assert len(sent) == 1 and sent[0].outgoing.base_version == 0
+    assert 0.2 <= time.monotonic() - t0 < 5.0  # returned once both deltas were in
+    assert [a.sender for a in absorbed[0].applied] == ["other"]
+    torch.testing.assert_close(weight.detach(), before - 1.0)  # the round's mean: 0
+
+
+def test_finish_waits_no_longer_than_final_wait_or_a_stop() -> None:
+    me = plugin([], [])
+    me.spec = me.spec.model_copy(update={"final_wait_s": 0.3})
+    t0 = time.monotonic()
+    me.finish(3, threading.Event())  # nobody sends: gives up after 0.3 s
+    assert 0.3 <= time.monotonic() - t0 < 5.0
+    me.spec = me.spec.model_copy(update={"final_wait_s": 60.0})
+    stop = threading.Event()
+    threading.Timer(0.1, stop.set).start()
+    t0 = time.monotonic()
+    me.finish(6, stop)
+    assert time.monotonic() - t0 < 5.0
+
+
+@pytest.mark.parametrize("residual", ["replica", "feedback"])
+def test_adopt_keeps_the_donors_model_only_where_it_holds_unsent_progress(residual: str) -> None:
+    """A joiner takes the donor's checkpoint: its error feedback is dropped either way; with
+    residual="replica" the donor's replica (anchor + what top-k has not sent) is kept, with
+    "feedback" the replica restarts from the swarm's estimate."""
+    donor = plugin([], [])
+    donor.spec = donor.spec.model_copy(update={"codec": "topk", "residual": residual})
+    donor.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(64, 64))))
+    assert donor.state is not None
+    with torch.no_grad():
+        donor.state.params["weight"].add_(torch.randn(64, 64, generator=torch.Generator()))
+    donor.after_step(3)
+    replica = {n: p.detach().clone() for n, p in donor.state.params.items()}
+    assert donor.state.feedback.state_tensors() or residual == "replica"
+    donor.adopt()
+    assert donor.state.feedback.state_tensors() == {}
+    start, weight = donor.state.start_point()["weight"], donor.state.params["weight"].detach()
+    if residual == "replica":  # top-k at 1 % sent little: the replica is far from the anchor
+        assert torch.equal(weight, replica["weight"])
+        assert float((weight - start).norm()) > 1.0
+    else:
+        assert torch.equal(weight, start)
