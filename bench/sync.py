@@ -327,7 +327,6 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         "model_divergence_final": _max_divergence(models),
         "start_divergence_max": max(start_divergences, default=0.0),
         "start_divergence_final": start_divergences[-1] if start_divergences else 0.0,
-        "undelivered": sum(len(v) for v in inbox.values()),
         "wall_s": time.perf_counter() - t0,
     }
 

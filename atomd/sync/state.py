@@ -271,25 +271,22 @@ class SyncState:
             return report
         before = dict(self._pending_count)
         taken = self._take(inbox, report)
-        # Closed rounds whose estimate changed: mean S/k before, S'/k' after, S = S' - added.
+        # Closed rounds whose estimate changed, with their scale before and after (the scale of
+        # a round that had no delta yet is 0). The outer gradient holds -s * S; with S' = S + A
+        # (A: the deltas just taken) it changes by S' * (s_old - s_new) - s_old * A.
         changed = {
-            b: (before.get(b, 0), k)
+            b: (self._scale(b, before[b]) if before.get(b) else 0.0, self._scale(b, k))
             for b, k in self._pending_count.items()
             if b < self.version and k != before.get(b, 0)
         }
-        for name, p in self.params.items():
-            if not changed:
-                break
-            dg = torch.zeros_like(self.anchor[name])  # change of the estimated outer gradient
-            for b, (k_old, k_new) in changed.items():
-                total = self._pending[b][name]
-                dg.sub_(total, alpha=self._scale(b, k_new))
-                if k_old:
-                    old = total.clone()
+        if changed:
+            for name, p in self.params.items():
+                dg = torch.zeros_like(self.anchor[name])  # change of the estimated outer gradient
+                for b, (s_old, s_new) in changed.items():
+                    dg.add_(self._pending[b][name], alpha=s_old - s_new)
                     for w, c in taken[b]:
-                        old.sub_(c.tensors[name].reshape(old.shape), alpha=w)
-                    dg.add_(old, alpha=self._scale(b, k_old))
-            p.add_(self.outer.peek_shift(dg).to(p.device, p.dtype).reshape(p.shape))
+                        dg.add_(c.tensors[name].reshape(dg.shape), alpha=-s_old * w)
+                p.add_(self.outer.peek_shift(dg).to(p.device, p.dtype).reshape(p.shape))
         self.last_merge = report
         return report
 

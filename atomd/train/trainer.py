@@ -209,7 +209,9 @@ class Trainer:
                     if step < total:
                         self.plugin.after_step(step)
                     else:  # the last round, and the others' last deltas, make the final model
+                        waited = time.perf_counter()
                         self.plugin.finish(step, self.stop_event)
+                        t0 += time.perf_counter() - waited  # waiting is not training time
                 window_time += time.perf_counter() - t0
                 window_tokens += spec.tokens_per_step
                 val_loss = None
