@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, cast
 
 import typer
 from pydantic import ValidationError
@@ -14,6 +14,9 @@ from pydantic import ValidationError
 from atomd import __version__
 from atomd.errors import AtomdError
 from atomd.logs import setup_logging
+
+if TYPE_CHECKING:
+    from atomd.swap.plan import Optimizer
 
 app = typer.Typer(
     name="atomd",
@@ -99,6 +102,12 @@ def train(
     gpu_mem: Annotated[
         str | None, typer.Option(help="Device-memory budget, e.g. 24GiB (default: all of it).")
     ] = None,
+    swap_optimizer: Annotated[
+        str | None,
+        typer.Option(
+            help="Where swapped layers' AdamW runs: auto (the planner's choice), host or device."
+        ),
+    ] = None,
 ) -> None:
     """Train one model in this process (no daemon): progress bar, metrics.jsonl, checkpoints."""
     overrides = {
@@ -115,6 +124,7 @@ def train(
         "checkpoint_interval": checkpoint_interval,
         "swap": swap,
         "gpu_mem": gpu_mem,
+        "swap_optimizer": swap_optimizer,
     }
     spec = _spec_from(spec_file, overrides)
     from atomd.train.trainer import Trainer
@@ -239,6 +249,14 @@ def demo(
     )
 
 
+def _optimizer_choice(value: str | None) -> Optimizer | None:
+    if value is None:
+        return None
+    if value not in ("host", "device"):
+        fail(f"--optimizer must be host or device, not {value!r}")
+    return cast("Optimizer", value)
+
+
 @app.command()
 def plan(
     preset: Annotated[str, typer.Option(help="Model preset (see `atomd presets`).")] = "gpt3-6.7b",
@@ -260,6 +278,10 @@ def plan(
     ] = None,
     resident_blocks: Annotated[
         int | None, typer.Option(help="Fix the blocks kept on the device.")
+    ] = None,
+    optimizer: Annotated[
+        str | None,
+        typer.Option(help="Fix where swapped layers' AdamW runs: host or device."),
     ] = None,
     measure: Annotated[
         bool, typer.Option("--measure", help="Measure this machine's GPU rates (needs CUDA).")
@@ -301,6 +323,7 @@ def plan(
             slots=slots,
             micro_batches=micro_batches,
             resident_blocks=resident_blocks,
+            optimizer=_optimizer_choice(optimizer),
         )
     except PlanError as e:
         fail(str(e))
@@ -330,6 +353,10 @@ def bench_swap(
         int, typer.Option(help="Blocks kept on the device (default 0: swap every block).")
     ] = 0,
     gpu_mem: Annotated[str | None, typer.Option(help="Device-memory budget, e.g. 8GiB.")] = None,
+    optimizer: Annotated[
+        str | None,
+        typer.Option(help="Fix where swapped layers' AdamW runs: host or device."),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
 ) -> None:
     """Train the same steps resident and swapped; print throughput, ratio and parameter diff."""
@@ -348,6 +375,7 @@ def bench_swap(
         micro_batches=micro_batches,
         resident_blocks=resident_blocks,
         gpu_mem=gpu_mem,
+        optimizer=_optimizer_choice(optimizer),
     )
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
 

@@ -140,6 +140,13 @@ class JobSpec(BaseModel):
         description="Transformer blocks kept on the device besides embedding and head; "
         "default: the planner's.",
     )
+    swap_optimizer: Literal["auto", "host", "device"] = Field(
+        "auto",
+        description="Where swapped layers' AdamW runs: 'host' (fused, on a worker thread, "
+        "overlapping the backward), 'device' (applied when the layer is next loaded, its moments "
+        "travelling with it: for a slow host CPU, at 16 B/parameter of slot memory instead of 8) "
+        "or 'auto' (the planner's choice).",
+    )
 
     @field_validator("gpu_mem", mode="before")
     @classmethod

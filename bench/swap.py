@@ -22,7 +22,7 @@ from atomd.swap import hardware
 from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.factory import device_budget, plan_for, shape_for
-from atomd.swap.plan import resident_peak_bytes
+from atomd.swap.plan import Optimizer, resident_peak_bytes
 from atomd.train.engine import ResidentEngine, StepEngine
 from atomd.units import format_bytes
 
@@ -41,6 +41,7 @@ def _train(
     t0 = time.perf_counter()
     for batches in steps[1:]:
         loss = engine.train_step(batches, lr)
+    engine.settle()  # the last step's optimizer work counts too
     _sync(device)
     return time.perf_counter() - t0, loss
 
@@ -60,6 +61,7 @@ def run(
     micro_batches: int | None = None,
     resident_blocks: int | None = 0,
     gpu_mem: str | None = None,
+    optimizer: Optimizer | None = None,
 ) -> dict[str, Any]:
     dev = resolve_device(device)
     spec = JobSpec(
@@ -73,6 +75,7 @@ def run(
         swap_slots=slots,
         swap_micro_batches=micro_batches,
         swap_resident_blocks=resident_blocks,
+        swap_optimizer=optimizer or "auto",
     )
     cfg = get_preset(preset)
     data = load_dataset(spec.data, seq_len=seq_len)
@@ -150,6 +153,7 @@ def run(
                 "micro_batches": plan.micro_batches,
                 "resident_blocks": plan.resident_blocks,
                 "spill": plan.spill,
+                "optimizer": plan.optimizer,
                 "predicted_tokens_per_s": round(plan.tokens_per_s, 1),
                 "predicted_step_s": plan.step_s,
                 "predicted_bound": plan.bottleneck,

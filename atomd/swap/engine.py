@@ -24,6 +24,12 @@ through a layer before the next layer is needed (layer-major), so one load serve
   host steps are submitted after the backward, in forward order, with the clipping
   coefficient; the next step's forward waits for each layer's update just before loading it.
   With ``grad_clip = 0`` each layer steps as soon as its gradient is complete.
+- With the optimizer on the device (``plan.optimizer == "device"``, for hosts whose CPU cannot
+  keep up) a layer's step waits for its next load: the load stream brings its gradient and
+  AdamW moments along with its weights, runs torch's fused AdamW on them in the slot (clipping
+  coefficient and learning rate of the step that made the gradient: exact) and the store
+  stream copies the updated master weights and moments back. ``settle`` applies the steps still
+  waiting (before a checkpoint, an evaluation's end, or sync touching the parameters).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.optim.adam import adam
 
 from atomd.data.dataset import Batch
 from atomd.errors import CheckpointError, SwapError
@@ -88,14 +95,24 @@ class SwapEngine:
         shapes = [p.shape for p in first.parameters()]
         if any([p.shape for p in self.host_params[i]] != shapes for i in self.swapped):
             raise SwapError("swapped layers must all have the same parameter shapes")
+        self.device_opt = plan.optimizer == "device"
         self.slots = [
             Slot(
                 weights=[torch.empty(s, device=device) for s in shapes],
                 grads=[torch.empty(s, device=device) for s in shapes],
+                moments=[torch.empty(s, device=device) for s in 2 * shapes]
+                if self.device_opt
+                else [],
             )
             for _ in range(plan.slots)
         ]
         self.host_opt = HostOptimizer({i: self.layers[i] for i in self.swapped}, spec)
+        # With the optimizer on the device: layer -> (lr, clipping coefficient) of the step its
+        # next load applies, and the marker of its last copy back to the host.
+        self._due: dict[int, tuple[float, Tensor | None]] = {}
+        self._written: dict[int, Marker] = {}
+        if self.device_opt:
+            self._host_moments()
         self._grad_stored: dict[int, Marker] = {}
         self._spill_pool: dict[tuple[int, int], Tensor] = {}
         self._spill_free: dict[int, Marker] = {}  # layer -> its spill buffers were read back
@@ -104,12 +121,13 @@ class SwapEngine:
         self.reason = "swap on"  # why this run swaps, for plan.json (set by make_engine)
         log.info(
             "swap engine: %d swapped blocks, %d slots, M=%d, resident: embedding, head and %d "
-            "blocks, spill %s",
+            "blocks, spill %s, optimizer on the %s",
             len(self.swapped),
             plan.slots,
             plan.micro_batches,
             plan.resident_blocks,
             "on" if plan.spill else "off",
+            plan.optimizer,
         )
 
     def _wave(self, visits: list[int]) -> Wave:
@@ -126,13 +144,92 @@ class SwapEngine:
     def _load_weights(self, layer: int, slot: Slot) -> None:
         st = self.streams
         self.host_opt.wait(layer)  # its update must be in the host master before we copy it
-        st.wait(st.load, slot.used)
+        due = self._due.pop(layer, None)
+        st.wait(st.load, slot.used, slot.saved, self._written.get(layer, DONE))
+        if due is not None:  # the step overwrites the slot's gradient buffer and reads .grad
+            st.wait(st.load, slot.stored, self._grad_stored.get(layer, DONE))
         with st.on(st.load), torch.no_grad():
             for w, p in zip(slot.weights, self.host_params[layer], strict=True):
                 w.copy_(p, non_blocking=True)
+            if due is not None:
+                self._device_step(layer, slot, *due)
         slot.loaded, slot.layer = st.mark(st.load), layer
         self.stats.layer_loads += 1
         self.stats.bytes_loaded += nbytes(slot.weights)
+        if due is not None:
+            self._save_step(layer, slot)
+
+    def _host_moments(self) -> None:
+        """With the optimizer on the device: give every swapped parameter AdamW state in host
+        memory (what torch's AdamW would create at its first step), pinned on CUDA."""
+        pin = self.streams.cuda
+        for layer in self.swapped:
+            opt = self.host_opt.optimizers[layer]
+            for p in self.host_params[layer]:
+                state = opt.state[p]
+                state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+                for key in ("exp_avg", "exp_avg_sq"):
+                    t = state.get(key)
+                    if t is None:
+                        state[key] = torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin)
+                    elif pin and not t.is_pinned():
+                        state[key] = t.pin_memory()
+
+    def _device_step(self, layer: int, slot: Slot, lr: float, coef: Tensor | None) -> None:
+        """On the load stream, after the weights: bring the gradient and moments in and run the
+        layer's AdamW step in the slot, with the hyperparameters of its host optimizer."""
+        host, opt = self.host_params[layer], self.host_opt.optimizers[layer]
+        n = len(host)
+        states = [opt.state[p] for p in host]
+        for j, p in enumerate(host):
+            assert p.grad is not None
+            slot.grads[j].copy_(p.grad, non_blocking=True)
+            slot.moments[j].copy_(states[j]["exp_avg"], non_blocking=True)
+            slot.moments[n + j].copy_(states[j]["exp_avg_sq"], non_blocking=True)
+        if coef is not None:
+            torch._foreach_mul_(slot.grads, coef)
+        index = {id(p): j for j, p in enumerate(host)}
+        for group in opt.param_groups:
+            js = [index[id(p)] for p in group["params"]]
+            if not js:
+                continue
+            # The step counter lives on the host; the fused kernel counts its own copy.
+            steps = [torch.full((), float(states[j]["step"]), device=self.device) for j in js]
+            beta1, beta2 = group["betas"]
+            adam(
+                [slot.weights[j] for j in js],
+                [slot.grads[j] for j in js],
+                [slot.moments[j] for j in js],
+                [slot.moments[n + j] for j in js],
+                [],
+                steps,
+                fused=True,
+                decoupled_weight_decay=True,  # AdamW
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=lr,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
+        for st in states:
+            st["step"] += 1
+        self.stats.bytes_loaded += nbytes(slot.grads) + nbytes(slot.moments)
+
+    def _save_step(self, layer: int, slot: Slot) -> None:
+        """Copy a device step's updated master weights and moments back, on the store stream."""
+        st = self.streams
+        host, opt = self.host_params[layer], self.host_opt.optimizers[layer]
+        n = len(host)
+        st.wait(st.store, slot.loaded)
+        with st.on(st.store), torch.no_grad():
+            for j, p in enumerate(host):
+                p.copy_(slot.weights[j], non_blocking=True)
+                opt.state[p]["exp_avg"].copy_(slot.moments[j], non_blocking=True)
+                opt.state[p]["exp_avg_sq"].copy_(slot.moments[n + j], non_blocking=True)
+        slot.saved = self._written[layer] = st.mark(st.store)
+        self.stats.bytes_stored += nbytes(slot.weights) + nbytes(slot.moments)
 
     def _load_partial_grads(self, layer: int, slot: Slot) -> None:
         st = self.streams
@@ -260,17 +357,24 @@ class SwapEngine:
                 g_total=g_total,
                 first=w == 0,
                 last=w == waves - 1,
-                lr=None if clip else lr,
+                lr=None if clip or self.device_opt else lr,
                 norms=norms,
                 total=total,
             )
         resident_params = [p for grp in self.resident_opt.param_groups for p in grp["params"]]
+        coef: Tensor | None = None
         if clip:  # as torch.nn.utils.clip_grad_norm_: norm of per-parameter norms
             resident_grads = [p.grad for p in resident_params if p.grad is not None]
             norms.extend(torch._foreach_norm(resident_grads))
             total_norm = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]))
             coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
             torch._foreach_mul_(resident_grads, coef)
+        if self.device_opt:  # each layer's step comes with its next load
+            if coef is not None:  # computed on the compute stream, read on the load stream
+                self.streams.wait(self.streams.load, self.streams.mark(self.streams.compute))
+                self.streams.hand_over(coef, self.streams.load)
+            self._due.update((layer, (lr, coef)) for layer in self.swapped)
+        elif coef is not None:
             coef_host = float(coef)  # waits for the compute stream, as the loss below does
             for layer in self.swapped:  # forward order: the next step needs these first
                 self.host_opt.submit(layer, lr, self._grad_stored[layer], coef_host)
@@ -379,12 +483,28 @@ class SwapEngine:
     def _optimizers(self) -> list[torch.optim.AdamW]:
         return [self.resident_opt, *(opt for _, opt in self.host_opt.each())]
 
-    def model_tensors(self) -> dict[str, Tensor]:
+    def settle(self) -> None:
+        """Finish the host optimizer's steps and apply the device steps still due (through the
+        first slot), then wait for their copies back: the host masters and AdamW state are
+        the model after the last step. Slots count as empty afterwards: the caller may change
+        the masters in place."""
         self.host_opt.drain()
+        stats, self.stats = self.stats, SwapStats()  # the flush is no step's traffic
+        for layer in list(self._due):
+            self._load_weights(layer, self.slots[0])
+        self.stats = stats
+        for marker in self._written.values():
+            marker.synchronize()
+        self._written.clear()
+        for slot in self.slots:
+            slot.layer = None
+
+    def model_tensors(self) -> dict[str, Tensor]:
+        self.settle()
         return model_tensors(self.model)
 
     def optimizer_tensors(self) -> dict[str, Tensor]:
-        self.host_opt.drain()
+        self.settle()
         out: dict[str, Tensor] = {}
         for opt in self._optimizers():
             out.update(optimizer_tensors(opt, self.model))
@@ -392,7 +512,7 @@ class SwapEngine:
 
     def load_tensors(self, model: dict[str, Tensor], optimizer: dict[str, Tensor]) -> None:
         """Load ``model_tensors``/``optimizer_tensors`` of a swapped or a resident run."""
-        self.host_opt.drain()
+        self.settle()
         load_model_tensors(self.model, model)
         for slot in self.slots:
             slot.layer = None
@@ -413,15 +533,18 @@ class SwapEngine:
                 if t.dim() > 0 or on_device:
                     state[key] = t.to(p.device, torch.float32)
             opt.state[p] = state
+        if self.device_opt:
+            self._host_moments()
 
     def device_state_bytes(self) -> int:
         """Bytes the engine keeps on the device between steps: slots and resident layers'
         weights, gradients and AdamW moments."""
-        slots = sum(nbytes(s.weights) + nbytes(s.grads) for s in self.slots)
+        slots = sum(nbytes(s.weights) + nbytes(s.grads) + nbytes(s.moments) for s in self.slots)
         params = [p for g in self.resident_opt.param_groups for p in g["params"]]
         moments = [t for st in self.resident_opt.state.values() for t in st.values() if t.dim() > 0]
         return slots + 2 * nbytes(params) + nbytes(moments)
 
     def close(self) -> None:
-        """Finish pending host optimizer steps and stop the worker thread."""
+        """Apply the steps still pending and stop the optimizer's worker thread."""
+        self.settle()
         self.host_opt.close()

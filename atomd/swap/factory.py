@@ -71,6 +71,7 @@ def plan_for(spec: JobSpec, device: torch.device, hw: hardware.Hardware | None =
         slots=spec.swap_slots,
         micro_batches=spec.swap_micro_batches,
         resident_blocks=resident_blocks,
+        optimizer=None if spec.swap_optimizer == "auto" else spec.swap_optimizer,
     )
 
 
@@ -85,10 +86,11 @@ def make_engine(model: GPT, spec: JobSpec, device: torch.device) -> StepEngine:
         return ResidentEngine(model, spec, device)
     plan = plan_for(spec, device)
     log.info(
-        "swapped training (%s): K=%d, M=%d, predicted %.3g s/step, peak %s",
+        "swapped training (%s): K=%d, M=%d, optimizer on the %s, predicted %.3g s/step, peak %s",
         reason,
         plan.slots,
         plan.micro_batches,
+        plan.optimizer,
         plan.step_s,
         format_bytes(plan.peak_device_bytes),
     )

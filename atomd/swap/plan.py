@@ -7,7 +7,8 @@ least predicted time per token that fits the budget. Units: bytes, seconds, FLOP
 Device memory of a plan (a = 4: the residual stream is fp32, also under bf16 autocast;
 d = bytes of the compute dtype; BTC = micro_batch_size * seq_len * n_embd):
 - resident state: 16 B per resident parameter (fp32 weight, gradient, AdamW m and v);
-- slots: K * 8 B per block parameter (fp32 weights and the fp32 gradient accumulator);
+- slots: K * 8 B per block parameter (fp32 weights and the fp32 gradient accumulator), or
+  K * 16 B with the optimizer on the device (the layer's AdamW moments come in with it);
 - saved layer inputs (activation checkpoints): (n_layer + 1) * M * BTC * a, or, when spilled
   to host memory, the 4 layers' worth that are on the device at once;
 - flowing: 2 * M * BTC * a (one layer's outputs in forward; gradients in and out in backward);
@@ -21,7 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -36,6 +37,7 @@ ACT_BYTES = 4  # the residual stream (saved layer inputs, their gradients) is fp
 MAX_SLOTS = 8
 FREE_M = (1, 2, 4, 8, 16, 32, 64)  # M candidates when the gradient accumulation is free
 NEAR_BEST = 1.03  # plans within 3% of the best time per token count as equally fast
+Optimizer = Literal["host", "device"]
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,11 @@ class SwapPlan:
     swapped_blocks: int
     spill: bool
     """Saved layer inputs are kept in host memory (copied out in forward, back in backward)."""
-    optimizer: str
-    """Where swapped layers' AdamW runs: 'host' (fused, on a worker thread)."""
+    optimizer: Optimizer
+    """Where swapped layers' AdamW runs: 'host' (fused, on a worker thread, overlapping the
+    backward) or 'device' (the step is applied when the layer is next loaded: its gradient and
+    moments travel with its weights, the updated master and moments go back on the store
+    stream; exact, clipping included, since the global norm is known by then)."""
     micro_batch_size: int
     seq_len: int
     tokens_per_step: int
@@ -129,14 +134,16 @@ class Shape:
     """Bytes of the compute dtype: 2 (bf16 autocast on CUDA) or 4 (fp32 on the CPU)."""
 
 
-def _memory(shape: Shape, sizes: LayerSizes, k: int, m: int, r: int, spill: bool) -> dict[str, int]:
+def _memory(
+    shape: Shape, sizes: LayerSizes, k: int, m: int, r: int, spill: bool, optimizer: Optimizer
+) -> dict[str, int]:
     cfg, d = shape.cfg, shape.dtype_bytes
     tokens = shape.micro_batch_size * shape.seq_len
     btc = tokens * cfg.n_embd
     saved_layers = min(cfg.n_layer + 1, 4) if spill else cfg.n_layer + 1
     return {
         "resident_state": 16 * (sizes.embed + sizes.head + r * sizes.block),
-        "slots": k * 8 * sizes.block,
+        "slots": k * (16 if optimizer == "device" else 8) * sizes.block,
         "saved_inputs": saved_layers * m * btc * ACT_BYTES,
         "flowing": 2 * m * btc * ACT_BYTES,
         "working": max(
@@ -174,32 +181,49 @@ def _flops(shape: Shape, sizes: LayerSizes) -> tuple[float, float]:
 
 
 def _evaluate(
-    shape: Shape, hw: Hardware, budget: int, k: int, m: int, g: int, r: int, spill: bool
+    shape: Shape,
+    hw: Hardware,
+    budget: int,
+    k: int,
+    m: int,
+    g: int,
+    r: int,
+    spill: bool,
+    optimizer: Optimizer,
 ) -> SwapPlan:
     cfg, sizes = shape.cfg, LayerSizes.of(shape.cfg)
     q = cfg.n_layer - r
     waves = g // m
     btc = shape.micro_batch_size * shape.seq_len * cfg.n_embd
-    memory = _memory(shape, sizes, k, m, r, spill)
+    memory = _memory(shape, sizes, k, m, r, spill, optimizer)
     spilled_layers = cfg.n_layer - 1 if spill else 0  # block inputs but the last block's
     loads = _count_loads(q, k, waves)
     w_bytes = 4 * sizes.block  # fp32 master weights are what travels
     spill_bytes = waves * spilled_layers * m * btc * ACT_BYTES
     bytes_loaded = loads * w_bytes + (waves - 1) * q * w_bytes + spill_bytes  # + partial grads
     bytes_stored = waves * q * w_bytes + spill_bytes  # gradients out, inputs out
+    device_opt = optimizer == "device"
+    if device_opt:  # per swapped block and step: gradient and moments in, master and moments out
+        bytes_loaded += q * 3 * w_bytes
+        bytes_stored += q * 3 * w_bytes
     f_block, f_head = _flops(shape, sizes)
     # Every block recomputes its forward in backward: forward + recompute + 2x backward.
     compute_s = g * (cfg.n_layer * 4 * f_block + 3 * f_head) / hw.flops_per_s
     resident_step_s = g * (cfg.n_layer * 3 * f_block + 3 * f_head) / hw.flops_per_s
     load_s = bytes_loaded / hw.h2d_bytes_per_s
     store_s = bytes_stored / hw.d2h_bytes_per_s
-    host_opt_s = q * sizes.block / hw.host_adam_params_per_s
+    # On the device AdamW reads and writes ~28 B per parameter in device memory: next to the
+    # link's 24 B per parameter of transfers it is left out.
+    host_opt_s = 0.0 if device_opt else q * sizes.block / hw.host_adam_params_per_s
     # The first swapped layer is stepped last in backward and needed first in forward; the
     # embedding and resident blocks' forward of the first micro-batches hides part of it.
     ahead_s = m * (r * f_block) / hw.flops_per_s
-    fill_s = max(
-        0.0, sizes.block / hw.host_adam_params_per_s + w_bytes / hw.h2d_bytes_per_s - ahead_s
+    first_s = (
+        4 * w_bytes / hw.h2d_bytes_per_s
+        if device_opt
+        else sizes.block / hw.host_adam_params_per_s + w_bytes / hw.h2d_bytes_per_s
     )
+    fill_s = max(0.0, first_s - ahead_s)
     parts = {"compute": compute_s, "load": load_s, "store": store_s, "host_optimizer": host_opt_s}
     bottleneck = max(parts, key=lambda key: parts[key])
     step_s = parts[bottleneck] + fill_s
@@ -212,7 +236,7 @@ def _evaluate(
         resident_blocks=r,
         swapped_blocks=q,
         spill=spill,
-        optimizer="host",
+        optimizer=optimizer,
         micro_batch_size=shape.micro_batch_size,
         seq_len=shape.seq_len,
         tokens_per_step=tokens,
@@ -249,12 +273,13 @@ def make_plan(
     micro_batches: int | None = None,
     resident_blocks: int | None = None,
     spill: bool | None = None,
+    optimizer: Optimizer | None = None,
 ) -> SwapPlan:
     """The fastest plan per token that fits ``budget_bytes``; ``PlanError`` when none does.
 
     Among plans within 3% of the best time per token it takes the smallest M, then no spill,
-    then the least device memory. ``slots``, ``micro_batches``, ``resident_blocks`` and ``spill``
-    fix a choice.
+    then the least device memory (so the host optimizer unless the device's is clearly faster).
+    ``slots``, ``micro_batches``, ``resident_blocks``, ``spill`` and ``optimizer`` fix a choice.
     """
     cfg, g = shape.cfg, shape.grad_accum
     if cfg.n_layer < 2:
@@ -281,10 +306,11 @@ def make_plan(
     feasible: list[SwapPlan] = []
     smallest: SwapPlan | None = None
     spills = [spill] if spill is not None else [False, True]
-    for k, m, r, s in itertools.product(ks, ms, rs, spills):
+    opts: list[Optimizer] = [optimizer] if optimizer is not None else ["host", "device"]
+    for k, m, r, s, o in itertools.product(ks, ms, rs, spills, opts):
         if k > cfg.n_layer - r:
             continue  # more slots than swapped blocks
-        p = _evaluate(shape, hardware, budget_bytes, k, m, g if g is not None else m, r, s)
+        p = _evaluate(shape, hardware, budget_bytes, k, m, g if g is not None else m, r, s, o)
         if p.peak_device_bytes <= budget_bytes:
             feasible.append(p)
         elif smallest is None or p.peak_device_bytes < smallest.peak_device_bytes:
@@ -296,7 +322,8 @@ def make_plan(
             f"no swap plan fits {format_bytes(budget_bytes)} of device memory: the smallest "
             f"(K={smallest.slots}, M={smallest.micro_batches}, "
             f"{smallest.resident_blocks} resident blocks, spill "
-            f"{'on' if smallest.spill else 'off'}) needs {format_bytes(smallest.peak_device_bytes)}"
+            f"{'on' if smallest.spill else 'off'}, optimizer on the {smallest.optimizer}) needs "
+            f"{format_bytes(smallest.peak_device_bytes)}"
             f" ({parts}). Raise the budget or lower the micro-batch size or sequence length."
         )
     best = min(p.step_s / p.tokens_per_step for p in feasible)

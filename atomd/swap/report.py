@@ -19,6 +19,13 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB"
 
 
+_OPTIMIZER = {
+    "host": "host (fused AdamW on a worker thread)",
+    "device": "device (AdamW as the layer is next loaded)",
+}
+_STORED = {"host": "gradients", "device": "grads, state"}
+
+
 def format_plan(plan: SwapPlan, *, preset: str) -> str:
     """The plan in three short tables: choices, device memory, time per optimizer step."""
     hw = plan.hardware
@@ -40,7 +47,7 @@ def format_plan(plan: SwapPlan, *, preset: str) -> str:
         f"  {'swapped':<36}{plan.swapped_blocks} blocks x {plan.params_per_block / 1e6:.1f}M "
         f"params ({_gb(4 * plan.params_per_block)} fp32 each)",
         f"  {'saved layer inputs':<36}{'spilled to host memory' if plan.spill else 'on device'}",
-        f"  {'optimizer of swapped layers':<36}{plan.optimizer} (fused AdamW, worker thread)",
+        f"  {'optimizer of swapped layers':<36}{_OPTIMIZER[plan.optimizer]}",
         "",
         f"  {'device memory':<36}{'predicted':>12}",
     ]
@@ -56,7 +63,8 @@ def format_plan(plan: SwapPlan, *, preset: str) -> str:
         f"    {'tokens':<34}{plan.tokens_per_step:>12,}",
         f"    {'host -> device (' + str(plan.layer_loads) + ' layer loads)':<34}"
         f"{_gb(plan.bytes_loaded):>12}{plan.load_s:>10.3f}",
-        f"    {'device -> host (gradients)':<34}{_gb(plan.bytes_stored):>12}{plan.store_s:>10.3f}",
+        f"    {'device -> host (' + _STORED[plan.optimizer] + ')':<34}"
+        f"{_gb(plan.bytes_stored):>12}{plan.store_s:>10.3f}",
         f"    {'compute (with recompute)':<34}{'':>12}{plan.compute_s:>10.3f}",
         f"    {'host AdamW':<34}{'':>12}{plan.host_optimizer_s:>10.3f}",
         f"    {'pipeline fill':<34}{'':>12}{plan.fill_s:>10.3f}",

@@ -13,10 +13,13 @@ from atomd.swap.streams import DONE, Marker
 
 @dataclass
 class Slot:
-    """Device room for one block: its fp32 weights and fp32 gradient accumulator."""
+    """Device room for one block: its fp32 weights and fp32 gradient accumulator (and, with the
+    optimizer on the device, its AdamW moments)."""
 
     weights: list[Tensor]
     grads: list[Tensor]
+    moments: list[Tensor] = field(default_factory=list)
+    """With the optimizer on the device: AdamW's exp_avg then exp_avg_sq, one per weight."""
     layer: int | None = None
     """The layer whose current weights the slot holds (None: empty, or stale after a step)."""
     loaded: Marker = DONE
@@ -25,6 +28,9 @@ class Slot:
     """Compute-stream work reading this slot is done (it may be overwritten)."""
     stored: Marker = DONE
     """The gradient copy out of this slot is done (its buffer may be reused)."""
+    saved: Marker = DONE
+    """With the optimizer on the device: the copy of updated weights and moments out of this
+    slot is done."""
 
 
 @dataclass

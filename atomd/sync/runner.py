@@ -89,11 +89,21 @@ class SyncPlugin:
         self.absorbed = absorbed
         self.inbox = Inbox()
         self.state: SyncState | None = None
+        self.engine: StepEngine | None = None
 
     def attach(self, engine: StepEngine) -> None:
         """Build the anchor from the engine's live parameters (host masters when swapping)."""
+        self.engine = engine
+        engine.settle()
         params = {n: p for n, p in engine.model.named_parameters()}
         self.state = SyncState(params, self.spec, peer_id=self.identity.peer_id)
+
+    def _settle(self) -> None:
+        """Before the live parameters are read or moved: the engine's updates must be in them
+        (a swap engine's host optimizer runs on a worker thread, its device optimizer waits for
+        the next load) and it must not reuse layers it holds from before."""
+        if self.engine is not None:
+            self.engine.settle()
 
     @property
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -116,12 +126,14 @@ class SyncPlugin:
         """Merge what has arrived since the last look (between boundaries)."""
         if self.state is None or not len(self.inbox):
             return
+        self._settle()
         merge = self.state.absorb(self.inbox.take())
         if self.absorbed is not None and (merge.applied or merge.refused):
             self.absorbed(self.job_id, merge)
 
     def _boundary(self, step: int) -> None:
         assert self.state is not None
+        self._settle()
         inbox = self.inbox.take()
         out = self.state.round_boundary(inbox, n_peers=max(1, self.n_peers()))
         frame = encode_frame(
@@ -177,6 +189,7 @@ class SyncPlugin:
         the anchor as this peer's deltas carry it too: bounded, and once per join."""
         if self.state is None:
             return
+        self._settle()
         self.state.feedback.load_state_tensors({})
         if self.spec.residual == "feedback":
             self.state.reset_replica()

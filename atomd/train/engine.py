@@ -30,6 +30,10 @@ class StepEngine(Protocol):
     def model_tensors(self) -> dict[str, Tensor]: ...
     def optimizer_tensors(self) -> dict[str, Tensor]: ...
     def load_tensors(self, model: dict[str, Tensor], optimizer: dict[str, Tensor]) -> None: ...
+    def settle(self) -> None:
+        """Finish every update still in flight, so that ``model.parameters()`` hold the model
+        after the last step and may be read or written in place (sync does both)."""
+        ...
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -120,6 +124,9 @@ class ResidentEngine:
     def load_tensors(self, model: dict[str, Tensor], optimizer: dict[str, Tensor]) -> None:
         load_model_tensors(self.model, model)
         load_optimizer_tensors(self.optimizer, self.model, optimizer)
+
+    def settle(self) -> None:
+        """Nothing is in flight: ``train_step`` returns after its optimizer step."""
 
     def parameters(self) -> Iterator[Tensor]:
         return iter(self.model.parameters())

@@ -16,7 +16,7 @@ from atomd.spec import JobSpec
 from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
-from atomd.swap.plan import Shape, SwapPlan, make_plan
+from atomd.swap.plan import Optimizer, Shape, SwapPlan, make_plan
 from atomd.train.engine import ResidentEngine
 from atomd.train.trainer import Trainer, model_from_checkpoint
 from tests.conftest import fast_spec
@@ -47,7 +47,9 @@ def _spec(clip: float) -> JobSpec:
     return JobSpec(preset="tiny", micro_batch_size=B, seq_len=T, grad_accum=G, grad_clip=clip)
 
 
-def _plan(cfg: GPTConfig, k: int, m: int, spill: bool | None = None) -> SwapPlan:
+def _plan(
+    cfg: GPTConfig, k: int, m: int, spill: bool | None = None, optimizer: Optimizer = "host"
+) -> SwapPlan:
     return make_plan(
         Shape(cfg=cfg, micro_batch_size=B, seq_len=T, grad_accum=G, dtype_bytes=2),
         budget_bytes=2**40,
@@ -56,6 +58,7 @@ def _plan(cfg: GPTConfig, k: int, m: int, spill: bool | None = None) -> SwapPlan
         micro_batches=m,
         resident_blocks=0,
         spill=spill,
+        optimizer=optimizer,
     )
 
 
@@ -85,16 +88,26 @@ def resident(request: pytest.FixtureRequest) -> tuple[float, list[float], dict[s
     return clip, losses, params
 
 
-@pytest.mark.parametrize(("k", "m", "spill"), [(2, 1, False), (2, 4, True), (3, 4, False)])
+@pytest.mark.parametrize(
+    ("k", "m", "spill", "optimizer"),
+    [
+        (2, 1, False, "host"),
+        (2, 4, True, "host"),
+        (3, 4, False, "host"),
+        (2, 1, False, "device"),
+        (3, 4, True, "device"),
+    ],
+)
 def test_swapped_matches_resident_on_cuda(
     resident: tuple[float, list[float], dict[str, torch.Tensor]],
     no_device_sync: None,
     k: int,
     m: int,
     spill: bool,
+    optimizer: Optimizer,
 ) -> None:
     clip, losses, ref = resident
-    engine = SwapEngine(_model(), _spec(clip), CUDA, _plan(CFG, k, m, spill))
+    engine = SwapEngine(_model(), _spec(clip), CUDA, _plan(CFG, k, m, spill, optimizer))
     try:
         got = [engine.train_step(_batches(s), LR) for s in range(STEPS)]
         assert got == pytest.approx(losses, rel=LOSS_TOL)
@@ -106,16 +119,20 @@ def test_swapped_matches_resident_on_cuda(
         engine.close()
 
 
-@pytest.mark.parametrize("spill", [False, True])
-def test_peak_device_memory_within_the_plan(no_device_sync: None, spill: bool) -> None:
+@pytest.mark.parametrize(
+    ("spill", "optimizer"), [(False, "host"), (True, "host"), (False, "device")]
+)
+def test_peak_device_memory_within_the_plan(
+    no_device_sync: None, spill: bool, optimizer: Optimizer
+) -> None:
     cfg = get_preset("small")  # 124M parameters: memory terms well above the fixed reserve
-    plan = _plan(cfg, 2, 2, spill)
+    plan = _plan(cfg, 2, 2, spill, optimizer)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(CUDA)
     base = torch.cuda.memory_allocated(CUDA)
     engine = SwapEngine(_model(cfg), _spec(1.0), CUDA, plan)
     try:
-        for s in range(2):
+        for s in range(3):  # with the optimizer on the device, steps 2 and 3 apply updates
             loss = engine.train_step(_batches(s, vocab=cfg.vocab_size), LR)
         assert loss == loss  # finite enough to compare with itself (not NaN)
         peak = torch.cuda.max_memory_allocated(CUDA) - base

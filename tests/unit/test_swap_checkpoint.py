@@ -17,7 +17,7 @@ from atomd.model.presets import get_preset
 from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
-from atomd.swap.plan import Shape, make_plan
+from atomd.swap.plan import Optimizer, Shape, make_plan
 from atomd.train.engine import ResidentEngine
 from atomd.train.metrics import StepReport
 from atomd.train.trainer import Trainer, model_from_checkpoint
@@ -53,14 +53,23 @@ def _split_run(out: Path, spec_first: object, spec_second: object, stop_at: int)
     assert second.run().state == "finished"
 
 
-@pytest.mark.parametrize(("first", "second"), [("on", "off"), ("off", "on")])
+@pytest.mark.parametrize(
+    ("first", "second", "optimizer"),
+    [
+        ("on", "off", "host"),
+        ("off", "on", "host"),
+        ("on", "off", "device"),
+        ("off", "on", "device"),
+    ],
+)
 def test_checkpoints_move_between_swapped_and_resident(
-    tmp_path: Path, text_file: Path, first: str, second: str
+    tmp_path: Path, text_file: Path, first: str, second: str, optimizer: str
 ) -> None:
     common = {"data": str(text_file), "max_steps": 6, "grad_accum": 2, "checkpoint_interval": 100}
     straight = tmp_path / "straight"
     Trainer(fast_spec(swap="off", **common), straight, device="cpu").run()
     split = tmp_path / "split"
+    common["swap_optimizer"] = optimizer
     _split_run(split, fast_spec(swap=first, **common), fast_spec(swap=second, **common), 3)
     assert max_rel_param_diff(_params(split), _params(straight)) < TOL
     for step, mode in ((3, first), (6, second)):  # each checkpoint names the engine it came from
@@ -88,9 +97,14 @@ def test_auto_and_off_stay_resident_on_the_cpu(tmp_path: Path, text_file: Path) 
         assert plan["engine"] == "ResidentEngine" and mode in plan["reason"]
 
 
-@pytest.mark.parametrize("spill", [False, True])
-def test_planner_predicts_the_bytes_the_engine_moves(text_file: Path, spill: bool) -> None:
-    """Loads, stores and spills counted by the planner are what the engine does (2 waves)."""
+@pytest.mark.parametrize(
+    ("spill", "optimizer"), [(False, "host"), (True, "host"), (False, "device")]
+)
+def test_planner_predicts_the_bytes_the_engine_moves(
+    text_file: Path, spill: bool, optimizer: Optimizer
+) -> None:
+    """Loads, stores and spills counted by the planner are what the engine does (2 waves; with
+    the optimizer on the device, in a step that applies the previous one's updates)."""
     cfg = get_preset("tiny")
     shape = Shape(cfg=cfg, micro_batch_size=4, seq_len=32, grad_accum=4, dtype_bytes=4)
     plan = make_plan(
@@ -100,12 +114,14 @@ def test_planner_predicts_the_bytes_the_engine_moves(text_file: Path, spill: boo
         micro_batches=2,
         resident_blocks=0,
         spill=spill,
+        optimizer=optimizer,
     )
     spec = fast_spec(data=str(text_file), grad_accum=4)
     engine = SwapEngine(GPT(cfg), spec, torch.device("cpu"), plan)
     try:
         data = load_dataset(str(text_file), seq_len=32)
         batches = [data.train_batch(seed=0, step=0, micro=m, batch_size=4) for m in range(4)]
+        engine.train_step(batches, 1e-3)
         engine.train_step(batches, 1e-3)
         assert engine.stats.layer_loads == plan.layer_loads
         assert engine.stats.bytes_loaded == plan.bytes_loaded

@@ -14,8 +14,8 @@ from atomd.spec import JobSpec
 from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
-from atomd.swap.plan import Shape, SwapPlan, make_plan
-from atomd.train.engine import ResidentEngine
+from atomd.swap.plan import Optimizer, Shape, SwapPlan, make_plan
+from atomd.train.engine import ResidentEngine, model_tensors
 
 CPU = torch.device("cpu")
 # Smaller than the tiny preset (4 blocks of width 32) so that the whole matrix runs in seconds.
@@ -54,7 +54,13 @@ def _batches(step: int, count: int = G) -> list[Batch]:
     return out
 
 
-def _plan(k: int, m: int, resident_blocks: int = 0, spill: bool | None = None) -> SwapPlan:
+def _plan(
+    k: int,
+    m: int,
+    resident_blocks: int = 0,
+    spill: bool | None = None,
+    optimizer: Optimizer = "host",
+) -> SwapPlan:
     plan = make_plan(
         Shape(cfg=CFG, micro_batch_size=B, seq_len=T, grad_accum=G, dtype_bytes=4),
         budget_bytes=2**40,
@@ -62,6 +68,7 @@ def _plan(k: int, m: int, resident_blocks: int = 0, spill: bool | None = None) -
         slots=k,
         micro_batches=m,
         resident_blocks=resident_blocks,
+        optimizer=optimizer,
     )
     return plan if spill is None else replace(plan, spill=spill)
 
@@ -82,12 +89,24 @@ def resident(request: pytest.FixtureRequest) -> tuple[float, list[float], Reside
     return clip, _train(engine), engine
 
 
-@pytest.mark.parametrize(("k", "m"), [(2, 1), (2, 4), (3, 1), (3, 4)])
+@pytest.mark.parametrize(
+    ("k", "m", "optimizer"),
+    [
+        (2, 1, "host"),
+        (2, 4, "host"),
+        (3, 1, "host"),
+        (3, 4, "host"),
+        (2, 1, "device"),
+        (3, 4, "device"),
+    ],
+)
 def test_swapped_matches_resident(
-    resident: tuple[float, list[float], ResidentEngine], k: int, m: int
+    resident: tuple[float, list[float], ResidentEngine], k: int, m: int, optimizer: Optimizer
 ) -> None:
+    """Same losses, parameters and AdamW state as resident training; with the optimizer on the
+    device too (its steps applied at the next load, clipping coefficient included)."""
     clip, losses, ref = resident
-    engine = SwapEngine(_model(), _spec(clip), CPU, _plan(k, m))
+    engine = SwapEngine(_model(), _spec(clip), CPU, _plan(k, m, optimizer=optimizer))
     try:
         got = _train(engine)
         assert got == pytest.approx(losses, rel=1e-6)
@@ -147,6 +166,36 @@ def test_host_memory_holds_one_copy_and_the_device_k_slots() -> None:
         # The tied embedding stays one parameter, resident, trained by both of its uses.
         assert model.head.lm_head.weight is model.embed.wte.weight
         assert 0 in engine.resident and len(model.layers()) - 1 in engine.resident
+    finally:
+        engine.close()
+
+
+def test_device_steps_wait_for_the_next_load_or_settle(
+    resident: tuple[float, list[float], ResidentEngine],
+) -> None:
+    """With the optimizer on the device a step's update is not in the host masters until the
+    layer's next load or ``settle``: whoever reads or writes the masters in between (sync) must
+    settle first, and then sees the same model as resident training."""
+    clip, _, ref = resident
+    model = _model()
+    block = model.layers()[1]
+    engine = SwapEngine(model, _spec(clip), CPU, _plan(2, 1, optimizer="device"))
+    try:
+        before = [p.detach().clone() for p in block.parameters()]
+        _train(engine)
+        # The last step's update waits: the masters hold the model after step 2 of 3.
+        assert all(
+            not torch.equal(a, b.detach()) for a, b in zip(before, block.parameters(), strict=True)
+        )
+        stale = {n: t.clone() for n, t in model_tensors(model).items()}
+        assert max_rel_param_diff(stale, ref.model_tensors()) > 100 * TOL
+        engine.settle()
+        assert max_rel_param_diff(model_tensors(model), ref.model_tensors()) < TOL
+        assert not engine._due and all(s.layer is None for s in engine.slots)
+        assert all(
+            sum(m.numel() for m in s.moments) == 2 * sum(w.numel() for w in s.weights)
+            for s in engine.slots
+        )
     finally:
         engine.close()
 

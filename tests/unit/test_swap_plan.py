@@ -128,3 +128,34 @@ def test_sizes_parse_and_print() -> None:
     assert format_bytes(3 * GiB) == "3.00 GiB"
     with pytest.raises(ValueError, match="cannot read"):
         parse_bytes("12 parsecs")
+
+
+def test_the_optimizer_goes_to_the_device_only_when_the_host_cannot_keep_up() -> None:
+    """The device optimizer costs 8 B/parameter more per slot and 24 B/parameter more over the
+    link each step: the planner takes it only when the host AdamW would bound the step."""
+    shape = _shape("gpt3-2.7b", 8, batch=4)
+    fast_host = make_plan(shape, budget_bytes=24 * GiB, hardware=assumed())
+    assert fast_host.optimizer == "host" and fast_host.bottleneck != "host_optimizer"
+    slow = Hardware(**(assumed().to_dict() | {"host_adam_params_per_s": 5e7}))
+    forced_host = make_plan(shape, budget_bytes=24 * GiB, hardware=slow, optimizer="host")
+    assert forced_host.bottleneck == "host_optimizer"
+    chosen = make_plan(shape, budget_bytes=24 * GiB, hardware=slow)
+    assert chosen.optimizer == "device" and chosen.host_optimizer_s == 0.0
+    assert chosen.step_s < forced_host.step_s / 2
+    host, dev = (
+        make_plan(
+            shape,
+            budget_bytes=24 * GiB,
+            hardware=slow,
+            slots=3,
+            micro_batches=2,
+            resident_blocks=0,
+            spill=False,
+            optimizer=opt,
+        )
+        for opt in ("host", "device")
+    )
+    block = host.params_per_block
+    assert dev.memory["slots"] - host.memory["slots"] == 3 * 8 * block
+    assert dev.bytes_loaded - host.bytes_loaded == host.swapped_blocks * 12 * block
+    assert dev.bytes_stored - host.bytes_stored == host.swapped_blocks * 12 * block

@@ -17,6 +17,11 @@ from atomd.sync.runner import RoundOut, SyncPlugin
 from atomd.sync.state import Contribution, MergeReport
 
 
+def fake_engine(model: torch.nn.Module) -> Any:
+    """What SyncPlugin uses of a StepEngine: its model, and settle (nothing in flight here)."""
+    return cast(Any, SimpleNamespace(model=model, settle=lambda: None))
+
+
 def plugin(peer_sends: list[RoundOut], absorbed: list[MergeReport]) -> SyncPlugin:
     p = SyncPlugin(
         job_id="j" * 32,
@@ -27,7 +32,7 @@ def plugin(peer_sends: list[RoundOut], absorbed: list[MergeReport]) -> SyncPlugi
         absorbed=lambda job, merge: absorbed.append(merge),
     )
     torch.manual_seed(0)
-    p.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3))))
+    p.attach(fake_engine(torch.nn.Linear(4, 3)))
     return p
 
 
@@ -98,7 +103,7 @@ def test_adopt_keeps_the_donors_model_only_where_it_holds_unsent_progress(residu
     "feedback" the replica restarts from the swarm's estimate."""
     donor = plugin([], [])
     donor.spec = donor.spec.model_copy(update={"codec": "topk", "residual": residual})
-    donor.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(64, 64))))
+    donor.attach(fake_engine(torch.nn.Linear(64, 64)))
     assert donor.state is not None
     with torch.no_grad():
         donor.state.params["weight"].add_(torch.randn(64, 64, generator=torch.Generator()))
@@ -113,3 +118,35 @@ def test_adopt_keeps_the_donors_model_only_where_it_holds_unsent_progress(residu
         assert float((weight - start).norm()) > 1.0
     else:
         assert torch.equal(weight, start)
+
+
+@pytest.mark.parametrize("optimizer", ["host", "device"])
+def test_a_swap_engine_settles_before_sync_touches_its_masters(optimizer: str) -> None:
+    """Sync reads and moves the host masters of a swap engine: updates still in flight (the
+    host optimizer's worker thread, a device step waiting for the next load) must be in them
+    first. Alone, every boundary then leaves the replica as resident training has it."""
+    from atomd.swap.compare import max_rel_param_diff
+    from atomd.swap.engine import SwapEngine
+    from atomd.train.engine import ResidentEngine
+    from tests.unit.test_swap_engine import CPU, TOL, _batches, _model, _plan, _spec
+
+    def run(engine: Any) -> dict[str, torch.Tensor]:
+        me = SyncPlugin(
+            job_id="j" * 32,
+            spec=SyncSpec(codec="fp32", every=2),
+            identity=Identity.generate(),
+            n_peers=lambda: 1,
+            send=lambda out: None,
+        )
+        me.attach(engine)
+        for step in range(1, 5):
+            engine.train_step(_batches(step), 1e-2)
+            me.after_step(step)
+        return {n: t.clone() for n, t in engine.model_tensors().items()}
+
+    ref = run(ResidentEngine(_model(), _spec(1.0), CPU))
+    swapped = SwapEngine(_model(), _spec(1.0), CPU, _plan(2, 1, optimizer=cast(Any, optimizer)))
+    try:
+        assert max_rel_param_diff(run(swapped), ref) < TOL
+    finally:
+        swapped.close()
