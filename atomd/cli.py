@@ -283,6 +283,10 @@ def plan(
         str | None,
         typer.Option(help="Fix where swapped layers' AdamW runs: host or device."),
     ] = None,
+    graph_blocks: Annotated[
+        int | None,
+        typer.Option(help="Fix the blocks not recomputed (default: as many as fit)."),
+    ] = None,
     measure: Annotated[
         bool, typer.Option("--measure", help="Measure this machine's GPU rates (needs CUDA).")
     ] = False,
@@ -324,6 +328,7 @@ def plan(
             micro_batches=micro_batches,
             resident_blocks=resident_blocks,
             optimizer=_optimizer_choice(optimizer),
+            graph_blocks=graph_blocks,
         )
     except PlanError as e:
         fail(str(e))
@@ -357,6 +362,10 @@ def bench_swap(
         str | None,
         typer.Option(help="Fix where swapped layers' AdamW runs: host or device."),
     ] = None,
+    graph_blocks: Annotated[
+        int | None,
+        typer.Option(help="Fix the blocks not recomputed (default: as many as fit)."),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
 ) -> None:
     """Train the same steps resident and swapped; print throughput, ratio and parameter diff."""
@@ -376,6 +385,7 @@ def bench_swap(
         resident_blocks=resident_blocks,
         gpu_mem=gpu_mem,
         optimizer=_optimizer_choice(optimizer),
+        graph_blocks=graph_blocks,
     )
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
 

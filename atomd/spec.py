@@ -140,6 +140,12 @@ class JobSpec(BaseModel):
         description="Transformer blocks kept on the device besides embedding and head; "
         "default: the planner's.",
     )
+    swap_graph_blocks: int | None = Field(
+        None,
+        ge=0,
+        description="The last blocks that keep their forward graph until backward instead of "
+        "recomputing it (faster, more device memory); default: as many as the budget has room for.",
+    )
     swap_optimizer: Literal["auto", "host", "device"] = Field(
         "auto",
         description="Where swapped layers' AdamW runs: 'host' (fused, on a worker thread, "

@@ -62,6 +62,7 @@ def run(
     resident_blocks: int | None = 0,
     gpu_mem: str | None = None,
     optimizer: Optimizer | None = None,
+    graph_blocks: int | None = None,
 ) -> dict[str, Any]:
     dev = resolve_device(device)
     spec = JobSpec(
@@ -76,6 +77,7 @@ def run(
         swap_micro_batches=micro_batches,
         swap_resident_blocks=resident_blocks,
         swap_optimizer=optimizer or "auto",
+        swap_graph_blocks=graph_blocks,
     )
     cfg = get_preset(preset)
     data = load_dataset(spec.data, seq_len=seq_len)
@@ -98,14 +100,15 @@ def run(
         "threads": torch.get_num_threads(),
     }
 
-    budget = device_budget(spec, dev)
+    # The resident run may use the whole device: the budget is the swapped run's.
+    whole = device_budget(spec.model_copy(update={"gpu_mem": None}), dev)
     need = resident_peak_bytes(shape_for(spec, dev))
     resident_params: dict[str, torch.Tensor] | None = None
     resident_tps: float | None = None
-    if dev.type == "cuda" and need > budget:
+    if dev.type == "cuda" and need > whole:
         out["resident_skipped"] = (
-            f"resident training needs about {format_bytes(need)}, more than the "
-            f"{format_bytes(budget)} budget"
+            f"resident training needs about {format_bytes(need)}, more than the device's "
+            f"{format_bytes(whole)}"
         )
     else:
         torch.manual_seed(0)
@@ -154,6 +157,7 @@ def run(
                 "resident_blocks": plan.resident_blocks,
                 "spill": plan.spill,
                 "optimizer": plan.optimizer,
+                "graph_blocks": plan.graph_blocks,
                 "predicted_tokens_per_s": round(plan.tokens_per_s, 1),
                 "predicted_step_s": plan.step_s,
                 "predicted_bound": plan.bottleneck,

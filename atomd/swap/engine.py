@@ -15,7 +15,12 @@ through a layer before the next layer is needed (layer-major), so one load serve
   previous visit has been issued (``schedule``), on the load stream.
 - The turn: the head's forward and backward run together; the last K swapped layers are still
   in their slots and serve the first backward visits without a reload.
-- Backward: each layer's forward is recomputed from its saved input, and its gradient
+- Kept graphs: the last ``plan.graph_blocks`` blocks run their forward with autograd and keep
+  the graph until backward (no recompute: a quarter of a block's compute saved, for memory
+  the planner has room for). A swapped block's slot is reused before its backward, so any
+  slot tensor autograd saves is copied as it is saved (a saved-tensors hook): under bf16
+  autocast only the LayerNorm weights, since matmuls save their own bf16 copy.
+- Backward: each other layer's forward is recomputed from its saved input, and its gradient
   accumulated in the slot's fp32 buffer; the buffer is copied to the host on the store stream
   and the layer's host AdamW step is submitted to a worker thread right away (overlapping the
   backward of earlier layers). Waves after the first start from the host's partial gradient.
@@ -35,6 +40,8 @@ through a layer before the next layer is needed (layer-major), so one load serve
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +62,15 @@ from atomd.train.engine import autocast, load_model_tensors, model_tensors
 from atomd.train.optim import build_adamw, optimizer_state_by_param, optimizer_tensors
 
 log = get_logger(__name__)
+
+
+@dataclass
+class Graph:
+    """A layer's forward kept with autograd: its M inputs (leaves), weights (leaves), outputs."""
+
+    inputs: list[Tensor]
+    leaves: list[Tensor]
+    outs: list[Tensor]
 
 
 class SwapEngine:
@@ -116,7 +132,12 @@ class SwapEngine:
         self._grad_stored: dict[int, Marker] = {}
         self._spill_pool: dict[tuple[int, int], Tensor] = {}
         self._spill_free: dict[int, Marker] = {}  # layer -> its spill buffers were read back
-        self._spilled_layers = set(range(1, n - 2)) if plan.spill else set()
+        # The last graph_blocks blocks (layers n-1-g .. n-2) keep their forward graphs.
+        self._graphs = set(range(n - 1 - plan.graph_blocks, n - 1))
+        self._graph_bytes: dict[int, int] = {}  # layer -> bytes its kept graph saved
+        self._slot_storage = {w.untyped_storage().data_ptr() for s in self.slots for w in s.weights}
+        spillable = set(range(1, n - 2)) - self._graphs  # a kept graph holds its own input
+        self._spilled_layers = spillable if plan.spill else set()
         self.stats = SwapStats()
         self.reason = "swap on"  # why this run swaps, for plan.json (set by make_engine)
         log.info(
@@ -293,10 +314,37 @@ class SwapEngine:
                 )
         return out
 
+    def _forward_graph(self, i: int, acts: list[Tensor], slot: Slot | None) -> Graph:
+        """Layer i's forward with autograd, the graph kept for backward (a block's only).
+        Slot tensors that autograd saves are copied: the slot is reused before backward."""
+        leaves: list[Tensor] = (
+            [w.detach().requires_grad_() for w in slot.weights]
+            if slot is not None
+            else list(self.layers[i].parameters())
+        )
+        held = 0
+        copies: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Tensor] = {}
+
+        def pack(t: Tensor) -> Tensor:
+            nonlocal held
+            if t.untyped_storage().data_ptr() in self._slot_storage:
+                key = (t.data_ptr(), tuple(t.shape), t.stride())
+                if key in copies:  # the M micro-batches share one copy
+                    return copies[key]
+                t = copies[key] = t.clone()
+            held += t.numel() * t.element_size()
+            return t
+
+        xs = [a.detach().requires_grad_() for a in acts]
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            outs = [self._call(i, x, leaves if slot is not None else None) for x in xs]
+        self._graph_bytes[i] = held
+        return Graph(xs, leaves, outs)
+
     def _backward_layer(
         self,
         i: int,
-        inputs: list[Tensor],
+        inputs: list[Tensor] | Graph,
         grad_outs: list[Tensor],
         targets: list[Tensor],
         weights: list[Tensor] | None,
@@ -305,15 +353,27 @@ class SwapEngine:
         g_total: int,
         total: Tensor,
     ) -> list[Tensor]:
-        """Recompute layer i from its inputs and backpropagate every micro-batch through it.
-        Parameter gradients go to ``accs`` (a slot) or to ``.grad`` (resident layers)."""
-        leaves: list[Tensor] = (
-            [w.detach().requires_grad_() for w in weights]
-            if weights is not None
-            else list(self.layers[i].parameters())
-        )
+        """Backpropagate every micro-batch through layer i: through its kept graph, or by
+        recomputing it from its inputs. Parameter gradients go to ``accs`` (a slot) or to
+        ``.grad`` (resident layers)."""
+        graph = inputs if isinstance(inputs, Graph) else None
+        leaves: list[Tensor]
+        if graph is not None:
+            leaves = graph.leaves
+        elif weights is not None:
+            leaves = [w.detach().requires_grad_() for w in weights]
+        else:
+            leaves = list(self.layers[i].parameters())
         grad_ins: list[Tensor] = []
-        for mi, a in enumerate(inputs):
+        count = len(graph.outs) if graph is not None else len(cast(list[Tensor], inputs))
+        for mi in range(count):
+            if graph is not None:
+                x = graph.inputs[mi]
+                grads = torch.autograd.grad(graph.outs[mi], [x, *leaves], grad_outs[mi])
+                grad_ins.append(grads[0])
+                self._accumulate(leaves, grads[1:], accs, fresh and mi == 0)
+                continue
+            a = cast(list[Tensor], inputs)[mi]
             floating = a.is_floating_point()  # the embedding's input is token ids
             x = a.detach().requires_grad_() if floating else a
             with torch.enable_grad():
@@ -329,17 +389,26 @@ class SwapEngine:
             if floating:
                 grad_ins.append(grads[0])
                 grads = grads[1:]
-            with torch.no_grad():
-                if accs is not None:
-                    for acc, g in zip(accs, grads, strict=True):
-                        if fresh and mi == 0:
-                            acc.copy_(g)
-                        else:
-                            acc.add_(g)
-                else:
-                    for p, g in zip(leaves, grads, strict=True):
-                        p.grad = g if p.grad is None else p.grad.add_(g)
+            self._accumulate(leaves, grads, accs, fresh and mi == 0)
+        self._graph_bytes.pop(i, None)
         return grad_ins
+
+    @staticmethod
+    @torch.no_grad()
+    def _accumulate(
+        leaves: list[Tensor], grads: Sequence[Tensor], accs: list[Tensor] | None, first: bool
+    ) -> None:
+        """Add one micro-batch's parameter gradients to a slot's accumulator (``first``:
+        overwrite it) or to resident parameters' ``.grad``."""
+        if accs is not None:
+            for acc, g in zip(accs, grads, strict=True):
+                if first:
+                    acc.copy_(g)
+                else:
+                    acc.add_(g)
+        else:
+            for p, g in zip(leaves, grads, strict=True):
+                p.grad = g if p.grad is None else p.grad.add_(g)
 
     def train_step(self, batches: Sequence[Batch], lr: float) -> float:
         g_total, m = len(batches), self.plan.micro_batches
@@ -406,19 +475,24 @@ class SwapEngine:
         # saved[i]: layer i's inputs on the device, or spilled[i]: on the host (+ its marker)
         saved: dict[int, list[Tensor]] = {0: xs}
         spilled: dict[int, tuple[list[Tensor], Marker]] = {}
+        graphs: dict[int, Graph] = {}
         acts = xs
         for i in range(n - 1):  # forward up to the head; the head runs at the turn
             slot = wave.next(i) if i in self._swapped_set else None
             if slot is not None:
                 st.wait(st.compute, slot.loaded)
-            with torch.no_grad():
-                acts = [self._call(i, a, slot.weights if slot else None) for a in acts]
+            if i in self._graphs:
+                graphs[i] = self._forward_graph(i, acts, slot)
+                acts = [o.detach() for o in graphs[i].outs]
+            else:
+                with torch.no_grad():
+                    acts = [self._call(i, a, slot.weights if slot else None) for a in acts]
             if slot is not None:
                 slot.used = st.mark(st.compute)
                 wave.done()
             if i + 1 in self._spilled_layers:
                 spilled[i + 1] = self._spill(i + 1, acts)
-            else:
+            elif i + 1 not in self._graphs:
                 saved[i + 1] = acts
             self._note_held(saved, acts)
         grad_outs: list[Tensor] = []
@@ -426,7 +500,10 @@ class SwapEngine:
         for i in range(n - 1, -1, -1):
             if i - 1 in spilled:  # prefetch the next layer's inputs while this one computes
                 fetched[i - 1] = self._fetch(i - 1, *spilled.pop(i - 1))
-            if i in fetched:
+            inputs: list[Tensor] | Graph
+            if i in graphs:
+                inputs = graphs.pop(i)
+            elif i in fetched:
                 inputs, ready = fetched.pop(i)
                 st.wait(st.compute, ready)
             else:
@@ -453,6 +530,7 @@ class SwapEngine:
 
     def _note_held(self, saved: dict[int, list[Tensor]], current: list[Tensor]) -> None:
         held = sum(nbytes(ts) for ts in saved.values()) + nbytes(current)
+        held += sum(self._graph_bytes.values())
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, held)
 
     @torch.no_grad()

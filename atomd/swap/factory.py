@@ -72,6 +72,7 @@ def plan_for(spec: JobSpec, device: torch.device, hw: hardware.Hardware | None =
         micro_batches=spec.swap_micro_batches,
         resident_blocks=resident_blocks,
         optimizer=None if spec.swap_optimizer == "auto" else spec.swap_optimizer,
+        graph_blocks=spec.swap_graph_blocks,
     )
 
 

@@ -11,6 +11,11 @@ d = bytes of the compute dtype; BTC = micro_batch_size * seq_len * n_embd):
   K * 16 B with the optimizer on the device (the layer's AdamW moments come in with it);
 - saved layer inputs (activation checkpoints): (n_layer + 1) * M * BTC * a, or, when spilled
   to host memory, the 4 layers' worth that are on the device at once;
+- kept graphs: the last ``graph_blocks`` blocks keep their forward's autograd graph until
+  backward instead of recomputing it, M * BTC * (2a + 15d) each (as resident training keeps
+  them), plus a copy of the block's weights where autograd saves the fp32 weight itself (no
+  autocast: the CPU); under bf16 autocast it saves its own bf16 copy. The planner keeps as many
+  as the budget leaves room for: each one saves a quarter of a block's compute;
 - flowing: 2 * M * BTC * a (one layer's outputs in forward; gradients in and out in backward);
 - working set of one micro-batch inside one layer: a block's recomputed graph
   (BTC * (2a + 24d)) or the head's logits and their fp32 loss gradient (B*T*V * (2d + 12));
@@ -37,6 +42,7 @@ ACT_BYTES = 4  # the residual stream (saved layer inputs, their gradients) is fp
 MAX_SLOTS = 8
 FREE_M = (1, 2, 4, 8, 16, 32, 64)  # M candidates when the gradient accumulation is free
 NEAR_BEST = 1.03  # plans within 3% of the best time per token count as equally fast
+GRAPH_HEADROOM = 0.05
 Optimizer = Literal["host", "device"]
 
 
@@ -79,6 +85,9 @@ class SwapPlan:
     swapped_blocks: int
     spill: bool
     """Saved layer inputs are kept in host memory (copied out in forward, back in backward)."""
+    graph_blocks: int
+    """The last blocks that keep their forward's autograd graph until backward (not
+    recomputed); the others are checkpointed."""
     optimizer: Optimizer
     """Where swapped layers' AdamW runs: 'host' (fused, on a worker thread, overlapping the
     backward) or 'device' (the step is applied when the layer is next loaded: its gradient and
@@ -134,17 +143,33 @@ class Shape:
     """Bytes of the compute dtype: 2 (bf16 autocast on CUDA) or 4 (fp32 on the CPU)."""
 
 
+def _graph_bytes(shape: Shape, sizes: LayerSizes, m: int) -> int:
+    """Device bytes of one block whose forward graph is kept for M micro-batches."""
+    btc = shape.micro_batch_size * shape.seq_len * shape.cfg.n_embd
+    weights = 4 * sizes.block if shape.dtype_bytes == 4 else 0
+    return m * btc * (2 * ACT_BYTES + 15 * shape.dtype_bytes) + weights
+
+
 def _memory(
-    shape: Shape, sizes: LayerSizes, k: int, m: int, r: int, spill: bool, optimizer: Optimizer
+    shape: Shape,
+    sizes: LayerSizes,
+    k: int,
+    m: int,
+    r: int,
+    spill: bool,
+    optimizer: Optimizer,
+    graphs: int = 0,
 ) -> dict[str, int]:
     cfg, d = shape.cfg, shape.dtype_bytes
     tokens = shape.micro_batch_size * shape.seq_len
     btc = tokens * cfg.n_embd
-    saved_layers = min(cfg.n_layer + 1, 4) if spill else cfg.n_layer + 1
+    # A block that keeps its graph needs no saved input of its own.
+    saved_layers = min(cfg.n_layer + 1, 4) if spill else cfg.n_layer + 1 - graphs
     return {
         "resident_state": 16 * (sizes.embed + sizes.head + r * sizes.block),
         "slots": k * (16 if optimizer == "device" else 8) * sizes.block,
         "saved_inputs": saved_layers * m * btc * ACT_BYTES,
+        "kept_graphs": graphs * _graph_bytes(shape, sizes, m),
         "flowing": 2 * m * btc * ACT_BYTES,
         "working": max(
             btc * (2 * ACT_BYTES + 24 * d),
@@ -190,13 +215,22 @@ def _evaluate(
     r: int,
     spill: bool,
     optimizer: Optimizer,
+    graphs: int | None,
 ) -> SwapPlan:
     cfg, sizes = shape.cfg, LayerSizes.of(shape.cfg)
     q = cfg.n_layer - r
     waves = g // m
     btc = shape.micro_batch_size * shape.seq_len * cfg.n_embd
-    memory = _memory(shape, sizes, k, m, r, spill, optimizer)
-    spilled_layers = cfg.n_layer - 1 if spill else 0  # block inputs but the last block's
+    if graphs is None:  # as many as fit: each saves compute and costs nothing but memory
+        # Graphs fill the budget up to GRAPH_HEADROOM: estimates of activations are rough.
+        room = int(budget * (1 - GRAPH_HEADROOM))
+        room -= sum(_memory(shape, sizes, k, m, r, spill, optimizer).values())
+        saved_input = 0 if spill else m * btc * ACT_BYTES
+        per_graph = _graph_bytes(shape, sizes, m) - saved_input
+        graphs = max(0, min(cfg.n_layer, room // max(1, per_graph)))
+    memory = _memory(shape, sizes, k, m, r, spill, optimizer, graphs)
+    # Block inputs but the last block's, and those of blocks that keep their graph.
+    spilled_layers = min(cfg.n_layer - 1, cfg.n_layer - graphs) if spill else 0
     loads = _count_loads(q, k, waves)
     w_bytes = 4 * sizes.block  # fp32 master weights are what travels
     spill_bytes = waves * spilled_layers * m * btc * ACT_BYTES
@@ -207,8 +241,9 @@ def _evaluate(
         bytes_loaded += q * 3 * w_bytes
         bytes_stored += q * 3 * w_bytes
     f_block, f_head = _flops(shape, sizes)
-    # Every block recomputes its forward in backward: forward + recompute + 2x backward.
-    compute_s = g * (cfg.n_layer * 4 * f_block + 3 * f_head) / hw.flops_per_s
+    # A block recomputes its forward in backward (forward + recompute + 2x backward) unless it
+    # kept its graph.
+    compute_s = g * ((cfg.n_layer * 4 - graphs) * f_block + 3 * f_head) / hw.flops_per_s
     resident_step_s = g * (cfg.n_layer * 3 * f_block + 3 * f_head) / hw.flops_per_s
     load_s = bytes_loaded / hw.h2d_bytes_per_s
     store_s = bytes_stored / hw.d2h_bytes_per_s
@@ -236,6 +271,7 @@ def _evaluate(
         resident_blocks=r,
         swapped_blocks=q,
         spill=spill,
+        graph_blocks=graphs,
         optimizer=optimizer,
         micro_batch_size=shape.micro_batch_size,
         seq_len=shape.seq_len,
@@ -274,12 +310,15 @@ def make_plan(
     resident_blocks: int | None = None,
     spill: bool | None = None,
     optimizer: Optimizer | None = None,
+    graph_blocks: int | None = None,
 ) -> SwapPlan:
     """The fastest plan per token that fits ``budget_bytes``; ``PlanError`` when none does.
 
     Among plans within 3% of the best time per token it takes the smallest M, then no spill,
     then the least device memory (so the host optimizer unless the device's is clearly faster).
-    ``slots``, ``micro_batches``, ``resident_blocks``, ``spill`` and ``optimizer`` fix a choice.
+    Each plan keeps the graphs of as many blocks as its memory leaves room for.
+    ``slots``, ``micro_batches``, ``resident_blocks``, ``spill``, ``optimizer`` and
+    ``graph_blocks`` fix a choice.
     """
     cfg, g = shape.cfg, shape.grad_accum
     if cfg.n_layer < 2:
@@ -293,6 +332,8 @@ def make_plan(
             f"resident_blocks must be in 0..{cfg.n_layer - 2} (at least 2 blocks are swapped), "
             f"got {resident_blocks}"
         )
+    if graph_blocks is not None and not 0 <= graph_blocks <= cfg.n_layer:
+        raise PlanError(f"graph_blocks must be in 0..{cfg.n_layer}, got {graph_blocks}")
     if slots is not None and not 2 <= slots <= cfg.n_layer:
         raise PlanError(f"slots (K) must be in 2..{cfg.n_layer}, got {slots}")
     if micro_batches is not None:
@@ -310,7 +351,9 @@ def make_plan(
     for k, m, r, s, o in itertools.product(ks, ms, rs, spills, opts):
         if k > cfg.n_layer - r:
             continue  # more slots than swapped blocks
-        p = _evaluate(shape, hardware, budget_bytes, k, m, g if g is not None else m, r, s, o)
+        p = _evaluate(
+            shape, hardware, budget_bytes, k, m, g if g is not None else m, r, s, o, graph_blocks
+        )
         if p.peak_device_bytes <= budget_bytes:
             feasible.append(p)
         elif smallest is None or p.peak_device_bytes < smallest.peak_device_bytes:

@@ -9,6 +9,7 @@ _MEMORY_LABELS = {
     "resident_state": "resident state (16 B/param)",
     "slots": "layer slots (weights + grads)",
     "saved_inputs": "saved layer inputs",
+    "kept_graphs": "kept forward graphs",
     "flowing": "activations in flight",
     "working": "working set of one layer",
     "reserve": "reserve",
@@ -47,6 +48,8 @@ def format_plan(plan: SwapPlan, *, preset: str) -> str:
         f"  {'swapped':<36}{plan.swapped_blocks} blocks x {plan.params_per_block / 1e6:.1f}M "
         f"params ({_gb(4 * plan.params_per_block)} fp32 each)",
         f"  {'saved layer inputs':<36}{'spilled to host memory' if plan.spill else 'on device'}",
+        f"  {'blocks not recomputed':<36}{plan.graph_blocks} of {plan.n_layer} "
+        "(forward graph kept until backward)",
         f"  {'optimizer of swapped layers':<36}{_OPTIMIZER[plan.optimizer]}",
         "",
         f"  {'device memory':<36}{'predicted':>12}",
@@ -65,7 +68,7 @@ def format_plan(plan: SwapPlan, *, preset: str) -> str:
         f"{_gb(plan.bytes_loaded):>12}{plan.load_s:>10.3f}",
         f"    {'device -> host (' + _STORED[plan.optimizer] + ')':<34}"
         f"{_gb(plan.bytes_stored):>12}{plan.store_s:>10.3f}",
-        f"    {'compute (with recompute)':<34}{'':>12}{plan.compute_s:>10.3f}",
+        f"    {'compute (with recomputes)':<34}{'':>12}{plan.compute_s:>10.3f}",
         f"    {'host AdamW':<34}{'':>12}{plan.host_optimizer_s:>10.3f}",
         f"    {'pipeline fill':<34}{'':>12}{plan.fill_s:>10.3f}",
         f"    {'step (bound: ' + plan.bottleneck + ')':<34}{'':>12}{plan.step_s:>10.3f}",

@@ -41,8 +41,9 @@ class SwapStats:
     bytes_loaded: int = 0
     bytes_stored: int = 0
     peak_held_bytes: int = 0
-    """Layer inputs and gradients held on the device between layers (on the CPU the only
-    activation figure there is; the transient working set inside a layer is not counted)."""
+    """Layer inputs, kept graphs' saved tensors and gradients held on the device between layers
+    (on the CPU the only activation figure there is; the transient working set inside a layer
+    is not counted)."""
     extra: dict[str, int] = field(default_factory=dict)
 
 

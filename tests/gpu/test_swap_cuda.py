@@ -48,7 +48,12 @@ def _spec(clip: float) -> JobSpec:
 
 
 def _plan(
-    cfg: GPTConfig, k: int, m: int, spill: bool | None = None, optimizer: Optimizer = "host"
+    cfg: GPTConfig,
+    k: int,
+    m: int,
+    spill: bool | None = None,
+    optimizer: Optimizer = "host",
+    graphs: int = 0,
 ) -> SwapPlan:
     return make_plan(
         Shape(cfg=cfg, micro_batch_size=B, seq_len=T, grad_accum=G, dtype_bytes=2),
@@ -59,6 +64,7 @@ def _plan(
         resident_blocks=0,
         spill=spill,
         optimizer=optimizer,
+        graph_blocks=graphs,
     )
 
 
@@ -89,13 +95,15 @@ def resident(request: pytest.FixtureRequest) -> tuple[float, list[float], dict[s
 
 
 @pytest.mark.parametrize(
-    ("k", "m", "spill", "optimizer"),
+    ("k", "m", "spill", "optimizer", "graphs"),
     [
-        (2, 1, False, "host"),
-        (2, 4, True, "host"),
-        (3, 4, False, "host"),
-        (2, 1, False, "device"),
-        (3, 4, True, "device"),
+        (2, 1, False, "host", 0),
+        (2, 4, True, "host", 0),
+        (3, 4, False, "host", 0),
+        (2, 1, False, "device", 0),
+        (3, 4, True, "device", 0),
+        (2, 4, False, "host", 3),
+        (2, 4, True, "device", 6),
     ],
 )
 def test_swapped_matches_resident_on_cuda(
@@ -105,9 +113,11 @@ def test_swapped_matches_resident_on_cuda(
     m: int,
     spill: bool,
     optimizer: Optimizer,
+    graphs: int,
 ) -> None:
     clip, losses, ref = resident
-    engine = SwapEngine(_model(), _spec(clip), CUDA, _plan(CFG, k, m, spill, optimizer))
+    plan = _plan(CFG, k, m, spill, optimizer, graphs)
+    engine = SwapEngine(_model(), _spec(clip), CUDA, plan)
     try:
         got = [engine.train_step(_batches(s), LR) for s in range(STEPS)]
         assert got == pytest.approx(losses, rel=LOSS_TOL)
@@ -120,13 +130,14 @@ def test_swapped_matches_resident_on_cuda(
 
 
 @pytest.mark.parametrize(
-    ("spill", "optimizer"), [(False, "host"), (True, "host"), (False, "device")]
+    ("spill", "optimizer", "graphs"),
+    [(False, "host", 0), (True, "host", 0), (False, "device", 0), (False, "host", 6)],
 )
 def test_peak_device_memory_within_the_plan(
-    no_device_sync: None, spill: bool, optimizer: Optimizer
+    no_device_sync: None, spill: bool, optimizer: Optimizer, graphs: int
 ) -> None:
     cfg = get_preset("small")  # 124M parameters: memory terms well above the fixed reserve
-    plan = _plan(cfg, 2, 2, spill, optimizer)
+    plan = _plan(cfg, 2, 2, spill, optimizer, graphs)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(CUDA)
     base = torch.cuda.memory_allocated(CUDA)

@@ -60,6 +60,7 @@ def _plan(
     resident_blocks: int = 0,
     spill: bool | None = None,
     optimizer: Optimizer = "host",
+    graphs: int = 0,
 ) -> SwapPlan:
     plan = make_plan(
         Shape(cfg=CFG, micro_batch_size=B, seq_len=T, grad_accum=G, dtype_bytes=4),
@@ -69,6 +70,7 @@ def _plan(
         micro_batches=m,
         resident_blocks=resident_blocks,
         optimizer=optimizer,
+        graph_blocks=graphs,
     )
     return plan if spill is None else replace(plan, spill=spill)
 
@@ -136,6 +138,40 @@ def test_spill_and_resident_blocks_match_resident(
         assert _train(engine) == pytest.approx(losses, rel=1e-6)
         assert max_rel_param_diff(engine.model_tensors(), ref.model_tensors()) < TOL
         assert len(engine.swapped) == CFG.n_layer - resident_blocks
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("graphs", "m", "spill", "resident_blocks", "optimizer"),
+    [
+        (2, 4, False, 0, "host"),
+        (4, 1, False, 0, "device"),
+        (1, 2, True, 0, "host"),
+        (3, 2, True, 2, "host"),
+    ],
+)
+def test_blocks_that_keep_their_graph_match_resident(
+    resident: tuple[float, list[float], ResidentEngine],
+    graphs: int,
+    m: int,
+    spill: bool,
+    resident_blocks: int,
+    optimizer: Optimizer,
+) -> None:
+    """The last blocks keep their forward graph instead of recomputing it (their slots are
+    reused before backward: saved slot tensors are copied), with spilling, resident blocks and
+    either optimizer around them."""
+    clip, losses, ref = resident
+    plan = _plan(2, m, resident_blocks, spill, optimizer, graphs)
+    engine = SwapEngine(_model(), _spec(clip), CPU, plan)
+    try:
+        assert _train(engine) == pytest.approx(losses, rel=1e-6)
+        assert max_rel_param_diff(engine.model_tensors(), ref.model_tensors()) < TOL
+        n = len(engine.layers)
+        assert engine._graphs == set(range(n - 1 - graphs, n - 1))
+        assert not engine._spilled_layers & engine._graphs
+        assert engine.stats.peak_held_bytes > 0 and not engine._graph_bytes  # all consumed
     finally:
         engine.close()
 

@@ -9,7 +9,13 @@ from atomd.errors import PlanError
 from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
 from atomd.swap.hardware import Hardware, assumed
-from atomd.swap.plan import LayerSizes, Shape, make_plan, resident_peak_bytes
+from atomd.swap.plan import (
+    GRAPH_HEADROOM,
+    LayerSizes,
+    Shape,
+    make_plan,
+    resident_peak_bytes,
+)
 from atomd.swap.schedule import schedule_slots, training_visits
 from atomd.units import format_bytes, parse_bytes
 
@@ -134,7 +140,8 @@ def test_the_optimizer_goes_to_the_device_only_when_the_host_cannot_keep_up() ->
     """The device optimizer costs 8 B/parameter more per slot and 24 B/parameter more over the
     link each step: the planner takes it only when the host AdamW would bound the step."""
     shape = _shape("gpt3-2.7b", 8, batch=4)
-    fast_host = make_plan(shape, budget_bytes=24 * GiB, hardware=assumed())
+    fast = Hardware(**(assumed().to_dict() | {"host_adam_params_per_s": 1e10}))
+    fast_host = make_plan(shape, budget_bytes=24 * GiB, hardware=fast)
     assert fast_host.optimizer == "host" and fast_host.bottleneck != "host_optimizer"
     slow = Hardware(**(assumed().to_dict() | {"host_adam_params_per_s": 5e7}))
     forced_host = make_plan(shape, budget_bytes=24 * GiB, hardware=slow, optimizer="host")
@@ -159,3 +166,21 @@ def test_the_optimizer_goes_to_the_device_only_when_the_host_cannot_keep_up() ->
     assert dev.memory["slots"] - host.memory["slots"] == 3 * 8 * block
     assert dev.bytes_loaded - host.bytes_loaded == host.swapped_blocks * 12 * block
     assert dev.bytes_stored - host.bytes_stored == host.swapped_blocks * 12 * block
+
+
+def test_blocks_keep_their_graphs_as_far_as_memory_allows() -> None:
+    """Each kept graph saves a recompute (a quarter of a block's compute) for its memory: the
+    planner keeps as many as fit, leaving GRAPH_HEADROOM of the budget free."""
+    shape = _shape("gpt3-2.7b", 8, batch=1)
+    fixed = {"slots": 2, "micro_batches": 2, "resident_blocks": 0, "spill": False}
+    none = make_plan(shape, budget_bytes=24 * GiB, hardware=assumed(), graph_blocks=0, **fixed)
+    small = make_plan(shape, budget_bytes=12 * GiB, hardware=assumed(), **fixed)
+    big = make_plan(shape, budget_bytes=48 * GiB, hardware=assumed(), **fixed)
+    n = shape.cfg.n_layer
+    assert none.graph_blocks == 0 and none.memory["kept_graphs"] == 0
+    assert 0 < small.graph_blocks < big.graph_blocks == n
+    assert small.peak_device_bytes <= 12 * GiB * (1 - GRAPH_HEADROOM)
+    assert big.compute_s < small.compute_s < none.compute_s
+    assert none.compute_s / big.compute_s == pytest.approx(4 / 3, rel=0.05)
+    with pytest.raises(PlanError, match="graph_blocks"):
+        make_plan(shape, budget_bytes=24 * GiB, hardware=assumed(), graph_blocks=n + 1)

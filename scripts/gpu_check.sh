@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The swap engine's checks on a CUDA machine, as one prepared run (issue #5): tests/gpu, then
+# `atomd bench swap` on the issue's three configurations. Everything lands in $OUT (or the
+# folder given): nvidia-smi.txt, pytest-gpu.log, bench-*.json, bench-*.log.
+#
+# On the lent GPU machine (its python3 has CUDA torch but lacks a few of our dependencies):
+#   here:  scripts/gpu_wheels.sh
+#   there: run(command="scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# QUICK=1 runs a smoke version on any machine (tiny preset, device auto).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-runs/gpu-check}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+py=${PYTHON:-python3}
+if ! $py -c "import pydantic, zstandard" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi >"$out/nvidia-smi.txt" 2>&1
+$py -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+
+deadline=${DEADLINE:-500}  # seconds for the whole script: later benches shrink or are skipped
+bench() {  # name, time limit (s), arguments of `atomd bench swap`
+    local name=$1 limit=$2
+    shift 2
+    local left=$((deadline - SECONDS))
+    if [ "$left" -lt 30 ]; then
+        echo "== bench $name skipped: $left s left of $deadline"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "== bench $name (at most $limit s): $*"
+    timeout "$limit" $py -m atomd bench swap --json "$@" >"$out/bench-$name.json" \
+        2>"$out/bench-$name.log"
+    echo "   exit $? after $SECONDS s in all"
+    tail -c 600 "$out/bench-$name.json"
+    echo
+}
+
+if [ "${QUICK:-0}" = 1 ]; then
+    timeout 120 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest-gpu.log"
+    bench tiny 120 --preset tiny --device auto --steps 2
+    bench tiny-device-opt 120 --preset tiny --device auto --steps 2 --optimizer device
+    exit 0
+fi
+timeout 150 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest-gpu.log"
+# gpt3-xl: 32k tokens per optimizer step, 4 micro-batches of 8k tokens (the issue's ratio target).
+xl=(--preset gpt3-xl --device cuda --micro-batch-size 4 --seq-len 2048 --grad-accum 4 --steps 3)
+bench xl 150 "${xl[@]}"
+# Consumer-card budgets: 32k tokens per step as 16 micro-batches of 2k.
+small=(--micro-batch-size 1 --seq-len 2048 --grad-accum 16 --steps 2 --device cuda)
+bench 2.7b-8GiB 150 --preset gpt3-2.7b --gpu-mem 8GiB "${small[@]}"
+bench 6.7b-12GiB 200 --preset gpt3-6.7b --gpu-mem 12GiB "${small[@]}"
+bench xl-recompute 120 "${xl[@]}" --graph-blocks 0  # what keeping graphs is worth
+bench xl-device-opt 120 "${xl[@]}" --optimizer device
