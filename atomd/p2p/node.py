@@ -318,11 +318,15 @@ class SwarmNode:
         self.plugins[job_id] = plugin
         return plugin
 
+    def _codec(self, job_id: str) -> str:
+        """The delta codec of a job this node trains ("?" once it no longer does)."""
+        plugin = self.plugins.get(job_id)
+        return plugin.spec.codec if plugin else "?"
+
     async def _deliver(self, out: RoundOut) -> None:
         """Send one round's frame to every peer training the job; record what happened."""
-        plugin = self.plugins.get(out.job_id)
         raw = out.outgoing.raw_bytes
-        codec = plugin.spec.codec if plugin else "?"
+        codec = self._codec(out.job_id)
         await self._record_merge(out.job_id, out.merge)
         targets = self.job_peers(out.job_id)
 
@@ -356,7 +360,7 @@ class SwarmNode:
     async def _record_merge(self, job_id: str, merge: MergeReport) -> None:
         """Record what a merge did with the deltas it was given (applied, or why not)."""
         plugin = self.plugins.get(job_id)
-        codec = plugin.spec.codec if plugin else "?"
+        codec = self._codec(job_id)
         raw = plugin.state.numel * 4 if plugin is not None and plugin.state is not None else 0
         rows = [(a.sender, a.round, a.staleness, True, None) for a in merge.applied] + [
             (r.sender, r.round, None, False, r.reason) for r in merge.refused

@@ -51,12 +51,22 @@ def test_quick_runs_report_their_fields() -> None:
         by_name["topk-h50"]["ratio_vs_fp32_model"] > 20 * by_name["fp32-h10"]["ratio_vs_fp32_model"]
     )
     assert by_name["alone-b16"]["codec"] is None
-    assert set(result["targets"]) >= {"loss_below_hivemind", "bytes_ratio", "async_vs_sync"}
+    targets = result["targets"]
+    assert targets["codec"] == "topk" and targets["best"] == "h50"  # the only topk-h<H> run
+    h50 = targets["by_every"]["h50"]
+    assert set(h50) == {
+        "val_loss", "loss_below_hivemind", "bytes_ratio", "divergence", "async_vs_sync"
+    }  # fmt: skip
+    sync = by_name["topk-h50-sync"]["val_loss"]
+    assert h50["async_vs_sync"]["value"] == pytest.approx(
+        by_name["topk-h50"]["val_loss"] / sync - 1
+    )
+    assert h50["bytes_ratio"]["ok"] == (by_name["topk-h50"]["ratio_vs_fp32_model"] >= 100)
 
 
 def test_run_names() -> None:
     names = [r.name for r in default_runs()]
-    assert len(names) == len(set(names)) == 10
+    assert len(names) == len(set(names)) == 13
     assert {"fp32-h50", "bf16-h50", "int8-h50", "alone-b16", "single-b64"} <= set(names)
     assert [r.name for r in resolve_runs(None)] == names
     assert resolve_runs(["fp32-h50-nesterov"])[0].sync["outer_momentum"] == 0.9
