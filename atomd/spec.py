@@ -66,7 +66,16 @@ class SyncSpec(BaseModel):
         ge=0,
         le=3600,
         description="After its last step, how long a peer waits for the other peers' last deltas "
-        "(absorbed into its final model) before it finishes.",
+        "(absorbed into its final model) before it finishes; also the longest wait for each "
+        "consolidation round.",
+    )
+    consolidate_rounds: int = Field(
+        0,
+        ge=0,
+        le=10_000,
+        description="After the last step, rounds without training in which the peers send what "
+        "a lossy codec has not sent yet of their progress, so that their final models converge "
+        "to the average of all of them (stops early when a round's deltas do not all arrive).",
     )
 
 

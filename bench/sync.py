@@ -302,7 +302,17 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     losses_at_last_step = [e.evaluate(val) for e in engines]
     for i, state in enumerate(states):
         state.absorb(_arrived(inbox, i, math.inf))
-    losses = [e.evaluate(val) for e in engines]
+    losses_before_consolidation = [e.evaluate(val) for e in engines]
+    # sync.consolidate_rounds: rounds without training, each waiting for all deltas.
+    consolidation_bytes: list[int] = []
+    for _ in range(sync.consolidate_rounds):
+        outs = _sync_round(states)
+        consolidation_bytes += [
+            _frame_bytes(o, ident) for o, ident in zip(outs, identities, strict=True)
+        ]
+    losses = (
+        [e.evaluate(val) for e in engines] if consolidation_bytes else losses_before_consolidation
+    )
     # The models the peers hold: with residual="replica" each also carries its unsent residual.
     models = [{n: p.detach().clone() for n, p in e.model.named_parameters()} for e in engines]
     anchor_losses = [_loss_of(e, s.anchor, val) for e, s in zip(engines, states, strict=True)]
@@ -324,6 +334,9 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         "val_loss": sum(losses) / len(losses),
         "val_loss_per_peer": losses,
         "val_loss_at_last_step": sum(losses_at_last_step) / len(losses_at_last_step),
+        "val_loss_before_consolidation": sum(losses_before_consolidation) / n,
+        "consolidation_rounds": sync.consolidate_rounds,
+        "consolidation_bytes_per_peer": sum(consolidation_bytes) / n,
         "val_loss_anchor": sum(anchor_losses) / len(anchor_losses),
         "val_loss_mean_model": _loss_of(engines[0], mean_model, val),
         "bytes_per_round": per_round,

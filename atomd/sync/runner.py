@@ -153,18 +153,41 @@ class SyncPlugin:
     def finish(self, step: int, stop: threading.Event) -> None:
         """Instead of ``after_step`` after the job's last step: close the last round (also when
         H does not divide the steps), then absorb the other peers' last deltas as they arrive,
-        for at most ``final_wait_s`` (less if ``stop`` is set or every live peer's is in)."""
+        for at most ``final_wait_s`` (less if ``stop`` is set or every live peer's is in).
+
+        Then ``consolidate_rounds`` rounds without training: each sends what the codec has not
+        sent yet of this peer's progress (the replica minus the start point) and waits for the
+        others' deltas of the round. The mean of the peers' models stays where it is while
+        their differences (the unsent residuals) shrink, so the final models converge to the
+        average of them all. A round whose deltas do not all arrive ends it."""
         if self.state is None:
             return
         self._boundary(step)
+        if not self._await_round(stop, "last deltas"):
+            return
+        for done in range(self.spec.consolidate_rounds):
+            if stop.is_set():
+                return
+            self._boundary(step)
+            if not self._await_round(stop, f"consolidation round {done + 1}"):
+                return
+        if self.spec.consolidate_rounds:
+            log.info("consolidated in %d rounds", self.spec.consolidate_rounds)
+
+    def _await_round(self, stop: threading.Event, what: str) -> bool:
+        """Absorb the other peers' deltas of the round just closed as they arrive, for at most
+        ``final_wait_s``; True once every live peer's is in."""
+        assert self.state is not None
         last = self.state.version - 1
         deadline = time.monotonic() + self.spec.final_wait_s
         while True:
             self._absorb()
-            have = self.state.deltas_in(last)
-            if have >= self.n_peers() or stop.is_set() or time.monotonic() >= deadline:
-                log.info("finished: %d of %d peers' last deltas in", have, self.n_peers())
-                return
+            have, want = self.state.deltas_in(last), self.n_peers()
+            if have >= want:
+                return True
+            if stop.is_set() or time.monotonic() >= deadline:
+                log.info("%s: %d of %d peers' deltas in; not waiting longer", what, have, want)
+                return False
             stop.wait(0.05)
 
     def state_tensors(self) -> dict[str, Tensor]:

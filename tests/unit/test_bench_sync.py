@@ -78,3 +78,21 @@ def test_cli_rejects_unknown_runs() -> None:
     result = CliRunner().invoke(app, ["bench", "sync", "--runs", "nope", "--workers", "0"])
     assert result.exit_code == 2
     assert "unknown run" in result.output
+
+
+def test_consolidation_rounds_converge_the_models_to_their_mean() -> None:
+    """Rounds without training after the last step: the peers' models (different, with top-k's
+    residual in each replica) end at the mean of their final models, whose loss the plain run
+    reports as a diagnostic."""
+    plain = RunSpec("topk-h50", codec="topk")
+    consolidated = RunSpec("topk-h50-c", codec="topk", sync={"consolidate_rounds": 120})
+    result = run(runs=[plain, consolidated], budget=TINY, workers=0, progress=None)
+    a, b = result["runs"]
+    assert a["consolidation_rounds"] == 0 and a["consolidation_bytes_per_peer"] == 0
+    assert a["val_loss_before_consolidation"] == a["val_loss"]
+    assert a["model_divergence_final"] > 1e-3  # top-k leaves the models apart
+    assert b["consolidation_rounds"] == 120 and b["consolidation_bytes_per_peer"] > 0
+    assert b["val_loss_before_consolidation"] == pytest.approx(a["val_loss"])
+    assert b["model_divergence_final"] < 0.02 * a["model_divergence_final"]
+    assert b["val_loss"] == pytest.approx(a["val_loss_mean_model"], abs=2e-3)
+    assert b["val_loss_mean_model"] == pytest.approx(a["val_loss_mean_model"], abs=1e-4)

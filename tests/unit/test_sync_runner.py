@@ -150,3 +150,61 @@ def test_a_swap_engine_settles_before_sync_touches_its_masters(optimizer: str) -
         assert max_rel_param_diff(run(swapped), ref) < TOL
     finally:
         swapped.close()
+
+
+def test_consolidation_rounds_bring_the_peers_models_to_their_average() -> None:
+    """Two peers whose models differ by what top-k has not sent: after the last step they
+    exchange their residuals without training; the mean of their models stays, the
+    difference shrinks round by round, and a round nobody answers ends the consolidation."""
+    spec = SyncSpec(
+        codec="topk", topk_fraction=0.1, every=3, consolidate_rounds=30, final_wait_s=5.0
+    )
+    peers: list[SyncPlugin] = []
+
+    def to_other(me: int) -> Any:
+        def send(out: RoundOut) -> None:
+            o = out.outgoing
+            tensors = {n: decode(enc) for n, enc in o.tensors}
+            sender = peers[me].identity.peer_id
+            peers[1 - me].inbox.put(Contribution(sender, o.round, o.base_version, tensors))
+
+        return send
+
+    for me in range(2):
+        p = SyncPlugin(
+            job_id="j" * 32,
+            spec=spec,
+            identity=Identity.generate(),
+            n_peers=lambda: 2,
+            send=to_other(me),
+        )
+        torch.manual_seed(0)  # the same initial model
+        p.attach(fake_engine(torch.nn.Linear(64, 64)))
+        assert p.state is not None
+        with torch.no_grad():  # "training": different progress on each peer
+            p.state.params["weight"].add_(
+                torch.randn(64, 64, generator=torch.Generator().manual_seed(me))
+            )
+        peers.append(p)
+    weights = [p.state.params["weight"].detach() for p in peers if p.state is not None]
+    mean_before = (weights[0] + weights[1]) / 2
+    gap_before = float((weights[0] - weights[1]).norm())
+    threads = [threading.Thread(target=p.finish, args=(3, threading.Event())) for p in peers]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert time.monotonic() - t0 < 30
+    gap = float((weights[0] - weights[1]).norm())
+    assert gap < 0.05 * gap_before  # 10% of the entries per round, 30 rounds
+    torch.testing.assert_close((weights[0] + weights[1]) / 2, mean_before, atol=1e-4, rtol=0)
+    assert all(p.state is not None and p.state.version == 31 for p in peers)
+
+    # Alone now (the other peer is gone): the first consolidation round times out and ends it.
+    lone = peers[0]
+    lone.spec = lone.spec.model_copy(update={"final_wait_s": 0.2})
+    lone.send = lambda out: None
+    t0 = time.monotonic()
+    lone.finish(6, threading.Event())
+    assert time.monotonic() - t0 < 3 and lone.state is not None and lone.state.version == 32
