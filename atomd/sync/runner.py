@@ -115,12 +115,21 @@ class SyncPlugin:
         return self.state.version if self.state is not None else 0
 
     def after_step(self, step: int) -> None:
+        """Every H steps a round boundary; in between, absorb what has arrived, and close the
+        round early when the swarm has moved two rounds on (others' deltas of the round after
+        this peer's current one are in): a slower peer keeps the swarm's pace of rounds with
+        fewer steps per round, instead of falling behind until its deltas are refused as
+        stale and the others' pile up here."""
         if self.state is None:
             return
         if step % self.spec.every:
             self._absorb()
-        else:
-            self._boundary(step)
+            behind = self.state.rounds_behind()
+            if behind < 2:
+                return
+            log.info("step %d: the swarm has closed %d rounds this peer has not; closing "
+                     "round %d early", step, behind, self.state.round)  # fmt: skip
+        self._boundary(step)
 
     def _absorb(self) -> None:
         """Merge what has arrived since the last look (between boundaries)."""

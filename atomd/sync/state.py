@@ -156,6 +156,11 @@ class SyncState:
                 f"stale: base version {c.base_version} lags {s} rounds behind version "
                 f"{self.version}; at most {self.spec.max_staleness} allowed"
             )
+        if -s > self.spec.max_staleness:  # each round waiting here holds a model-sized sum
+            return (
+                f"ahead: base version {c.base_version} is {-s} rounds ahead of version "
+                f"{self.version}; at most {self.spec.max_staleness} allowed"
+            )
         if (c.sender, c.base_version) in self._seen:
             return f"duplicate: a delta from {c.sender} on base version {c.base_version} was merged"
         missing = sorted(set(self.anchor) - set(c.tensors))
@@ -346,6 +351,12 @@ class SyncState:
         if base_version == self.version - 1:
             return 1.0 / count
         return 1.0 / max(count, self._n_peers)
+
+    def rounds_behind(self) -> int:
+        """Rounds other peers have closed that this one has not: 0 when none of the deltas in
+        is of this peer's current round or later, 1 when one is of the current round, 2 when
+        one is of the next (this peer is a round behind the fastest), ..."""
+        return max((b - self.version + 1 for b in self._pending if b >= self.version), default=0)
 
     def deltas_in(self, base_version: int) -> int:
         """Deltas (own included) this peer holds of round ``base_version`` not yet committed."""

@@ -61,6 +61,26 @@ def test_boundaries_send_and_deltas_between_them_are_absorbed_at_once() -> None:
     assert len(me.inbox) == 0 and len(sent) == 1
 
 
+def test_a_peer_a_round_behind_the_swarm_closes_its_round_early() -> None:
+    """Peer "other" is faster: its deltas of this peer's current round and of the next one
+    are in. Waiting for step 6 would put this peer two rounds behind (its deltas stale to the
+    others); it closes the round at once instead, and keeps H otherwise."""
+    sent: list[RoundOut] = []
+    me = plugin(sent, [])  # every=3
+    assert me.state is not None
+    zeros = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
+    me.after_step(3)  # round 0 closed on time
+    assert len(sent) == 1 and me.version == 1
+    me.inbox.put(Contribution("other", 1, 1, zeros))  # the round this peer is in
+    me.after_step(4)
+    assert len(sent) == 1  # one round ahead is the normal spread of an asynchronous swarm
+    me.inbox.put(Contribution("other", 2, 2, zeros))  # and the next one: two rounds ahead
+    me.after_step(5)
+    assert len(sent) == 2 and sent[1].outgoing.base_version == 1 and me.version == 2
+    me.after_step(6)  # the regular boundary still comes every H steps
+    assert len(sent) == 3 and me.version == 3
+
+
 def test_finish_closes_the_last_round_and_waits_for_the_others_last_deltas() -> None:
     sent: list[RoundOut] = []
     absorbed: list[MergeReport] = []

@@ -283,6 +283,9 @@ def test_stale_duplicate_and_non_finite_deltas_are_refused() -> None:
     bad["w"][0, 0] = float("nan")
     me.round_boundary([Contribution("p9", 4, me.version, bad)], n_peers=2)
     assert "NaN" in me.last_merge.refused[0].reason
+    ahead = Contribution("p9", 9, me.version + 2, {k: torch.ones(s) for k, s in SHAPES.items()})
+    me.round_boundary([ahead], n_peers=2)  # max_staleness 1: two rounds ahead is too far
+    assert "ahead" in me.last_merge.refused[0].reason
     wrong = {k: torch.zeros(3) for k in SHAPES}
     me.round_boundary([Contribution("p9", 5, me.version, wrong)], n_peers=2)
     assert "shape" in me.last_merge.refused[0].reason
