@@ -19,7 +19,8 @@ through a layer before the next layer is needed (layer-major), so one load serve
   the graph until backward (no recompute: a quarter of a block's compute saved, for memory
   the planner has room for). A swapped block's slot is reused before its backward, so any
   slot tensor autograd saves is copied as it is saved (a saved-tensors hook): under bf16
-  autocast only the LayerNorm weights, since matmuls save their own bf16 copy.
+  autocast only the LayerNorm weights, since matmuls save the bf16 copy autocast made (one
+  for the M micro-batches: they run in one autocast region).
 - Backward: each other layer's forward is recomputed from its saved input, and its gradient
   accumulated in the slot's fp32 buffer; the buffer is copied to the host on the store stream
   and the layer's host AdamW step is submitted to a worker thread right away (overlapping the
@@ -331,12 +332,18 @@ class SwapEngine:
                 key = (t.data_ptr(), tuple(t.shape), t.stride())
                 if key in copies:  # the M micro-batches share one copy
                     return copies[key]
-                t = copies[key] = t.clone()
+                t = copies[key] = t.detach().clone()
             held += t.numel() * t.element_size()
             return t
 
         xs = [a.detach().requires_grad_() for a in acts]
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # One autocast region around the M micro-batches: its weight cache makes one bf16 copy
+        # of the weights for all of them (each _call's own region would make, and keep, M).
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            autocast(self.device),
+        ):
             outs = [self._call(i, x, leaves if slot is not None else None) for x in xs]
         self._graph_bytes[i] = held
         return Graph(xs, leaves, outs)
@@ -568,8 +575,8 @@ class SwapEngine:
         the masters in place."""
         self.host_opt.drain()
         stats, self.stats = self.stats, SwapStats()  # the flush is no step's traffic
-        for layer in list(self._due):
-            self._load_weights(layer, self.slots[0])
+        for n, layer in enumerate(list(self._due)):  # round-robin: loads overlap copies back
+            self._load_weights(layer, self.slots[n % len(self.slots)])
         self.stats = stats
         for marker in self._written.values():
             marker.synchronize()
@@ -608,8 +615,8 @@ class SwapEngine:
                         f"parameter has {tuple(p.shape)}"
                     )
                 # Moments live with the parameter; a fused/capturable AdamW keeps 'step' there too.
-                if t.dim() > 0 or on_device:
-                    state[key] = t.to(p.device, torch.float32)
+                if t.dim() > 0 or on_device:  # a copy: the caller's tensors stay its own
+                    state[key] = t.to(p.device, torch.float32, copy=True)
             opt.state[p] = state
         if self.device_opt:
             self._host_moments()

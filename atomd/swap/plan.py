@@ -13,12 +13,13 @@ d = bytes of the compute dtype; BTC = micro_batch_size * seq_len * n_embd):
   to host memory, the 4 layers' worth that are on the device at once;
 - kept graphs: the last ``graph_blocks`` blocks keep their forward's autograd graph until
   backward instead of recomputing it, M * BTC * (2a + 15d) each (as resident training keeps
-  them), plus a copy of the block's weights where autograd saves the fp32 weight itself (no
-  autocast: the CPU); under bf16 autocast it saves its own bf16 copy. The planner keeps as many
-  as the budget leaves room for: each one saves a quarter of a block's compute;
+  them), plus the weights autograd saves: a copy of the fp32 slot weights without autocast (the
+  CPU), one bf16 copy for all M micro-batches under it. The planner keeps as many as the budget
+  leaves room for: each one saves a quarter of a block's compute;
 - flowing: 2 * M * BTC * a (one layer's outputs in forward; gradients in and out in backward);
 - working set of one micro-batch inside one layer: a block's recomputed graph
-  (BTC * (2a + 24d)) or the head's logits and their fp32 loss gradient (B*T*V * (2d + 12));
+  (BTC * (2a + 24d)) or the head's logits and their fp32 loss gradient (B*T*V * (2d + 12))
+  with the tied weight's compute-dtype copy and the fp32 gradient returned for it (V*C*(4 + d));
 - a fixed reserve for cuBLAS workspaces and allocator rounding.
 """
 
@@ -146,7 +147,9 @@ class Shape:
 def _graph_bytes(shape: Shape, sizes: LayerSizes, m: int) -> int:
     """Device bytes of one block whose forward graph is kept for M micro-batches."""
     btc = shape.micro_batch_size * shape.seq_len * shape.cfg.n_embd
-    weights = 4 * sizes.block if shape.dtype_bytes == 4 else 0
+    # The weights autograd saves: a copy of the fp32 slot weights without autocast, the
+    # autocast region's one bf16 copy (shared by the M micro-batches) under it.
+    weights = (4 if shape.dtype_bytes == 4 else 2) * sizes.block
     return m * btc * (2 * ACT_BYTES + 15 * shape.dtype_bytes) + weights
 
 
@@ -173,7 +176,11 @@ def _memory(
         "flowing": 2 * m * btc * ACT_BYTES,
         "working": max(
             btc * (2 * ACT_BYTES + 24 * d),
-            tokens * cfg.vocab_size * (2 * d + 12) + 2 * btc * ACT_BYTES,
+            # the head: logits and their fp32 loss gradient, the tied weight's compute-dtype
+            # copy and the fp32 gradient it returns before it is added to .grad
+            tokens * cfg.vocab_size * (2 * d + 12)
+            + 2 * btc * ACT_BYTES
+            + cfg.vocab_size * cfg.n_embd * (4 + d),
         ),
         "reserve": RESERVE_BYTES,
     }
