@@ -175,7 +175,7 @@ class SyncPlugin:
         if not self._await_round(stop, "last deltas"):
             return
         for done in range(self.spec.consolidate_rounds):
-            if stop.is_set():
+            if stop.is_set() or self.n_peers() <= 1:  # alone, there is nothing to agree on
                 return
             self._boundary(step)
             if not self._await_round(stop, f"consolidation round {done + 1}"):
