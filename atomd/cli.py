@@ -249,6 +249,14 @@ def demo(
     )
 
 
+SwapOptimizerOpt = Annotated[
+    str | None, typer.Option(help="Fix where swapped layers' AdamW runs: host or device.")
+]
+GraphBlocksOpt = Annotated[
+    int | None, typer.Option(help="Fix the blocks not recomputed (default: as many as fit).")
+]
+
+
 def _optimizer_choice(value: str | None) -> Optimizer | None:
     if value is None:
         return None
@@ -279,14 +287,8 @@ def plan(
     resident_blocks: Annotated[
         int | None, typer.Option(help="Fix the blocks kept on the device.")
     ] = None,
-    optimizer: Annotated[
-        str | None,
-        typer.Option(help="Fix where swapped layers' AdamW runs: host or device."),
-    ] = None,
-    graph_blocks: Annotated[
-        int | None,
-        typer.Option(help="Fix the blocks not recomputed (default: as many as fit)."),
-    ] = None,
+    optimizer: SwapOptimizerOpt = None,
+    graph_blocks: GraphBlocksOpt = None,
     measure: Annotated[
         bool, typer.Option("--measure", help="Measure this machine's GPU rates (needs CUDA).")
     ] = False,
@@ -358,14 +360,8 @@ def bench_swap(
         int, typer.Option(help="Blocks kept on the device (default 0: swap every block).")
     ] = 0,
     gpu_mem: Annotated[str | None, typer.Option(help="Device-memory budget, e.g. 8GiB.")] = None,
-    optimizer: Annotated[
-        str | None,
-        typer.Option(help="Fix where swapped layers' AdamW runs: host or device."),
-    ] = None,
-    graph_blocks: Annotated[
-        int | None,
-        typer.Option(help="Fix the blocks not recomputed (default: as many as fit)."),
-    ] = None,
+    optimizer: SwapOptimizerOpt = None,
+    graph_blocks: GraphBlocksOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
 ) -> None:
     """Train the same steps resident and swapped; print throughput, ratio and parameter diff."""
