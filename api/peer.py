@@ -123,11 +123,9 @@ def create_peer_app(node: SwarmNode) -> FastAPI:
         dependencies=[Depends(size_guard)],  # runs before the body is read for `peer`
     )
     async def delta(job_id: str, request: Request, peer: Peer) -> dict[str, Any]:
-        """A signed delta frame for the next round boundary; checked whole before queueing.
-        The frame is signed by its sender; the request may come from another peer passing it
-        on (gossip). A frame received before is ignored (``duplicate``)."""
+        """A signed delta frame for the next round boundary; checked whole before queueing."""
         size = await node.receive_delta(job_id, await request.body(), peer.peer_id)
-        return {"accepted": size > 0, "bytes": size, "duplicate": size == 0}
+        return {"accepted": True, "bytes": size}
 
     def _root(job_id: str) -> Any:
         if not job_id.isalnum():

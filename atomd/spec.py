@@ -69,15 +69,6 @@ class SyncSpec(BaseModel):
         "(absorbed into its final model) before it finishes; also the longest wait for each "
         "consolidation round.",
     )
-    gossip_fanout: int = Field(
-        8,
-        ge=1,
-        le=256,
-        description="A round's frame goes to every peer training the job while there are at most "
-        "this many; in a larger swarm to this many random ones, and every peer passes a frame "
-        "it takes first on to as many others (about this many copies reach each peer, instead "
-        "of every sender uploading to all).",
-    )
     consolidate_rounds: int = Field(
         0,
         ge=0,

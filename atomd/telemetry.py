@@ -26,14 +26,6 @@ class Telemetry:
         self.rounds = Counter(
             "atomd_sync_rounds", "Sync rounds", ["direction", "applied"], registry=r
         )
-        self.gossip_forwarded = Counter(
-            "atomd_sync_forwarded_frames", "Delta frames passed on to other peers", registry=r
-        )
-        self.duplicates = Counter(
-            "atomd_sync_duplicate_frames",
-            "Delta frames received again (gossip copies, replays): ignored",
-            registry=r,
-        )
         self.peers_alive = Gauge("atomd_peers_alive", "Peers currently alive", registry=r)
         self.checkpoints = Counter("atomd_checkpoints_written", "Checkpoints written", registry=r)
         self.job_state.state("none")

@@ -10,7 +10,6 @@ them swarm-wide and fetch state from donors.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -329,7 +328,7 @@ class SwarmNode:
         raw = out.outgoing.raw_bytes
         codec = self._codec(out.job_id)
         await self._record_merge(out.job_id, out.merge)
-        targets = self._gossip_targets(out.job_id, exclude=set())
+        targets = self.job_peers(out.job_id)
 
         async def one(m: Member) -> tuple[Member, str | None]:
             path = f"/p2p/v1/jobs/{out.job_id}/deltas"
@@ -357,36 +356,6 @@ class SwarmNode:
                 if error is None:
                     self.telemetry.bytes_sent.inc(len(out.frame))
                 self.telemetry.rounds.labels("sent", str(error is None).lower()).inc()
-
-    def _gossip_targets(self, job_id: str, *, exclude: set[str]) -> list[Member]:
-        """Where a frame goes: every peer training the job while they are at most the job's
-        ``gossip_fanout``, else that many random ones (``exclude``: peer ids left out)."""
-        plugin = self.plugins.get(job_id)
-        fanout = plugin.spec.gossip_fanout if plugin else 8
-        peers = [m for m in self.job_peers(job_id) if m.id not in exclude]
-        return peers if len(peers) <= fanout else random.sample(peers, fanout)
-
-    def _gossiping(self, job_id: str) -> bool:
-        """Whether frames of this job are passed on: the swarm is larger than the fan-out."""
-        plugin = self.plugins.get(job_id)
-        return plugin is not None and len(self.job_peers(job_id)) > plugin.spec.gossip_fanout
-
-    async def _forward(self, job_id: str, body: bytes, *, sender: str, via: str) -> None:
-        """Pass a frame taken for the first time on to up to ``gossip_fanout`` other peers
-        (not its sender, not the peer it came through); best effort, one try each."""
-        targets = self._gossip_targets(job_id, exclude={sender, via})
-        path = f"/p2p/v1/jobs/{job_id}/deltas"
-
-        async def one(m: Member) -> None:
-            try:
-                await self.client.post_bytes(m.url, path, body, timeout=30.0)
-            except PeerRequestError as e:
-                log.debug("forwarding a frame of %s to %s failed: %s", sender, m.id, e)
-                return
-            self.telemetry.gossip_forwarded.inc()
-            self.telemetry.bytes_sent.inc(len(body))
-
-        await asyncio.gather(*(one(m) for m in targets))
 
     async def _record_merge(self, job_id: str, merge: MergeReport) -> None:
         """Record what a merge did with the deltas it was given (applied, or why not)."""
@@ -417,10 +386,7 @@ class SwarmNode:
 
     async def receive_delta(self, job_id: str, body: bytes, signer: str) -> int:
         """Check and queue one frame for the next round boundary; raises WireError (recorded)
-        or NotFoundError. Nothing reaches the model unless every check passed. A frame taken
-        before (a gossip copy, a replay) returns 0 and is only counted. In a swarm larger than
-        the job's ``gossip_fanout`` an accepted frame is passed on (``signer``: the peer it
-        came from, maybe not its sender)."""
+        or NotFoundError. Nothing reaches the model unless every check passed."""
         from atomd.sync.state import Contribution
         from atomd.sync.wire import FrameDecoder, ReplayGuard, decode_tensors
 
@@ -438,19 +404,16 @@ class SwarmNode:
         )
 
         def decode() -> tuple[DeltaFrame, dict[str, Tensor]]:
-            # The frame's own signature is its sender's (checked by the decoder); ``signer``
-            # may be another peer passing it on (gossip).
             for i in range(0, len(body), 1 << 20):
                 decoder.feed(body[i : i + (1 << 20)])
             frame = decoder.finish()
+            if frame.sender != signer:
+                raise WireError("bad_signature", f"frame of {frame.sender} sent by {signer}")
             return frame, decode_tensors(frame, plugin.expected_shapes)
 
         try:
             frame, tensors = await asyncio.to_thread(decode)
         except WireError as e:
-            if e.reason == "replayed":  # a gossip copy (or a replay): nothing to do, no record
-                self.telemetry.duplicates.inc()
-                return 0
             async with self.sessions() as s, s.begin():
                 await repo.add_round(
                     s, job_id=job_id, round=-1, direction="received", peer_id=signer,
@@ -462,6 +425,4 @@ class SwarmNode:
         self._received_bytes[(job_id, frame.sender, frame.round)] = frame.wire_bytes
         self.telemetry.bytes_received.inc(frame.wire_bytes)
         plugin.inbox.put(Contribution(frame.sender, frame.round, frame.base_version, tensors))
-        if self._gossiping(job_id):
-            self._spawn(self._forward(job_id, body, sender=frame.sender, via=signer), "gossip")
         return frame.wire_bytes
