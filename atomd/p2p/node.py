@@ -285,7 +285,7 @@ class SwarmNode:
         now = time.monotonic()
         heard = self._job_peers.get(job_id, {})
         out = []
-        for pid, at in heard.items():
+        for pid, at in tuple(heard.items()):  # the trainer thread calls this too
             m = self.membership.get(pid)
             fresh = now - at <= window
             if fresh and m is not None and m is not self.membership.me and m.state == "alive":

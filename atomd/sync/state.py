@@ -136,6 +136,7 @@ class SyncState:
         self._pending_count: dict[int, int] = {}
         self._n_peers = 1  # as of the last merge: how rounds already committed are scaled
         self._seen: set[tuple[str, int]] = set()  # (sender, base_version) merged recently
+        self._refused_ahead = -1  # the newest base version refused as too far ahead
         # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
         self._sent: dict[str, Tensor] | None = None
         self._kept: dict[str, Tensor] = {}
@@ -149,17 +150,20 @@ class SyncState:
         return max(0, self.version - c.base_version)
 
     def refusal(self, c: Contribution) -> str | None:
-        """Why a received delta cannot be merged now, or None when it can."""
+        """Why a received delta cannot be merged now, or None when it can. A delta refused as
+        too far ahead is remembered: ``rounds_behind`` counts it, so this peer catches up."""
         s = self.version - c.base_version
         if s > self.spec.max_staleness:
             return (
                 f"stale: base version {c.base_version} lags {s} rounds behind version "
                 f"{self.version}; at most {self.spec.max_staleness} allowed"
             )
-        if -s > self.spec.max_staleness:  # each round waiting here holds a model-sized sum
+        ahead = max(1, self.spec.max_staleness)  # the next round's deltas are the normal spread
+        if -s > ahead:  # each round waiting here holds a model-sized sum
+            self._refused_ahead = max(self._refused_ahead, c.base_version)
             return (
                 f"ahead: base version {c.base_version} is {-s} rounds ahead of version "
-                f"{self.version}; at most {self.spec.max_staleness} allowed"
+                f"{self.version}; at most {ahead} allowed"
             )
         if (c.sender, c.base_version) in self._seen:
             return f"duplicate: a delta from {c.sender} on base version {c.base_version} was merged"
@@ -354,9 +358,10 @@ class SyncState:
 
     def rounds_behind(self) -> int:
         """Rounds other peers have closed that this one has not: 0 when none of the deltas in
-        is of this peer's current round or later, 1 when one is of the current round, 2 when
-        one is of the next (this peer is a round behind the fastest), ..."""
-        return max((b - self.version + 1 for b in self._pending if b >= self.version), default=0)
+        (or refused as too far ahead) is of this peer's current round or later, 1 when one is
+        of the current round, 2 when one is of the next (a round behind the fastest), ..."""
+        newest = max([*self._pending, self._refused_ahead], default=-1)
+        return max(0, newest - self.version + 1)
 
     def deltas_in(self, base_version: int) -> int:
         """Deltas (own included) this peer holds of round ``base_version`` not yet committed."""
@@ -451,3 +456,4 @@ class SyncState:
         self.version = int(d[_VERSION]) if _VERSION in d else 0
         self.round = int(d[_ROUND]) if _ROUND in d else 0
         self._seen = set()
+        self._refused_ahead = -1

@@ -66,7 +66,8 @@ def test_a_peer_a_round_behind_the_swarm_closes_its_round_early() -> None:
     are in. Waiting for step 6 would put this peer two rounds behind (its deltas stale to the
     others); it closes the round at once instead, and keeps H otherwise."""
     sent: list[RoundOut] = []
-    me = plugin(sent, [])  # every=3
+    absorbed: list[MergeReport] = []
+    me = plugin(sent, absorbed)  # every=3
     assert me.state is not None
     zeros = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
     me.after_step(3)  # round 0 closed on time
@@ -79,6 +80,20 @@ def test_a_peer_a_round_behind_the_swarm_closes_its_round_early() -> None:
     assert len(sent) == 2 and sent[1].outgoing.base_version == 1 and me.version == 2
     me.after_step(6)  # the regular boundary still comes every H steps
     assert len(sent) == 3 and me.version == 3
+
+    # Far behind (a joiner on an old checkpoint): deltas beyond max_staleness (4) ahead are
+    # refused, but counted; the peer closes a round a step until it is back with the swarm.
+    me.inbox.put(Contribution("other", 12, 12, zeros))
+    me.after_step(7)
+    assert "ahead" in absorbed[-1].refused[0].reason and me.version == 4  # closed early
+    step = 7
+    while me.version < 11 and step < 30:
+        step += 1
+        me.after_step(step)
+    assert me.version == 11 and me.state.rounds_behind() == 2  # round 12 is 2 ahead of 11
+    me.inbox.put(Contribution("third", 12, 12, zeros))  # in range now: taken
+    me.after_step(step + 1)
+    assert me.state.deltas_in(12) == 1 and me.version == 12
 
 
 def test_finish_closes_the_last_round_and_waits_for_the_others_last_deltas() -> None:
@@ -164,12 +179,15 @@ def test_a_swap_engine_settles_before_sync_touches_its_masters(optimizer: str) -
             me.after_step(step)
         return {n: t.clone() for n, t in engine.model_tensors().items()}
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see test_swap_engine.one_thread
     ref = run(ResidentEngine(_model(), _spec(1.0), CPU))
     swapped = SwapEngine(_model(), _spec(1.0), CPU, _plan(2, 1, optimizer=cast(Any, optimizer)))
     try:
         assert max_rel_param_diff(run(swapped), ref) < TOL
     finally:
         swapped.close()
+        torch.set_num_threads(threads)
 
 
 def test_consolidation_rounds_bring_the_peers_models_to_their_average() -> None:

@@ -392,3 +392,15 @@ def test_prepare_and_merge_pair_up() -> None:
         states[0].prepare()
     with pytest.raises(ValueError):
         states[0].merge([], n_peers=0)
+
+
+def test_the_next_rounds_delta_waits_even_with_max_staleness_0() -> None:
+    """A delta of the round after this peer's current one is the normal spread of an
+    asynchronous swarm: it waits (and counts for rounds_behind) even when no staleness is
+    allowed; two rounds ahead is refused, and still counted."""
+    (me,) = swarm(1, spec(max_staleness=0))[1]
+    ones = {k: torch.ones(s) for k, s in SHAPES.items()}
+    me.absorb([Contribution("p1", 1, me.version + 1, ones)])
+    assert not me.last_merge.refused and me.deltas_in(1) == 1 and me.rounds_behind() == 2
+    me.absorb([Contribution("p2", 2, me.version + 2, ones)])
+    assert "ahead" in me.last_merge.refused[0].reason and me.rounds_behind() == 3
