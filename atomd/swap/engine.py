@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -363,24 +362,15 @@ class SwapEngine:
         """Backpropagate every micro-batch through layer i: through its kept graph, or by
         recomputing it from its inputs. Parameter gradients go to ``accs`` (a slot) or to
         ``.grad`` (resident layers)."""
-        graph = inputs if isinstance(inputs, Graph) else None
-        leaves: list[Tensor]
-        if graph is not None:
-            leaves = graph.leaves
-        elif weights is not None:
-            leaves = [w.detach().requires_grad_() for w in weights]
-        else:
-            leaves = list(self.layers[i].parameters())
+        if isinstance(inputs, Graph):
+            return self._backward_graph(i, inputs, grad_outs, accs, fresh)
+        leaves: list[Tensor] = (
+            [w.detach().requires_grad_() for w in weights]
+            if weights is not None
+            else list(self.layers[i].parameters())
+        )
         grad_ins: list[Tensor] = []
-        count = len(graph.outs) if graph is not None else len(cast(list[Tensor], inputs))
-        for mi in range(count):
-            if graph is not None:
-                x = graph.inputs[mi]
-                grads = torch.autograd.grad(graph.outs[mi], [x, *leaves], grad_outs[mi])
-                grad_ins.append(grads[0])
-                self._accumulate(leaves, grads[1:], accs, fresh and mi == 0)
-                continue
-            a = cast(list[Tensor], inputs)[mi]
+        for mi, a in enumerate(inputs):
             floating = a.is_floating_point()  # the embedding's input is token ids
             x = a.detach().requires_grad_() if floating else a
             with torch.enable_grad():
@@ -397,6 +387,22 @@ class SwapEngine:
                 grad_ins.append(grads[0])
                 grads = grads[1:]
             self._accumulate(leaves, grads, accs, fresh and mi == 0)
+        return grad_ins
+
+    def _backward_graph(
+        self,
+        i: int,
+        graph: Graph,
+        grad_outs: list[Tensor],
+        accs: list[Tensor] | None,
+        fresh: bool,
+    ) -> list[Tensor]:
+        """Backpropagate every micro-batch through block i's kept graph (no recompute)."""
+        grad_ins: list[Tensor] = []
+        for mi, (x, out) in enumerate(zip(graph.inputs, graph.outs, strict=True)):
+            grads = torch.autograd.grad(out, [x, *graph.leaves], grad_outs[mi])
+            grad_ins.append(grads[0])
+            self._accumulate(graph.leaves, grads[1:], accs, fresh and mi == 0)
         self._graph_bytes.pop(i, None)
         return grad_ins
 
