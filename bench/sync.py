@@ -24,7 +24,15 @@ the daemon sends, header included), the ratio of the fp32 model's size to that, 
 relative L2 distance between two peers' committed anchors after warm-up (``divergence_max``),
 between the points their replicas restart from, which also hold the deltas still in flight
 (``start_divergence_max``), and between the models they end with (``model_divergence_final``:
-start point plus any residual kept in the replica), and wall time.
+start point plus any residual kept in the replica), and wall time. With
+``sync.consolidate_rounds`` the peers then run that many synchronous rounds without training
+(``val_loss_before_consolidation``, ``consolidation_bytes_per_peer``); ``val_loss_mean_model``
+is the loss of the exact average of the final models (a diagnostic no peer holds).
+
+The default runs (``default_runs``): fp32, bf16, int8 and top-k at H=50; top-k synchronous, at
+H=10 and H=2 with fp32 beside each; top-k with contiguous shards; one peer alone; one process
+with batch 64. ``extra_runs`` holds the evidence behind the defaults. ``targets`` checks the
+default codec's bars for every H a ``<codec>-h<H>`` run covers.
 """
 
 from __future__ import annotations
