@@ -191,12 +191,12 @@ class JobSpec(BaseModel):
                 f"swap_micro_batches {self.swap_micro_batches} must divide "
                 f"grad_accum {self.grad_accum}"
             )
-        if self.swap_resident_blocks is not None:
-            n_layer = PRESETS[self.preset].n_layer
-            if self.swap_resident_blocks > n_layer:
+        n_layer = PRESETS[self.preset].n_layer
+        for name in ("swap_resident_blocks", "swap_graph_blocks"):
+            blocks = getattr(self, name)
+            if blocks is not None and blocks > n_layer:
                 raise ValueError(
-                    f"swap_resident_blocks {self.swap_resident_blocks} exceeds the "
-                    f"{n_layer} blocks of preset {self.preset!r}"
+                    f"{name} {blocks} exceeds the {n_layer} blocks of preset {self.preset!r}"
                 )
         return self
 

@@ -38,6 +38,10 @@ def test_cross_field_checks() -> None:
         JobSpec(max_steps=None)
     with pytest.raises(ValidationError, match="num_shards"):
         JobSpec(shard_index=2, num_shards=2)
+    for name in ("swap_resident_blocks", "swap_graph_blocks"):  # tiny has 4 blocks
+        with pytest.raises(ValidationError, match=f"{name} 5 exceeds the 4 blocks"):
+            JobSpec(preset="tiny", **{name: 5})
+        assert getattr(JobSpec(preset="tiny", **{name: 4}), name) == 4
 
 
 def test_max_tokens_bounds_the_schedule() -> None:
