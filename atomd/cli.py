@@ -362,6 +362,13 @@ def bench_swap(
     gpu_mem: Annotated[str | None, typer.Option(help="Device-memory budget, e.g. 8GiB.")] = None,
     optimizer: SwapOptimizerOpt = None,
     graph_blocks: GraphBlocksOpt = None,
+    resident: Annotated[
+        bool,
+        typer.Option(
+            help="Also train resident for the ratio and the parameter diff (--no-resident: "
+            "the swapped run alone, e.g. a model whose resident run would take minutes)."
+        ),
+    ] = True,
     json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
 ) -> None:
     """Train the same steps resident and swapped; print throughput, ratio and parameter diff."""
@@ -382,6 +389,7 @@ def bench_swap(
         gpu_mem=gpu_mem,
         optimizer=_optimizer_choice(optimizer),
         graph_blocks=graph_blocks,
+        resident=resident,
     )
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
 

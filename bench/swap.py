@@ -17,7 +17,7 @@ from atomd.data.dataset import Batch, load_dataset
 from atomd.devices import resolve_device
 from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
-from atomd.spec import JobSpec
+from atomd.spec import JobSpec, lr_at
 from atomd.swap import hardware
 from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
@@ -33,21 +33,23 @@ def _sync(device: torch.device) -> None:
 
 
 def _train(
-    engine: StepEngine, steps: list[list[Batch]], lr: float, device: torch.device
+    engine: StepEngine, steps: list[list[Batch]], lrs: list[float], device: torch.device
 ) -> tuple[float, float]:
     """One untimed warm-up step, then the rest timed: (seconds, last loss)."""
-    loss = engine.train_step(steps[0], lr)
+    loss = engine.train_step(steps[0], lrs[0])
     _sync(device)
     t0 = time.perf_counter()
-    for batches in steps[1:]:
+    for batches, lr in zip(steps[1:], lrs[1:], strict=True):
         loss = engine.train_step(batches, lr)
     engine.settle()  # the last step's optimizer work counts too
     _sync(device)
     return time.perf_counter() - t0, loss
 
 
-def _host_params(engine: StepEngine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().clone() for k, v in engine.model_tensors().items()}
+def _params(engine: StepEngine) -> dict[str, torch.Tensor]:
+    """References, not copies: a 6.7B model's copy would not fit in host memory beside the
+    swapped run's masters and moments (the resident run's stay on its device until compared)."""
+    return {k: v.detach() for k, v in engine.model_tensors().items()}
 
 
 def run(
@@ -63,6 +65,7 @@ def run(
     gpu_mem: str | None = None,
     optimizer: Optimizer | None = None,
     graph_blocks: int | None = None,
+    resident: bool = True,
 ) -> dict[str, Any]:
     dev = resolve_device(device)
     spec = JobSpec(
@@ -88,7 +91,8 @@ def run(
         ]
         for s in range(steps + 1)
     ]
-    lr = spec.effective_lr
+    # The schedule's first steps (warm-up): the preset's peak rate from a fresh init diverges.
+    lrs = [lr_at(spec, s) for s in range(steps + 1)]
     tokens = steps * spec.tokens_per_step
     out: dict[str, Any] = {
         "preset": preset,
@@ -105,7 +109,10 @@ def run(
     need = resident_peak_bytes(shape_for(spec, dev))
     resident_params: dict[str, torch.Tensor] | None = None
     resident_tps: float | None = None
-    if dev.type == "cuda" and need > whole:
+    resident_loss: float | None = None
+    if not resident:
+        out["resident_skipped"] = "--no-resident"
+    elif dev.type == "cuda" and need > whole:
         out["resident_skipped"] = (
             f"resident training needs about {format_bytes(need)}, more than the device's "
             f"{format_bytes(whole)}"
@@ -113,39 +120,43 @@ def run(
     else:
         torch.manual_seed(0)
         resident = ResidentEngine(GPT(cfg), spec, dev)
-        seconds, _ = _train(resident, batches, lr, dev)
+        seconds, resident_loss = _train(resident, batches, lrs, dev)
         resident_tps = tokens / seconds
-        resident_params = _host_params(resident)
+        resident_params = _params(resident)
         del resident
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
     plan = plan_for(spec, dev, hardware.measure(dev))
+    baseline = 0  # the resident run's parameters, kept on the device for the comparison
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+        baseline = torch.cuda.memory_allocated(dev)
     torch.manual_seed(0)
     swapped = SwapEngine(GPT(cfg), spec, dev, plan)
-    seconds, loss = _train(swapped, batches, lr, dev)
+    seconds, loss = _train(swapped, batches, lrs, dev)
     swapped_tps = tokens / seconds
     if dev.type == "cuda":
-        peak, source = torch.cuda.max_memory_allocated(dev), "torch.cuda.max_memory_allocated"
+        peak = torch.cuda.max_memory_allocated(dev) - baseline
+        source = "torch.cuda.max_memory_allocated, less the resident run's parameters"
     else:
         peak = swapped.device_state_bytes() + swapped.stats.peak_held_bytes
         source = "accounted: slots, resident state and activations held between layers"
-    swapped_params = _host_params(swapped)
+    diff = (
+        max_rel_param_diff(_params(swapped), resident_params)
+        if resident_params is not None
+        else None
+    )
     swapped.close()
     out.update(
         {
             "resident_tokens_per_s": round(resident_tps, 1) if resident_tps else None,
             "swapped_tokens_per_s": round(swapped_tps, 1),
             "ratio": round(swapped_tps / resident_tps, 3) if resident_tps else None,
-            "max_rel_param_diff": (
-                max_rel_param_diff(swapped_params, resident_params)
-                if resident_params is not None
-                else None
-            ),
+            "max_rel_param_diff": diff,
             "final_loss": round(loss, 4),
+            "resident_final_loss": round(resident_loss, 4) if resident_loss is not None else None,
             "peak_device_bytes": int(peak),
             "peak_device_bytes_source": source,
             "bytes_loaded_per_step": swapped.stats.bytes_loaded,

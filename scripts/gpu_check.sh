@@ -6,7 +6,8 @@
 # On the lent GPU machine (its python3 has CUDA torch but lacks a few of our dependencies):
 #   here:  scripts/gpu_wheels.sh
 #   there: run(command="scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
-# QUICK=1 runs a smoke version on any machine (tiny preset, device auto).
+# QUICK=1 runs a smoke version on any machine (tiny preset, device auto); ONLY="xl 2.7b-8GiB"
+# runs only the benches named; TESTS=0 skips tests/gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-runs/gpu-check}}
@@ -25,6 +26,9 @@ deadline=${DEADLINE:-500}  # seconds for the whole script: later benches shrink 
 bench() {  # name, time limit (s), arguments of `atomd bench swap`
     local name=$1 limit=$2
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+        return
+    fi
     local left=$((deadline - SECONDS))
     if [ "$left" -lt 30 ]; then
         echo "== bench $name skipped: $left s left of $deadline"
@@ -45,13 +49,16 @@ if [ "${QUICK:-0}" = 1 ]; then
     bench tiny-device-opt 120 --preset tiny --device auto --steps 2 --optimizer device
     exit 0
 fi
-timeout 150 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest-gpu.log"
+if [ "${TESTS:-1}" = 1 ]; then
+    timeout 150 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest-gpu.log"
+fi
 # gpt3-xl: 32k tokens per optimizer step, 4 micro-batches of 8k tokens (the issue's ratio target).
 xl=(--preset gpt3-xl --device cuda --micro-batch-size 4 --seq-len 2048 --grad-accum 4 --steps 3)
 bench xl 150 "${xl[@]}"
 # Consumer-card budgets: 32k tokens per step as 16 micro-batches of 2k.
 small=(--micro-batch-size 1 --seq-len 2048 --grad-accum 16 --steps 2 --device cuda)
 bench 2.7b-8GiB 150 --preset gpt3-2.7b --gpu-mem 8GiB "${small[@]}"
-bench 6.7b-12GiB 200 --preset gpt3-6.7b --gpu-mem 12GiB "${small[@]}"
+bench 6.7b-12GiB 220 --preset gpt3-6.7b --gpu-mem 12GiB "${small[@]}"
+bench xl-m4 120 "${xl[@]}" --optimizer device --micro-batches 4 --slots 6  # more slack than K=2
+bench xl-host 120 "${xl[@]}" --optimizer host  # what the host optimizer costs
 bench xl-recompute 120 "${xl[@]}" --graph-blocks 0  # what keeping graphs is worth
-bench xl-device-opt 120 "${xl[@]}" --optimizer device

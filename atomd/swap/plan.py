@@ -44,6 +44,10 @@ MAX_SLOTS = 8
 FREE_M = (1, 2, 4, 8, 16, 32, 64)  # M candidates when the gradient accumulation is free
 NEAR_BEST = 1.03  # plans within 3% of the best time per token count as equally fast
 GRAPH_HEADROOM = 0.05
+MODEL_FLOPS_FRACTION = 0.5
+"""A whole model's step (attention, norms, elementwise work, launch gaps) runs at about this
+fraction of a large square matmul's rate: resident gpt3-xl on an H200 reached 0.53 of the
+measured 778 TFLOP/s (bench/results-swap-h200-2026-11-30.json)."""
 Optimizer = Literal["host", "device"]
 
 
@@ -248,25 +252,31 @@ def _evaluate(
         bytes_loaded += q * 3 * w_bytes
         bytes_stored += q * 3 * w_bytes
     f_block, f_head = _flops(shape, sizes)
+    rate = hw.flops_per_s * MODEL_FLOPS_FRACTION
     # A block recomputes its forward in backward (forward + recompute + 2x backward) unless it
     # kept its graph.
-    compute_s = g * ((cfg.n_layer * 4 - graphs) * f_block + 3 * f_head) / hw.flops_per_s
-    resident_step_s = g * (cfg.n_layer * 3 * f_block + 3 * f_head) / hw.flops_per_s
+    compute_s = g * ((cfg.n_layer * 4 - graphs) * f_block + 3 * f_head) / rate
+    resident_step_s = g * (cfg.n_layer * 3 * f_block + 3 * f_head) / rate
     load_s = bytes_loaded / hw.h2d_bytes_per_s
     store_s = bytes_stored / hw.d2h_bytes_per_s
     # On the device AdamW reads and writes ~28 B per parameter in device memory: next to the
     # link's 24 B per parameter of transfers it is left out.
     host_opt_s = 0.0 if device_opt else q * sizes.block / hw.host_adam_params_per_s
+    # Host steps run in forward order after the backward (the clipping norm needs all of it)
+    # and the next step's first forward waits for each: they overlap that forward only, so a
+    # host optimizer slower than it adds to the rest of the step.
+    first_forward_s = m * cfg.n_layer * f_block / rate
+    host_bound_s = host_opt_s + compute_s - first_forward_s if host_opt_s else 0.0
     # The first swapped layer is stepped last in backward and needed first in forward; the
     # embedding and resident blocks' forward of the first micro-batches hides part of it.
-    ahead_s = m * (r * f_block) / hw.flops_per_s
+    ahead_s = m * (r * f_block) / rate
     first_s = (
         4 * w_bytes / hw.h2d_bytes_per_s
         if device_opt
         else sizes.block / hw.host_adam_params_per_s + w_bytes / hw.h2d_bytes_per_s
     )
     fill_s = max(0.0, first_s - ahead_s)
-    parts = {"compute": compute_s, "load": load_s, "store": store_s, "host_optimizer": host_opt_s}
+    parts = {"compute": compute_s, "load": load_s, "store": store_s, "host_optimizer": host_bound_s}
     bottleneck = max(parts, key=lambda key: parts[key])
     step_s = parts[bottleneck] + fill_s
     tokens = g * shape.micro_batch_size * shape.seq_len

@@ -86,7 +86,8 @@ def test_overrides_are_kept_or_refused() -> None:
 
 
 def test_faster_link_does_not_slow_the_plan() -> None:
-    base = assumed().to_dict() | {"host_adam_params_per_s": 1e12}  # isolate the link
+    # Isolate the link: a host optimizer and a GPU fast enough not to bound the step.
+    base = assumed().to_dict() | {"host_adam_params_per_s": 1e12, "flops_per_s": 400e12}
     slow = make_plan(_shape("gpt3-6.7b", 1), budget_bytes=12 * GiB, hardware=Hardware(**base))
     rates = base | {"h2d_bytes_per_s": 100e9, "d2h_bytes_per_s": 100e9}
     fast = make_plan(_shape("gpt3-6.7b", 1), budget_bytes=12 * GiB, hardware=Hardware(**rates))
