@@ -369,9 +369,18 @@ def bench_swap(
             "the swapped run alone, e.g. a model whose resident run would take minutes)."
         ),
     ] = True,
+    profile: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder for a torch.profiler trace of 2 more swapped steps; the JSON gets its "
+            "summary: busy and overlap seconds of compute, loads and stores."
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
 ) -> None:
     """Train the same steps resident and swapped; print throughput, ratio and parameter diff."""
+    if profile is not None and profile.exists() and not profile.is_dir():
+        fail(f"--profile {profile}: exists and is not a folder")
     try:
         from bench.swap import run as run_swap_bench
     except ImportError:
@@ -390,6 +399,7 @@ def bench_swap(
         optimizer=_optimizer_choice(optimizer),
         graph_blocks=graph_blocks,
         resident=resident,
+        profile=profile,
     )
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
 

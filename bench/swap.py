@@ -3,18 +3,22 @@ batches from the same seed, resident (skipped, and said so, when it cannot fit) 
 
 Prints throughput of both, their ratio, how far the two runs' parameters ended apart, the
 swapped run's peak device memory and bytes loaded per step, and the planner's prediction.
+With a profile folder, a few more swapped steps run under torch.profiler, untimed by the
+throughput figures: the trace lands there and its summary (``bench.profile``) in the JSON.
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from atomd.data.dataset import Batch, load_dataset
 from atomd.devices import resolve_device
+from atomd.logs import get_logger
 from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
 from atomd.spec import JobSpec, lr_at
@@ -25,6 +29,9 @@ from atomd.swap.factory import device_budget, plan_for, shape_for
 from atomd.swap.plan import Optimizer, resident_peak_bytes
 from atomd.train.engine import ResidentEngine, StepEngine
 from atomd.units import format_bytes
+from bench.profile import read_trace, summarize, write_gz
+
+log = get_logger("atomd.bench.swap")
 
 
 def _sync(device: torch.device) -> None:
@@ -36,14 +43,51 @@ def _train(
     engine: StepEngine, steps: list[list[Batch]], lrs: list[float], device: torch.device
 ) -> tuple[float, float]:
     """One untimed warm-up step, then the rest timed: (seconds, last loss)."""
+    name = type(engine).__name__
+    t0 = time.perf_counter()
     loss = engine.train_step(steps[0], lrs[0])
     _sync(device)
+    log.info("%s: warm-up step in %.2f s, loss %.4f", name, time.perf_counter() - t0, loss)
     t0 = time.perf_counter()
-    for batches, lr in zip(steps[1:], lrs[1:], strict=True):
+    for i, (batches, lr) in enumerate(zip(steps[1:], lrs[1:], strict=True)):
         loss = engine.train_step(batches, lr)
+        log.info(
+            "%s: step %d/%d, %.2f s in all", name, i + 1, len(steps) - 1, time.perf_counter() - t0
+        )
     engine.settle()  # the last step's optimizer work counts too
     _sync(device)
     return time.perf_counter() - t0, loss
+
+
+def _profile(
+    engine: StepEngine,
+    steps: list[list[Batch]],
+    lrs: list[float],
+    device: torch.device,
+    out_dir: Path,
+) -> dict[str, Any]:
+    """Train ``steps`` more under torch.profiler; the trace goes to ``out_dir`` (gzipped) and
+    its summary (busy and overlap seconds of compute, loads, stores) is returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for batches, lr in zip(steps, lrs, strict=True):
+            engine.train_step(batches, lr)
+        engine.settle()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    raw = out_dir / "swap-trace.json"
+    prof.export_chrome_trace(str(raw))
+    summary = summarize(read_trace(raw), len(steps))
+    summary["wall_s"] = round(wall, 4)
+    write_gz(raw, out_dir / "swap-trace.json.gz")
+    summary["trace"] = str(out_dir / "swap-trace.json.gz")
+    return summary
 
 
 def _params(engine: StepEngine) -> dict[str, torch.Tensor]:
@@ -66,6 +110,8 @@ def run(
     optimizer: Optimizer | None = None,
     graph_blocks: int | None = None,
     resident: bool = True,
+    profile: Path | None = None,
+    profile_steps: int = 2,
 ) -> dict[str, Any]:
     dev = resolve_device(device)
     spec = JobSpec(
@@ -119,11 +165,13 @@ def run(
         )
     else:
         torch.manual_seed(0)
-        resident = ResidentEngine(GPT(cfg), spec, dev)
-        seconds, resident_loss = _train(resident, batches, lrs, dev)
+        t0 = time.perf_counter()
+        baseline_engine = ResidentEngine(GPT(cfg), spec, dev)
+        log.info("resident engine built in %.1f s", time.perf_counter() - t0)
+        seconds, resident_loss = _train(baseline_engine, batches, lrs, dev)
         resident_tps = tokens / seconds
-        resident_params = _params(resident)
-        del resident
+        resident_params = _params(baseline_engine)
+        del baseline_engine
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -134,7 +182,9 @@ def run(
         torch.cuda.reset_peak_memory_stats(dev)
         baseline = torch.cuda.memory_allocated(dev)
     torch.manual_seed(0)
+    t0 = time.perf_counter()
     swapped = SwapEngine(GPT(cfg), spec, dev, plan)
+    log.info("swap engine built in %.1f s", time.perf_counter() - t0)
     seconds, loss = _train(swapped, batches, lrs, dev)
     swapped_tps = tokens / seconds
     if dev.type == "cuda":
@@ -148,6 +198,10 @@ def run(
         if resident_params is not None
         else None
     )
+    if profile is not None:  # after the comparison: these steps move the parameters on
+        out["profile"] = _profile(
+            swapped, batches[1 : 1 + profile_steps], lrs[1 : 1 + profile_steps], dev, profile
+        )
     swapped.close()
     out.update(
         {

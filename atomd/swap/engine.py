@@ -40,6 +40,7 @@ through a layer before the next layer is needed (layer-major), so one load serve
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,10 +57,11 @@ from atomd.spec import JobSpec
 from atomd.swap.hostopt import HostOptimizer
 from atomd.swap.plan import SwapPlan
 from atomd.swap.schedule import training_visits
-from atomd.swap.slots import Slot, SwapStats, Wave, nbytes
+from atomd.swap.slots import Slot, SwapStats, Wave, nbytes, pinned_size
 from atomd.swap.streams import DONE, Marker, Streams
 from atomd.train.engine import autocast, load_model_tensors, model_tensors
 from atomd.train.optim import build_adamw, optimizer_state_by_param, optimizer_tensors
+from atomd.units import format_bytes
 
 log = get_logger(__name__)
 
@@ -98,6 +100,7 @@ class SwapEngine:
             nn.ModuleList(self.layers[i] for i in self.resident), spec, fused=True if cuda else None
         )
         self.host_params: dict[int, list[nn.Parameter]] = {}
+        t0 = time.perf_counter()
         for i in self.swapped:
             params = list(self.layers[i].parameters())
             for p in params:  # fp32 master in host memory, pinned so copies can be async
@@ -106,6 +109,18 @@ class SwapEngine:
                     p.data = p.data.pin_memory()
                 p.grad = torch.zeros(p.shape, dtype=torch.float32, pin_memory=cuda)
             self.host_params[i] = params
+        host = [
+            t for ps in self.host_params.values() for p in ps for t in (p, p.grad) if t is not None
+        ]
+        log.info(
+            "host masters and gradients: %s%s in %.1f s",
+            format_bytes(nbytes(host)),
+            f" pinned (the pinned allocator rounds each tensor up to a power of two: "
+            f"{format_bytes(sum(pinned_size(t) for t in host))} reserved)"
+            if cuda
+            else "",
+            time.perf_counter() - t0,
+        )
         first = self.layers[self.swapped[0]]
         self._names = [name for name, _ in first.named_parameters()]
         shapes = [p.shape for p in first.parameters()]

@@ -51,6 +51,13 @@ def nbytes(ts: Sequence[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def pinned_size(t: Tensor) -> int:
+    """Host memory a pinned tensor of this size holds: torch's pinned-memory allocator rounds
+    each allocation up to a power of two (a 2048 x 6144 fp32 matrix, 48 MiB, takes 64)."""
+    size = t.numel() * t.element_size()
+    return 1 << (size - 1).bit_length() if size > 1 else size
+
+
 class Wave:
     """Walks one wave's visits of swapped layers, issuing each load at its scheduled point."""
 

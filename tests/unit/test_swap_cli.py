@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +84,22 @@ def test_bench_swap_on_the_cpu(optimizer: str) -> None:
     assert out["bytes_loaded_per_step"] == out["plan"]["predicted_bytes_loaded_per_step"]
     assert out["plan"]["predicted_bound"] in {"compute", "load", "store", "host_optimizer"}
     assert out["plan"]["optimizer"] == optimizer
+    assert out["resident_final_loss"] == pytest.approx(out["final_loss"], rel=1e-4)
+
+
+def test_bench_swap_profile_and_no_resident(tmp_path: Path) -> None:
+    args = ["bench", "swap", "--preset", "tiny", "--device", "cpu", "--json", "--no-resident"]
+    small = ["--micro-batch-size", "2", "--seq-len", "32", "--grad-accum", "2", "--steps", "2"]
+    result = runner.invoke(app, [*args, *small, "--profile", str(tmp_path / "prof")])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    assert out["resident_skipped"] == "--no-resident" and out["ratio"] is None
+    assert out["swapped_tokens_per_s"] > 0
+    assert out["profile"]["steps"] == 2 and out["profile"]["wall_s"] > 0
+    trace = tmp_path / "prof" / "swap-trace.json.gz"
+    assert out["profile"]["trace"] == str(trace)
+    with gzip.open(trace, "rt") as f:  # a real trace of the CPU ops
+        assert json.load(f)["traceEvents"]
+    (tmp_path / "file").write_text("x")
+    bad = runner.invoke(app, [*args, *small, "--profile", str(tmp_path / "file")])
+    assert bad.exit_code == 2 and "not a folder" in bad.output
