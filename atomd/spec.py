@@ -8,7 +8,14 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from atomd.model.presets import PRESETS
 from atomd.units import parse_bytes
@@ -24,10 +31,23 @@ DEFAULT_LR: dict[str, float] = {
 }
 
 
-class SyncSpec(BaseModel):
-    """How peers of a swarm job exchange progress: compressed weight deltas every H steps."""
+class _Spec(BaseModel):
+    """Unknown fields are an error, and so is a boolean where a number is due (pydantic would
+    read ``false`` as 0 and ``true`` as 1: ``{"swap_graph_blocks": false}`` is a mistake)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: object, info: ValidationInfo) -> object:
+        name = info.field_name
+        if isinstance(v, bool) and name and cls.model_fields[name].annotation is not bool:
+            raise ValueError(f"a boolean ({str(v).lower()}) is not a valid value here")
+        return v
+
+
+class SyncSpec(_Spec):
+    """How peers of a swarm job exchange progress: compressed weight deltas every H steps."""
 
     every: int = Field(50, ge=1, description="H: inner steps between rounds (delta exchanges).")
     codec: Literal["fp32", "bf16", "int8", "topk"] = Field(
@@ -79,10 +99,8 @@ class SyncSpec(BaseModel):
     )
 
 
-class JobSpec(BaseModel):
+class JobSpec(_Spec):
     """A training job. Unknown fields are an error, so a typo never passes silently."""
-
-    model_config = ConfigDict(extra="forbid")
 
     preset: str = Field("tiny", description=f"Model preset: one of {', '.join(PRESETS)}.")
     data: str = Field(

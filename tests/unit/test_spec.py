@@ -23,6 +23,11 @@ def test_minimal_spec_is_valid() -> None:
         ({"lr": -1}, "lr"),
         ({"typo_field": 1}, "typo_field"),
         ({"shard_mode": "random"}, "shard_mode"),
+        # pydantic alone reads false as 0 and true as 1 (schemathesis found the first)
+        ({"swap_graph_blocks": False}, "swap_graph_blocks"),
+        ({"micro_batch_size": True}, "micro_batch_size"),
+        ({"lr": True}, "lr"),
+        ({"sync": {"every": True}}, "sync.every"),
     ],
 )
 def test_invalid_fields_are_named(body: dict[str, object], field: str) -> None:
@@ -58,3 +63,9 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
     assert lr_at(spec, 110) == pytest.approx(0.1)
     lrs = [lr_at(spec, s) for s in range(10, 111)]
     assert all(a >= b for a, b in itertools.pairwise(lrs))
+
+
+def test_booleans_stay_booleans() -> None:
+    spec = JobSpec.model_validate({"sync": {"zstd": False}, "swap_graph_blocks": 0})
+    assert spec.sync is not None and spec.sync.zstd is False
+    assert spec.swap_graph_blocks == 0
