@@ -369,6 +369,14 @@ def bench_swap(
             "the swapped run alone, e.g. a model whose resident run would take minutes)."
         ),
     ] = True,
+    grad_clip: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="Gradient-norm clipping (default: the job spec's 1.0); 0 lets the host AdamW "
+            "step each layer as its gradient completes instead of after the whole backward.",
+        ),
+    ] = None,
     profile: Annotated[
         Path | None,
         typer.Option(
@@ -399,6 +407,7 @@ def bench_swap(
         optimizer=_optimizer_choice(optimizer),
         graph_blocks=graph_blocks,
         resident=resident,
+        grad_clip=grad_clip,
         profile=profile,
     )
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))

@@ -110,6 +110,7 @@ def run(
     optimizer: Optimizer | None = None,
     graph_blocks: int | None = None,
     resident: bool = True,
+    grad_clip: float | None = None,
     profile: Path | None = None,
     profile_steps: int = 2,
 ) -> dict[str, Any]:
@@ -127,6 +128,7 @@ def run(
         swap_resident_blocks=resident_blocks,
         swap_optimizer=optimizer or "auto",
         swap_graph_blocks=graph_blocks,
+        **({} if grad_clip is None else {"grad_clip": grad_clip}),
     )
     cfg = get_preset(preset)
     data = load_dataset(spec.data, seq_len=seq_len)
@@ -148,6 +150,7 @@ def run(
         "grad_accum": grad_accum,
         "steps": steps,
         "threads": torch.get_num_threads(),
+        "grad_clip": spec.grad_clip,
     }
 
     # The resident run may use the whole device: the budget is the swapped run's.

@@ -26,6 +26,7 @@ def shape_for(spec: JobSpec, device: torch.device) -> Shape:
         seq_len=spec.effective_seq_len,
         grad_accum=spec.grad_accum,
         dtype_bytes=2 if device.type == "cuda" else 4,
+        grad_clip=spec.grad_clip > 0,
     )
 
 

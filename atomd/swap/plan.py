@@ -146,6 +146,9 @@ class Shape:
     """Micro-batches per optimizer step; None lets the planner choose M (and grad_accum = M)."""
     dtype_bytes: int = 2
     """Bytes of the compute dtype: 2 (bf16 autocast on CUDA) or 4 (fp32 on the CPU)."""
+    grad_clip: bool = True
+    """Whether steps clip the gradient's global norm (the job spec's default): host AdamW steps
+    then wait for the whole backward."""
 
 
 def _graph_bytes(shape: Shape, sizes: LayerSizes, m: int) -> int:
@@ -262,11 +265,14 @@ def _evaluate(
     # On the device AdamW reads and writes ~28 B per parameter in device memory: next to the
     # link's 24 B per parameter of transfers it is left out.
     host_opt_s = 0.0 if device_opt else q * sizes.block / hw.host_adam_params_per_s
-    # Host steps run in forward order after the backward (the clipping norm needs all of it)
-    # and the next step's first forward waits for each: they overlap that forward only, so a
-    # host optimizer slower than it adds to the rest of the step.
-    first_forward_s = m * cfg.n_layer * f_block / rate
-    host_bound_s = host_opt_s + compute_s - first_forward_s if host_opt_s else 0.0
+    # With clipping, host steps run in forward order after the backward (the norm needs all of
+    # it) and the next step's first forward waits for each: they overlap that forward only, so
+    # a host optimizer slower than it adds to the rest of the step. Without, a layer steps as
+    # its gradient completes: the last wave's backward hides them too.
+    window_s = m * cfg.n_layer * f_block / rate
+    if not shape.grad_clip:
+        window_s += m * ((cfg.n_layer * 3 - graphs) * f_block + 2 * f_head) / rate
+    host_bound_s = host_opt_s + max(0.0, compute_s - window_s) if host_opt_s else 0.0
     # The first swapped layer is stepped last in backward and needed first in forward; the
     # embedding and resident blocks' forward of the first micro-batches hides part of it.
     ahead_s = m * (r * f_block) / rate
