@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -41,8 +41,10 @@ class _Spec(BaseModel):
     @classmethod
     def _no_bool_for_numbers(cls, v: object, info: ValidationInfo) -> object:
         name = info.field_name
-        if isinstance(v, bool) and name and cls.model_fields[name].annotation is not bool:
-            raise ValueError(f"a boolean ({str(v).lower()}) is not a valid value here")
+        if isinstance(v, bool) and name:
+            annotation = cls.model_fields[name].annotation
+            if bool not in (annotation, *get_args(annotation)):  # bool, bool | None
+                raise ValueError(f"a boolean ({str(v).lower()}) is not a valid value here")
         return v
 
 

@@ -151,6 +151,8 @@ def run(
         "steps": steps,
         "threads": torch.get_num_threads(),
         "grad_clip": spec.grad_clip,
+        # max_rel_param_diff is relative to the parameters themselves, after steps this small
+        "lrs": [round(lr, 8) for lr in lrs],
     }
 
     # The resident run may use the whole device: the budget is the swapped run's.
@@ -179,11 +181,14 @@ def run(
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-    plan = plan_for(spec, dev, hardware.measure(dev))
     baseline = 0  # the resident run's parameters, kept on the device for the comparison
+    plan_spec = spec
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
         baseline = torch.cuda.memory_allocated(dev)
+        if spec.gpu_mem is None and baseline:  # the swapped run gets what they leave
+            plan_spec = spec.model_copy(update={"gpu_mem": whole - baseline})
+    plan = plan_for(plan_spec, dev, hardware.measure(dev))
     torch.manual_seed(0)
     t0 = time.perf_counter()
     swapped = SwapEngine(GPT(cfg), spec, dev, plan)

@@ -265,17 +265,20 @@ def _evaluate(
     # On the device AdamW reads and writes ~28 B per parameter in device memory: next to the
     # link's 24 B per parameter of transfers it is left out.
     host_opt_s = 0.0 if device_opt else q * sizes.block / hw.host_adam_params_per_s
-    # With clipping, host steps run in forward order after the backward (the norm needs all of
-    # it) and the next step's first forward waits for each: they overlap that forward only, so
-    # a host optimizer slower than it adds to the rest of the step. Without, a layer steps as
-    # its gradient completes: the last wave's backward hides them too.
-    window_s = m * cfg.n_layer * f_block / rate
-    if not shape.grad_clip:
-        window_s += m * ((cfg.n_layer * 3 - graphs) * f_block + 2 * f_head) / rate
-    host_bound_s = host_opt_s + max(0.0, compute_s - window_s) if host_opt_s else 0.0
     # The first swapped layer is stepped last in backward and needed first in forward; the
     # embedding and resident blocks' forward of the first micro-batches hides part of it.
     ahead_s = m * (r * f_block) / rate
+    # What host steps (one worker, first in first out) can hide behind. With clipping they are
+    # queued in forward order after the backward (the norm needs all of it) and each load,
+    # issued K layers ahead, waits for its layer's step: the next forward but its first K
+    # layers. Without clipping a layer's step is queued as its gradient completes in the last
+    # wave's backward, in backward order, so the first swapped layer's comes last: that
+    # backward, and what precedes the first swapped layer in the next forward.
+    if shape.grad_clip:
+        window_s = m * max(0, cfg.n_layer - k) * f_block / rate
+    else:
+        window_s = ahead_s + m * (cfg.n_layer * 3 - graphs) * f_block / rate
+    host_bound_s = host_opt_s + max(0.0, compute_s - window_s) if host_opt_s else 0.0
     first_s = (
         4 * w_bytes / hw.h2d_bytes_per_s
         if device_opt
