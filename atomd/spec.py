@@ -32,19 +32,24 @@ DEFAULT_LR: dict[str, float] = {
 
 
 class _Spec(BaseModel):
-    """Unknown fields are an error, and so is a boolean where a number is due (pydantic would
-    read ``false`` as 0 and ``true`` as 1: ``{"swap_graph_blocks": false}`` is a mistake)."""
+    """Unknown fields are an error, and so is a boolean where a number is due or a number where
+    a boolean is (pydantic would read ``false`` as 0 and ``1`` as true:
+    ``{"swap_graph_blocks": false}`` is a mistake)."""
 
     model_config = ConfigDict(extra="forbid")
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_for_numbers(cls, v: object, info: ValidationInfo) -> object:
+    def _booleans_are_booleans(cls, v: object, info: ValidationInfo) -> object:
         name = info.field_name
-        if isinstance(v, bool) and name:
-            annotation = cls.model_fields[name].annotation
-            if bool not in (annotation, *get_args(annotation)):  # bool, bool | None
-                raise ValueError(f"a boolean ({str(v).lower()}) is not a valid value here")
+        if not name or not isinstance(v, int | float):
+            return v
+        annotation = cls.model_fields[name].annotation
+        takes_bool = bool in (annotation, *get_args(annotation))  # bool, bool | None
+        if isinstance(v, bool) and not takes_bool:
+            raise ValueError(f"a boolean ({str(v).lower()}) is not a valid value here")
+        if not isinstance(v, bool) and annotation is bool:
+            raise ValueError(f"expected true or false, got {v!r}")
         return v
 
 

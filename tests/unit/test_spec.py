@@ -28,6 +28,7 @@ def test_minimal_spec_is_valid() -> None:
         ({"micro_batch_size": True}, "micro_batch_size"),
         ({"lr": True}, "lr"),
         ({"sync": {"every": True}}, "sync.every"),
+        ({"sync": {"zstd": 1}}, "sync.zstd"),
     ],
 )
 def test_invalid_fields_are_named(body: dict[str, object], field: str) -> None:
