@@ -6,6 +6,7 @@ They are measured on the device at hand (``measure``), or assumed and said so (`
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,11 +33,20 @@ class Hardware:
     """Parameters per second the host's fused AdamW updates (memory-bound: ~28 B/param)."""
     source: str
     """How these were obtained: 'measured on ...' or 'assumed: ...'."""
+    copy_compute_overlap: float = 1.0
+    """How much of a host -> device copy hides behind compute running at the same time: 1 when
+    they run fully in parallel (separate copy engines), 0 when they take turns."""
+    duplex: float = 1.0
+    """How much of a device -> host copy hides behind a host -> device one: 1 for a full-duplex
+    link (PCIe), 0 when the two directions take turns."""
 
     def __post_init__(self) -> None:
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "flops_per_s", "host_adam_params_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("copy_compute_overlap", "duplex"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,6 +64,15 @@ def assumed() -> Hardware:
         source="assumed (not measured): PCIe 4.0 x16 at 25 GB/s each way, 100 TFLOP/s bf16, "
         "host AdamW 1.5 G params/s",
     )
+
+
+def hidden_fraction(t_a: float, t_b: float, t_both: float) -> float:
+    """Share of the shorter of two operations that hid behind the other when both ran at once
+    (``t_both``): 1 for ``max(t_a, t_b)``, 0 for ``t_a + t_b``; clamped to [0, 1]."""
+    shorter = min(t_a, t_b)
+    if shorter <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (t_a + t_b - t_both) / shorter))
 
 
 def _time(fn: Any, repeat: int) -> float:
@@ -96,6 +115,33 @@ def measure(device: torch.device, *, repeat: int = 3) -> Hardware:
             torch.mm(a, b)
         sync()
 
+    # Concurrency, on side streams as the swap engine issues its copies: a copy next to
+    # matmuls sized to last about as long, and copies both ways at once.
+    side = [torch.cuda.Stream(device), torch.cuda.Stream(device)] if cuda else [None, None]
+    host2 = torch.empty_like(host, pin_memory=cuda)
+    dev2 = torch.empty_like(dev)
+    n_both = 4
+
+    def on(i: int) -> Any:
+        return torch.cuda.stream(side[i]) if cuda else contextlib.nullcontext()
+
+    def mms(n: int) -> None:
+        for _ in range(n):
+            torch.mm(a, b)
+
+    def copy_and_mm() -> None:
+        with on(0):
+            dev.copy_(host, non_blocking=True)
+        mms(n_both)
+        sync()
+
+    def both_ways() -> None:
+        with on(0):
+            dev.copy_(host, non_blocking=True)
+        with on(1):
+            host2.copy_(dev2, non_blocking=True)
+        sync()
+
     # Larger than any CPU cache (4 x 128 MiB on CUDA hosts): a cache-sized tensor measured
     # 9.1 G params/s on an H200's host, ~4x what AdamW over a 1.3B model's layers reached.
     n_adam = (32 if cuda else 8) * 2**20
@@ -107,6 +153,11 @@ def measure(device: torch.device, *, repeat: int = 3) -> Hardware:
         warm_up()
     t_h2d, t_d2h = _time(h2d, repeat), _time(d2h, repeat)
     t_mm, t_adam = _time(mm, repeat), _time(opt.step, repeat)
+    n_both = max(1, min(256, round(4 * t_h2d / t_mm)))
+    t_mms = t_mm * n_both / 4
+    for warm_up in (copy_and_mm, both_ways):
+        warm_up()
+    t_copy_mm, t_both_ways = _time(copy_and_mm, repeat), _time(both_ways, repeat)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     hw = Hardware(
         h2d_bytes_per_s=copy_bytes / t_h2d,
@@ -114,6 +165,8 @@ def measure(device: torch.device, *, repeat: int = 3) -> Hardware:
         flops_per_s=4 * 2 * n_mat**3 / t_mm,
         host_adam_params_per_s=n_adam / t_adam,
         source=f"measured on {name} ({torch.get_num_threads()} host threads)",
+        copy_compute_overlap=hidden_fraction(t_h2d, t_mms, t_copy_mm),
+        duplex=hidden_fraction(t_h2d, t_d2h, t_both_ways),
     )
     log.info("measured hardware: %s", hw)
     return hw

@@ -285,9 +285,17 @@ def _evaluate(
         else sizes.block / hw.host_adam_params_per_s + w_bytes / hw.h2d_bytes_per_s
     )
     fill_s = max(0.0, first_s - ahead_s)
-    parts = {"compute": compute_s, "load": load_s, "store": store_s, "host_optimizer": host_bound_s}
+    # Loads and stores run at once on a full-duplex link, and both behind compute: where the
+    # hardware measured less (hw.duplex, hw.copy_compute_overlap), the hidden part shrinks.
+    link_s = max(load_s, store_s) + (1.0 - hw.duplex) * min(load_s, store_s)
+    parts = {
+        "compute": compute_s,
+        "load" if load_s >= store_s else "store": link_s,
+        "host_optimizer": host_bound_s,
+    }
     bottleneck = max(parts, key=lambda key: parts[key])
-    step_s = parts[bottleneck] + fill_s
+    exposed_s = (1.0 - hw.copy_compute_overlap) * min(compute_s, link_s)
+    step_s = parts[bottleneck] + exposed_s + fill_s
     tokens = g * shape.micro_batch_size * shape.seq_len
     return SwapPlan(
         slots=k,

@@ -39,7 +39,13 @@ def format_plan(plan: SwapPlan, *, preset: str) -> str:
         f"atomd plan: {preset} ({plan.params_total / 1e9:.2f}B parameters), micro-batch "
         f"{plan.micro_batch_size} x {plan.seq_len} tokens, device budget "
         f"{format_bytes(plan.budget_bytes)}",
-        f"rates: {hw['source']}",
+        f"rates: {hw['source']}"
+        + (
+            f"; copies hide behind compute {hw.get('copy_compute_overlap', 1.0):.0%}, "
+            f"the two directions overlap {hw.get('duplex', 1.0):.0%}"
+            if min(hw.get("copy_compute_overlap", 1.0), hw.get("duplex", 1.0)) < 1
+            else ""
+        ),
         "",
         f"  {'slots (K)':<36}{plan.slots}",
         f"  {'micro-batches per layer visit (M)':<36}{plan.micro_batches}",

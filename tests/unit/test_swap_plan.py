@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from atomd.errors import PlanError
 from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
-from atomd.swap.hardware import Hardware, assumed
+from atomd.swap.hardware import Hardware, assumed, hidden_fraction
 from atomd.swap.plan import (
     GRAPH_HEADROOM,
     LayerSizes,
     Shape,
+    SwapPlan,
     make_plan,
     resident_peak_bytes,
 )
@@ -210,3 +213,39 @@ def test_clipping_keeps_the_host_optimizer_out_of_the_backward() -> None:
     assert plans[True].step_s > plans[True].compute_s + 0.5 * host_s  # mostly not hidden
     assert plans[False].bottleneck != "host_optimizer"
     assert plans[False].step_s < plans[True].step_s
+
+
+def test_hidden_fraction() -> None:
+    assert hidden_fraction(2.0, 1.0, 2.0) == 1.0  # the shorter one hid entirely
+    assert hidden_fraction(2.0, 1.0, 3.0) == 0.0  # they took turns
+    assert hidden_fraction(2.0, 1.0, 2.5) == pytest.approx(0.5)
+    assert hidden_fraction(2.0, 1.0, 3.5) == 0.0 and hidden_fraction(2.0, 1.0, 1.0) == 1.0
+    assert hidden_fraction(0.0, 1.0, 1.0) == 1.0
+
+
+def test_copies_that_do_not_overlap_add_up() -> None:
+    """Measured overlap below 1 (a link without duplex, copies that take turns with compute)
+    costs what does not hide; 1 and 1 is the plan as before."""
+    shape = _shape("gpt3-2.7b", 8)
+    full = Hardware(**(assumed().to_dict() | {"host_adam_params_per_s": 1e12}))
+
+    def plan(hw: Hardware) -> SwapPlan:
+        return make_plan(
+            shape,
+            budget_bytes=24 * GiB,
+            hardware=hw,
+            slots=3,
+            micro_batches=2,
+            resident_blocks=0,
+            optimizer="host",
+        )
+
+    base = plan(full)
+    no_duplex = plan(replace(full, duplex=0.0))
+    serial = plan(replace(full, duplex=0.0, copy_compute_overlap=0.0))
+    link = base.load_s + base.store_s
+    assert base.step_s == pytest.approx(max(base.compute_s, base.load_s) + base.fill_s)
+    assert no_duplex.step_s == pytest.approx(max(base.compute_s, link) + base.fill_s)
+    assert serial.step_s == pytest.approx(base.compute_s + link + base.fill_s)
+    with pytest.raises(ValueError, match="duplex"):
+        replace(full, duplex=1.5)
