@@ -268,34 +268,52 @@ def _evaluate(
     # The first swapped layer is stepped last in backward and needed first in forward; the
     # embedding and resident blocks' forward of the first micro-batches hides part of it.
     ahead_s = m * (r * f_block) / rate
-    # What host steps (one worker, first in first out) can hide behind. With clipping they are
-    # queued in forward order after the backward (the norm needs all of it) and each load,
-    # issued K layers ahead, waits for its layer's step: the next forward but its first K
-    # layers. Without clipping a layer's step is queued as its gradient completes in the last
-    # wave's backward, in backward order, so the first swapped layer's comes last: that
-    # backward, and what precedes the first swapped layer in the next forward.
-    if shape.grad_clip:
-        window_s = m * max(0, cfg.n_layer - k) * f_block / rate
-    else:
-        window_s = ahead_s + m * (cfg.n_layer * 3 - graphs) * f_block / rate
-    host_bound_s = host_opt_s + max(0.0, compute_s - window_s) if host_opt_s else 0.0
-    first_s = (
-        4 * w_bytes / hw.h2d_bytes_per_s
-        if device_opt
-        else sizes.block / hw.host_adam_params_per_s + w_bytes / hw.h2d_bytes_per_s
-    )
-    fill_s = max(0.0, first_s - ahead_s)
-    # Loads and stores run at once on a full-duplex link, and both behind compute: where the
-    # hardware measured less (hw.duplex, hw.copy_compute_overlap), the hidden part shrinks.
+
+    # Time per step, phase by phase: each wave's forward, then its backward. Transfers hide
+    # behind compute only within their phase (the 16 B/param a device-optimizer forward loads
+    # are not helped by a compute-heavy backward), so a phase lasts as long as its busiest
+    # resource, plus what the hardware does not overlap (hw.duplex, hw.copy_compute_overlap).
+    def phase(compute: float, loaded: float, stored: float) -> float:
+        ld, st = loaded / hw.h2d_bytes_per_s, stored / hw.d2h_bytes_per_s
+        link = max(ld, st) + (1.0 - hw.duplex) * min(ld, st)
+        return max(compute, link) + (1.0 - hw.copy_compute_overlap) * min(compute, link)
+
+    kept = min(k, q)  # layers a phase finds in the slots from the phase before
+    spill_wave = spilled_layers * m * btc * ACT_BYTES
+    forward_s = m * cfg.n_layer * f_block / rate
+    backward_s = m * ((cfg.n_layer * 3 - graphs) * f_block + 3 * f_head) / rate
+    phases: list[float] = []
+    for w in range(waves):
+        loaded, stored = (q if w == 0 else q - kept) * w_bytes, spill_wave  # weights, inputs
+        if w == 0 and device_opt:  # each layer's step comes with its first load
+            loaded, stored = loaded + q * 3 * w_bytes, stored + q * 3 * w_bytes
+        phases.append(phase(forward_s, loaded, stored))
+        loaded = (q - kept) * w_bytes + spill_wave + (q * w_bytes if w else 0)  # partial grads
+        phases.append(phase(backward_s, loaded, q * w_bytes))
+    # The host optimizer (one worker, first in first out) adds what it cannot hide. With
+    # clipping its steps are queued in forward order after the backward (the norm needs all
+    # of it) and each load, issued K layers ahead, waits for its layer's step: the first
+    # forward ends a layer after the last step. Without, a layer's step is queued as its
+    # gradient completes, in backward order, so the first swapped layer, needed first, is
+    # stepped last: the last backward and what precedes that layer hide the steps.
+    host_s = 0.0
+    if host_opt_s and shape.grad_clip:
+        one_layer = m * f_block / rate + w_bytes / hw.h2d_bytes_per_s
+        host_s = max(0.0, host_opt_s + one_layer - phases[0])
+    elif host_opt_s:
+        host_s = max(0.0, host_opt_s - phases[-1] - ahead_s)
+    # The first swapped layer's load (and, on the device, its step) before its forward; with
+    # clipping the host optimizer's share of it is counted above.
+    first_s = (4 if device_opt else 1) * w_bytes / hw.h2d_bytes_per_s
+    if host_opt_s and not shape.grad_clip:
+        first_s += sizes.block / hw.host_adam_params_per_s
+    fill_s = 0.0 if host_opt_s and shape.grad_clip else max(0.0, first_s - ahead_s)
+    step_s = sum(phases) + host_s + fill_s
+    # The bound, for the report: the host optimizer where it adds time, else the busier of
+    # compute and the link over the whole step.
     link_s = max(load_s, store_s) + (1.0 - hw.duplex) * min(load_s, store_s)
-    parts = {
-        "compute": compute_s,
-        "load" if load_s >= store_s else "store": link_s,
-        "host_optimizer": host_bound_s,
-    }
-    bottleneck = max(parts, key=lambda key: parts[key])
-    exposed_s = (1.0 - hw.copy_compute_overlap) * min(compute_s, link_s)
-    step_s = parts[bottleneck] + exposed_s + fill_s
+    parts = {"compute": compute_s, "load" if load_s >= store_s else "store": link_s}
+    bottleneck = "host_optimizer" if host_s > 0 else max(parts, key=lambda key: parts[key])
     tokens = g * shape.micro_batch_size * shape.seq_len
     return SwapPlan(
         slots=k,
