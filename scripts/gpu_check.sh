@@ -61,6 +61,6 @@ small=(--micro-batch-size 1 --seq-len 2048 --grad-accum 16 --steps 2 --device cu
 bench 2.7b-8GiB 150 --preset gpt3-2.7b --gpu-mem 8GiB "${small[@]}"
 # 6.7b did not finish in 193 s with its resident run (2026-11-30): swapped alone first.
 bench 6.7b-12GiB-swapped 240 --preset gpt3-6.7b --gpu-mem 12GiB "${small[@]}" --no-resident
-bench xl-noclip 120 "${xl[@]}" --grad-clip 0 --optimizer host  # host steps during backward
-bench xl-m4-host 120 "${xl[@]}" --optimizer host --micro-batches 4  # one wave, host AdamW
+bench xl-device 120 "${xl[@]}" --optimizer device  # 0.55 on 2026-11-30 (K=2, M=2)
+bench xl-noclip 120 "${xl[@]}" --grad-clip 0  # host steps during the backward
 bench 6.7b-12GiB 400 --preset gpt3-6.7b --gpu-mem 12GiB "${small[@]}"
