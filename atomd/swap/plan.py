@@ -273,10 +273,15 @@ def _evaluate(
     # behind compute only within their phase (the 16 B/param a device-optimizer forward loads
     # are not helped by a compute-heavy backward), so a phase lasts as long as its busiest
     # resource, plus what the hardware does not overlap (hw.duplex, hw.copy_compute_overlap).
+    bound_by: dict[str, float] = {}  # seconds of the step each resource sets
+
     def phase(compute: float, loaded: float, stored: float) -> float:
         ld, st = loaded / hw.h2d_bytes_per_s, stored / hw.d2h_bytes_per_s
         link = max(ld, st) + (1.0 - hw.duplex) * min(ld, st)
-        return max(compute, link) + (1.0 - hw.copy_compute_overlap) * min(compute, link)
+        busiest = "compute" if compute >= link else "load" if ld >= st else "store"
+        took = max(compute, link) + (1.0 - hw.copy_compute_overlap) * min(compute, link)
+        bound_by[busiest] = bound_by.get(busiest, 0.0) + took
+        return took
 
     kept = min(k, q)  # layers a phase finds in the slots from the phase before
     spill_wave = spilled_layers * m * btc * ACT_BYTES
@@ -290,30 +295,29 @@ def _evaluate(
         phases.append(phase(forward_s, loaded, stored))
         loaded = (q - kept) * w_bytes + spill_wave + (q * w_bytes if w else 0)  # partial grads
         phases.append(phase(backward_s, loaded, q * w_bytes))
-    # The host optimizer (one worker, first in first out) adds what it cannot hide. With
-    # clipping its steps are queued in forward order after the backward (the norm needs all
-    # of it) and each load, issued K layers ahead, waits for its layer's step: the first
-    # forward ends a layer after the last step. Without, a layer's step is queued as its
-    # gradient completes, in backward order, so the first swapped layer, needed first, is
-    # stepped last: the last backward and what precedes that layer hide the steps.
-    host_s = 0.0
-    if host_opt_s and shape.grad_clip:
-        one_layer = m * f_block / rate + w_bytes / hw.h2d_bytes_per_s
-        host_s = max(0.0, host_opt_s + one_layer - phases[0])
-    elif host_opt_s:
-        host_s = max(0.0, host_opt_s - phases[-1] - ahead_s)
-    # The first swapped layer's load (and, on the device, its step) before its forward; with
-    # clipping the host optimizer's share of it is counted above.
-    first_s = (4 if device_opt else 1) * w_bytes / hw.h2d_bytes_per_s
-    if host_opt_s and not shape.grad_clip:
-        first_s += sizes.block / hw.host_adam_params_per_s
-    fill_s = 0.0 if host_opt_s and shape.grad_clip else max(0.0, first_s - ahead_s)
-    step_s = sum(phases) + host_s + fill_s
-    # The bound, for the report: the host optimizer where it adds time, else the busier of
-    # compute and the link over the whole step.
-    link_s = max(load_s, store_s) + (1.0 - hw.duplex) * min(load_s, store_s)
-    parts = {"compute": compute_s, "load" if load_s >= store_s else "store": link_s}
-    bottleneck = "host_optimizer" if host_s > 0 else max(parts, key=lambda key: parts[key])
+    # Before the first swapped layer's forward: its load (on the device: with its step's
+    # gradient and moments), and its host step, which the host optimizer (one worker, first in
+    # first out) may not have reached. With clipping the steps are queued in forward order
+    # after the backward (the norm needs all of it) and each load, issued K layers ahead,
+    # waits for its layer's: the first forward ends a layer after the last step. Without, a
+    # layer's step is queued as its gradient completes, in backward order, so the first
+    # swapped layer, needed first, is stepped last: the last backward hides the steps.
+    load_first = w_bytes / hw.h2d_bytes_per_s
+    if device_opt:
+        fill_s, host_s = max(0.0, 4 * load_first - ahead_s), 0.0
+    elif shape.grad_clip:
+        fill_s = max(0.0, sizes.block / hw.host_adam_params_per_s + load_first - ahead_s)
+        one_layer = m * f_block / rate + load_first
+        host_s = max(0.0, host_opt_s + one_layer - phases[0] - fill_s)
+    else:
+        late = max(0.0, host_opt_s - phases[-1])
+        fill_s = max(0.0, load_first - ahead_s) if late == 0 else 0.0
+        host_s = max(0.0, late + load_first - ahead_s) if late > 0 else 0.0
+    bound_by["load"] = bound_by.get("load", 0.0) + fill_s
+    if host_s:
+        bound_by["host_optimizer"] = host_s
+    step_s = sum(phases) + fill_s + host_s
+    bottleneck = max(bound_by, key=lambda key: bound_by[key])  # sets most of the step
     tokens = g * shape.micro_batch_size * shape.seq_len
     return SwapPlan(
         slots=k,
