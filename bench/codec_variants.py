@@ -1,0 +1,157 @@
+"""Top-k codec variants tried against the default on the ``bench sync`` task (issue #6).
+
+Not product code: each variant replaces ``TopKCodec``'s encode/decode in this process (and in
+the spawned bench worker, which imports this module as its main) and runs one swarm::
+
+    VARIANT=blocks B=4 FRACTION=0.04 python -m bench.codec_variants   # blocks of B entries
+    VARIANT=small CHUNK=64 K=1 DCT=0 python -m bench.codec_variants   # uint8 indices
+
+- ``blocks``: the flat tensor in chunks of ~4096, blocks of ``B`` consecutive entries, the
+  ``FRACTION`` of blocks with the largest L2 norm kept, 4-bit values, one fp32 scale per chunk.
+- ``small``: chunks of ``CHUNK`` <= 256 entries (uint8 indices), ``K`` largest kept per chunk,
+  int8 values with one fp32 scale per 128 chunks; with ``DCT=1`` in the DCT-II domain of each
+  chunk (as DeMo compresses momentum).
+
+Results: bench/results-sync-codec-variants-2026-11-30.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from atomd.sync import codecs
+from atomd.sync.codecs import Encoded, TopKCodec
+
+VARIANT = os.environ.get("VARIANT", "small")
+B = int(os.environ.get("B", "4"))
+FRACTION = float(os.environ.get("FRACTION", "0.04"))
+CHUNK = int(os.environ.get("CHUNK", "64"))
+K = int(os.environ.get("K", "1"))
+DCT = os.environ.get("DCT", "0") == "1"
+GROUP = 128  # chunks per fp32 scale in the small-chunk variant
+QMAX4 = 7
+
+
+def _chunks(flat: np.ndarray, width: int) -> np.ndarray:
+    n = math.ceil(flat.size / width)
+    pad = np.zeros(n * width, np.float32)
+    pad[: flat.size] = flat
+    return pad.reshape(n, width)
+
+
+def _dct_matrix(n: int) -> np.ndarray:
+    """Orthonormal DCT-II: X = M x, x = M.T X."""
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    m = np.cos(np.pi * (2 * j + 1) * i / (2 * n)) * math.sqrt(2.0 / n)
+    m[0] /= math.sqrt(2.0)
+    return m.astype(np.float32)
+
+
+def _block_layout(numel: int) -> tuple[int, int]:
+    """(chunk, blocks kept per chunk)."""
+    n = math.ceil(numel / codecs.TOPK_CHUNK)
+    chunk = math.ceil(math.ceil(numel / max(1, n)) / B) * B
+    blocks = chunk // B
+    return chunk, max(1, min(blocks, round(FRACTION * blocks)))
+
+
+def _encode_blocks(self: TopKCodec, x: torch.Tensor) -> Encoded:
+    flat = codecs._flat(x)
+    chunk, kb = _block_layout(flat.size)
+    blocks = _chunks(flat, chunk).reshape(-1, chunk // B, B)
+    score = (blocks * blocks).sum(axis=2)
+    nb = chunk // B
+    idx = np.sort(np.argpartition(score, nb - kb, axis=1)[:, nb - kb :], axis=1)
+    vals = np.take_along_axis(blocks, idx[:, :, None], axis=1)
+    scale = np.abs(vals).reshape(len(vals), -1).max(axis=1, initial=0) / np.float32(QMAX4)
+    safe = np.where(scale > 0, scale, 1)
+    q = np.clip(np.rint(vals / safe[:, None, None]), -QMAX4, QMAX4).astype(np.int8)
+    u = (q.reshape(-1) + 8).astype(np.uint8)
+    if u.size % 2:
+        u = np.append(u, np.uint8(8))
+    packed = (u[0::2] | (u[1::2] << 4)).tobytes()
+    raw = idx.astype("<u2").tobytes() + packed + scale.astype("<f4").tobytes()
+    return self._pack(tuple(x.shape), {"chunk": chunk, "k": kb}, raw)
+
+
+def _decode_blocks(self: TopKCodec, enc: Encoded) -> torch.Tensor:
+    numel = codecs._numel(enc.shape)
+    chunk, kb = int(enc.meta["chunk"]), int(enc.meta["k"])
+    n_chunks = math.ceil(numel / chunk)
+    n = n_chunks * kb * B
+    nq = (n + 1) // 2
+    raw = codecs._unpack(enc, n_chunks * kb * 2 + nq + n_chunks * 4, ("chunk", "k"))
+    idx = np.frombuffer(raw, "<u2", count=n_chunks * kb).astype(np.intp).reshape(n_chunks, kb)
+    off = n_chunks * kb * 2
+    u = np.frombuffer(raw, np.uint8, count=nq, offset=off)
+    q = np.empty(nq * 2, np.int8)
+    q[0::2], q[1::2] = (u & 15).astype(np.int8) - 8, (u >> 4).astype(np.int8) - 8
+    scale = np.frombuffer(raw, "<f4", offset=off + nq)
+    vals = q[:n].reshape(n_chunks, kb, B).astype(np.float32) * scale[:, None, None]
+    dense = np.zeros((n_chunks, chunk // B, B), np.float32)
+    np.put_along_axis(dense, idx[:, :, None], vals, axis=1)
+    return codecs._tensor(dense.reshape(-1)[:numel], enc.shape)
+
+
+_M = _dct_matrix(CHUNK)
+
+
+def _encode_small(self: TopKCodec, x: torch.Tensor) -> Encoded:
+    rows = _chunks(codecs._flat(x), CHUNK)
+    coef = rows @ _M.T if DCT else rows
+    idx = np.sort(np.argpartition(np.abs(coef), CHUNK - K, axis=1)[:, CHUNK - K :], axis=1)
+    vals = np.take_along_axis(coef, idx, axis=1)
+    n, ng = len(rows), math.ceil(len(rows) / GROUP)
+    grouped = np.zeros((ng * GROUP, K), np.float32)
+    grouped[:n] = vals
+    scale = np.abs(grouped.reshape(ng, -1)).max(axis=1) / np.float32(127)
+    safe = np.where(scale > 0, scale, 1)
+    q = np.clip(np.rint(grouped.reshape(ng, -1) / safe[:, None]), -127, 127).astype(np.int8)
+    raw = idx.astype(np.uint8).tobytes() + q.reshape(-1, K)[:n].tobytes()
+    return self._pack(tuple(x.shape), {"chunk": CHUNK, "k": K}, raw + scale.astype("<f4").tobytes())
+
+
+def _decode_small(self: TopKCodec, enc: Encoded) -> torch.Tensor:
+    numel = codecs._numel(enc.shape)
+    n = math.ceil(numel / CHUNK)
+    ng = math.ceil(n / GROUP)
+    raw = codecs._unpack(enc, n * K * 2 + ng * 4, ("chunk", "k"))
+    idx = np.frombuffer(raw, np.uint8, count=n * K).astype(np.intp).reshape(n, K)
+    q = np.frombuffer(raw, np.int8, count=n * K, offset=n * K).astype(np.float32).reshape(n, K)
+    per_chunk = np.repeat(np.frombuffer(raw, "<f4", offset=2 * n * K), GROUP)[:n]
+    coef = np.zeros((n, CHUNK), np.float32)
+    np.put_along_axis(coef, idx, q * per_chunk[:, None], axis=1)
+    rows = coef @ _M if DCT else coef
+    return codecs._tensor(rows.reshape(-1)[:numel].copy(), enc.shape)
+
+
+def install() -> None:
+    """Make ``topk`` the chosen variant in this process."""
+    blocks = VARIANT == "blocks"
+    setattr(TopKCodec, "encode", _encode_blocks if blocks else _encode_small)  # noqa: B010
+    setattr(TopKCodec, "decode", _decode_blocks if blocks else _decode_small)  # noqa: B010
+    codecs._DECODERS["topk"] = TopKCodec()
+
+
+install()  # at import, so the bench's spawned worker (which imports this module) has it too
+
+
+def main() -> None:
+    from bench.sync import RunSpec, run
+
+    every = int(os.environ.get("H", "2"))
+    sync: dict[str, Any] = {"topk_fraction": FRACTION} if VARIANT == "blocks" else {}
+    name = os.environ.get("NAME", f"{VARIANT}-h{every}")
+    result = run(runs=[RunSpec(name, codec="topk", every=every, sync=sync)], workers=1)
+    out = result["runs"][0]
+    print(json.dumps({k: v for k, v in out.items() if not isinstance(v, list | dict)}))
+
+
+if __name__ == "__main__":
+    main()
