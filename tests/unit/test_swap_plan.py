@@ -20,6 +20,7 @@ from atomd.swap.plan import (
     make_plan,
     resident_peak_bytes,
 )
+from atomd.swap.report import format_plan
 from atomd.swap.schedule import schedule_slots, training_visits
 from atomd.units import format_bytes, parse_bytes
 
@@ -342,3 +343,12 @@ def test_transfers_hide_only_behind_their_own_phase() -> None:
     # with the head's); the whole-step view would have said compute_s.
     assert plan.step_s >= forward_loads_s + 2 * plan.compute_s / 3 + plan.fill_s
     assert plan.step_s > plan.compute_s + plan.fill_s + 0.1
+
+
+def test_the_report_names_overlap_below_one() -> None:
+    shape = _shape("gpt3-2.7b", 8)
+    full = make_plan(shape, budget_bytes=24 * GiB, hardware=assumed())
+    assert "hide behind compute" not in format_plan(full, preset="gpt3-2.7b")
+    half = replace(assumed(), copy_compute_overlap=0.5, duplex=0.25)
+    text = format_plan(make_plan(shape, budget_bytes=24 * GiB, hardware=half), preset="gpt3-2.7b")
+    assert "copies hide behind compute 50%, the two directions overlap 25%" in text
