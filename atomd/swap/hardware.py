@@ -6,7 +6,6 @@ They are measured on the device at hand (``measure``), or assumed and said so (`
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 
 from atomd.logs import get_logger
+from atomd.swap.streams import Streams
 
 log = get_logger(__name__)
 
@@ -110,35 +110,31 @@ def measure(device: torch.device, *, repeat: int = 3) -> Hardware:
     a = torch.randn(n_mat, n_mat, device=device, dtype=dtype)
     b = torch.randn(n_mat, n_mat, device=device, dtype=dtype)
 
-    def mm() -> None:
-        for _ in range(4):
-            torch.mm(a, b)
-        sync()
-
-    # Concurrency, on side streams as the swap engine issues its copies: a copy next to
-    # matmuls sized to last about as long, and copies both ways at once.
-    side = [torch.cuda.Stream(device), torch.cuda.Stream(device)] if cuda else [None, None]
-    host2 = torch.empty_like(host, pin_memory=cuda)
-    dev2 = torch.empty_like(dev)
-    n_both = 4
-
-    def on(i: int) -> Any:
-        return torch.cuda.stream(side[i]) if cuda else contextlib.nullcontext()
-
     def mms(n: int) -> None:
         for _ in range(n):
             torch.mm(a, b)
 
+    def mm() -> None:
+        mms(4)
+        sync()
+
+    # Concurrency, on side streams as the swap engine issues its copies: a copy next to
+    # matmuls sized to last about as long, and copies both ways at once.
+    side = Streams(device)  # its load and store streams (None on the CPU)
+    host2 = torch.empty_like(host, pin_memory=cuda)
+    dev2 = torch.empty_like(dev)
+    n_both = 4
+
     def copy_and_mm() -> None:
-        with on(0):
+        with side.on(side.load):
             dev.copy_(host, non_blocking=True)
         mms(n_both)
         sync()
 
     def both_ways() -> None:
-        with on(0):
+        with side.on(side.load):
             dev.copy_(host, non_blocking=True)
-        with on(1):
+        with side.on(side.store):
             host2.copy_(dev2, non_blocking=True)
         sync()
 

@@ -30,6 +30,7 @@ _STORED = {"host": "gradients", "device": "grads, state"}
 def format_plan(plan: SwapPlan, *, preset: str) -> str:
     """The plan in three short tables: choices, device memory, time per optimizer step."""
     hw = plan.hardware
+    overlap, duplex = hw.get("copy_compute_overlap", 1.0), hw.get("duplex", 1.0)
     resident = "embedding + head (tied)"
     if plan.resident_blocks == 1:
         resident += " + block 0"
@@ -41,9 +42,8 @@ def format_plan(plan: SwapPlan, *, preset: str) -> str:
         f"{format_bytes(plan.budget_bytes)}",
         f"rates: {hw['source']}"
         + (
-            f"; copies hide behind compute {hw.get('copy_compute_overlap', 1.0):.0%}, "
-            f"the two directions overlap {hw.get('duplex', 1.0):.0%}"
-            if min(hw.get("copy_compute_overlap", 1.0), hw.get("duplex", 1.0)) < 1
+            f"; copies hide behind compute {overlap:.0%}, the two directions overlap {duplex:.0%}"
+            if min(overlap, duplex) < 1
             else ""
         ),
         "",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -220,6 +221,18 @@ def test_clipping_keeps_the_host_optimizer_out_of_the_backward() -> None:
     assert plans[True].step_s - plans[False].step_s > 0.5 * host_s
 
 
+def _xl_plan(hw: Hardware, *, batch: int, grad_accum: int, clip: bool, **choices: Any) -> SwapPlan:
+    """gpt3-xl at 2048 tokens per sequence on a 139 GiB device, the planner's choices fixed."""
+    shape = Shape(
+        cfg=get_preset("gpt3-xl"),
+        micro_batch_size=batch,
+        seq_len=2048,
+        grad_accum=grad_accum,
+        grad_clip=clip,
+    )
+    return make_plan(shape, budget_bytes=139 * GiB, hardware=hw, **choices)
+
+
 @pytest.mark.parametrize("optimizer", ["host", "device"])
 @pytest.mark.parametrize("spill", [False, True])
 @pytest.mark.parametrize(("k", "m", "g"), [(2, 1, 4), (3, 2, 8), (5, 4, 4)])
@@ -227,23 +240,13 @@ def test_phases_carry_every_byte(optimizer: Optimizer, spill: bool, k: int, m: i
     """On hardware where nothing overlaps, a step is exactly compute + loads + stores + fill:
     the phases together move the plan's bytes_loaded and bytes_stored, whatever the waves,
     spill and optimizer."""
-    serial = Hardware(
-        **(
-            assumed().to_dict()
-            | {"host_adam_params_per_s": 1e15, "duplex": 0.0, "copy_compute_overlap": 0.0}
-        )
-    )
+    serial = replace(assumed(), host_adam_params_per_s=1e15, duplex=0.0, copy_compute_overlap=0.0)
     for clip in (True, False):
-        plan = make_plan(
-            Shape(
-                cfg=get_preset("gpt3-xl"),
-                micro_batch_size=1,
-                seq_len=2048,
-                grad_accum=g,
-                grad_clip=clip,
-            ),
-            budget_bytes=139 * GiB,
-            hardware=serial,
+        plan = _xl_plan(
+            serial,
+            batch=1,
+            grad_accum=g,
+            clip=clip,
             slots=k,
             micro_batches=m,
             resident_blocks=3,
@@ -258,26 +261,21 @@ def test_phases_carry_every_byte(optimizer: Optimizer, spill: bool, k: int, m: i
 @pytest.mark.parametrize("adam", [1e9, 6e9, 1e12])
 @pytest.mark.parametrize(("k", "m"), [(2, 1), (3, 2), (6, 4)])
 def test_clipping_never_makes_a_step_faster(adam: float, k: int, m: int) -> None:
-    hw = Hardware(**(assumed().to_dict() | {"host_adam_params_per_s": adam}))
-    steps = [
-        make_plan(
-            Shape(
-                cfg=get_preset("gpt3-xl"),
-                micro_batch_size=4,
-                seq_len=2048,
-                grad_accum=8,
-                grad_clip=clip,
-            ),
-            budget_bytes=139 * GiB,
-            hardware=hw,
+    hw = replace(assumed(), host_adam_params_per_s=adam)
+    clipped, unclipped = (
+        _xl_plan(
+            hw,
+            batch=4,
+            grad_accum=8,
+            clip=clip,
             slots=k,
             micro_batches=m,
             resident_blocks=0,
             optimizer="host",
         ).step_s
         for clip in (True, False)
-    ]
-    assert steps[0] >= steps[1]
+    )
+    assert clipped >= unclipped
 
 
 def test_hidden_fraction() -> None:
@@ -320,17 +318,12 @@ def test_transfers_hide_only_behind_their_own_phase() -> None:
     """gpt3-xl with the optimizer on the device: the first forward loads weights, gradients
     and moments (16 B/param) against a third of the compute, so it is load-bound even though
     the whole step's compute exceeds the whole step's transfers."""
-    cfg = get_preset("gpt3-xl")
-    hw = Hardware(
-        **(
-            assumed().to_dict()
-            | {"h2d_bytes_per_s": 55e9, "d2h_bytes_per_s": 55e9, "flops_per_s": 760e12}
-        )
-    )
-    plan = make_plan(
-        Shape(cfg=cfg, micro_batch_size=4, seq_len=2048, grad_accum=4),
-        budget_bytes=139 * GiB,
-        hardware=hw,
+    hw = replace(assumed(), h2d_bytes_per_s=55e9, d2h_bytes_per_s=55e9, flops_per_s=760e12)
+    plan = _xl_plan(
+        hw,
+        batch=4,
+        grad_accum=4,
+        clip=True,
         slots=2,
         micro_batches=4,
         resident_blocks=0,
