@@ -295,6 +295,9 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
                     if arrived:
                         state.absorb(arrived)
             continue
+        if step + 1 == spec.total_steps and sync.consolidate_rounds:
+            for state in states:  # as the daemon's SyncPlugin.finish does
+                state.average_from_now()
         if run.mode == "sync":
             outs = _sync_round(states)
         else:
@@ -456,6 +459,9 @@ def _targets(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"codec": d, "best": best, "by_every": dict(sorted(by_every.items()))}
 
 
+_PLAIN = {"outer_momentum": 0.0}  # the plain average
+
+
 def extra_runs() -> list[RunSpec]:
     """Runs outside the default selection (``--runs``): the evidence behind the defaults."""
     nesterov = {"outer_lr": 0.7, "outer_momentum": 0.9}  # DiLoCo's outer step
@@ -468,6 +474,11 @@ def extra_runs() -> list[RunSpec]:
             "topk-h50-sparseloco", codec="topk", sync={"residual": "feedback", "ef_decay": 0.9}
         ),
         RunSpec("fp32-h50-contiguous", codec="fp32", shard_mode="contiguous"),
+        # The outer step per codec: top-k with the plain average (the default before), with the
+        # amplification as an outer lr instead of momentum; fp32 with top-k's momentum.
+        *(RunSpec(f"topk-h{h}-plain", codec="topk", every=h, sync=_PLAIN) for h in (50, 2)),
+        RunSpec("topk-h2-lr2", codec="topk", every=2, sync={"outer_lr": 2.0, **_PLAIN}),
+        RunSpec("fp32-h2-momentum", codec="fp32", every=2, sync={"outer_momentum": 0.5}),
     ]
 
 

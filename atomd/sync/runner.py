@@ -166,11 +166,14 @@ class SyncPlugin:
 
         Then ``consolidate_rounds`` rounds without training: each sends what the codec has not
         sent yet of this peer's progress (the replica minus the start point) and waits for the
-        others' deltas of the round. The mean of the peers' models stays where it is while
-        their differences (the unsent residuals) shrink, so the final models converge to the
-        average of them all. A round whose deltas do not all arrive ends it."""
+        others' deltas of the round. From the last boundary on the outer step is the plain
+        average (``SyncState.average_from_now``), so the mean of the peers' models stays where
+        it is while their differences (the unsent residuals) shrink, and the final models
+        converge to the average of them all. A round whose deltas do not all arrive ends it."""
         if self.state is None:
             return
+        if self.spec.consolidate_rounds:  # every peer switches at its last boundary
+            self.state.average_from_now()
         self._boundary(step)
         if not self._await_round(stop, "last deltas"):
             return

@@ -356,6 +356,14 @@ class SyncState:
             return 1.0 / count
         return 1.0 / max(count, self._n_peers)
 
+    def average_from_now(self) -> None:
+        """Make every later commit the plain average (outer lr 1, no momentum), as consolidation
+        needs: the mean of the peers' models then stays where it is while they send their
+        differences. What a replica already holds of the outer step's look-ahead is measured
+        against the plain start point from now on, so it travels as progress: nothing is lost.
+        Every peer must switch at the same round (all do, before their last boundary)."""
+        self.outer = NesterovOuter(lr=1.0, momentum=0.0)
+
     def rounds_behind(self) -> int:
         """Rounds other peers have closed that this one has not: 0 when none of the deltas in
         (or refused as too far ahead) is of this peer's current round or later, 1 when one is

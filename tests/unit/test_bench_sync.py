@@ -70,6 +70,11 @@ def test_run_names() -> None:
     assert {"fp32-h50", "bf16-h50", "int8-h50", "alone-b16", "single-b64"} <= set(names)
     assert [r.name for r in resolve_runs(None)] == names
     assert resolve_runs(["fp32-h50-nesterov"])[0].sync["outer_momentum"] == 0.9
+    # The default codec's runs take its default outer step; the plain one is an extra run.
+    by_name = {r.name: r for r in resolve_runs(["topk-h2", "topk-h2-plain", "fp32-h2"])}
+    assert by_name["topk-h2"].sync_spec().outer_momentum > 0
+    assert by_name["topk-h2-plain"].sync_spec().outer_momentum == 0
+    assert by_name["fp32-h2"].sync_spec().outer_momentum == 0
     with pytest.raises(ValueError, match="unknown run"):
         resolve_runs(["nope"])
 
@@ -83,9 +88,12 @@ def test_cli_rejects_unknown_runs() -> None:
 def test_consolidation_rounds_converge_the_models_to_their_mean() -> None:
     """Rounds without training after the last step: the peers' models (different, with top-k's
     residual in each replica) end at the mean of their final models, whose loss the plain run
-    reports as a diagnostic."""
-    plain = RunSpec("topk-h50", codec="topk")
-    consolidated = RunSpec("topk-h50-c", codec="topk", sync={"consolidate_rounds": 120})
+    reports as a diagnostic. (The plain outer step throughout, so the two runs are the same up
+    to the last boundary: with momentum consolidation switches to the plain average there,
+    which test_sync_runner covers.)"""
+    avg = {"outer_momentum": 0.0}
+    plain = RunSpec("topk-h50", codec="topk", sync=avg)
+    consolidated = RunSpec("topk-h50-c", codec="topk", sync={**avg, "consolidate_rounds": 120})
     result = run(runs=[plain, consolidated], budget=TINY, workers=0, progress=None)
     a, b = result["runs"]
     assert a["consolidation_rounds"] == 0 and a["consolidation_bytes_per_peer"] == 0

@@ -5,7 +5,7 @@ import itertools
 import pytest
 from pydantic import ValidationError
 
-from atomd.spec import JobSpec, lr_at
+from atomd.spec import OUTER_MOMENTUM, JobSpec, SyncSpec, lr_at
 
 
 def test_minimal_spec_is_valid() -> None:
@@ -70,3 +70,16 @@ def test_booleans_stay_booleans() -> None:
     spec = JobSpec.model_validate({"sync": {"zstd": False}, "swap_graph_blocks": 0})
     assert spec.sync is not None and spec.sync.zstd is False
     assert spec.swap_graph_blocks == 0
+
+
+def test_outer_momentum_defaults_by_codec_and_shows_in_the_spec() -> None:
+    assert SyncSpec().codec == "topk"
+    assert SyncSpec().outer_momentum == OUTER_MOMENTUM["topk"] > 0
+    for codec in ("fp32", "bf16", "int8"):
+        assert SyncSpec(codec=codec).outer_momentum == 0.0
+    assert SyncSpec(codec="topk", outer_momentum=0.0).outer_momentum == 0.0  # explicit wins
+    # What the daemon stores (model_dump) reads back the same, whatever the default becomes.
+    stored = JobSpec.model_validate({"sync": {}}).model_dump()
+    assert stored["sync"]["outer_momentum"] == OUTER_MOMENTUM["topk"]
+    again = JobSpec.model_validate(stored)
+    assert again.sync is not None and again.sync.outer_momentum == OUTER_MOMENTUM["topk"]
