@@ -48,7 +48,7 @@ log = get_logger(__name__)
 
 _ANCHOR, _MOMENTUM, _EF = "anchor.", "outer.momentum.", "ef."
 _PENDING, _PENDING_COUNT = "pending.", "pending_count."
-_VERSION, _ROUND = "sync.version", "sync.round"
+_VERSION, _ROUND, _AVERAGING = "sync.version", "sync.round", "sync.averaging"
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,7 @@ class SyncState:
         decay = spec.ef_decay if spec.residual == "feedback" else 1.0
         self.feedback = ErrorFeedback(self.codec, decay=decay)
         self.outer = NesterovOuter(lr=spec.outer_lr, momentum=spec.outer_momentum)
+        self.averaging = False  # the plain average from now on (``average_from_now``)
         self.version = 0  # rounds closed; round r's deltas carry base_version r
         self.round = 0  # rounds this peer has sent (its own counter; differs after a join)
         self.last_merge = MergeReport(version=0)
@@ -361,8 +362,10 @@ class SyncState:
         needs: the mean of the peers' models then stays where it is while they send their
         differences. What a replica already holds of the outer step's look-ahead is measured
         against the plain start point from now on, so it travels as progress: nothing is lost.
-        Every peer must switch at the same round (all do, before their last boundary)."""
+        Every peer must switch at the same round (all do, before their last boundary), so the
+        switch is part of the state (a checkpoint or a state transfer carries it)."""
         self.outer = NesterovOuter(lr=1.0, momentum=0.0)
+        self.averaging = True
 
     def rounds_behind(self) -> int:
         """Rounds other peers have closed that this one has not: 0 when none of the deltas in
@@ -424,6 +427,8 @@ class SyncState:
             out[f"{_PENDING_COUNT}{b}"] = torch.tensor(self._pending_count[b], dtype=torch.int64)
         out[_VERSION] = torch.tensor(self.version, dtype=torch.int64)
         out[_ROUND] = torch.tensor(self.round, dtype=torch.int64)
+        if self.averaging:
+            out[_AVERAGING] = torch.tensor(1, dtype=torch.int64)
         return out
 
     def load_state_tensors(self, d: Mapping[str, Tensor]) -> None:
@@ -463,5 +468,7 @@ class SyncState:
                 acc[name] = t.detach().to("cpu", torch.float32).clone()
         self.version = int(d[_VERSION]) if _VERSION in d else 0
         self.round = int(d[_ROUND]) if _ROUND in d else 0
+        if _AVERAGING in d and int(d[_AVERAGING]):  # restarted in the middle of consolidation
+            self.average_from_now()
         self._seen = set()
         self._refused_ahead = -1

@@ -365,6 +365,23 @@ def test_state_round_trip() -> None:
         SyncState({"x": torch.zeros(2)}, s).load_state_tensors(saved)
 
 
+def test_the_switch_to_the_plain_average_survives_a_restart() -> None:
+    """A peer restarted in the middle of consolidation must go on averaging plainly, as the
+    others do, or its commits (with momentum) would move its anchor away from theirs."""
+    s = spec(codec="topk", topk_fraction=0.1, outer_momentum=0.5)
+    replicas, states = swarm(2, s)
+    for rnd in range(2):
+        sync_round(replicas, states, rnd)
+    assert "sync.averaging" not in states[0].state_tensors()
+    for st in states:
+        st.average_from_now()
+    saved = states[0].state_tensors()
+    fresh = SyncState(params(seed=5), s, peer_id="p0")
+    assert fresh.outer.momentum == 0.5
+    fresh.load_state_tensors(saved)
+    assert fresh.averaging and (fresh.outer.lr, fresh.outer.momentum) == (1.0, 0.0)
+
+
 def test_nesterov_step_matches_the_formula() -> None:
     opt = NesterovOuter(lr=0.5, momentum=0.9)
     anchor = {"x": torch.zeros(3)}
