@@ -7,12 +7,12 @@ to arrive) makes a late delta count in full one round later instead of inflating
 arrives in.
 
 The anchor then takes one SGD step with Nesterov momentum. With momentum 0 and lr 1 the step is
-a plain average: the anchor becomes the mean of the replicas, the dense codecs' (fp32, bf16,
-int8) default in ``atomd bench sync``: at H=2 momentum 0.2 changes fp32's loss by 0.2% and
-momentum 0.5 overshoots (1.781 -> 1.943); only at large H does momentum pay for them (H=50:
-1.911 -> 1.883, as in DiLoCo). Top-k is different: it sends, each round, the
-entries whose progress is largest (mostly consistent signal; the noise waits in the replicas),
-and amplifying exactly those pays: at H=2, 1.852 with the plain average, 1.796 / 1.755 / 1.724
+a plain average: the anchor becomes the mean of the replicas. That is the dense codecs' (fp32,
+bf16, int8) default: in ``atomd bench sync`` at H=2 momentum 0.2 changes fp32's loss by 0.2%
+and momentum 0.5 overshoots (1.781 -> 1.943); only at large H does momentum pay for them
+(H=50: 1.911 -> 1.883, as in DiLoCo). Top-k is different: it sends, each round, the entries
+whose progress is largest (mostly consistent signal; the noise waits in the replicas), and
+amplifying exactly those pays: at H=2, 1.852 with the plain average, 1.796 / 1.755 / 1.724
 with momentum 0.3 / 0.5 / 0.7. It is the size of the step, not momentum as such (outer lr 2
 without momentum: 1.756, as momentum 0.5, whose steady-state step is 1/(1-m) = 2), hence the
 per-codec default in ``SyncSpec``. Replicas restart from ``peek``, the look-ahead of the step
