@@ -10,6 +10,7 @@ throughput figures: the trace lands there and its summary (``bench.profile``) in
 from __future__ import annotations
 
 import gc
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,13 @@ def _profile(
     raw = out_dir / "swap-trace.json"
     prof.export_chrome_trace(str(raw))
     summary = summarize(read_trace(raw), len(steps))
+    # Host-side time per operator and CUDA runtime call: a call that should be asynchronous
+    # but blocks (a copy, an event wait) shows up here with milliseconds per call.
+    averages = prof.key_averages()
+    summary["host_calls"] = {
+        e.key: {"count": e.count, "self_cpu_s": round(e.self_cpu_time_total / 1e6, 4)}
+        for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:40]
+    }
     summary["wall_s"] = round(wall, 4)
     write_gz(raw, out_dir / "swap-trace.json.gz")
     summary["trace"] = str(out_dir / "swap-trace.json.gz")
@@ -193,7 +201,14 @@ def run(
     t0 = time.perf_counter()
     swapped = SwapEngine(GPT(cfg), spec, dev, plan)
     log.info("swap engine built in %.1f s", time.perf_counter() - t0)
+    # ATOMD_SYNC_DEBUG=1: torch warns at every call that synchronizes the device (the engine
+    # should make none but the loss it returns and, when clipping, the clipping coefficient).
+    sync_debug = dev.type == "cuda" and os.environ.get("ATOMD_SYNC_DEBUG") == "1"
+    if sync_debug:
+        torch.cuda.set_sync_debug_mode("warn")
     seconds, loss = _train(swapped, batches, lrs, dev)
+    if sync_debug:
+        torch.cuda.set_sync_debug_mode("default")
     swapped_tps = tokens / seconds
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev) - baseline

@@ -19,7 +19,7 @@ if ! $py -c "import pydantic, zstandard" 2>/dev/null && ls .whl/*.whl >/dev/null
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-nvidia-smi >"$out/nvidia-smi.txt" 2>&1
+nvidia-smi 2>&1 | head -20
 $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 
 deadline=${DEADLINE:-500}  # seconds for the whole script: later benches shrink or are skipped
@@ -52,9 +52,19 @@ fi
 if [ "${TESTS:-1}" = 1 ]; then
     timeout 150 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest-gpu.log"
 fi
+xl=(--preset gpt3-xl --device cuda --micro-batch-size 4 --seq-len 2048 --grad-accum 4 --steps 3)
+if [ "${DIAG:-0}" = 1 ]; then
+    # Where the engine serializes (issue #16): the reference script's own schedule (K=3, M=4,
+    # every block recomputed) with the host AdamW, without then with clipping, both profiled;
+    # ATOMD_SYNC_DEBUG makes torch warn at every device synchronization.
+    ref=("${xl[@]}" --optimizer host --slots 3 --micro-batches 4 --graph-blocks 0)
+    export ATOMD_SYNC_DEBUG=1
+    bench xl-ref 150 "${ref[@]}" --grad-clip 0 --profile "$out/prof-xl-ref"
+    bench xl-ref-clip 110 "${ref[@]}" --no-resident --profile "$out/prof-xl-ref-clip"
+    exit 0
+fi
 # gpt3-xl: 32k tokens per optimizer step, 4 micro-batches of 8k tokens (the issue's ratio target),
 # profiled: the summary says whether loads and stores hide behind compute.
-xl=(--preset gpt3-xl --device cuda --micro-batch-size 4 --seq-len 2048 --grad-accum 4 --steps 3)
 bench xl 170 "${xl[@]}" --profile "$out/prof-xl"
 # Consumer-card budgets: 32k tokens per step as 16 micro-batches of 2k.
 small=(--micro-batch-size 1 --seq-len 2048 --grad-accum 16 --steps 2 --device cuda)

@@ -61,7 +61,7 @@ from atomd.swap.hostopt import HostOptimizer
 from atomd.swap.plan import SwapPlan
 from atomd.swap.schedule import training_visits
 from atomd.swap.slots import Slot, SwapStats, Wave, nbytes, pinned_size
-from atomd.swap.streams import DONE, Marker, Streams
+from atomd.swap.streams import DONE, Marker, Streams, label
 from atomd.train.engine import autocast, load_model_tensors, model_tensors
 from atomd.train.optim import build_adamw, optimizer_state_by_param, optimizer_tensors
 from atomd.units import format_bytes
@@ -197,12 +197,13 @@ class SwapEngine:
 
     def _load_weights(self, layer: int, slot: Slot) -> None:
         st = self.streams
-        self.host_opt.wait(layer)  # its update must be in the host master before we copy it
+        with label(f"atomd.wait_host_step.{layer}"):
+            self.host_opt.wait(layer)  # its update must be in the host master before we copy it
         due = self._due.pop(layer, None)
         st.wait(st.load, slot.used, slot.saved, self._written.get(layer, DONE))
         if due is not None:  # the step overwrites the slot's gradient buffer and reads .grad
             st.wait(st.load, slot.stored, self._grad_stored.get(layer, DONE))
-        with st.on(st.load), torch.no_grad():
+        with st.on(st.load), torch.no_grad(), label(f"atomd.load.{layer}"):
             for w, p in zip(slot.weights, self.host_params[layer], strict=True):
                 w.copy_(p, non_blocking=True)
             if due is not None:
@@ -298,7 +299,7 @@ class SwapEngine:
     def _store_grads(self, layer: int, slot: Slot) -> Marker:
         st = self.streams
         st.wait(st.store, slot.used)
-        with st.on(st.store), torch.no_grad():
+        with st.on(st.store), torch.no_grad(), label(f"atomd.store.{layer}"):
             for acc, p in zip(slot.grads, self.host_params[layer], strict=True):
                 assert p.grad is not None
                 p.grad.copy_(acc, non_blocking=True)
@@ -503,7 +504,8 @@ class SwapEngine:
                 self.streams.hand_over(coef, self.streams.load)
             self._due.update((layer, (lr, coef)) for layer in self.swapped)
         elif coef is not None:
-            coef_host = float(coef)  # waits for the compute stream, as the loss below does
+            with label("atomd.clip_coef_to_host"):
+                coef_host = float(coef)  # waits for the compute stream, as the loss below does
             for layer in self.swapped:  # forward order: the next step needs these first
                 self.host_opt.submit(layer, lr, self._grad_stored[layer], coef_host)
         for grp in self.resident_opt.param_groups:
@@ -512,7 +514,8 @@ class SwapEngine:
         self.resident_opt.zero_grad(set_to_none=True)
         for slot in self.slots:
             slot.layer = None  # stale: the host masters change
-        return float(total)
+        with label("atomd.loss_to_host"):
+            return float(total)
 
     def _train_wave(
         self,
@@ -540,12 +543,13 @@ class SwapEngine:
             slot = wave.next(i) if i in self._swapped_set else None
             if slot is not None:
                 st.wait(st.compute, slot.loaded)
-            if i in self._graphs:
-                graphs[i] = self._forward_graph(i, acts, slot)
-                acts = [o.detach() for o in graphs[i].outs]
-            else:
-                with torch.no_grad():
-                    acts = self._forward(i, acts, slot.weights if slot else None)
+            with label(f"atomd.fwd.{i}"):
+                if i in self._graphs:
+                    graphs[i] = self._forward_graph(i, acts, slot)
+                    acts = [o.detach() for o in graphs[i].outs]
+                else:
+                    with torch.no_grad():
+                        acts = self._forward(i, acts, slot.weights if slot else None)
             if slot is not None:
                 slot.used = st.mark(st.compute)
                 wave.done()
@@ -569,14 +573,16 @@ class SwapEngine:
                 inputs = saved.pop(i)
             slot = wave.next(i) if i in self._swapped_set else None
             if slot is None:
-                grad_outs = self._backward_layer(
-                    i, inputs, grad_outs, ys, None, None, first, g_total, total
-                )
+                with label(f"atomd.bwd.{i}"):
+                    grad_outs = self._backward_layer(
+                        i, inputs, grad_outs, ys, None, None, first, g_total, total
+                    )
             else:
                 st.wait(st.compute, slot.loaded, slot.stored)
-                grad_outs = self._backward_layer(
-                    i, inputs, grad_outs, ys, slot.weights, slot.grads, first, g_total, total
-                )
+                with label(f"atomd.bwd.{i}"):
+                    grad_outs = self._backward_layer(
+                        i, inputs, grad_outs, ys, slot.weights, slot.grads, first, g_total, total
+                    )
                 if last and self.spec.grad_clip > 0:
                     norms.extend(torch._foreach_norm(slot.grads))
                 slot.used = st.mark(st.compute)
