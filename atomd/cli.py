@@ -16,7 +16,7 @@ from atomd.errors import AtomdError
 from atomd.logs import setup_logging
 
 if TYPE_CHECKING:
-    from atomd.swap.plan import Optimizer
+    from atomd.swap.plan import Link, Optimizer
 
 app = typer.Typer(
     name="atomd",
@@ -255,6 +255,21 @@ SwapOptimizerOpt = Annotated[
 GraphBlocksOpt = Annotated[
     int | None, typer.Option(help="Fix the blocks not recomputed (default: as many as fit).")
 ]
+LinkOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Fix what swapped weights and gradients cross the link in: bf16 or fp32 "
+        "(default: bf16 with the host optimizer on a GPU)."
+    ),
+]
+
+
+def _link_choice(value: str | None) -> Link | None:
+    if value is None:
+        return None
+    if value not in ("bf16", "fp32"):
+        fail(f"--link must be bf16 or fp32, not {value!r}")
+    return cast("Link", value)
 
 
 def _optimizer_choice(value: str | None) -> Optimizer | None:
@@ -289,6 +304,7 @@ def plan(
     ] = None,
     optimizer: SwapOptimizerOpt = None,
     graph_blocks: GraphBlocksOpt = None,
+    link: LinkOpt = None,
     measure: Annotated[
         bool, typer.Option("--measure", help="Measure this machine's GPU rates (needs CUDA).")
     ] = False,
@@ -331,6 +347,7 @@ def plan(
             resident_blocks=resident_blocks,
             optimizer=_optimizer_choice(optimizer),
             graph_blocks=graph_blocks,
+            link=_link_choice(link),
         )
     except PlanError as e:
         fail(str(e))
@@ -362,6 +379,7 @@ def bench_swap(
     gpu_mem: Annotated[str | None, typer.Option(help="Device-memory budget, e.g. 8GiB.")] = None,
     optimizer: SwapOptimizerOpt = None,
     graph_blocks: GraphBlocksOpt = None,
+    link: LinkOpt = None,
     resident: Annotated[
         bool,
         typer.Option(
@@ -375,6 +393,14 @@ def bench_swap(
             min=0,
             help="Gradient-norm clipping (default: the job spec's 1.0); 0 lets the host AdamW "
             "step each layer as its gradient completes instead of after the whole backward.",
+        ),
+    ] = None,
+    also_grad_clip: Annotated[
+        list[float] | None,
+        typer.Option(
+            min=0,
+            help="Train the same steps again on the same swapped engine with this clipping "
+            "threshold (repeatable; 0: none), timed and predicted apart ('other_clipping').",
         ),
     ] = None,
     profile: Annotated[
@@ -406,8 +432,10 @@ def bench_swap(
         gpu_mem=gpu_mem,
         optimizer=_optimizer_choice(optimizer),
         graph_blocks=graph_blocks,
+        link=_link_choice(link),
         resident=resident,
         grad_clip=grad_clip,
+        also_grad_clip=also_grad_clip,
         profile=profile,
     )
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))

@@ -204,6 +204,14 @@ class JobSpec(_Spec):
         "travelling with it: for a slow host CPU, at 16 B/parameter of slot memory instead of 8) "
         "or 'auto' (the planner's choice).",
     )
+    swap_link: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="What swapped weights and gradients cross the host link in: 'bf16' (the "
+        "matrices as bf16 copies of their fp32 masters, exactly what bf16 autocast computes "
+        "with; each wave's gradient rounded to bf16 once: half the bytes), 'fp32', or 'auto' "
+        "(bf16 with the host optimizer on a bf16 device, else fp32; the device optimizer "
+        "needs fp32).",
+    )
 
     @field_validator("gpu_mem", mode="before")
     @classmethod

@@ -20,14 +20,14 @@ import torch
 from atomd.data.dataset import Batch, load_dataset
 from atomd.devices import resolve_device
 from atomd.logs import get_logger
-from atomd.model.gpt import GPT
+from atomd.model.gpt import GPT, GPTConfig
 from atomd.model.presets import get_preset
 from atomd.spec import JobSpec, lr_at
 from atomd.swap import hardware
 from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.factory import device_budget, plan_for, shape_for
-from atomd.swap.plan import Optimizer, resident_peak_bytes
+from atomd.swap.plan import Link, Optimizer, make_plan, resident_peak_bytes
 from atomd.train.engine import ResidentEngine, StepEngine
 from atomd.units import format_bytes
 from bench.profile import read_trace, summarize, write_gz
@@ -47,6 +47,7 @@ def _train(
     name = type(engine).__name__
     t0 = time.perf_counter()
     loss = engine.train_step(steps[0], lrs[0])
+    engine.settle()  # the warm-up's host optimizer work stays out of the timed steps
     _sync(device)
     log.info("%s: warm-up step in %.2f s, loss %.4f", name, time.perf_counter() - t0, loss)
     t0 = time.perf_counter()
@@ -104,6 +105,37 @@ def _params(engine: StepEngine) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in engine.model_tensors().items()}
 
 
+def _model(cfg: GPTConfig, dev: torch.device) -> GPT:
+    """The model from seed 0, initialized on ``dev``: a 6.7B model's init on the CPU took over
+    a minute; on the GPU it takes a moment, and both runs draw the same numbers."""
+    torch.manual_seed(0)
+    with torch.device(dev):
+        return GPT(cfg)
+
+
+def _free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _resident(
+    cfg: GPTConfig,
+    spec: JobSpec,
+    dev: torch.device,
+    batches: list[list[Batch]],
+    lrs: list[float],
+    *,
+    recompute: bool,
+) -> tuple[float, float, ResidentEngine]:
+    """(seconds, last loss, engine) of resident training, all blocks recomputed or none."""
+    t0 = time.perf_counter()
+    engine = ResidentEngine(_model(cfg, dev), spec, dev, recompute=recompute)
+    log.info("resident engine (recompute %s) built in %.1f s", recompute, time.perf_counter() - t0)
+    seconds, loss = _train(engine, batches, lrs, dev)
+    return seconds, loss, engine
+
+
 def run(
     preset: str = "tiny",
     device: str = "cpu",
@@ -117,11 +149,15 @@ def run(
     gpu_mem: str | None = None,
     optimizer: Optimizer | None = None,
     graph_blocks: int | None = None,
+    link: Link | None = None,
     resident: bool = True,
     grad_clip: float | None = None,
+    also_grad_clip: list[float] | None = None,
     profile: Path | None = None,
     profile_steps: int = 2,
 ) -> dict[str, Any]:
+    """See the module docstring. ``also_grad_clip``: the same swapped engine trains the same
+    steps again with each of these clipping thresholds (0: none), timed and predicted apart."""
     dev = resolve_device(device)
     spec = JobSpec(
         preset=preset,
@@ -136,6 +172,7 @@ def run(
         swap_resident_blocks=resident_blocks,
         swap_optimizer=optimizer or "auto",
         swap_graph_blocks=graph_blocks,
+        swap_link=link or "auto",
         **({} if grad_clip is None else {"grad_clip": grad_clip}),
     )
     cfg = get_preset(preset)
@@ -161,46 +198,53 @@ def run(
         "grad_clip": spec.grad_clip,
         # max_rel_param_diff is relative to the parameters themselves, after steps this small
         "lrs": [round(lr, 8) for lr in lrs],
+        "load_average": os.getloadavg(),
     }
 
-    # The resident run may use the whole device: the budget is the swapped run's.
+    # The plan first: whether the swapped run recomputes decides the second reference.
     whole = device_budget(spec.model_copy(update={"gpu_mem": None}), dev)
+    hw = hardware.measure(dev)
     need = resident_peak_bytes(shape_for(spec, dev))
     resident_params: dict[str, torch.Tensor] | None = None
     resident_tps: float | None = None
     resident_loss: float | None = None
+    fits = dev.type != "cuda" or need <= whole
     if not resident:
         out["resident_skipped"] = "--no-resident"
-    elif dev.type == "cuda" and need > whole:
+    elif not fits:
         out["resident_skipped"] = (
             f"resident training needs about {format_bytes(need)}, more than the device's "
             f"{format_bytes(whole)}"
         )
-    else:
-        torch.manual_seed(0)
-        t0 = time.perf_counter()
-        baseline_engine = ResidentEngine(GPT(cfg), spec, dev)
-        log.info("resident engine built in %.1f s", time.perf_counter() - t0)
-        seconds, resident_loss = _train(baseline_engine, batches, lrs, dev)
+    if resident:
+        # Resident training with every block recomputed, as the swapped run recomputes (also
+        # when plain resident training does not fit): the reference with the same compute.
+        planned = plan_for(spec, dev, hw)
+        if planned.graph_blocks < cfg.n_layer:
+            seconds, _, engine = _resident(cfg, spec, dev, batches, lrs, recompute=True)
+            out["resident_recompute_tokens_per_s"] = round(tokens / seconds, 1)
+            del engine
+            _free(dev)
+    if resident and fits:
+        seconds, resident_loss, engine = _resident(cfg, spec, dev, batches, lrs, recompute=False)
         resident_tps = tokens / seconds
-        resident_params = _params(baseline_engine)
-        del baseline_engine
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        resident_params = _params(engine)
+        del engine
+        _free(dev)
 
     baseline = 0  # the resident run's parameters, kept on the device for the comparison
     plan_spec = spec
     if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
         baseline = torch.cuda.memory_allocated(dev)
         if spec.gpu_mem is None and baseline:  # the swapped run gets what they leave
             plan_spec = spec.model_copy(update={"gpu_mem": whole - baseline})
-    plan = plan_for(plan_spec, dev, hardware.measure(dev))
-    torch.manual_seed(0)
+    plan = plan_for(plan_spec, dev, hw)
     t0 = time.perf_counter()
-    swapped = SwapEngine(GPT(cfg), spec, dev, plan)
+    swapped = SwapEngine(_model(cfg, dev), spec, dev, plan)
     log.info("swap engine built in %.1f s", time.perf_counter() - t0)
+    _free(dev)  # the device copy of the swapped blocks the model was initialized in
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     # ATOMD_SYNC_DEBUG=1: torch warns at every call that synchronizes the device (the engine
     # should make none but the loss it returns and, when clipping, the clipping coefficient).
     sync_debug = dev.type == "cuda" and os.environ.get("ATOMD_SYNC_DEBUG") == "1"
@@ -221,6 +265,38 @@ def run(
         if resident_params is not None
         else None
     )
+    stats = swapped.stats
+    recompute_tps = out.get("resident_recompute_tokens_per_s")
+    variants = []
+    for clip in also_grad_clip or []:  # the same engine, another clipping threshold
+        swapped.spec = spec.model_copy(update={"grad_clip": clip})
+        shape = shape_for(swapped.spec, dev)
+        v_seconds, _ = _train(swapped, batches, lrs, dev)
+        v_tps = tokens / v_seconds
+        predicted = make_plan(
+            shape,
+            budget_bytes=plan.budget_bytes,
+            hardware=hw,
+            slots=plan.slots,
+            micro_batches=plan.micro_batches,
+            resident_blocks=plan.resident_blocks,
+            spill=plan.spill,
+            optimizer=plan.optimizer,
+            graph_blocks=plan.graph_blocks,
+            link=plan.link,
+        )
+        variants.append(
+            {
+                "grad_clip": clip,
+                "swapped_tokens_per_s": round(v_tps, 1),
+                "ratio": round(v_tps / resident_tps, 3) if resident_tps else None,
+                "ratio_to_recompute": round(v_tps / recompute_tps, 3) if recompute_tps else None,
+                "predicted_step_s": predicted.step_s,
+                "measured_step_s": round(spec.tokens_per_step / v_tps, 4),
+                "predicted_bound": predicted.bottleneck,
+            }
+        )
+    swapped.spec = spec
     if profile is not None:  # after the comparison: these steps move the parameters on
         out["profile"] = _profile(
             swapped, batches[1 : 1 + profile_steps], lrs[1 : 1 + profile_steps], dev, profile
@@ -231,14 +307,17 @@ def run(
             "resident_tokens_per_s": round(resident_tps, 1) if resident_tps else None,
             "swapped_tokens_per_s": round(swapped_tps, 1),
             "ratio": round(swapped_tps / resident_tps, 3) if resident_tps else None,
+            "ratio_to_recompute": round(swapped_tps / recompute_tps, 3) if recompute_tps else None,
+            "measured_step_s": round(spec.tokens_per_step / swapped_tps, 4),
             "max_rel_param_diff": diff,
             "final_loss": round(loss, 4),
             "resident_final_loss": round(resident_loss, 4) if resident_loss is not None else None,
             "peak_device_bytes": int(peak),
             "peak_device_bytes_source": source,
-            "bytes_loaded_per_step": swapped.stats.bytes_loaded,
-            "bytes_stored_per_step": swapped.stats.bytes_stored,
-            "layer_loads_per_step": swapped.stats.layer_loads,
+            "bytes_loaded_per_step": stats.bytes_loaded,
+            "bytes_stored_per_step": stats.bytes_stored,
+            "layer_loads_per_step": stats.layer_loads,
+            "other_clipping": variants,
             "plan": {
                 "slots": plan.slots,
                 "micro_batches": plan.micro_batches,
@@ -246,6 +325,8 @@ def run(
                 "spill": plan.spill,
                 "optimizer": plan.optimizer,
                 "graph_blocks": plan.graph_blocks,
+                "link": plan.link,
+                "host_bytes": plan.host_bytes,
                 "predicted_tokens_per_s": round(plan.tokens_per_s, 1),
                 "predicted_step_s": plan.step_s,
                 "predicted_bound": plan.bottleneck,

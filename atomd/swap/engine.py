@@ -4,8 +4,11 @@ It wraps a ``GPT`` without changing it: ``GPT.layers()`` is [embedding, blocks..
 embedding and head (tied: one parameter, gradients from both uses) and the first
 ``plan.resident_blocks`` blocks are *resident*: they live on the device with their AdamW state,
 as in ``ResidentEngine``. Every other block is *swapped*: its fp32 master weights, gradient and
-AdamW state stay in host memory (16 B/parameter, pinned on CUDA) and a slot receives a copy of
-its weights when a visit needs it. A block runs on a slot's tensors via
+AdamW state stay in host memory (``host``: 16 B/parameter with one wave per step) and a slot
+receives a copy of its weights when a visit needs it: with a bf16 link (the plan's ``link``,
+CUDA's default with the host optimizer) a bf16 copy of the matrices, which is exactly what
+autocast would make of the fp32 masters, so half the bytes cross the link for the same
+arithmetic. A block runs on a slot's tensors via
 ``torch.func.functional_call`` on the host module, so the model code knows nothing of slots
 (one reparametrization per visit serves its M micro-batches: per micro-batch it was a third
 of the engine's Python time on a small model).
@@ -24,14 +27,16 @@ through a layer before the next layer is needed (layer-major), so one load serve
   autocast only the LayerNorm weights, since matmuls save the bf16 copy autocast made (one
   for the M micro-batches: they run in one autocast region).
 - Backward: each other layer's forward is recomputed from its saved input, and its gradient
-  accumulated in the slot's fp32 buffer; the buffer is copied to the host on the store stream
-  and the layer's host AdamW step is submitted to a worker thread right away (overlapping the
-  backward of earlier layers). Waves after the first start from the host's partial gradient.
+  summed over the wave's micro-batches in the slot's fp32 buffer; the buffer is copied to the
+  host (in the link dtype) on the store stream and the host worker (``hostopt``) adds it into
+  the layer's fp32 ``.grad`` when a step has several waves, and in the last wave runs the
+  layer's AdamW step right away (overlapping the backward of earlier layers).
 - Gradient clipping (``grad_clip > 0``) needs the global norm, known only after the whole
-  backward: per-parameter norms are taken on the device as each gradient completes, and the
-  host steps are submitted after the backward, in forward order, with the clipping
-  coefficient; the next step's forward waits for each layer's update just before loading it.
-  With ``grad_clip = 0`` each layer steps as soon as its gradient is complete.
+  backward: per-parameter norms are taken on the device as each gradient completes (on the
+  host, from the sums, when a step has several waves), and the host steps are submitted after
+  the backward, in forward order, with the clipping coefficient; the next step's forward waits
+  for each layer's update just before loading it. With ``grad_clip = 0`` each layer steps as
+  soon as its gradient is complete.
 - With the optimizer on the device (``plan.optimizer == "device"``, for hosts whose CPU cannot
   keep up) a layer's step waits for its next load: the load stream brings its gradient and
   AdamW moments along with its weights, runs torch's fused AdamW on them in the slot (clipping
@@ -57,10 +62,11 @@ from atomd.errors import CheckpointError, SwapError
 from atomd.logs import get_logger
 from atomd.model.gpt import GPT, lm_loss
 from atomd.spec import JobSpec
+from atomd.swap.host import HostLayer, slot_buffers
 from atomd.swap.hostopt import HostOptimizer
 from atomd.swap.plan import SwapPlan
 from atomd.swap.schedule import training_visits
-from atomd.swap.slots import Slot, SwapStats, Wave, nbytes, pinned_size
+from atomd.swap.slots import Slot, SwapStats, Wave, nbytes
 from atomd.swap.streams import DONE, Marker, Streams, label
 from atomd.train.engine import autocast, load_model_tensors, model_tensors
 from atomd.train.optim import build_adamw, optimizer_state_by_param, optimizer_tensors
@@ -116,52 +122,51 @@ class SwapEngine:
         self.resident_opt = build_adamw(
             nn.ModuleList(self.layers[i] for i in self.resident), spec, fused=True if cuda else None
         )
+        self.device_opt = plan.optimizer == "device"
+        self.link = torch.bfloat16 if plan.link == "bf16" else torch.float32
+        if self.device_opt and self.link != torch.float32:
+            raise SwapError("the device optimizer steps fp32 masters: it needs an fp32 link")
         self.host_params: dict[int, list[nn.Parameter]] = {}
+        self.hosts: dict[int, HostLayer] = {}
         t0 = time.perf_counter()
         for i in self.swapped:
             params = list(self.layers[i].parameters())
-            for p in params:  # fp32 master in host memory, pinned so copies can be async
-                p.data = p.data.to("cpu", torch.float32)
-                if cuda:
-                    p.data = p.data.pin_memory()
-                p.grad = torch.zeros(p.shape, dtype=torch.float32, pin_memory=cuda)
+            self.hosts[i] = HostLayer(
+                params,
+                link=self.link,
+                pin=cuda,
+                accumulate=plan.waves > 1,
+                keep_grad=self.device_opt,
+            )
             self.host_params[i] = params
-        host = [
-            t for ps in self.host_params.values() for p in ps for t in (p, p.grad) if t is not None
-        ]
+        host = [t for h in self.hosts.values() for t in h.host_tensors()]
         log.info(
-            "host masters and gradients: %s%s in %.1f s",
+            "host masters, link copies and gradients: %s (%s pinned) in %.1f s",
             format_bytes(nbytes(host)),
-            f" pinned (the pinned allocator rounds each tensor up to a power of two: "
-            f"{format_bytes(sum(pinned_size(t) for t in host))} reserved)"
-            if cuda
-            else "",
+            format_bytes(nbytes([t for t in host if t.is_pinned()])),
             time.perf_counter() - t0,
         )
         first = self.layers[self.swapped[0]]
         self._names = [name for name, _ in first.named_parameters()]
         self._scopes = {i: _Scope(self.layers[i]) for i in self.swapped}
-        shapes = [p.shape for p in first.parameters()]
-        if any([p.shape for p in self.host_params[i]] != shapes for i in self.swapped):
+        layout = self.hosts[self.swapped[0]].slot_layout()
+        if any(self.hosts[i].slot_layout() != layout for i in self.swapped):
             raise SwapError("swapped layers must all have the same parameter shapes")
-        self.device_opt = plan.optimizer == "device"
-        self.slots = [
-            Slot(
-                weights=[torch.empty(s, device=device) for s in shapes],
-                grads=[torch.empty(s, device=device) for s in shapes],
-                moments=[torch.empty(s, device=device) for s in 2 * shapes]
-                if self.device_opt
-                else [],
-            )
-            for _ in range(plan.slots)
-        ]
-        self.host_opt = HostOptimizer({i: self.layers[i] for i in self.swapped}, spec)
+        self.slots = []
+        for _ in range(plan.slots):
+            weights, grads, flat_w, flat_g = slot_buffers(layout, len(self._names), device)
+            moments = [torch.empty_like(g) for g in 2 * grads] if self.device_opt else []
+            self.slots.append(Slot(weights, grads, flat_w, flat_g, moments))
+        self.host_opt = HostOptimizer({i: self.layers[i] for i in self.swapped}, self.hosts, spec)
         # With the optimizer on the device: layer -> (lr, clipping coefficient) of the step its
         # next load applies, and the marker of its last copy back to the host.
         self._due: dict[int, tuple[float, Tensor | None]] = {}
         self._written: dict[int, Marker] = {}
         if self.device_opt:
-            self._host_moments()
+            self.host_opt.init_state(pin=cuda)
+        # The link copies follow the masters after each step; after ``settle`` the caller may
+        # write the masters, so the next step or evaluation refreshes them first.
+        self._refresh_links = False
         self._grad_stored: dict[int, Marker] = {}
         self._spill_pool: dict[tuple[int, int], Tensor] = {}
         self._spill_free: dict[int, Marker] = {}  # layer -> its spill buffers were read back
@@ -185,13 +190,7 @@ class SwapEngine:
         )
 
     def _wave(self, visits: list[int]) -> Wave:
-        return Wave(
-            self.slots,
-            visits,
-            len(self.swapped),  # the first backward visit (evaluation has none)
-            self._load_weights,
-            self._load_partial_grads,
-        )
+        return Wave(self.slots, visits, self._load_weights)
 
     # -- copies ---------------------------------------------------------------------------------
 
@@ -204,31 +203,15 @@ class SwapEngine:
         if due is not None:  # the step overwrites the slot's gradient buffer and reads .grad
             st.wait(st.load, slot.stored, self._grad_stored.get(layer, DONE))
         with st.on(st.load), torch.no_grad(), label(f"atomd.load.{layer}"):
-            for w, p in zip(slot.weights, self.host_params[layer], strict=True):
-                w.copy_(p, non_blocking=True)
+            for w, g in zip(slot.flat_weights, self.hosts[layer].groups, strict=True):
+                w.copy_(g.src, non_blocking=True)
             if due is not None:
                 self._device_step(layer, slot, *due)
         slot.loaded, slot.layer = st.mark(st.load), layer
         self.stats.layer_loads += 1
-        self.stats.bytes_loaded += nbytes(slot.weights)
+        self.stats.bytes_loaded += nbytes(slot.flat_weights)
         if due is not None:
             self._save_step(layer, slot)
-
-    def _host_moments(self) -> None:
-        """With the optimizer on the device: give every swapped parameter AdamW state in host
-        memory (what torch's AdamW would create at its first step), pinned on CUDA."""
-        pin = self.streams.cuda
-        for layer in self.swapped:
-            opt = self.host_opt.optimizers[layer]
-            for p in self.host_params[layer]:
-                state = opt.state[p]
-                state.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
-                for key in ("exp_avg", "exp_avg_sq"):
-                    t = state.get(key)
-                    if t is None:
-                        state[key] = torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin)
-                    elif pin and not t.is_pinned():
-                        state[key] = t.pin_memory()
 
     def _device_step(self, layer: int, slot: Slot, lr: float, coef: Tensor | None) -> None:
         """On the load stream, after the weights: bring the gradient and moments in and run the
@@ -286,25 +269,20 @@ class SwapEngine:
         slot.saved = self._written[layer] = st.mark(st.store)
         self.stats.bytes_stored += nbytes(slot.weights) + nbytes(slot.moments)
 
-    def _load_partial_grads(self, layer: int, slot: Slot) -> None:
-        st = self.streams
-        st.wait(st.load, slot.stored, self._grad_stored[layer])
-        with st.on(st.load), torch.no_grad():
-            for acc, p in zip(slot.grads, self.host_params[layer], strict=True):
-                assert p.grad is not None
-                acc.copy_(p.grad, non_blocking=True)
-        slot.loaded = st.mark(st.load)
-        self.stats.bytes_loaded += nbytes(slot.grads)
-
     def _store_grads(self, layer: int, slot: Slot) -> Marker:
+        """Copy the slot's gradient (this wave's sum) to the layer's host staging, in the link
+        dtype, on the store stream."""
         st = self.streams
+        host = self.hosts[layer]
+        # The staging buffer is free once the host has used the previous wave's (or step's)
+        # gradient: long done by now, as a whole wave lies between.
+        self.host_opt.wait(layer)
         st.wait(st.store, slot.used)
         with st.on(st.store), torch.no_grad(), label(f"atomd.store.{layer}"):
-            for acc, p in zip(slot.grads, self.host_params[layer], strict=True):
-                assert p.grad is not None
-                p.grad.copy_(acc, non_blocking=True)
+            for acc, g in zip(slot.flat_grads, host.groups, strict=True):
+                g.staging.copy_(acc, non_blocking=True)  # a bf16 link rounds here, once
         slot.stored = self._grad_stored[layer] = st.mark(st.store)
-        self.stats.bytes_stored += nbytes(slot.grads)
+        self.stats.bytes_stored += nbytes([g.staging for g in host.groups])
         return slot.stored
 
     def _spill(self, layer: int, acts: list[Tensor]) -> tuple[list[Tensor], Marker]:
@@ -474,6 +452,12 @@ class SwapEngine:
         g_total, m = len(batches), self.plan.micro_batches
         if g_total % m:
             raise SwapError(f"{g_total} micro-batches per step do not divide into waves of M={m}")
+        if (g_total // m > 1) != (self.plan.waves > 1):
+            raise SwapError(
+                f"{g_total} micro-batches make {g_total // m} wave(s) of M={m}; the engine was "
+                f"built for {self.plan.waves} (host gradient sums are allocated for it)"
+            )
+        self._refresh_if_written()
         self.model.train()
         self.stats = SwapStats()
         clip = self.spec.grad_clip > 0
@@ -492,6 +476,9 @@ class SwapEngine:
             )
         resident_params = [p for grp in self.resident_opt.param_groups for p in grp["params"]]
         coef: Tensor | None = None
+        if clip and waves > 1:  # the swapped layers' whole gradients exist on the host only
+            host_norms = [n for layer in self.swapped for n in self.host_opt.norms_of(layer)]
+            norms.extend(torch.stack(host_norms).to(self.device).unbind())
         if clip:  # as torch.nn.utils.clip_grad_norm_: norm of per-parameter norms
             resident_grads = [p.grad for p in resident_params if p.grad is not None]
             norms.extend(torch._foreach_norm(resident_grads))
@@ -507,7 +494,7 @@ class SwapEngine:
             with label("atomd.clip_coef_to_host"):
                 coef_host = float(coef)  # waits for the compute stream, as the loss below does
             for layer in self.swapped:  # forward order: the next step needs these first
-                self.host_opt.submit(layer, lr, self._grad_stored[layer], coef_host)
+                self.host_opt.submit(layer, self._grad_stored[layer], lr=lr, clip=coef_host)
         for grp in self.resident_opt.param_groups:
             grp["lr"] = lr
         self.resident_opt.step()
@@ -529,11 +516,11 @@ class SwapEngine:
         total: Tensor,
     ) -> None:
         st, n = self.streams, len(self.layers)
+        single = first and last  # one wave per step: no sum of waves on the host
+        clip = self.spec.grad_clip > 0
         xs = [b.x.to(self.device, non_blocking=True) for b in batches]
         ys = [b.y.to(self.device, non_blocking=True) for b in batches]
         wave = self._wave(training_visits(self.swapped))
-        if not first:
-            wave.start_from_partial_grads()
         # saved[i]: layer i's inputs on the device, or spilled[i]: on the host (+ its marker)
         saved: dict[int, list[Tensor]] = {0: xs}
         spilled: dict[int, tuple[list[Tensor], Marker]] = {}
@@ -580,15 +567,23 @@ class SwapEngine:
             else:
                 st.wait(st.compute, slot.loaded, slot.stored)
                 with label(f"atomd.bwd.{i}"):
+                    # Every wave's gradient starts afresh in the slot: the host sums the waves.
                     grad_outs = self._backward_layer(
-                        i, inputs, grad_outs, ys, slot.weights, slot.grads, first, g_total, total
+                        i, inputs, grad_outs, ys, slot.weights, slot.grads, True, g_total, total
                     )
-                if last and self.spec.grad_clip > 0:
+                if clip and single:  # the slot holds the layer's whole gradient
                     norms.extend(torch._foreach_norm(slot.grads))
                 slot.used = st.mark(st.compute)
                 stored = self._store_grads(i, slot)
-                if last and lr is not None:
-                    self.host_opt.submit(i, lr, stored, None)
+                if not single or (last and lr is not None):
+                    self.host_opt.submit(
+                        i,
+                        stored,
+                        accumulate=not single,
+                        first=first,
+                        norms=last and clip,
+                        lr=lr if last else None,
+                    )
                 wave.done()
             del inputs
             self._note_held(saved, grad_outs)
@@ -600,6 +595,7 @@ class SwapEngine:
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[Batch]) -> float:
+        self._refresh_if_written()
         self.model.eval()
         self.stats = SwapStats()
         st, m, n = self.streams, self.plan.micro_batches, len(self.layers)
@@ -623,6 +619,16 @@ class SwapEngine:
 
     # -- state ----------------------------------------------------------------------------------
 
+    def _refresh_if_written(self) -> None:
+        """After ``settle`` the masters may have been written (sync, a checkpoint load): the
+        link copies a slot loads are made again from them, on the worker, in forward order
+        (each load waits for its layer's)."""
+        if self._refresh_links:
+            self._refresh_links = False
+            if self.link != torch.float32:
+                for layer in self.swapped:
+                    self.host_opt.refresh(layer)
+
     def _optimizers(self) -> list[torch.optim.AdamW]:
         return [self.resident_opt, *(opt for _, opt in self.host_opt.each())]
 
@@ -641,6 +647,7 @@ class SwapEngine:
         self._written.clear()
         for slot in self.slots:
             slot.layer = None
+        self._refresh_links = True
 
     def model_tensors(self) -> dict[str, Tensor]:
         self.settle()
@@ -676,8 +683,8 @@ class SwapEngine:
                 if t.dim() > 0 or on_device:  # a copy: the caller's tensors stay its own
                     state[key] = t.to(p.device, torch.float32, copy=True)
             opt.state[p] = state
-        if self.device_opt:
-            self._host_moments()
+        # A state the checkpoint lacks starts as AdamW's first step would make it.
+        self.host_opt.init_state(pin=self.device_opt and self.streams.cuda)
 
     def device_state_bytes(self) -> int:
         """Bytes the engine keeps on the device between steps: slots and resident layers'

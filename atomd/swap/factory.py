@@ -56,6 +56,15 @@ def decide(spec: JobSpec, device: torch.device) -> tuple[bool, str]:
     )
 
 
+HOST_FRACTION = 0.9
+"""Of the host's physical memory, what the swapped layers may hold (the rest: the OS, the
+process, the dataset, the resident run a benchmark keeps)."""
+
+
+def host_budget() -> int:
+    return int(HOST_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def plan_for(spec: JobSpec, device: torch.device, hw: hardware.Hardware | None = None) -> SwapPlan:
     """The plan the engine runs: measured rates on CUDA (assumed ones on the CPU, where they
     only affect the prediction), the spec's budget and overrides."""
@@ -74,6 +83,8 @@ def plan_for(spec: JobSpec, device: torch.device, hw: hardware.Hardware | None =
         resident_blocks=resident_blocks,
         optimizer=None if spec.swap_optimizer == "auto" else spec.swap_optimizer,
         graph_blocks=spec.swap_graph_blocks,
+        link=None if spec.swap_link == "auto" else spec.swap_link,
+        host_budget_bytes=host_budget(),
     )
 
 

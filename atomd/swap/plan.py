@@ -7,8 +7,10 @@ least predicted time per token that fits the budget. Units: bytes, seconds, FLOP
 Device memory of a plan (a = 4: the residual stream is fp32, also under bf16 autocast;
 d = bytes of the compute dtype; BTC = micro_batch_size * seq_len * n_embd):
 - resident state: 16 B per resident parameter (fp32 weight, gradient, AdamW m and v);
-- slots: K * 8 B per block parameter (fp32 weights and the fp32 gradient accumulator), or
-  K * 16 B with the optimizer on the device (the layer's AdamW moments come in with it);
+- slots: K * (l + 4) B per block parameter (weights in the link dtype, l = 2 for a bf16 link's
+  matrices, else 4, and the fp32 gradient accumulator), plus one block's bf16 copy that a bf16
+  link's gradient store converts through; K * 16 B with the optimizer on the device (fp32
+  link; the layer's AdamW moments come in with it);
 - saved layer inputs (activation checkpoints): (n_layer + 1) * M * BTC * a, or, when spilled
   to host memory, the 4 layers' worth that are on the device at once;
 - kept graphs: the last ``graph_blocks`` blocks keep their forward's autograd graph until
@@ -49,6 +51,11 @@ MODEL_FLOPS_FRACTION = 0.5
 fraction of a large square matmul's rate: resident gpt3-xl on an H200 reached 0.53 of the
 measured 778 TFLOP/s (bench/results-swap-h200-2026-11-30.json)."""
 Optimizer = Literal["host", "device"]
+Link = Literal["bf16", "fp32"]
+ADAMW_HOST_BYTES = 28
+"""Host memory traffic of one fused AdamW step per parameter (read weight, gradient, two
+moments; write weight, two moments, fp32): what ``host_adam_params_per_s`` is the rate of, and
+the yardstick for the host's other per-parameter work (``_host_s``)."""
 
 
 @dataclass(frozen=True)
@@ -58,18 +65,28 @@ class LayerSizes:
     block: int
     embed: int
     head: int
+    block_matrix: int = 0
+    """Of a block's parameters, those in matrices (what a bf16 link moves as bf16)."""
 
     @classmethod
     @functools.cache
     def of(cls, cfg: GPTConfig) -> LayerSizes:
         with torch.device("meta"):  # shapes only: nothing is allocated
-            block = sum(p.numel() for p in Block(cfg).parameters())
+            block_params = list(Block(cfg).parameters())
+            block = sum(p.numel() for p in block_params)
             head = sum(p.numel() for p in Head(cfg).parameters())
+        matrix = sum(p.numel() for p in block_params if p.dim() >= 2)
         # Embedding's wte + wpe, counted by hand: initializing it on meta takes a second.
         embed = (cfg.vocab_size + cfg.block_size) * cfg.n_embd
         if cfg.tie_embeddings:
             head -= cfg.vocab_size * cfg.n_embd
-        return cls(block=block, embed=embed, head=head)
+        return cls(block=block, embed=embed, head=head, block_matrix=matrix)
+
+    def link_bytes(self, link: Link) -> int:
+        """Bytes one block's weights (or gradient) take over the link."""
+        if link == "fp32":
+            return 4 * self.block
+        return 2 * self.block_matrix + 4 * (self.block - self.block_matrix)
 
     def total(self, n_layer: int) -> int:
         return self.embed + self.head + n_layer * self.block
@@ -98,6 +115,10 @@ class SwapPlan:
     backward) or 'device' (the step is applied when the layer is next loaded: its gradient and
     moments travel with its weights, the updated master and moments go back on the store
     stream; exact, clipping included, since the global norm is known by then)."""
+    link: Link = "fp32"
+    """What swapped weights and gradients travel in: 'bf16' (the matrices as bf16 copies of
+    their fp32 masters, gradients rounded to bf16 once per wave; CUDA with the host optimizer)
+    or 'fp32'. Plans recorded before the choice existed moved fp32."""
     micro_batch_size: int
     seq_len: int
     tokens_per_step: int
@@ -110,7 +131,8 @@ class SwapPlan:
     """Predicted device bytes by part (see the module docstring)."""
     peak_device_bytes: int
     host_bytes: int
-    """Host memory of the swapped layers (16 B/parameter) plus spill buffers."""
+    """Host memory of the swapped layers (16 B/parameter with one wave per step, 20 with
+    several: the fp32 sum of the waves' gradients) plus spill buffers."""
     layer_loads: int
     bytes_loaded: int
     bytes_stored: int
@@ -169,6 +191,7 @@ def _memory(
     spill: bool,
     optimizer: Optimizer,
     graphs: int = 0,
+    link: Link = "fp32",
 ) -> dict[str, int]:
     cfg, d = shape.cfg, shape.dtype_bytes
     tokens = shape.micro_batch_size * shape.seq_len
@@ -177,7 +200,7 @@ def _memory(
     saved_layers = min(cfg.n_layer + 1, 4) if spill else cfg.n_layer + 1 - graphs
     return {
         "resident_state": 16 * (sizes.embed + sizes.head + r * sizes.block),
-        "slots": k * (16 if optimizer == "device" else 8) * sizes.block,
+        "slots": k * 16 * sizes.block if optimizer == "device" else _slots_bytes(sizes, link, k),
         "saved_inputs": saved_layers * m * btc * ACT_BYTES,
         "kept_graphs": graphs * _graph_bytes(shape, sizes, m),
         "flowing": 2 * m * btc * ACT_BYTES,
@@ -191,6 +214,40 @@ def _memory(
         ),
         "reserve": RESERVE_BYTES,
     }
+
+
+def _slots_bytes(sizes: LayerSizes, link: Link, k: int) -> int:
+    """K slots of the host optimizer: weights over the link and fp32 gradient accumulators;
+    with a bf16 link, plus the one bf16 copy a gradient store converts through (made on the
+    store stream, which runs one store at a time)."""
+    convert = sizes.link_bytes(link) if link != "fp32" else 0
+    return k * (sizes.link_bytes(link) + 4 * sizes.block) + convert
+
+
+def _host_bytes(sizes: LayerSizes, link: Link, waves: int) -> int:
+    """Host memory of one swapped block (``host``): fp32 masters and AdamW moments (12 B), the
+    bf16 copy of the matrices a slot loads (fp32 parameters load from the masters), the staging
+    its gradient lands in, and
+    the fp32 gradient: the staging itself with one wave and an fp32 link, a scratch at the
+    step with one wave and a bf16 link, the sum of the waves with several."""
+    over = sizes.link_bytes(link)
+    copy = 0 if link == "fp32" else 2 * sizes.block_matrix  # vectors load from the masters
+    one_wave = 4 * sizes.block if link == "fp32" else over
+    grad = one_wave if waves == 1 else over + 4 * sizes.block
+    return 12 * sizes.block + copy + grad
+
+
+def host_worker_s(sizes: LayerSizes, hw: Hardware, link: Link, waves: int, clip: bool) -> float:
+    """The host worker's time per swapped block and step that cannot hide in the backward:
+    AdamW, then the bf16 copy refreshed (6 B/param), and before it the last wave's gradient
+    sum (10 B/param; its norms with clipping, 4) or, with one wave over a bf16 link, the fp32
+    scratch filled (6 B/param). Earlier waves' sums run while later waves compute."""
+    extra = 0
+    if link != "fp32":
+        extra += 6 + (6 if waves == 1 else 0)
+    if waves > 1:
+        extra += 10 + (4 if clip else 0)
+    return sizes.block * (1 + extra / ADAMW_HOST_BYTES) / hw.host_adam_params_per_s
 
 
 def resident_peak_bytes(shape: Shape) -> int:
@@ -230,6 +287,7 @@ def _evaluate(
     spill: bool,
     optimizer: Optimizer,
     graphs: int | None,
+    link: Link = "fp32",
 ) -> SwapPlan:
     cfg, sizes = shape.cfg, LayerSizes.of(shape.cfg)
     q = cfg.n_layer - r
@@ -238,22 +296,23 @@ def _evaluate(
     if graphs is None:  # as many as fit: each saves compute and costs nothing but memory
         # Graphs fill the budget up to GRAPH_HEADROOM: estimates of activations are rough.
         room = int(budget * (1 - GRAPH_HEADROOM))
-        room -= sum(_memory(shape, sizes, k, m, r, spill, optimizer).values())
+        room -= sum(_memory(shape, sizes, k, m, r, spill, optimizer, 0, link).values())
         saved_input = 0 if spill else m * btc * ACT_BYTES
         per_graph = _graph_bytes(shape, sizes, m) - saved_input
         graphs = max(0, min(cfg.n_layer, room // max(1, per_graph)))
-    memory = _memory(shape, sizes, k, m, r, spill, optimizer, graphs)
+    memory = _memory(shape, sizes, k, m, r, spill, optimizer, graphs, link)
     # Block inputs but the last block's, and those of blocks that keep their graph.
     spilled_layers = min(cfg.n_layer - 1, cfg.n_layer - graphs) if spill else 0
     loads = _count_loads(q, k, waves)
-    w_bytes = 4 * sizes.block  # fp32 master weights are what travels
+    w_bytes = sizes.link_bytes(link)  # one block's weights, or its gradient, over the link
     spill_bytes = waves * spilled_layers * m * btc * ACT_BYTES
-    bytes_loaded = loads * w_bytes + (waves - 1) * q * w_bytes + spill_bytes  # + partial grads
+    bytes_loaded = loads * w_bytes + spill_bytes
     bytes_stored = waves * q * w_bytes + spill_bytes  # gradients out, inputs out
     device_opt = optimizer == "device"
+    step_bytes = 12 * sizes.block  # device optimizer: fp32 gradient and moments in; master, out
     if device_opt:  # per swapped block and step: gradient and moments in, master and moments out
-        bytes_loaded += q * 3 * w_bytes
-        bytes_stored += q * 3 * w_bytes
+        bytes_loaded += q * step_bytes
+        bytes_stored += q * step_bytes
     f_block, f_head = _flops(shape, sizes)
     rate = hw.flops_per_s * MODEL_FLOPS_FRACTION
     # A block recomputes its forward in backward (forward + recompute + 2x backward) unless it
@@ -264,7 +323,7 @@ def _evaluate(
     store_s = bytes_stored / hw.d2h_bytes_per_s
     # On the device AdamW reads and writes ~28 B per parameter in device memory: next to the
     # link's 24 B per parameter of transfers it is left out.
-    host_opt_s = 0.0 if device_opt else q * sizes.block / hw.host_adam_params_per_s
+    host_opt_s = 0.0 if device_opt else q * host_worker_s(sizes, hw, link, waves, shape.grad_clip)
     # The first swapped layer is stepped last in backward and needed first in forward; the
     # embedding and resident blocks' forward of the first micro-batches hides part of it.
     ahead_s = m * (r * f_block) / rate
@@ -291,9 +350,9 @@ def _evaluate(
     for w in range(waves):
         loaded, stored = (q if w == 0 else q - kept) * w_bytes, spill_wave  # weights, inputs
         if w == 0 and device_opt:  # each layer's step comes with its first load
-            loaded, stored = loaded + q * 3 * w_bytes, stored + q * 3 * w_bytes
+            loaded, stored = loaded + q * step_bytes, stored + q * step_bytes
         phases.append(phase(forward_s, loaded, stored))
-        loaded = (q - kept) * w_bytes + spill_wave + (q * w_bytes if w else 0)  # partial grads
+        loaded = (q - kept) * w_bytes + spill_wave
         phases.append(phase(backward_s, loaded, q * w_bytes))
     # Before the first swapped layer's forward: its load (on the device: with its step's
     # gradient and moments), and its host step, which the host optimizer (one worker, first in
@@ -306,7 +365,7 @@ def _evaluate(
     if device_opt:
         fill_s, host_s = max(0.0, 4 * load_first - ahead_s), 0.0
     elif shape.grad_clip:
-        fill_s = max(0.0, sizes.block / hw.host_adam_params_per_s + load_first - ahead_s)
+        fill_s = max(0.0, host_opt_s / q + load_first - ahead_s)
         one_layer = m * f_block / rate + load_first
         host_s = max(0.0, host_opt_s + one_layer - phases[0] - fill_s)
     else:
@@ -329,6 +388,7 @@ def _evaluate(
         spill=spill,
         graph_blocks=graphs,
         optimizer=optimizer,
+        link=link,
         micro_batch_size=shape.micro_batch_size,
         seq_len=shape.seq_len,
         tokens_per_step=tokens,
@@ -339,7 +399,7 @@ def _evaluate(
         budget_bytes=budget,
         memory=memory,
         peak_device_bytes=sum(memory.values()),
-        host_bytes=16 * q * sizes.block + spilled_layers * m * btc * ACT_BYTES,
+        host_bytes=q * _host_bytes(sizes, link, waves) + spilled_layers * m * btc * ACT_BYTES,
         layer_loads=loads,
         bytes_loaded=bytes_loaded,
         bytes_stored=bytes_stored,
@@ -367,14 +427,19 @@ def make_plan(
     spill: bool | None = None,
     optimizer: Optimizer | None = None,
     graph_blocks: int | None = None,
+    link: Link | None = None,
+    host_budget_bytes: int | None = None,
 ) -> SwapPlan:
     """The fastest plan per token that fits ``budget_bytes``; ``PlanError`` when none does.
 
     Among plans within 3% of the best time per token it takes the smallest M, then no spill,
     then the least device memory (so the host optimizer unless the device's is clearly faster).
     Each plan keeps the graphs of as many blocks as its memory leaves room for.
-    ``slots``, ``micro_batches``, ``resident_blocks``, ``spill``, ``optimizer`` and
-    ``graph_blocks`` fix a choice.
+    ``slots``, ``micro_batches``, ``resident_blocks``, ``spill``, ``optimizer``,
+    ``graph_blocks`` and ``link`` fix a choice. The link is bf16 with the host optimizer when
+    the step computes in bf16 (``shape.dtype_bytes == 2``), else fp32; the device optimizer
+    steps fp32 masters in the slot, so it always moves fp32. ``host_budget_bytes`` bounds the
+    swapped layers' host memory (``host_bytes``; several waves cost 4 B/parameter more).
     """
     cfg, g = shape.cfg, shape.grad_accum
     if cfg.n_layer < 2:
@@ -402,18 +467,38 @@ def make_plan(
     ks = [slots] if slots is not None else list(range(2, min(MAX_SLOTS, cfg.n_layer) + 1))
     feasible: list[SwapPlan] = []
     smallest: SwapPlan | None = None
+    too_big_for_host: SwapPlan | None = None
     spills = [spill] if spill is not None else [False, True]
     opts: list[Optimizer] = [optimizer] if optimizer is not None else ["host", "device"]
+    if link == "bf16" and optimizer == "device":
+        raise PlanError("the device optimizer steps fp32 masters: it needs an fp32 link")
+    opts = [o for o in opts if not (link == "bf16" and o == "device")]
+
+    def link_of(o: Optimizer) -> Link:
+        if link is not None:
+            return link
+        return "bf16" if o == "host" and shape.dtype_bytes == 2 else "fp32"
+
     for k, m, r, s, o in itertools.product(ks, ms, rs, spills, opts):
         if k > cfg.n_layer - r:
             continue  # more slots than swapped blocks
-        p = _evaluate(
-            shape, hardware, budget_bytes, k, m, g if g is not None else m, r, s, o, graph_blocks
-        )
+        g_m = g if g is not None else m
+        p = _evaluate(shape, hardware, budget_bytes, k, m, g_m, r, s, o, graph_blocks, link_of(o))
+        if host_budget_bytes is not None and p.host_bytes > host_budget_bytes:
+            too_big_for_host = p
+            continue
         if p.peak_device_bytes <= budget_bytes:
             feasible.append(p)
         elif smallest is None or p.peak_device_bytes < smallest.peak_device_bytes:
             smallest = p
+    if not feasible and smallest is None and too_big_for_host is not None:
+        big = too_big_for_host
+        per_param = big.host_bytes / (big.swapped_blocks * big.params_per_block)
+        raise PlanError(
+            f"no swap plan fits {format_bytes(host_budget_bytes or 0)} of host memory: the "
+            f"swapped layers need {format_bytes(big.host_bytes)} ({per_param:.0f} B/parameter). "
+            "Use a machine with more memory or a smaller model."
+        )
     if not feasible:
         assert smallest is not None
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in smallest.memory.items())

@@ -25,6 +25,10 @@ _OPTIMIZER = {
     "device": "device (AdamW as the layer is next loaded)",
 }
 _STORED = {"host": "gradients", "device": "grads, state"}
+_LINK = {
+    "bf16": "bf16 matrices (copies of the fp32 masters), fp32 vectors",
+    "fp32": "fp32 weights and gradients",
+}
 
 
 def format_plan(plan: SwapPlan, *, preset: str) -> str:
@@ -57,6 +61,7 @@ def format_plan(plan: SwapPlan, *, preset: str) -> str:
         f"  {'blocks not recomputed':<36}{plan.graph_blocks} of {plan.n_layer} "
         "(forward graph kept until backward)",
         f"  {'optimizer of swapped layers':<36}{_OPTIMIZER[plan.optimizer]}",
+        f"  {'over the link':<36}{_LINK[plan.link]}",
         "",
         f"  {'device memory':<36}{'predicted':>12}",
     ]
@@ -66,7 +71,8 @@ def format_plan(plan: SwapPlan, *, preset: str) -> str:
         f"    {'peak':<34}{format_bytes(plan.peak_device_bytes):>12}"
         f"  of {format_bytes(plan.budget_bytes)}",
         f"  {'host memory':<36}{format_bytes(plan.host_bytes):>12}"
-        "  (16 B/param of swapped blocks + spill buffers)",
+        f"  ({plan.host_bytes / max(1, plan.swapped_blocks * plan.params_per_block):.0f} B/param"
+        " of swapped blocks + spill buffers)",
         "",
         f"  {'per optimizer step':<36}{'bytes':>12}{'seconds':>10}",
         f"    {'tokens':<34}{plan.tokens_per_step:>12,}",
@@ -75,7 +81,7 @@ def format_plan(plan: SwapPlan, *, preset: str) -> str:
         f"    {'device -> host (' + _STORED[plan.optimizer] + ')':<34}"
         f"{_gb(plan.bytes_stored):>12}{plan.store_s:>10.3f}",
         f"    {'compute (with recomputes)':<34}{'':>12}{plan.compute_s:>10.3f}",
-        f"    {'host AdamW':<34}{'':>12}{plan.host_optimizer_s:>10.3f}",
+        f"    {'host AdamW (+ bf16 copies, sums)':<34}{'':>12}{plan.host_optimizer_s:>10.3f}",
         f"    {'pipeline fill':<34}{'':>12}{plan.fill_s:>10.3f}",
         f"    {'step (bound: ' + plan.bottleneck + ')':<34}{'':>12}{plan.step_s:>10.3f}",
         f"  {'predicted throughput':<36}{plan.tokens_per_s:,.0f} tokens/s "

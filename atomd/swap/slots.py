@@ -13,17 +13,22 @@ from atomd.swap.streams import DONE, Marker
 
 @dataclass
 class Slot:
-    """Device room for one block: its fp32 weights and fp32 gradient accumulator (and, with the
-    optimizer on the device, its AdamW moments)."""
+    """Device room for one block: its weights (in the link dtype per group: bf16 matrices with
+    a bf16 link) and fp32 gradient accumulators (and, with the optimizer on the device, its
+    AdamW moments). ``weights`` and ``grads`` are per parameter, views of the per-group flat
+    buffers that copies move in one piece."""
 
     weights: list[Tensor]
     grads: list[Tensor]
+    flat_weights: list[Tensor] = field(default_factory=list)
+    flat_grads: list[Tensor] = field(default_factory=list)
     moments: list[Tensor] = field(default_factory=list)
     """With the optimizer on the device: AdamW's exp_avg then exp_avg_sq, one per weight."""
     layer: int | None = None
     """The layer whose current weights the slot holds (None: empty, or stale after a step)."""
     loaded: Marker = DONE
-    """Load-stream work into this slot (weights, partial gradients) is done."""
+    """Load-stream work into this slot (its weights; with the device optimizer, the step) is
+    done."""
     used: Marker = DONE
     """Compute-stream work reading this slot is done (it may be overwritten)."""
     stored: Marker = DONE
@@ -65,23 +70,15 @@ class Wave:
         self,
         slots: list[Slot],
         visits: list[int],
-        backward_from: int,
         load_weights: Callable[[int, Slot], None],
-        load_partial_grads: Callable[[int, Slot], None],
     ) -> None:
-        self.slots, self.visits, self.backward_from = slots, visits, backward_from
-        self.load_weights, self.load_partial_grads = load_weights, load_partial_grads
+        self.slots, self.visits, self.load_weights = slots, visits, load_weights
         self.sched = schedule_slots(visits, [s.layer for s in slots])
         self.loads_after: dict[int, list[tuple[int, int]]] = {}
         for ld in self.sched.loads:
             self.loads_after.setdefault(ld.after, []).append((ld.layer, ld.slot))
-        self.partial_grads = False
         self.p = -1
         self._issue(-1)
-
-    def start_from_partial_grads(self) -> None:
-        """Backward visits begin from the host's gradient of the previous waves."""
-        self.partial_grads = True
 
     def next(self, layer: int) -> Slot:
         self.p += 1
@@ -95,6 +92,3 @@ class Wave:
     def _issue(self, p: int) -> None:
         for layer, slot in self.loads_after.pop(p, []):
             self.load_weights(layer, self.slots[slot])
-        q = p + 1  # the partial gradient of the next backward visit, one visit ahead
-        if self.partial_grads and self.backward_from <= q < len(self.visits):
-            self.load_partial_grads(self.visits[q], self.slots[self.sched.slot_of[q]])

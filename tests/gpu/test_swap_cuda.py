@@ -16,7 +16,7 @@ from atomd.spec import JobSpec
 from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
-from atomd.swap.plan import Optimizer, Shape, SwapPlan, make_plan
+from atomd.swap.plan import Link, Optimizer, Shape, SwapPlan, make_plan
 from atomd.train.engine import ResidentEngine
 from atomd.train.trainer import Trainer, model_from_checkpoint
 from tests.conftest import fast_spec
@@ -54,6 +54,7 @@ def _plan(
     spill: bool | None = None,
     optimizer: Optimizer = "host",
     graphs: int = 0,
+    link: Link | None = None,
 ) -> SwapPlan:
     return make_plan(
         Shape(cfg=cfg, micro_batch_size=B, seq_len=T, grad_accum=G, dtype_bytes=2),
@@ -65,6 +66,7 @@ def _plan(
         spill=spill,
         optimizer=optimizer,
         graph_blocks=graphs,
+        link=link,
     )
 
 
@@ -95,15 +97,18 @@ def resident(request: pytest.FixtureRequest) -> tuple[float, list[float], dict[s
 
 
 @pytest.mark.parametrize(
-    ("k", "m", "spill", "optimizer", "graphs"),
-    [
-        (2, 1, False, "host", 0),
-        (2, 4, True, "host", 0),
-        (3, 4, False, "host", 0),
-        (2, 1, False, "device", 0),
-        (3, 4, True, "device", 0),
-        (2, 4, False, "host", 3),
-        (2, 4, True, "device", 6),
+    ("k", "m", "spill", "optimizer", "graphs", "link"),
+    [  # the host optimizer's link is bf16 unless named (the planner's choice on CUDA)
+        (2, 1, False, "host", 0, None),  # four waves of one micro-batch
+        (2, 2, False, "host", 0, None),  # two waves of two: host sums of bf16 wave gradients
+        (2, 4, True, "host", 0, None),
+        (3, 4, False, "host", 0, None),
+        (3, 4, False, "host", 0, "fp32"),
+        (2, 2, False, "host", 0, "fp32"),
+        (2, 1, False, "device", 0, None),
+        (3, 4, True, "device", 0, None),
+        (2, 4, False, "host", 3, None),
+        (2, 4, True, "device", 6, None),
     ],
 )
 def test_swapped_matches_resident_on_cuda(
@@ -114,17 +119,19 @@ def test_swapped_matches_resident_on_cuda(
     spill: bool,
     optimizer: Optimizer,
     graphs: int,
+    link: Link | None,
 ) -> None:
     clip, losses, ref = resident
-    plan = _plan(CFG, k, m, spill, optimizer, graphs)
+    plan = _plan(CFG, k, m, spill, optimizer, graphs, link)
+    assert plan.link == (link or ("bf16" if optimizer == "host" else "fp32"))
     engine = SwapEngine(_model(), _spec(clip), CUDA, plan)
     try:
         got = [engine.train_step(_batches(s), LR) for s in range(STEPS)]
         assert got == pytest.approx(losses, rel=LOSS_TOL)
         params = {n: t.detach().cpu() for n, t in engine.model_tensors().items()}
         assert max_rel_param_diff(params, ref) < TOL
-        swapped = engine.layers[engine.swapped[0]]
-        assert all(p.is_pinned() for p in swapped.parameters())  # async copies need pinned memory
+        host = engine.hosts[engine.swapped[0]]  # async copies need pinned memory at both ends
+        assert all(g.src.is_pinned() and g.staging.is_pinned() for g in host.groups)
     finally:
         engine.close()
 

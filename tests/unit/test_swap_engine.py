@@ -268,3 +268,126 @@ def test_under_bf16_autocast_as_on_cuda(monkeypatch: pytest.MonkeyPatch, graphs:
         assert max_rel_param_diff(engine.model_tensors(), ref.model_tensors()) < 1e-5
     finally:
         engine.close()
+
+
+def _bf16_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both engines under the CPU's bf16 autocast, as they run on CUDA."""
+
+    def bf16(device: torch.device) -> torch.autocast:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    monkeypatch.setattr("atomd.train.engine.autocast", bf16)
+    monkeypatch.setattr("atomd.swap.engine.autocast", bf16)
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0], ids=["noclip", "clip1"])
+@pytest.mark.parametrize(
+    ("m", "tol"),
+    [
+        # M=1: each micro-batch's weight gradient comes out of a bf16 matmul, so rounding it to
+        # bf16 loses nothing: the bf16 link must then match resident training as fp32 does.
+        (1, 1e-6),
+        # One wave of 4: the fp32 sum is rounded once (2^-9 relative, sign kept). Measured
+        # 2.0e-3 (no clipping) and 3.4e-3 after 3 steps of lr 1e-2 from the initialization,
+        # where AdamW's step is nearly sign(g) for every entry.
+        (4, 1e-2),
+        # Two waves of 2: each wave's sum is rounded, then summed in fp32 on the host; entries
+        # whose two waves nearly cancel can change sign, and a sign-like first step shows it:
+        # measured 2.8e-2 and 3.4e-2. Gradient noise between micro-batches dwarfs this.
+        (2, 6e-2),
+    ],
+)
+def test_a_bf16_link_trains_as_resident_under_bf16_autocast(
+    monkeypatch: pytest.MonkeyPatch, clip: float, m: int, tol: float
+) -> None:
+    _bf16_autocast(monkeypatch)
+    ref = ResidentEngine(_model(), _spec(clip), CPU)
+    losses = _train(ref)
+    plan = replace(_plan(2, m), link="bf16")
+    engine = SwapEngine(_model(), _spec(clip), CPU, plan)
+    try:
+        got = _train(engine)
+        assert got == pytest.approx(losses, rel=1e-4)
+        assert max_rel_param_diff(engine.model_tensors(), ref.model_tensors()) < tol
+        # half the bytes of an fp32 link: bf16 matrices, fp32 vectors, both ways
+        fp32_bytes = (
+            engine.stats.layer_loads * 4 * sum(p.numel() for p in engine.layers[1].parameters())
+        )
+        assert 0.5 < engine.stats.bytes_loaded / fp32_bytes < 0.55
+    finally:
+        engine.close()
+
+
+def test_a_bf16_link_that_kept_stale_copies_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 copies must follow every optimizer step: without the refresh the slots keep
+    computing with the initial weights, which the tolerance above sees at once."""
+    _bf16_autocast(monkeypatch)
+    ref = ResidentEngine(_model(), _spec(0.0), CPU)
+    _train(ref)
+    engine = SwapEngine(_model(), _spec(0.0), CPU, replace(_plan(2, 4), link="bf16"))
+    monkeypatch.setattr("atomd.swap.host.HostLayer.refresh", lambda self: None)
+    try:
+        _train(engine)
+        assert max_rel_param_diff(engine.model_tensors(), ref.model_tensors()) > 0.1
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("link", ["bf16", "fp32"])
+def test_masters_written_after_settle_are_what_the_next_visit_loads(
+    monkeypatch: pytest.MonkeyPatch, link: str
+) -> None:
+    """Sync and checkpoint loads write the masters after ``settle``: the next step and
+    evaluation compute with the written values (the bf16 copies are made again first)."""
+    _bf16_autocast(monkeypatch)
+    ref = ResidentEngine(_model(), _spec(0.0), CPU)
+    engine = SwapEngine(_model(), _spec(0.0), CPU, replace(_plan(2, 4), link=link))
+    try:
+        _train(engine)
+        _train(ref)
+        for e in (engine, ref):
+            e.settle()
+            with torch.no_grad():
+                for p in e.model.blocks.parameters():
+                    p.mul_(0.5)
+        val = _batches(99, count=3)
+        # rel 1e-4: the bf16 link's 3 steps left the parameters ~2e-3 apart (above); a layer
+        # computing with its unwritten weights moves the loss by ~1e-1
+        assert engine.evaluate(val) == pytest.approx(ref.evaluate(val), rel=1e-4)
+        assert engine.train_step(_batches(7), LR) == pytest.approx(
+            ref.train_step(_batches(7), LR), rel=1e-4
+        )
+    finally:
+        engine.close()
+
+
+def test_adamw_state_exists_before_the_first_step() -> None:
+    """Created with the engine (zeros, step 0), not lazily inside the first timed step."""
+    engine = SwapEngine(_model(), _spec(1.0), CPU, _plan(2, 4))
+    try:
+        opt = engine.optimizer_tensors()
+        swapped = {k: v for k, v in opt.items() if k.startswith("optim.blocks.")}
+        assert swapped and all(float(v.abs().max()) == 0.0 for v in swapped.values())
+        assert torch.equal(opt["optim.blocks.1.mlp.fc.weight.step"], torch.tensor(0.0))
+    finally:
+        engine.close()
+
+
+def test_a_step_with_other_waves_than_planned_is_refused() -> None:
+    from atomd.errors import SwapError
+
+    engine = SwapEngine(_model(), _spec(0.0), CPU, _plan(2, 4))  # one wave of 4
+    try:
+        with pytest.raises(SwapError, match="wave"):
+            engine.train_step(_batches(0, count=8), LR)
+    finally:
+        engine.close()
+
+
+def test_resident_training_with_recompute_is_resident_training() -> None:
+    """The reference for swapped runs that recompute: same losses and parameters (the
+    recomputed forward repeats the kept one exactly on the CPU)."""
+    plain = ResidentEngine(_model(), _spec(1.0), CPU)
+    again = ResidentEngine(_model(), _spec(1.0), CPU, recompute=True)
+    assert _train(again) == pytest.approx(_train(plain), rel=1e-6)
+    assert max_rel_param_diff(again.model_tensors(), plain.model_tensors()) < TOL

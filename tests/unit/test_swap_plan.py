@@ -18,6 +18,7 @@ from atomd.swap.plan import (
     Optimizer,
     Shape,
     SwapPlan,
+    host_worker_s,
     make_plan,
     resident_peak_bytes,
 )
@@ -144,8 +145,9 @@ def test_sizes_parse_and_print() -> None:
 
 
 def test_the_optimizer_goes_to_the_device_only_when_the_host_cannot_keep_up() -> None:
-    """The device optimizer costs 8 B/parameter more per slot and 24 B/parameter more over the
-    link each step: the planner takes it only when the host AdamW would bound the step."""
+    """The device optimizer costs twice the slot memory and 24 B/parameter more over the link
+    each step, and moves fp32 weights: the planner takes it only when the host AdamW would
+    bound the step."""
     shape = _shape("gpt3-2.7b", 8, batch=4)
     fast = Hardware(**(assumed().to_dict() | {"host_adam_params_per_s": 1e10}))
     fast_host = make_plan(shape, budget_bytes=24 * GiB, hardware=fast)
@@ -169,10 +171,16 @@ def test_the_optimizer_goes_to_the_device_only_when_the_host_cannot_keep_up() ->
         )
         for opt in ("host", "device")
     )
-    block = host.params_per_block
-    assert dev.memory["slots"] - host.memory["slots"] == 3 * 8 * block
-    assert dev.bytes_loaded - host.bytes_loaded == host.swapped_blocks * 12 * block
-    assert dev.bytes_stored - host.bytes_stored == host.swapped_blocks * 12 * block
+    block, q = host.params_per_block, host.swapped_blocks
+    sizes = LayerSizes.of(shape.cfg)
+    # The device optimizer steps fp32 masters in the slot: fp32 weights, gradient, moments.
+    assert (host.link, dev.link) == ("bf16", "fp32")
+    assert dev.memory["slots"] == 3 * 16 * block
+    assert host.memory["slots"] == (3 * 1 + 1) * sizes.link_bytes("bf16") + 3 * 4 * block
+    assert dev.bytes_loaded == dev.layer_loads * 4 * block + q * 12 * block
+    assert dev.bytes_stored == host.waves * q * 4 * block + q * 12 * block
+    assert host.bytes_loaded == host.layer_loads * sizes.link_bytes("bf16")
+    assert host.bytes_stored == host.waves * q * sizes.link_bytes("bf16")
 
 
 def test_blocks_keep_their_graphs_as_far_as_memory_allows() -> None:
@@ -215,8 +223,10 @@ def test_clipping_keeps_the_host_optimizer_out_of_the_backward() -> None:
         )
         for clip in (True, False)
     }
-    host_s = plans[True].swapped_blocks * plans[True].params_per_block / 3.9e9
-    assert plans[True].host_optimizer_s == pytest.approx(host_s)
+    p = plans[True]
+    host_s = p.swapped_blocks * host_worker_s(LayerSizes.of(cfg), hw, p.link, p.waves, True)
+    assert p.host_optimizer_s == pytest.approx(host_s)
+    assert host_s > p.swapped_blocks * p.params_per_block / 3.9e9  # AdamW and the bf16 copy
     # most of the host steps' time is exposed with clipping, none of it without
     assert plans[True].step_s - plans[False].step_s > 0.5 * host_s
 
@@ -290,7 +300,10 @@ def test_copies_that_do_not_overlap_add_up() -> None:
     """Measured overlap below 1 (a link without duplex, copies that take turns with compute)
     costs what does not hide."""
     shape = _shape("gpt3-2.7b", 8)
-    full = Hardware(**(assumed().to_dict() | {"host_adam_params_per_s": 1e12}))
+    # A slow link (10 GB/s each way): the backward's loads and stores together outlast its
+    # compute only when the two directions take turns.
+    slow_link = {"host_adam_params_per_s": 1e12, "h2d_bytes_per_s": 1e10, "d2h_bytes_per_s": 1e10}
+    full = Hardware(**(assumed().to_dict() | slow_link))
 
     def plan(hw: Hardware) -> SwapPlan:
         return make_plan(
@@ -301,6 +314,7 @@ def test_copies_that_do_not_overlap_add_up() -> None:
             micro_batches=2,
             resident_blocks=0,
             optimizer="host",
+            link="fp32",
         )
 
     base = plan(full)
@@ -345,3 +359,47 @@ def test_the_report_names_overlap_below_one() -> None:
     half = replace(assumed(), copy_compute_overlap=0.5, duplex=0.25)
     text = format_plan(make_plan(shape, budget_bytes=24 * GiB, hardware=half), preset="gpt3-2.7b")
     assert "copies hide behind compute 50%, the two directions overlap 25%" in text
+
+
+@pytest.mark.parametrize(("grad_accum", "m"), [(8, 8), (8, 2)])
+def test_a_bf16_link_halves_the_matrix_bytes(grad_accum: int, m: int) -> None:
+    """With the host optimizer on a bf16 device the matrices travel as bf16, both ways: half
+    the bytes of an fp32 link for the same loads; host memory stays 16 B/parameter with one
+    wave (the bf16 copy and staging replace the fp32 gradient) and is 20 with several."""
+    shape = _shape("gpt3-2.7b", grad_accum, batch=1)
+    fixed: dict[str, Any] = {
+        "slots": 3,
+        "micro_batches": m,
+        "resident_blocks": 0,
+        "spill": False,
+        "optimizer": "host",
+    }
+    bf16 = make_plan(shape, budget_bytes=48 * GiB, hardware=assumed(), **fixed)
+    fp32 = make_plan(shape, budget_bytes=48 * GiB, hardware=assumed(), link="fp32", **fixed)
+    sizes = LayerSizes.of(shape.cfg)
+    assert bf16.link == "bf16" and bf16.layer_loads == fp32.layer_loads
+    assert 0.5 < bf16.bytes_loaded / fp32.bytes_loaded < 0.51  # vectors stay fp32
+    assert 0.5 < bf16.bytes_stored / fp32.bytes_stored < 0.51
+    per_param = 16 if bf16.waves == 1 else 20
+    assert bf16.host_bytes == pytest.approx(bf16.swapped_blocks * per_param * sizes.block, 0.01)
+    assert fp32.host_bytes == bf16.swapped_blocks * (16 if m == grad_accum else 20) * sizes.block
+    # fp32 compute (the CPU) moves fp32; the device optimizer cannot take a bf16 link
+    cpu = make_plan(replace(shape, dtype_bytes=4), budget_bytes=48 * GiB, hardware=assumed())
+    assert cpu.link == "fp32"
+    with pytest.raises(PlanError, match="fp32 link"):
+        make_plan(shape, budget_bytes=48 * GiB, hardware=assumed(), optimizer="device", link="bf16")
+
+
+def test_host_memory_bounds_the_plan() -> None:
+    """gpt3-6.7b in 12 GiB swaps 103 GB with one wave per step and 129 GB with several (plus
+    17 GB or 8 GB of spilled layer inputs): on a host that can give it 123 GB (0.9 of an
+    H200 box's 128 GiB) the planner keeps one wave, and with 50 GB none fits."""
+    shape = Shape(cfg=get_preset("gpt3-6.7b"), micro_batch_size=1, seq_len=2048, grad_accum=16)
+    hw = replace(assumed(), host_adam_params_per_s=4e9, flops_per_s=7.6e14, h2d_bytes_per_s=5.5e10)
+    fixed: dict[str, Any] = {"budget_bytes": 12 * GiB, "hardware": hw, "resident_blocks": 0}
+    free = make_plan(shape, micro_batches=8, **fixed)
+    assert free.waves == 2 and free.host_bytes > 130e9
+    bounded = make_plan(shape, host_budget_bytes=123 * 10**9, **fixed)
+    assert bounded.waves == 1 and bounded.host_bytes <= 123e9
+    with pytest.raises(PlanError, match="host memory"):
+        make_plan(shape, host_budget_bytes=50 * 10**9, **fixed)
