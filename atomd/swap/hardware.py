@@ -39,6 +39,12 @@ class Hardware:
     duplex: float = 1.0
     """How much of a device -> host copy hides behind a host -> device one: 1 for a full-duplex
     link (PCIe), 0 when the two directions take turns."""
+    host_narrow_per_s: float | None = None
+    """fp32 -> bf16 elements per second on the host (refreshing a bf16 link's copies)."""
+    host_widen_per_s: float | None = None
+    """bf16 -> fp32 elements per second on the host (a bf16 gradient made fp32 for AdamW)."""
+    host_add_per_s: float | None = None
+    """fp32 += fp32 elements per second on the host (summing waves' gradients)."""
 
     def __post_init__(self) -> None:
         for name in ("h2d_bytes_per_s", "d2h_bytes_per_s", "flops_per_s", "host_adam_params_per_s"):
@@ -50,6 +56,21 @@ class Hardware:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    # Rates recorded before they were measured: their ratio to AdamW's on a 2-core host and
+    # an H200's 16-thread host alike (conversions cost half to 0.4 of an AdamW step per
+    # element, not the 6/28 their bytes suggest).
+    @property
+    def narrow_per_s(self) -> float:
+        return self.host_narrow_per_s or 2.0 * self.host_adam_params_per_s
+
+    @property
+    def widen_per_s(self) -> float:
+        return self.host_widen_per_s or 2.5 * self.host_adam_params_per_s
+
+    @property
+    def add_per_s(self) -> float:
+        return self.host_add_per_s or 1.8 * self.host_adam_params_per_s
 
 
 def assumed() -> Hardware:
@@ -142,13 +163,27 @@ def measure(device: torch.device, *, repeat: int = 3) -> Hardware:
     # 9.1 G params/s on an H200's host, ~4x what AdamW over a 1.3B model's layers reached.
     n_adam = (32 if cuda else 8) * 2**20
     p = torch.nn.Parameter(torch.zeros(n_adam))
-    p.grad = torch.full((n_adam,), 1e-3)
+    grad = p.grad = torch.full((n_adam,), 1e-3)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    low = torch.empty(n_adam, dtype=torch.bfloat16)
+    wide = torch.empty(n_adam)
+
+    def narrow() -> None:
+        low.copy_(p.detach())
+
+    def widen() -> None:
+        wide.copy_(low)
+
+    def add() -> None:
+        wide.add_(grad)
 
     for warm_up in (h2d, d2h, mm, opt.step):  # allocators, kernels, optimizer state
         warm_up()
     t_h2d, t_d2h = _time(h2d, repeat), _time(d2h, repeat)
     t_mm, t_adam = _time(mm, repeat), _time(opt.step, repeat)
+    for warm_up in (narrow, widen, add):
+        warm_up()
+    t_narrow, t_widen, t_add = (_time(f, repeat) for f in (narrow, widen, add))
     n_both = max(1, min(256, round(4 * t_h2d / t_mm)))
     t_mms = t_mm * n_both / 4
     for warm_up in (copy_and_mm, both_ways):
@@ -163,6 +198,9 @@ def measure(device: torch.device, *, repeat: int = 3) -> Hardware:
         source=f"measured on {name} ({torch.get_num_threads()} host threads)",
         copy_compute_overlap=hidden_fraction(t_h2d, t_mms, t_copy_mm),
         duplex=hidden_fraction(t_h2d, t_d2h, t_both_ways),
+        host_narrow_per_s=n_adam / t_narrow,
+        host_widen_per_s=n_adam / t_widen,
+        host_add_per_s=n_adam / t_add,
     )
     log.info("measured hardware: %s", hw)
     return hw

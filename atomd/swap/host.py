@@ -143,15 +143,21 @@ class HostLayer:
         for g in self.groups:
             g.refresh()
 
-    def accumulate(self, first: bool) -> None:
-        """Add the wave's gradient, just stored, into ``.grad`` (the first wave copies it)."""
+    def accumulate(self, first: bool, scratch: Tensor) -> None:
+        """Add the wave's gradient, just stored, into ``.grad`` (the first wave copies it). A
+        bf16 gradient is widened into ``scratch`` first: adding bf16 into fp32 in one op ran
+        2.3-3.5x an AdamW step per element, widening then adding 1.1x."""
         for g in self.groups:
             if g.grad is None or g.grad is g.staging:
                 continue
             if first:
                 g.grad.copy_(g.staging)
-            else:
+            elif g.staging.dtype == g.grad.dtype:
                 g.grad.add_(g.staging)
+            else:
+                wide = scratch[: g.numel]
+                wide.copy_(g.staging)
+                g.grad.add_(wide)
 
     def grads(self) -> list[Tensor]:
         """The accumulated fp32 gradient, flat per group (with several waves)."""

@@ -84,14 +84,14 @@ class HostOptimizer:
 
         def run() -> None:
             ready.synchronize()  # this worker waits for the copy; the main thread does not
+            if self._scratch.numel() < host.numel:
+                self._scratch = torch.empty(host.numel, dtype=torch.float32)
             if accumulate:
-                host.accumulate(first)
+                host.accumulate(first, self._scratch)
                 if norms:
                     self._norms[layer] = list(torch._foreach_norm(host.param_grads()))
             if lr is None:
                 return
-            if self._scratch.numel() < host.numel:
-                self._scratch = torch.empty(host.numel, dtype=torch.float32)
             host.grads_for_step(self._scratch)
             for group in opt.param_groups:
                 group["lr"] = lr

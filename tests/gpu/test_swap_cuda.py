@@ -28,9 +28,13 @@ B, T, G, STEPS, LR = 4, 128, 4, 3, 1e-3
 # the same kernels and recomputed forwards repeat bitwise, but CUDA's embedding and attention
 # backward kernels add with atomics in a varying order, so gradients differ at bf16 rounding
 # level from the first step, and AdamW passes relative gradient differences on to the updates.
-# After 3 steps that stays near 1e-3 per tensor; 2e-2 leaves margin, while a real mistake (a
-# layer stepped twice or not at all, a wrong 1/G scale) moves a tensor by 1e-1 or more.
-TOL = 2e-2
+# After 3 steps that stays near 1e-3 per tensor but for attn.qkv.bias, whose query and value
+# thirds get gradients ~1e-3 of the weights': AdamW's early steps (nearly sign(g)) turn the
+# rounding of the clipping coefficient (~1e-7) into 2.6e-2 there (clip 1.0; the CPU under bf16
+# autocast gives that with the fp32 engine of before the bf16 link too, and the H200 2.7-2.8e-2
+# on 2026-11-30 with either link). 5e-2 leaves margin, while a real mistake (a layer stepped
+# twice or not at all, a wrong 1/G scale, stale bf16 copies) moves a tensor by 1e-1 or more.
+TOL = 5e-2
 LOSS_TOL = 1e-2
 
 

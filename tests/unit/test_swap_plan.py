@@ -168,8 +168,9 @@ def test_the_optimizer_goes_to_the_device_only_when_the_host_cannot_keep_up() ->
             resident_blocks=0,
             spill=False,
             optimizer=opt,
+            link=link,
         )
-        for opt in ("host", "device")
+        for opt, link in (("host", "bf16"), ("device", None))
     )
     block, q = host.params_per_block, host.swapped_blocks
     sizes = LayerSizes.of(shape.cfg)
@@ -363,8 +364,8 @@ def test_the_report_names_overlap_below_one() -> None:
 
 @pytest.mark.parametrize(("grad_accum", "m"), [(8, 8), (8, 2)])
 def test_a_bf16_link_halves_the_matrix_bytes(grad_accum: int, m: int) -> None:
-    """With the host optimizer on a bf16 device the matrices travel as bf16, both ways: half
-    the bytes of an fp32 link for the same loads; host memory stays 16 B/parameter with one
+    """Over a bf16 link the matrices travel as bf16, both ways: half the bytes of an fp32 link
+    for the same loads; host memory stays 16 B/parameter with one
     wave (the bf16 copy and staging replace the fp32 gradient) and is 20 with several."""
     shape = _shape("gpt3-2.7b", grad_accum, batch=1)
     fixed: dict[str, Any] = {
@@ -374,10 +375,10 @@ def test_a_bf16_link_halves_the_matrix_bytes(grad_accum: int, m: int) -> None:
         "spill": False,
         "optimizer": "host",
     }
-    bf16 = make_plan(shape, budget_bytes=48 * GiB, hardware=assumed(), **fixed)
+    bf16 = make_plan(shape, budget_bytes=48 * GiB, hardware=assumed(), link="bf16", **fixed)
     fp32 = make_plan(shape, budget_bytes=48 * GiB, hardware=assumed(), link="fp32", **fixed)
     sizes = LayerSizes.of(shape.cfg)
-    assert bf16.link == "bf16" and bf16.layer_loads == fp32.layer_loads
+    assert bf16.layer_loads == fp32.layer_loads
     assert 0.5 < bf16.bytes_loaded / fp32.bytes_loaded < 0.51  # vectors stay fp32
     assert 0.5 < bf16.bytes_stored / fp32.bytes_stored < 0.51
     per_param = 16 if bf16.waves == 1 else 20
@@ -403,3 +404,26 @@ def test_host_memory_bounds_the_plan() -> None:
     assert bounded.waves == 1 and bounded.host_bytes <= 123e9
     with pytest.raises(PlanError, match="host memory"):
         make_plan(shape, host_budget_bytes=50 * 10**9, **fixed)
+
+
+def test_the_link_follows_the_bottleneck() -> None:
+    """The bf16 link halves the bytes and costs the host worker conversions (a refresh and a
+    widening per step, each ~0.4-0.5 of an AdamW step per element): a slow link with a fast
+    host takes bf16; a fast link with a host that is already the bound takes fp32 (measured
+    on the H200: gpt3-xl's first step after a drained host ran at resident speed, later ones
+    waited for the host)."""
+    shape = Shape(cfg=get_preset("gpt3-xl"), micro_batch_size=4, seq_len=2048, grad_accum=4)
+    fixed: dict[str, Any] = {"budget_bytes": 24 * GiB, "optimizer": "host", "resident_blocks": 0}
+    slow_link = replace(assumed(), h2d_bytes_per_s=4e9, d2h_bytes_per_s=4e9, flops_per_s=8e14)
+    slow_link = replace(slow_link, host_adam_params_per_s=2e10)
+    assert make_plan(shape, hardware=slow_link, **fixed).link == "bf16"
+    h200 = replace(
+        assumed(),
+        h2d_bytes_per_s=55e9,
+        d2h_bytes_per_s=55e9,
+        flops_per_s=7.8e14,
+        host_adam_params_per_s=4.2e9,
+        host_narrow_per_s=8e9,
+        host_widen_per_s=1e10,
+    )
+    assert make_plan(shape, hardware=h200, **fixed).link == "fp32"
