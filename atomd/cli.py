@@ -308,13 +308,31 @@ def plan(
     measure: Annotated[
         bool, typer.Option("--measure", help="Measure this machine's GPU rates (needs CUDA).")
     ] = False,
+    clip: Annotated[
+        bool,
+        typer.Option(
+            "--clip/--no-clip",
+            help="Whether steps clip the gradient norm (the job spec's default, grad_clip 1.0): "
+            "host AdamW steps then wait for the whole backward.",
+        ),
+    ] = True,
+    simulate: Annotated[
+        bool,
+        typer.Option(
+            "--simulate",
+            help="Also run the plan's schedule on a stand-in model on the CPU, record every "
+            "copy, compute and host task it issues, check it and replay it at these rates: "
+            "simulated step time and critical path.",
+        ),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
-    """Plan swapped training: K slots, M micro-batches per visit, resident set, predictions."""
+    """Plan swapped training: K slots, M micro-batches per visit, resident set, predictions,
+    and the tokens per step from which swapping costs nothing."""
     from atomd.errors import PlanError
     from atomd.model.presets import get_preset
     from atomd.swap import hardware
-    from atomd.swap.plan import Shape, make_plan
+    from atomd.swap.plan import Shape, free_from, make_plan
     from atomd.swap.report import format_plan
     from atomd.units import parse_bytes
 
@@ -336,25 +354,37 @@ def plan(
         micro_batch_size=micro_batch_size,
         seq_len=seq_len or cfg.block_size,
         grad_accum=grad_accum,
+        dtype_bytes=2,
+        grad_clip=clip,
     )
+    choices: dict[str, Any] = {
+        "budget_bytes": budget,
+        "hardware": hw,
+        "slots": slots,
+        "micro_batches": micro_batches,
+        "resident_blocks": resident_blocks,
+        "optimizer": _optimizer_choice(optimizer),
+        "graph_blocks": graph_blocks,
+        "link": _link_choice(link),
+    }
     try:
-        result = make_plan(
-            shape,
-            budget_bytes=budget,
-            hardware=hw,
-            slots=slots,
-            micro_batches=micro_batches,
-            resident_blocks=resident_blocks,
-            optimizer=_optimizer_choice(optimizer),
-            graph_blocks=graph_blocks,
-            link=_link_choice(link),
-        )
+        result = make_plan(shape, **choices)
     except PlanError as e:
         fail(str(e))
-    if json_out:
-        typer.echo(json.dumps({"preset": preset, **result.to_dict()}, indent=2))
-    else:
-        typer.echo(format_plan(result, preset=preset))
+    free = free_from(shape, **(choices | {"micro_batches": None}))
+    out: dict[str, Any] = {"preset": preset, **result.to_dict()}
+    out["free_from_tokens_per_step"] = free.tokens_per_step if free else None
+    text = format_plan(result, preset=preset, free=free)
+    if simulate:
+        from atomd.swap.record import check_schedule
+        from atomd.swap.rehearse import rehearse
+        from atomd.swap.report import format_simulation
+
+        recorder, sim = rehearse(result, shape, hw)
+        problems = check_schedule(recorder)
+        out["simulation"] = sim.summary() | {"schedule_problems": problems}
+        text += "\n\n" + format_simulation(sim, problems, predicted_s=result.step_s)
+    typer.echo(json.dumps(out, indent=2) if json_out else text)
 
 
 bench_app = typer.Typer(
@@ -410,6 +440,14 @@ def bench_swap(
             "summary: busy and overlap seconds of compute, loads and stores."
         ),
     ] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            help="Record 2 more swapped steps (every copy, compute segment and host task with "
+            "what it waited for), replay them at the measured rates and write both to this "
+            "JSON file; the output gets the simulated step times and critical path."
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
 ) -> None:
     """Train the same steps resident and swapped; print throughput, ratio and parameter diff."""
@@ -437,6 +475,7 @@ def bench_swap(
         grad_clip=grad_clip,
         also_grad_clip=also_grad_clip,
         profile=profile,
+        trace=trace,
     )
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
 

@@ -28,6 +28,9 @@ from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.factory import device_budget, plan_for, shape_for
 from atomd.swap.plan import Link, Optimizer, make_plan, resident_peak_bytes
+from atomd.swap.record import check_schedule
+from atomd.swap.trace import Costs, simulate
+from atomd.swap.trace import write as write_trace
 from atomd.train.engine import ResidentEngine, StepEngine
 from atomd.units import format_bytes
 from bench.profile import read_trace, summarize, write_gz
@@ -155,6 +158,7 @@ def run(
     also_grad_clip: list[float] | None = None,
     profile: Path | None = None,
     profile_steps: int = 2,
+    trace: Path | None = None,
 ) -> dict[str, Any]:
     """See the module docstring. ``also_grad_clip``: the same swapped engine trains the same
     steps again with each of these clipping thresholds (0: none), timed and predicted apart."""
@@ -297,6 +301,16 @@ def run(
             }
         )
     swapped.spec = spec
+    if trace is not None:  # 2 more steps recorded, replayed at the measured rates
+        with swapped.recording() as recorder:
+            for batches_, lr in zip(batches[1:3], lrs[1:3], strict=True):
+                swapped.train_step(batches_, lr)
+        swapped.settle()
+        costs = Costs(shape_for(spec, dev), plan, hw)
+        sim = simulate(recorder.events, costs)
+        write_trace(trace, recorder, sim, costs)
+        out["trace"] = {"file": str(trace), **sim.summary(last=6)}
+        out["trace"]["schedule_problems"] = check_schedule(recorder)
     if profile is not None:  # after the comparison: these steps move the parameters on
         out["profile"] = _profile(
             swapped, batches[1 : 1 + profile_steps], lrs[1 : 1 + profile_steps], dev, profile
