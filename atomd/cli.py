@@ -127,13 +127,15 @@ def train(
         "swap_optimizer": swap_optimizer,
     }
     spec = _spec_from(spec_file, overrides)
+    from atomd.engines import build_engine
     from atomd.train.trainer import Trainer
 
-    trainer = Trainer(spec, out, device=device, resume=resume, progress=not quiet)
+    built = build_engine(spec, device)
+    trainer = Trainer(spec, out, built.engine, plan=built.plan, resume=resume, progress=not quiet)
     n_params = trainer.engine.model.num_parameters()
     typer.echo(
         f"training {spec.preset} ({n_params / 1e6:.2f}M parameters) on {spec.data} "
-        f"[{trainer.dataset.train_tokens:,} training tokens] with {trainer.device.type}, "
+        f"[{trainer.dataset.train_tokens:,} training tokens] with {built.device.type}, "
         f"{spec.total_steps} steps of {spec.tokens_per_step:,} tokens -> {out}"
     )
     summary = trainer.run()
@@ -221,15 +223,17 @@ def demo(
             run_swarm_demo(out / time.strftime("demo-swarm-%Y%m%d-%H%M%S"), peers=peers,
                            max_steps=max_steps, every=every)
         )  # fmt: skip
+    from atomd.engines import build_engine
     from atomd.spec import JobSpec
     from atomd.train.trainer import Trainer
 
     run_dir = out / time.strftime("demo-%Y%m%d-%H%M%S")
     spec = JobSpec(preset="tiny", max_steps=max_steps)
-    trainer = Trainer(spec, run_dir, device=device, progress=True)
+    built = build_engine(spec, device)
+    trainer = Trainer(spec, run_dir, built.engine, plan=built.plan, progress=True)
     typer.secho(
         f"atomd demo: training the tiny GPT ({trainer.engine.model.num_parameters() / 1e6:.2f}M "
-        f"parameters) on Shakespeare's plays, {spec.total_steps} steps on {trainer.device.type}. "
+        f"parameters) on Shakespeare's plays, {spec.total_steps} steps on {built.device.type}. "
         f"Output: {run_dir}",
         bold=True,
     )
@@ -259,25 +263,23 @@ LinkOpt = Annotated[
     str | None,
     typer.Option(
         help="Fix what swapped weights and gradients cross the link in: bf16 or fp32 "
-        "(default: bf16 with the host optimizer on a GPU)."
+        "(default: the planner's, weighing link time against host conversions)."
     ),
 ]
 
 
+def _one_of(flag: str, value: str | None, allowed: tuple[str, ...]) -> str | None:
+    if value is not None and value not in allowed:
+        fail(f"{flag} must be {' or '.join(allowed)}, not {value!r}")
+    return value
+
+
 def _link_choice(value: str | None) -> Link | None:
-    if value is None:
-        return None
-    if value not in ("bf16", "fp32"):
-        fail(f"--link must be bf16 or fp32, not {value!r}")
-    return cast("Link", value)
+    return cast("Link | None", _one_of("--link", value, ("bf16", "fp32")))
 
 
 def _optimizer_choice(value: str | None) -> Optimizer | None:
-    if value is None:
-        return None
-    if value not in ("host", "device"):
-        fail(f"--optimizer must be host or device, not {value!r}")
-    return cast("Optimizer", value)
+    return cast("Optimizer | None", _one_of("--optimizer", value, ("host", "device")))
 
 
 @app.command()

@@ -368,15 +368,18 @@ class JobManager:
 
     def _train_blocking(self, active: ActiveJob, loop: asyncio.AbstractEventLoop) -> TrainSummary:
         """Runs on the trainer thread."""
+        from atomd.engines import build_engine
         from atomd.train.trainer import Trainer
 
         def send(item: _Message) -> None:
             loop.call_soon_threadsafe(active.queue.put_nowait, item)
 
+        built = build_engine(active.spec, self.device)
         trainer = Trainer(
             active.spec,
             active.out_dir,
-            device=self.device,
+            built.engine,
+            plan=built.plan,
             resume=active.resume,
             on_report=send,
             on_checkpoint=lambda path, step: send(_Saved(path, step)),

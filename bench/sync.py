@@ -52,6 +52,7 @@ from typing import Any, Literal
 import torch
 
 from atomd.data.dataset import Batch, TokenDataset, load_dataset
+from atomd.engines import optim_config
 from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
 from atomd.p2p.identity import Identity
@@ -157,7 +158,7 @@ def _job_spec(batch_size: int, budget: Budget) -> JobSpec:
 
 def _build(spec: JobSpec) -> ResidentEngine:
     torch.manual_seed(spec.seed)  # every peer starts from the same weights
-    return ResidentEngine(GPT(get_preset(spec.preset)), spec, torch.device("cpu"))
+    return ResidentEngine(GPT(get_preset(spec.preset)), optim_config(spec), torch.device("cpu"))
 
 
 def _frame_bytes(out: Outgoing, identity: Identity) -> int:

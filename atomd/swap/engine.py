@@ -62,7 +62,6 @@ from atomd.data.dataset import Batch
 from atomd.errors import CheckpointError, SwapError
 from atomd.logs import get_logger
 from atomd.model.gpt import GPT, lm_loss
-from atomd.spec import JobSpec
 from atomd.swap.host import HostLayer, slot_buffers
 from atomd.swap.hostopt import HostOptimizer
 from atomd.swap.plan import SwapPlan
@@ -71,7 +70,12 @@ from atomd.swap.schedule import training_visits
 from atomd.swap.slots import Slot, SwapStats, Wave, nbytes
 from atomd.swap.streams import DONE, Marker, Streams, label
 from atomd.train.engine import autocast, load_model_tensors, model_tensors
-from atomd.train.optim import build_adamw, optimizer_state_by_param, optimizer_tensors
+from atomd.train.optim import (
+    OptimConfig,
+    build_adamw,
+    optimizer_state_by_param,
+    optimizer_tensors,
+)
 from atomd.units import format_bytes
 
 log = get_logger(__name__)
@@ -107,7 +111,9 @@ def _slot_of(slot: Slot | None) -> dict[str, int]:
 class SwapEngine:
     """A ``StepEngine`` that streams blocks through K device slots (see the module docstring)."""
 
-    def __init__(self, model: GPT, spec: JobSpec, device: torch.device, plan: SwapPlan) -> None:
+    def __init__(
+        self, model: GPT, optim: OptimConfig, device: torch.device, plan: SwapPlan
+    ) -> None:
         cfg = model.config
         if cfg.dropout:
             raise SwapError("the swap engine recomputes layers in backward and needs dropout 0")
@@ -115,7 +121,7 @@ class SwapEngine:
             raise SwapError(
                 f"plan for {plan.n_layer} blocks does not fit a {cfg.n_layer}-block model"
             )
-        self.model, self.spec, self.device, self.plan = model, spec, device, plan
+        self.model, self.optim, self.device, self.plan = model, optim, device, plan
         self.streams = Streams(device)
         self.layers: list[nn.Module] = model.layers()
         n = len(self.layers)
@@ -126,7 +132,9 @@ class SwapEngine:
         for i in self.resident:  # Module.to moves each Parameter in place: the tie survives
             self.layers[i].to(device)
         self.resident_opt = build_adamw(
-            nn.ModuleList(self.layers[i] for i in self.resident), spec, fused=True if cuda else None
+            nn.ModuleList(self.layers[i] for i in self.resident),
+            optim,
+            fused=True if cuda else None,
         )
         self.device_opt = plan.optimizer == "device"
         self.link = torch.bfloat16 if plan.link == "bf16" else torch.float32
@@ -163,7 +171,7 @@ class SwapEngine:
             weights, grads, flat_w, flat_g = slot_buffers(layout, len(self._names), device)
             moments = [torch.empty_like(g) for g in 2 * grads] if self.device_opt else []
             self.slots.append(Slot(weights, grads, flat_w, flat_g, moments, len(self.slots)))
-        self.host_opt = HostOptimizer({i: self.layers[i] for i in self.swapped}, self.hosts, spec)
+        self.host_opt = HostOptimizer({i: self.layers[i] for i in self.swapped}, self.hosts, optim)
         # With the optimizer on the device: layer -> (lr, clipping coefficient) of the step its
         # next load applies, and the marker of its last copy back to the host.
         self._due: dict[int, tuple[float, Tensor | None]] = {}
@@ -184,7 +192,6 @@ class SwapEngine:
         spillable = set(range(1, n - 2)) - self._graphs  # a kept graph holds its own input
         self._spilled_layers = spillable if plan.spill else set()
         self.stats = SwapStats()
-        self.reason = "swap on"  # why this run swaps, for plan.json (set by make_engine)
         log.info(
             "swap engine: %d swapped blocks, %d slots, M=%d, resident: embedding, head and %d "
             "blocks, spill %s, optimizer on the %s",
@@ -475,7 +482,7 @@ class SwapEngine:
         self.model.train()
         self.stats = SwapStats()
         st = self.streams
-        clip = self.spec.grad_clip > 0
+        clip = self.optim.grad_clip > 0
         total = torch.zeros((), device=self.device)
         norms: list[Tensor] = []
         waves = g_total // m
@@ -498,7 +505,7 @@ class SwapEngine:
             resident_grads = [p.grad for p in resident_params if p.grad is not None]
             norms.extend(torch._foreach_norm(resident_grads))
             total_norm = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]))
-            coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
+            coef = torch.clamp(self.optim.grad_clip / (total_norm + 1e-6), max=1.0)
             torch._foreach_mul_(resident_grads, coef)
         if self.device_opt:  # each layer's step comes with its next load
             if coef is not None:  # computed on the compute stream, read on the load stream
@@ -537,7 +544,7 @@ class SwapEngine:
     ) -> None:
         st, n = self.streams, len(self.layers)
         single = first and last  # one wave per step: no sum of waves on the host
-        clip = self.spec.grad_clip > 0
+        clip = self.optim.grad_clip > 0
         xs = [b.x.to(self.device, non_blocking=True) for b in batches]
         ys = [b.y.to(self.device, non_blocking=True) for b in batches]
         wave = self._wave(training_visits(self.swapped))

@@ -25,21 +25,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor, nn
 
-from atomd.spec import JobSpec
 from atomd.swap.host import HostLayer
 from atomd.swap.record import Recorder, Work
 from atomd.swap.streams import Marker
-from atomd.train.optim import build_adamw
+from atomd.train.optim import OptimConfig, build_adamw
 
 
 class HostOptimizer:
     """Per-layer host AdamW steps and gradient sums, with at most one pending task per layer."""
 
     def __init__(
-        self, layers: dict[int, nn.Module], hosts: dict[int, HostLayer], spec: JobSpec
+        self, layers: dict[int, nn.Module], hosts: dict[int, HostLayer], optim: OptimConfig
     ) -> None:
         # fused=True: torch's fused AdamW kernel also runs on CPU tensors (torch >= 2.4).
-        self.optimizers = {i: build_adamw(m, spec, fused=True) for i, m in layers.items()}
+        self.optimizers = {i: build_adamw(m, optim, fused=True) for i, m in layers.items()}
         self.hosts = hosts
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomd-host-adamw")
         self._pending: dict[int, Future[None]] = {}

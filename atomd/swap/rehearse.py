@@ -14,12 +14,12 @@ import torch
 
 from atomd.data.dataset import Batch
 from atomd.model.gpt import GPT, GPTConfig
-from atomd.spec import JobSpec
 from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import Hardware
 from atomd.swap.plan import Shape, SwapPlan
 from atomd.swap.record import Recorder
 from atomd.swap.trace import Costs, Simulation, simulate
+from atomd.train.optim import OptimConfig
 
 
 def record_plan(
@@ -29,12 +29,8 @@ def record_plan(
     the CPU (fp32: the link's dtype changes bytes, which the simulation counts, not the
     schedule)."""
     cfg = GPTConfig(n_layer=shape.cfg.n_layer, n_head=1, n_embd=8, vocab_size=16, block_size=8)
-    spec = JobSpec(
-        preset="tiny",
-        micro_batch_size=1,
-        seq_len=cfg.block_size,
-        grad_accum=plan.grad_accum,
-        grad_clip=1.0 if shape.grad_clip else 0.0,
+    optim = OptimConfig(
+        lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0 if shape.grad_clip else 0.0
     )
     gen = torch.Generator().manual_seed(0)
 
@@ -43,7 +39,7 @@ def record_plan(
         return Batch(x=t[:, :-1].contiguous(), y=t[:, 1:].contiguous())
 
     torch.manual_seed(0)
-    engine = engine_cls(GPT(cfg), spec, torch.device("cpu"), replace(plan, link="fp32"))
+    engine = engine_cls(GPT(cfg), optim, torch.device("cpu"), replace(plan, link="fp32"))
     try:
         with engine.recording() as recorder:
             for _ in range(steps):

@@ -16,25 +16,17 @@ import torch
 
 from atomd.model.presets import get_preset
 from atomd.swap.engine import SwapEngine
-from atomd.swap.hardware import Hardware, assumed
+from atomd.swap.hardware import Hardware
 from atomd.swap.plan import Shape, SwapPlan, make_plan
 from atomd.swap.record import Recorder, Work, check_schedule
 from atomd.swap.rehearse import rehearse
 from atomd.swap.slots import Slot, Wave
 from atomd.swap.streams import Marker
 from atomd.swap.trace import Simulation, Timed
+from tests.conftest import H200_RATES
 
 GiB = 2**30
-H200 = replace(
-    assumed(),
-    h2d_bytes_per_s=55e9,
-    d2h_bytes_per_s=55e9,
-    flops_per_s=7.8e14,
-    host_adam_params_per_s=4.2e9,
-    host_narrow_per_s=8.4e9,
-    host_widen_per_s=1.05e10,
-    host_add_per_s=7.5e9,
-)
+H200 = H200_RATES
 FAST_HOST = replace(H200, host_adam_params_per_s=1e13, host_narrow_per_s=1e13)
 FAST_HOST = replace(FAST_HOST, host_widen_per_s=1e13, host_add_per_s=1e13)
 # (preset, micro-batch size, grad_accum, device budget): 32k tokens per step each
