@@ -185,16 +185,14 @@ def _generate_text(
 @app.command()
 def presets() -> None:
     """List the model presets with their shapes and parameter counts."""
-    import torch
-
-    from atomd.model import GPT, PRESETS
+    from atomd.model import PRESETS
+    from atomd.model.config import num_parameters
 
     typer.echo(
         f"{'preset':<10} {'layers':>6} {'width':>6} {'heads':>5} {'context':>7} {'params':>10}"
     )
     for name, cfg in PRESETS.items():
-        with torch.device("meta"):
-            n = GPT(cfg).num_parameters()
+        n = num_parameters(cfg)
         typer.echo(
             f"{name:<10} {cfg.n_layer:>6} {cfg.n_embd:>6} {cfg.n_head:>5} {cfg.block_size:>7} "
             f"{n / 1e6:>9.1f}M"

@@ -136,6 +136,13 @@ def run(
     log_level: Annotated[
         str | None, typer.Option(help="DEBUG, INFO, WARNING, ERROR. (env ATOMD_LOG_LEVEL)")
     ] = None,
+    parent_pid: Annotated[
+        int | None,
+        typer.Option(
+            help="Stop (checkpointing) when this process exits; for launchers. "
+            "(env ATOMD_PARENT_PID)"
+        ),
+    ] = None,
 ) -> None:
     """Run the daemon in the foreground (what the systemd unit starts).
 
@@ -160,6 +167,7 @@ def run(
         allowed_keys=allow_key or None,
         auto_join=auto_join,
         zeroconf=zeroconf,
+        parent_pid=parent_pid,
     )
     setup_logging(settings.log_level)
     asyncio.run(Daemon(settings).run())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import time
@@ -59,6 +60,16 @@ def _bind(host_port: tuple[str, int], what: str) -> socket.socket:
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _server(app: FastAPI, log_level: str) -> _Server:
@@ -143,6 +154,7 @@ class Daemon:
                 tg.create_task(control.serve(sockets=[control_sock]), name="control-server")
                 tg.create_task(peer.serve(sockets=[peer_sock]), name="peer-server")
                 watchdog = tg.create_task(self._watchdog(), name="watchdog")
+                parent = tg.create_task(self._watch_parent(s.parent_pid), name="parent")
                 await self._until_ready(control, peer, jobs)
                 node_task = tg.create_task(node.run(), name="swarm")
                 lan = await self._lan_discovery(node) if s.zeroconf else None
@@ -160,6 +172,7 @@ class Daemon:
                     await lan.aclose()
                 control.should_exit = peer.should_exit = True
                 watchdog.cancel()
+                parent.cancel()
                 extend.cancel()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -198,6 +211,17 @@ class Daemon:
         while True:
             systemd.extend_timeout(30)
             await asyncio.sleep(10)
+
+    async def _watch_parent(self, pid: int | None) -> None:
+        """Shut down when the launcher that started us exits (``--parent-pid``)."""
+        if pid is None:
+            return
+        ours = os.getppid() == pid  # its child: a new parent means it died
+        while True:
+            await asyncio.sleep(1.0)
+            if (os.getppid() != pid) if ours else not _alive(pid):
+                self.request_shutdown(f"its launcher, pid {pid}, has exited")
+                return
 
     async def _watchdog(self) -> None:
         """WATCHDOG=1 at half the systemd timeout, from the loop: a stuck loop stops the pings."""

@@ -17,8 +17,8 @@ run's ``metrics.jsonl`` (truncated to that checkpoint).
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
+import importlib
 import threading
 import uuid
 from collections.abc import Sequence
@@ -37,6 +37,7 @@ from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
 from atomd.errors import AtomdError, DataError, JobConflictError, NotFoundError, SpecError
 from atomd.logs import get_logger
 from atomd.model import get_preset
+from atomd.model.config import num_parameters
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 from atomd.train.checkpoint import checkpoint_root, list_checkpoints, sha256_file
@@ -112,23 +113,18 @@ def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> Progre
     )
 
 
-@functools.cache
-def _parameters(preset: str) -> int:
-    import torch
-
-    from atomd.model.gpt import GPT
-
-    with torch.device("meta"):  # counts without allocating
-        return GPT(get_preset(preset)).num_parameters()
-
-
 def admit(spec: JobSpec) -> None:
-    """Refuse, with the reason, a job that cannot start here (before anything is queued)."""
+    """Refuse, with the reason, a job that cannot start here (before anything is queued).
+
+    Cheap on purpose (microseconds, no torch): it runs on the request path of ``POST
+    /v1/jobs``. The parameter count follows from the preset's shape in closed form; whatever
+    else can fail (building the model, loading the data) fails on the trainer thread after the
+    201 and is recorded on the job."""
     try:
         check_source(spec.data)
     except DataError as e:
         raise SpecError(str(e), field="data") from None
-    need = _parameters(spec.preset) * TRAIN_BYTES_PER_PARAMETER
+    need = num_parameters(get_preset(spec.preset)) * TRAIN_BYTES_PER_PARAMETER
     have = host_memory_available()
     if have is not None and need > have:
         raise SpecError(
@@ -136,6 +132,15 @@ def admit(spec: JobSpec) -> None:
             f"weights, gradients and AdamW state; this host has {have / 2**30:.1f} GiB available",
             field="preset",
         )
+
+
+TRAINING_MODULES = ("atomd.train.trainer", "atomd.sync.runner")
+
+
+def load_training_modules() -> None:
+    """Import torch and the training code (blocking: call it off the event loop)."""
+    for name in TRAINING_MODULES:
+        importlib.import_module(name)
 
 
 def data_seed(peer_id: str, seed: int) -> int:
@@ -230,8 +235,7 @@ class JobManager:
 
     async def start(self, spec: JobSpec, scope: Scope = "swarm") -> JobRecord:
         self._check_free()
-        await asyncio.to_thread(admit, spec)
-        self._check_free()  # the admission ran off the loop: look again
+        admit(spec)  # cheap: a stat() and arithmetic
         job_id = uuid.uuid4().hex
         out_dir = self.job_dir(job_id)
         async with self.sessions() as s, s.begin():
@@ -302,7 +306,7 @@ class JobManager:
                 spec = spec.model_copy(
                     update={"shard_index": shard_for_peer(self.peer_id, spec.num_shards)}
                 )
-            await asyncio.to_thread(admit, spec)
+            admit(spec)
             if self.active is not None or self._closing.is_set():
                 return
             out_dir = self.job_dir(job_id)
@@ -394,6 +398,9 @@ class JobManager:
     async def _drive(self, active: ActiveJob) -> None:
         loop = asyncio.get_running_loop()
         try:
+            # torch and the trainer load off the loop (seconds on a busy machine), before
+            # anything below imports them on it.
+            await asyncio.to_thread(load_training_modules)
             if active.scope == "swarm" and self.swarm is not None:
                 if not await self._take_swarm_state(active):
                     return
