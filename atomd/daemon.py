@@ -79,6 +79,7 @@ def _server(app: FastAPI, log_level: str) -> _Server:
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=5,
+        log_config=None,  # uvicorn's lines go through atomd's one format (atomd.logs)
     )
     return _Server(config)
 

@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import importlib
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,8 @@ if TYPE_CHECKING:  # torch loads when the first job trains, not when the daemon 
 log = get_logger(__name__)
 
 Scope = Literal["local", "swarm"]
+# Job progress goes to the daemon's log at most this often (and at every evaluation).
+PROGRESS_LOG_INTERVAL_S = 30.0
 SHUTDOWN_REASON = "interrupted by daemon shutdown; resumes when the daemon starts"
 RESUMING_REASON = "resuming from the last good checkpoint"
 
@@ -98,6 +101,7 @@ class ActiveJob:
     tokens_seen: int = 0
     plugin: RoundPlugin | None = None  # the delta exchange (swarm jobs)
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
+    logged_at: float = 0.0  # monotonic time of the last progress line in the log
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -481,6 +485,7 @@ class JobManager:
                     points.append(_point(item))
             if points:
                 await repo.add_progress(s, job_id=active.id, points=points)
+        self._log_progress(active, points)
         for p in points:
             self.telemetry.step.set(p.step)
             self.telemetry.loss.set(p.loss)
@@ -489,6 +494,23 @@ class JobManager:
                 self.telemetry.val_loss.set(p.val_loss)
             self.telemetry.tokens.inc(max(0, p.tokens - active.tokens_seen))
             active.tokens_seen = max(active.tokens_seen, p.tokens)
+
+    def _log_progress(self, active: ActiveJob, points: Sequence[ProgressPoint]) -> None:
+        """One line per job every ``PROGRESS_LOG_INTERVAL_S`` and at each evaluation."""
+        if not points:
+            return
+        now = time.monotonic()
+        last = points[-1]
+        evaluated = [p for p in points if p.val_loss is not None]
+        if not evaluated and now - active.logged_at < PROGRESS_LOG_INTERVAL_S:
+            return
+        active.logged_at = now
+        val = f", val {evaluated[-1].val_loss:.3f}" if evaluated else ""
+        log.info(
+            "job %s: step %d/%d, loss %.3f%s, %s tokens/s",
+            active.id[:12], last.step, active.spec.total_steps, last.loss, val,
+            f"{last.tokens_per_s:,.0f}",
+        )  # fmt: skip
 
     async def _finish(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> None:
         try:
