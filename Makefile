@@ -7,13 +7,14 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-local test lint typecheck unit bench clean help
+.PHONY: demo demo-local test lint typecheck unit bench bench-quick clean help
 
 help:
 	@echo "make demo   - set up .venv, run 3 daemons on loopback that train the tiny GPT together"
 	@echo "make demo-local - one process: train the tiny GPT with a progress bar, print a sample"
 	@echo "make test   - set up .venv, run ruff, mypy and the whole test suite"
-	@echo "make bench  - run the benchmarks (JSON to stdout)"
+	@echo "make bench  - run the benchmarks, JSON to stdout (about 80 min on 2 cores)"
+	@echo "make bench-quick - the benchmarks' quick variants (a few minutes)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,9 @@ test: lint typecheck
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench --quick
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .pytest_cache .ruff_cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -26,14 +27,17 @@ from atomd import systemd
 from atomd.config import Settings
 from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
+from atomd.db.health import DatabaseFile, refuse_lost_database
 from atomd.errors import ConfigError
 from atomd.jobs import JobManager
-from atomd.logs import get_logger
+from atomd.logs import Repeated, get_logger
 from atomd.p2p.identity import Identity
 from atomd.p2p.node import SwarmNode
 from atomd.telemetry import Telemetry
 
 log = get_logger(__name__)
+
+DATABASE_CHECK_S = 5.0  # how often the database file is checked (a stat and 16 bytes)
 
 
 class _Server(uvicorn.Server):
@@ -106,8 +110,10 @@ class Daemon:
         s.jobs_dir.mkdir(parents=True, exist_ok=True)
         control_sock = _bind(s.control_host_port, "control API")
         peer_sock = _bind(s.listen_host_port, "peer plane")
+        refuse_lost_database(s.data_dir, s.db_path)
         await asyncio.to_thread(migrate.upgrade, s.db_path)
         self._db_ready = True
+        database = DatabaseFile(s.db_path)
         identity = Identity.load_or_create(s.data_dir)
         engine = make_engine(s.db_path)
         sessions = make_sessionmaker(engine)
@@ -141,6 +147,7 @@ class Daemon:
                     },
                     started_at=time.monotonic(),
                     swarm=node,
+                    database=database,
                 )
             ),
             s.log_level,
@@ -156,6 +163,7 @@ class Daemon:
                 tg.create_task(peer.serve(sockets=[peer_sock]), name="peer-server")
                 watchdog = tg.create_task(self._watchdog(), name="watchdog")
                 parent = tg.create_task(self._watch_parent(s.parent_pid), name="parent")
+                db_watch = tg.create_task(self._watch_database(database), name="database")
                 await self._until_ready(control, peer, jobs)
                 node_task = tg.create_task(node.run(), name="swarm")
                 lan = await self._lan_discovery(node) if s.zeroconf else None
@@ -174,6 +182,7 @@ class Daemon:
                 control.should_exit = peer.should_exit = True
                 watchdog.cancel()
                 parent.cancel()
+                db_watch.cancel()
                 extend.cancel()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -212,6 +221,18 @@ class Daemon:
         while True:
             systemd.extend_timeout(30)
             await asyncio.sleep(10)
+
+    async def _watch_database(self, database: DatabaseFile) -> None:
+        """Log, as an error and then at a backoff, a database file that vanished or changed
+        (``/readyz`` fails with the same reason meanwhile)."""
+        repeated = Repeated(log, first=DATABASE_CHECK_S, longest=300.0)
+        while True:
+            await asyncio.sleep(DATABASE_CHECK_S)
+            problem = await asyncio.to_thread(database.problem)
+            if problem is None:
+                repeated.clear("database")
+            else:
+                repeated.log("database", logging.ERROR, "%s", problem)
 
     async def _watch_parent(self, pid: int | None) -> None:
         """Shut down when the launcher that started us exits (``--parent-pid``)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib
+import logging
 import threading
 import time
 import uuid
@@ -264,6 +265,26 @@ class JobManager:
                 self.swarm.announce(advert)
         return job
 
+    async def resume(self, job_id: str) -> JobRecord:
+        """Continue a stopped or failed job here from its newest good checkpoint (a job that
+        stopped on a full disk, once there is space again)."""
+        job = await self.get(job_id)
+        self._check_free()
+        if job.state not in ("stopped", "failed", "pending"):
+            raise JobConflictError(
+                f"job {job_id} is {job.state}; only a stopped, failed or pending job resumes"
+            )
+        spec = JobSpec.model_validate(job.spec)
+        admit(spec)
+        job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", "")
+        self._launch(
+            ActiveJob(
+                id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True, scope=job.scope,
+                origin=job.origin,
+            )
+        )  # fmt: skip
+        return job
+
     async def stop(self, job_id: str, scope: Scope = "local") -> JobRecord:
         job = await self.get(job_id)
         if scope == "swarm" and self.swarm is not None:
@@ -474,6 +495,10 @@ class JobManager:
                     await repo.add_checkpoint(
                         s, job_id=active.id, step=item.step, path=str(item.path), sha256=digest
                     )
+                    await repo.advance_job(
+                        s, job_id=active.id, step=item.step,
+                        tokens=item.step * active.spec.tokens_per_step,
+                    )  # fmt: skip
                     self.telemetry.checkpoints.inc()
                 elif isinstance(item, _Started):
                     active.tokens_seen = item.start_step * active.spec.tokens_per_step
@@ -540,5 +565,6 @@ class JobManager:
             job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
             await repo.add_event(s, kind=kind, job_id=job_id, message=message)
         self.telemetry.job_state.state(state)
-        log.info("job %s: %s%s", job_id, state, f" ({reason})" if reason else "")
+        level = logging.ERROR if state == "failed" else logging.INFO
+        log.log(level, "job %s: %s%s", job_id, state, f" ({reason})" if reason else "")
         return job

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ def test_help_everywhere(command: str | None) -> None:
     proc = run(*([command] if command else []), "--help")
     assert proc.returncode == 0, proc.stderr
     assert "Usage" in proc.stdout
+    assert "<bool>" not in proc.stdout  # a flag takes no value
     if command is None:
         for c in COMMANDS:
             assert c in proc.stdout
@@ -87,6 +90,38 @@ def test_bad_spec_is_explained(tmp_path: Path) -> None:
     spec.write_text('{"micro_batch_size": -3}')
     proc = run("train", "--spec", str(spec), "--out", str(tmp_path))
     assert proc.returncode == 2 and "micro_batch_size" in proc.stderr
+
+
+@pytest.mark.parametrize("command", [["train", "--out", "o"], ["job", "start"]])
+def test_missing_spec_file_is_named(tmp_path: Path, command: list[str]) -> None:
+    missing = tmp_path / "missing.json"
+    proc = run(*command, "--spec", str(missing), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"cannot read job spec {missing}: No such file or directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_stops_training_at_a_checkpoint_and_says_how_to_resume(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    p = subprocess.Popen(
+        [*ATOMD, "train", "--out", str(out), "--max-steps", "100000", "--quiet",
+         "--micro-batch-size", "2", "--seq-len", "16", "--checkpoint-interval", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 130, stderr
+    assert "Ctrl-C: stopping at the next step boundary" in stderr
+    assert f"continue with: atomd train --out {out} --resume" in stderr
+    assert "stopped at step" in stdout and "Traceback" not in stderr
+    assert list((out / "checkpoints").glob("step-*"))
 
 
 def test_missing_data_and_checkpoint_are_clear_errors(tmp_path: Path) -> None:
