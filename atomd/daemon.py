@@ -28,7 +28,7 @@ from atomd.config import Settings
 from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.db.health import DatabaseFile, refuse_lost_database
-from atomd.errors import ConfigError
+from atomd.errors import AtomdError, ConfigError
 from atomd.jobs import JobManager
 from atomd.logs import Repeated, get_logger
 from atomd.p2p.identity import Identity
@@ -207,14 +207,20 @@ class Daemon:
         systemd.status("ready")
 
     async def _lan_discovery(self, node: SwarmNode) -> Any:
+        """LAN discovery, or None with the reason logged: the daemon goes on without it (seeds
+        and remembered peers still work) rather than crash and restart-loop under systemd."""
         from atomd.p2p.discovery import LanDiscovery
 
-        return await LanDiscovery.create(
-            swarm=self.settings.swarm,
-            peer_id=node.peer_id,
-            url=self.settings.advertise_url,
-            on_found=node.lan_found,
-        )
+        try:
+            return await LanDiscovery.create(
+                swarm=self.settings.swarm,
+                peer_id=node.peer_id,
+                url=self.settings.advertise_url,
+                on_found=node.lan_found,
+            )
+        except AtomdError as e:
+            log.error("%s; going on without LAN discovery (--zeroconf)", e)
+            return None
 
     async def _extend_stop_timeout(self) -> None:
         """While the job finishes its step and checkpoints, keep systemd from killing us."""
