@@ -16,11 +16,12 @@ help:
 	@echo "make bench  - run the benchmarks, JSON to stdout (about 80 min on 2 cores)"
 	@echo "make bench-quick - the benchmarks' quick variants (a few minutes)"
 
-$(STAMP): pyproject.toml
+# constraints.txt pins the test tools (ruff, mypy, pytest and its plugins).
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev]" -c constraints.txt
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -17,6 +17,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
+import atomd
 from atomd.db.engine import make_sync_engine
 from atomd.errors import AtomdError
 from atomd.logs import get_logger
@@ -25,9 +26,11 @@ log = get_logger(__name__)
 
 
 def migrations_dir() -> Path:
-    """The folder holding ``env.py`` and ``versions/``."""
-    root = files("migrations")
-    path = Path(str(root))
+    """The folder holding ``env.py`` and ``versions/``: beside the ``atomd`` package (in a
+    checkout and in site-packages alike), found by path rather than by the import name
+    ``migrations``, which another project's folder of that name could shadow."""
+    beside = Path(atomd.__file__).resolve().parent.parent / "migrations"
+    path = beside if (beside / "env.py").is_file() else Path(str(files("migrations")))
     if not (path / "env.py").is_file():
         raise AtomdError(f"the migrations package at {path} has no env.py; reinstall atomd")
     return path

@@ -141,3 +141,12 @@ def test_swarm_demo_runs_to_the_end(tmp_path: Path) -> None:
     last = [line for line in proc.stdout.splitlines() if "deltas merged" in line][-2:]
     assert all("finished" in line for line in last)
     assert any("deltas merged   0" not in line for line in last)  # deltas were merged
+
+
+def test_migrate_from_a_folder_with_its_own_migrations_package(tmp_path: Path) -> None:
+    """Another project's ``migrations/`` in the working directory is not ours."""
+    (tmp_path / "migrations").mkdir()
+    (tmp_path / "migrations" / "__init__.py").write_text("raise SystemExit('the wrong one')\n")
+    proc = run("migrate", "--data-dir", str(tmp_path / "data"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "revision 0002" in proc.stdout
