@@ -202,7 +202,8 @@ def status(url: URL = DEFAULT_URL, token: TOKEN = None, as_json: JSON = False) -
 
     def render(d: dict[str, Any]) -> None:
         t = Table(box=None, show_header=False)
-        for k in ("version", "uptime_s", "swarm", "device", "control", "advertise", "data_dir"):
+        for k in ("version", "peer_id", "public_key", "peers_alive", "uptime_s", "swarm",
+                  "device", "control", "advertise", "data_dir"):  # fmt: skip
             t.add_row(k, _fmt(d[k], 1))
         job = d.get("job")
         t.add_row(

@@ -29,7 +29,7 @@ from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.db.health import DatabaseFile, refuse_lost_database
 from atomd.errors import AtomdError, ConfigError
-from atomd.jobs import JobManager
+from atomd.jobs import JobManager, load_training_modules
 from atomd.logs import Repeated, get_logger
 from atomd.p2p.identity import Identity
 from atomd.p2p.node import SwarmNode
@@ -166,6 +166,7 @@ class Daemon:
                 db_watch = tg.create_task(self._watch_database(database), name="database")
                 await self._until_ready(control, peer, jobs)
                 node_task = tg.create_task(node.run(), name="swarm")
+                preload = tg.create_task(self._preload(), name="preload")
                 lan = await self._lan_discovery(node) if s.zeroconf else None
                 await self._shutdown.wait()
                 systemd.stopping()
@@ -182,6 +183,7 @@ class Daemon:
                 control.should_exit = peer.should_exit = True
                 watchdog.cancel()
                 parent.cancel()
+                preload.cancel()
                 db_watch.cancel()
                 extend.cancel()
         finally:
@@ -227,6 +229,14 @@ class Daemon:
         while True:
             systemd.extend_timeout(30)
             await asyncio.sleep(10)
+
+    async def _preload(self) -> None:
+        """Load torch and the training code once ready, off the loop, so that a job (one
+        started here or one a peer announces) starts training in a second, not after the
+        seconds an import of torch takes on a busy machine. Readiness does not wait for it."""
+        t0 = time.monotonic()
+        await asyncio.to_thread(load_training_modules)
+        log.debug("training code loaded in %.1f s", time.monotonic() - t0)
 
     async def _watch_database(self, database: DatabaseFile) -> None:
         """Log, as an error and then at a backoff, a database file that vanished or changed

@@ -151,7 +151,7 @@ class DaemonProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=10, headers=self.headers, **kw)
+        return httpx.Client(**{"base_url": self.url, "timeout": 10, "headers": self.headers, **kw})
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None
