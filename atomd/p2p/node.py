@@ -168,6 +168,8 @@ class SwarmNode:
         self._repeated.clear("alone")
         if await self.swim.join(candidates):
             self._repeated.clear("join")
+            for url, why in self.swim.join_errors.items():  # tried before the one that answered
+                log.info("could not join through %s: %s", url, why)
             return True
         reasons = "; ".join(f"{u}: {why}" for u, why in self.swim.join_errors.items())
         self._repeated.log("join", logging.WARNING, "could not join the swarm (%s); retrying",

@@ -137,7 +137,8 @@ def test_swarm_demo_runs_to_the_end(tmp_path: Path) -> None:
                "--every", "8", timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "the job has finished on every peer" in proc.stdout
-    assert "all daemons stopped" in proc.stdout
+    assert "all 2 daemons stopped." in proc.stdout
+    assert proc.stdout.count(" after SIGTERM in ") == 2  # each daemon, and how it ended
     last = [line for line in proc.stdout.splitlines() if "deltas merged" in line][-2:]
     assert all("finished" in line for line in last)
     assert any("deltas merged   0" not in line for line in last)  # deltas were merged

@@ -71,7 +71,7 @@ async def test_health_and_readiness(make_client: Factory) -> None:
     assert (await c.get("/healthz")).json() == {"status": "ok"}
     r = await c.get("/readyz")
     assert r.status_code == 503
-    assert r.json() == {"ready": False, "checks": {"database": True, "peer": False}}
+    assert r.json() == {"ready": False, "checks": {"database": True, "peer": False}, "reasons": {}}
 
 
 async def test_errors_have_one_shape(make_client: Factory) -> None:
