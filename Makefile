@@ -34,7 +34,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: $(STAMP)
+# api/ and bench/ install as atomd_api and atomd_bench (pyproject's package-dir); mypy finds
+# them under those names through these links (pyproject's mypy_path).
+IMPORT_NAMES := $(VENV)/import-names
+$(IMPORT_NAMES): | $(STAMP)
+	mkdir -p $(IMPORT_NAMES)
+	ln -sfn $(CURDIR)/api $(IMPORT_NAMES)/atomd_api
+	ln -sfn $(CURDIR)/bench $(IMPORT_NAMES)/atomd_bench
+	ln -sfn $(CURDIR)/migrations $(IMPORT_NAMES)/atomd_migrations
+
+typecheck: $(STAMP) $(IMPORT_NAMES)
 	$(BIN)/mypy
 
 unit: $(STAMP)
@@ -44,10 +53,10 @@ test: lint typecheck
 	$(BIN)/pytest -q -ra
 
 bench: $(STAMP)
-	$(BIN)/python -m bench
+	$(BIN)/python -m atomd_bench
 
 bench-quick: $(STAMP)
-	$(BIN)/python -m bench --quick
+	$(BIN)/python -m atomd_bench --quick
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .pytest_cache .ruff_cache

@@ -14,16 +14,6 @@ from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from api import errors
-from api.schemas import (
-    Health,
-    JobPublic,
-    PeerPublic,
-    ProgressPublic,
-    Readiness,
-    RoundPublic,
-    StatusPublic,
-)
 from atomd import __version__
 from atomd.config import Settings
 from atomd.db import repo
@@ -33,6 +23,16 @@ from atomd.jobs import JobManager, Scope
 from atomd.p2p.node import SwarmNode
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
+from atomd_api import errors
+from atomd_api.schemas import (
+    Health,
+    JobPublic,
+    PeerPublic,
+    ProgressPublic,
+    Readiness,
+    RoundPublic,
+    StatusPublic,
+)
 
 
 @dataclass

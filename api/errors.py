@@ -11,7 +11,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from api.schemas import ErrorBody
 from atomd.errors import (
     AtomdError,
     CheckpointError,
@@ -24,6 +23,7 @@ from atomd.errors import (
     UnauthorizedError,
     WireError,
 )
+from atomd_api.schemas import ErrorBody
 
 # Most specific first.
 _STATUS: list[tuple[type[AtomdError], int, str]] = [

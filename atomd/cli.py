@@ -452,7 +452,7 @@ def bench_swap(
     if profile is not None and profile.exists() and not profile.is_dir():
         fail(f"--profile {profile}: exists and is not a folder")
     try:
-        from bench.swap import run as run_swap_bench
+        from atomd_bench.swap import run as run_swap_bench
     except ImportError:
         fail("atomd bench needs the bench/ package (a source checkout or `pip install -e .`)")
     result = run_swap_bench(
@@ -493,7 +493,7 @@ def bench_sync(
 ) -> None:
     """Simulated 4-peer swarms on the tiny GPT: val loss, bytes per round, anchor divergence."""
     try:
-        from bench.sync import run as run_sync_bench
+        from atomd_bench.sync import run as run_sync_bench
     except ImportError:
         fail("atomd bench needs the bench/ package (a source checkout or `pip install -e .`)")
     try:

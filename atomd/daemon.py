@@ -21,8 +21,6 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from api.control import ControlContext, create_control_app
-from api.peer import create_peer_app
 from atomd import systemd
 from atomd.config import Settings
 from atomd.db import migrate, repo
@@ -34,6 +32,8 @@ from atomd.logs import Repeated, get_logger
 from atomd.p2p.identity import Identity
 from atomd.p2p.node import SwarmNode
 from atomd.telemetry import Telemetry
+from atomd_api.control import ControlContext, create_control_app
+from atomd_api.peer import create_peer_app
 
 log = get_logger(__name__)
 

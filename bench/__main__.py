@@ -1,5 +1,6 @@
-"""``python -m bench [--quick] [NAME ...]``: run benchmarks and print their JSON, one object per
-line on stdout; what runs and how long it takes goes to stderr first.
+"""``python -m atomd_bench [--quick] [NAME ...]`` (this ``bench/`` folder): run benchmarks and
+print their JSON, one object per line on stdout; what runs and how long it takes goes to stderr
+first.
 
 The durations are those measured on a quiet 2-core machine without a GPU (``make bench``:
 about 80 min in all, most of it the sync convergence runs; ``make bench-quick``: a few minutes).
@@ -32,12 +33,12 @@ class Bench:
 
 
 BENCHES: dict[str, Bench] = {
-    "train_tiny": Bench("bench.train_tiny", "~2.5 min", "~20 s", {"max_steps": 60}),
-    "healthz": Bench("bench.healthz", "~1 min", "~30 s", {"requests": 100}),
-    "latency": Bench("bench.latency", "~4 min", "~1.5 min", {"quick": True}),
-    "swap": Bench("bench.swap", "~1 min", "~30 s", {"steps": 1}),
-    "membership": Bench("bench.membership", "~1 min", "~40 s", {"n": 4}),
-    "sync": Bench("bench.sync", "~70 min", "~1 min", {"quick": True}),
+    "train_tiny": Bench("atomd_bench.train_tiny", "~2.5 min", "~20 s", {"max_steps": 60}),
+    "healthz": Bench("atomd_bench.healthz", "~1 min", "~30 s", {"requests": 100}),
+    "latency": Bench("atomd_bench.latency", "~4 min", "~1.5 min", {"quick": True}),
+    "swap": Bench("atomd_bench.swap", "~1 min", "~30 s", {"steps": 1}),
+    "membership": Bench("atomd_bench.membership", "~1 min", "~40 s", {"n": 4}),
+    "sync": Bench("atomd_bench.sync", "~70 min", "~1 min", {"quick": True}),
 }
 
 

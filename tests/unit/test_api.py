@@ -13,12 +13,12 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from api.control import ControlContext, create_control_app
 from atomd.config import Settings
 from atomd.db import migrate
 from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.jobs import JobManager
 from atomd.telemetry import Telemetry
+from atomd_api.control import ControlContext, create_control_app
 
 FAST = {"seq_len": 16, "micro_batch_size": 2, "eval_batches": 1, "log_interval": 1}
 Factory = Callable[..., Any]

@@ -12,8 +12,9 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-INSTALLED = ("atomd", "api", "migrations", "bench")  # what the wheel holds
-OWN = {"atomd", "api", "migrations", "bench", "tests"}
+# The folders the wheel holds (installed as atomd, atomd_api, atomd_migrations, atomd_bench).
+INSTALLED = ("atomd", "api", "migrations", "bench")
+OWN = {"atomd", "atomd_api", "atomd_migrations", "atomd_bench", "tests"}
 
 
 def _norm(name: str) -> str:
@@ -79,3 +80,15 @@ def test_test_tools_are_pinned_and_installed_with_the_pins() -> None:
     }
     assert {"ruff", "mypy", "pytest", "pytest-asyncio", "pytest-timeout"} <= pins
     assert "-c constraints.txt" in (REPO / "Makefile").read_text()
+
+
+def test_every_package_folder_is_installed_under_the_projects_own_name() -> None:
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folder_of = {v: k for k, v in setuptools["package-dir"].items()}  # api -> atomd_api
+    found = set()
+    for init in REPO.glob("*/**/__init__.py"):
+        parts = init.parent.relative_to(REPO).parts
+        if parts[0] in INSTALLED:
+            found.add(".".join((folder_of.get(parts[0], parts[0]), *parts[1:])))
+    assert found == set(setuptools["packages"])
+    assert not {"api", "migrations", "bench"} & {p.split(".")[0] for p in setuptools["packages"]}

@@ -7,7 +7,7 @@ import sys
 
 SCRIPT = """
 import sys
-import api.control, atomd.daemon, atomd.jobs
+import atomd_api.control, atomd.daemon, atomd.jobs
 from atomd.errors import SpecError
 from atomd.model import PRESETS
 from atomd.spec import JobSpec
