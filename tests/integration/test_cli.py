@@ -17,7 +17,7 @@ COMMANDS = ["train", "sample", "presets", "demo", "version"]
 
 
 def run(
-    *args: str, cwd: Path | None = None, timeout: float = 240
+    *args: str, cwd: Path | None = None, timeout: float = 900
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ATOMD_LOG_LEVEL": "INFO"}
     return subprocess.run(
@@ -134,7 +134,7 @@ def test_missing_data_and_checkpoint_are_clear_errors(tmp_path: Path) -> None:
 def test_swarm_demo_runs_to_the_end(tmp_path: Path) -> None:
     """What `make demo` runs, on a small budget: daemons start, train together, stop cleanly."""
     proc = run("demo", "--out", str(tmp_path), "--peers", "2", "--max-steps", "24",
-               "--every", "8", timeout=300)  # fmt: skip
+               "--every", "8", timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "the job has finished on every peer" in proc.stdout
     assert "all 2 daemons stopped." in proc.stdout
