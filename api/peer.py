@@ -13,13 +13,13 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
-from api import errors
 from atomd import __version__
 from atomd.errors import NotFoundError, PeerAuthError, WireError
 from atomd.p2p.auth import VerifiedPeer, peer_auth
 from atomd.p2p.node import SwarmNode
 from atomd.p2p.transfer import checkpoint_file, newest_manifest
 from atomd.train.checkpoint import checkpoint_root
+from atomd_api import errors
 
 
 class PeerInfo(BaseModel):

@@ -4,7 +4,7 @@ batches from the same seed, resident (skipped, and said so, when it cannot fit) 
 Prints throughput of both, their ratio, how far the two runs' parameters ended apart, the
 swapped run's peak device memory and bytes loaded per step, and the planner's prediction.
 With a profile folder, a few more swapped steps run under torch.profiler, untimed by the
-throughput figures: the trace lands there and its summary (``bench.profile``) in the JSON.
+throughput figures: the trace lands there and its summary (``atomd_bench.profile``) in the JSON.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from atomd.swap.trace import Costs, simulate
 from atomd.swap.trace import write as write_trace
 from atomd.train.engine import ResidentEngine, StepEngine
 from atomd.units import format_bytes
-from bench.profile import read_trace, summarize, write_gz
+from atomd_bench.profile import read_trace, summarize, write_gz
 
 log = get_logger("atomd.bench.swap")
 
