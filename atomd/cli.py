@@ -288,7 +288,15 @@ def demo(
 
 
 SwapOptimizerOpt = Annotated[
-    str | None, typer.Option(help="Fix where swapped layers' AdamW runs: host or device.")
+    str | None,
+    typer.Option(
+        help="Fix where swapped layers' AdamW runs: host, device, or split (the first layers "
+        "on the device, the rest on the host)."
+    ),
+]
+DeviceStepsOpt = Annotated[
+    int | None,
+    typer.Option(min=1, help="With --optimizer split: how many swapped layers step on the device."),
 ]
 GraphBlocksOpt = Annotated[
     int | None, typer.Option(help="Fix the blocks not recomputed (default: as many as fit).")
@@ -313,7 +321,7 @@ def _link_choice(value: str | None) -> Link | None:
 
 
 def _optimizer_choice(value: str | None) -> Optimizer | None:
-    return cast("Optimizer | None", _one_of("--optimizer", value, ("host", "device")))
+    return cast("Optimizer | None", _one_of("--optimizer", value, ("host", "device", "split")))
 
 
 @app.command()
@@ -339,6 +347,7 @@ def plan(
         int | None, typer.Option(help="Fix the blocks kept on the device.")
     ] = None,
     optimizer: SwapOptimizerOpt = None,
+    device_steps: DeviceStepsOpt = None,
     graph_blocks: GraphBlocksOpt = None,
     link: LinkOpt = None,
     measure: Annotated[
@@ -400,6 +409,7 @@ def plan(
         "micro_batches": micro_batches,
         "resident_blocks": resident_blocks,
         "optimizer": _optimizer_choice(optimizer),
+        "device_steps": device_steps,
         "graph_blocks": graph_blocks,
         "link": _link_choice(link),
     }
@@ -446,6 +456,7 @@ def bench_swap(
     ] = 0,
     gpu_mem: Annotated[str | None, typer.Option(help="Device-memory budget, e.g. 8GiB.")] = None,
     optimizer: SwapOptimizerOpt = None,
+    device_steps: DeviceStepsOpt = None,
     graph_blocks: GraphBlocksOpt = None,
     link: LinkOpt = None,
     resident: Annotated[
@@ -486,6 +497,14 @@ def bench_swap(
             "JSON file; the output gets the simulated step times and critical path."
         ),
     ] = None,
+    host_threads: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="torch's intra-op threads for this run (default: torch's): fewer than the cores "
+            "leaves one for the thread that issues the device's work beside the host AdamW.",
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
 ) -> None:
     """Train the same steps resident and swapped; print throughput, ratio and parameter diff."""
@@ -507,6 +526,7 @@ def bench_swap(
         resident_blocks=resident_blocks,
         gpu_mem=gpu_mem,
         optimizer=_optimizer_choice(optimizer),
+        device_steps=device_steps,
         graph_blocks=graph_blocks,
         link=_link_choice(link),
         resident=resident,
@@ -514,6 +534,7 @@ def bench_swap(
         also_grad_clip=also_grad_clip,
         profile=profile,
         trace=trace,
+        host_threads=host_threads,
     )
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
 

@@ -230,12 +230,21 @@ class JobSpec(_Spec):
         description="The last blocks that keep their forward graph until backward instead of "
         "recomputing it (faster, more device memory); default: as many as the budget has room for.",
     )
-    swap_optimizer: Literal["auto", "host", "device"] = Field(
+    swap_optimizer: Literal["auto", "host", "device", "split"] = Field(
         "auto",
         description="Where swapped layers' AdamW runs: 'host' (fused, on a worker thread, "
         "overlapping the backward), 'device' (applied when the layer is next loaded, its moments "
-        "travelling with it: for a slow host CPU, at 16 B/parameter of slot memory instead of 8) "
-        "or 'auto' (the planner's choice).",
+        "travelling with it: for a slow host CPU, at 16 B/parameter of slot memory instead of 8), "
+        "'split' (the first swapped layers on the device, the rest on the host: with gradient "
+        "clipping the host's steps then have the next forward through the device-stepped "
+        "layers to catch up) or 'auto' (the planner's choice).",
+    )
+    swap_device_steps: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="With swap_optimizer 'split': how many swapped layers step on the device; "
+        "default: the planner's.",
     )
     swap_link: Literal["auto", "bf16", "fp32"] = Field(
         "auto",
@@ -274,8 +283,13 @@ class JobSpec(_Spec):
                 f"swap_micro_batches {self.swap_micro_batches} must divide "
                 f"grad_accum {self.grad_accum}"
             )
+        if self.swap_device_steps is not None and self.swap_optimizer in ("host", "device"):
+            raise ValueError(
+                f"swap_device_steps goes with swap_optimizer 'split' (or 'auto'), "
+                f"not {self.swap_optimizer!r}"
+            )
         n_layer = PRESETS[self.preset].n_layer
-        for name in ("swap_resident_blocks", "swap_graph_blocks"):
+        for name in ("swap_resident_blocks", "swap_graph_blocks", "swap_device_steps"):
             blocks = getattr(self, name)
             if blocks is not None and blocks > n_layer:
                 raise ValueError(
