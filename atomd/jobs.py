@@ -6,7 +6,8 @@ them in SQLite. States: pending -> running -> stopping -> stopped | finished | f
 
 Swarm jobs (scope "swarm", the default) are announced to the peers through a ``SwarmLink``;
 a peer that hears of one it has no record of joins it (auto-join), fetching the newest state
-from a live peer first. A stop is local, or swarm-wide when asked.
+from a live peer first, and trains it with a plugin from the ``DeltaLink`` (the delta exchange).
+A stop is local, or swarm-wide when asked.
 
 Durability: ``metrics.jsonl`` and the checkpoints are written by the trainer thread itself, so
 nothing depends on the loop keeping up. After a crash, a restarted daemon resumes every job that
@@ -59,7 +60,18 @@ class SwarmLink(Protocol):
     def broadcast_stop(self, job_id: str) -> None: ...
     async def fetch_state(self, job_id: str, donors: list[str], root: Path) -> int | None: ...
     def job_donors(self, job_id: str) -> list[str]: ...
-    def sync_plugin(self, job_id: str, spec: JobSpec) -> RoundPlugin: ...
+
+
+class DeltaLink(Protocol):
+    """What the job manager needs from the delta exchange (``atomd.sync.exchange``)."""
+
+    def plugin(self, job_id: str, spec: JobSpec) -> RoundPlugin:
+        """The trainer-thread side of the exchange for one swarm job."""
+        ...
+
+    def release(self, job_id: str) -> None:
+        """The job no longer trains here."""
+        ...
 
 
 @dataclass
@@ -162,6 +174,7 @@ class JobManager:
         self.device = device
         self.peer_id = peer_id
         self.swarm: SwarmLink | None = None
+        self.exchange: DeltaLink | None = None
         self.active: ActiveJob | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomd-trainer")
         self._tg: asyncio.TaskGroup | None = None
@@ -213,6 +226,11 @@ class JobManager:
         if a is None or a.scope != "swarm" or a.stop_event.is_set():
             return None
         return {"id": a.id, "spec": a.spec.model_dump(), "origin": a.origin}
+
+    def trains(self, job_id: str) -> bool:
+        """Whether this daemon trains swarm job ``job_id`` now (and is not stopping it)."""
+        a = self.active
+        return a is not None and a.id == job_id and a.scope == "swarm" and not a.stop_event.is_set()
 
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id
@@ -397,7 +415,8 @@ class JobManager:
             if active.scope == "swarm" and self.swarm is not None:
                 if not await self._take_swarm_state(active):
                     return
-                active.plugin = self.swarm.sync_plugin(active.id, active.spec)
+                if self.exchange is not None:
+                    active.plugin = self.exchange.plugin(active.id, active.spec)
             fut = loop.run_in_executor(self._executor, self._train_blocking, active, loop)
             while not fut.done() or not active.queue.empty():
                 getter = asyncio.ensure_future(active.queue.get())
@@ -413,6 +432,8 @@ class JobManager:
             await self._finish(active, fut)
         finally:
             self.active = None
+            if active.plugin is not None and self.exchange is not None:
+                self.exchange.release(active.id)
             if not self._closing.is_set():
                 self.telemetry.job_state.state("none")
 
