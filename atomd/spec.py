@@ -148,7 +148,13 @@ class JobSpec(_Spec):
     max_steps: int | None = Field(600, ge=1, description="Stop after this many optimizer steps.")
     max_tokens: int | None = Field(None, ge=1, description="Stop after this many tokens.")
     eval_interval: int = Field(100, ge=1, description="Validate every this many steps.")
-    eval_batches: int = Field(20, ge=1, le=1000, description="Validation batches per evaluation.")
+    eval_batches: int = Field(
+        20,
+        ge=1,
+        le=1000,
+        description="Validation batches of 16 fixed windows each: the same windows whatever "
+        "the batch size, so every run's validation loss compares with every other's.",
+    )
     log_interval: int = Field(10, ge=1, description="Write a metrics row every this many steps.")
     checkpoint_interval: int = Field(200, ge=1, description="Checkpoint every this many steps.")
     keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk.")

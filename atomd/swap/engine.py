@@ -68,7 +68,7 @@ from atomd.swap.plan import SwapPlan
 from atomd.swap.schedule import training_visits
 from atomd.swap.slots import Slot, SwapStats, Wave, nbytes
 from atomd.swap.streams import DONE, Marker, Streams, label
-from atomd.train.engine import autocast, load_model_tensors, model_tensors
+from atomd.train.engine import autocast, load_model_tensors, model_tensors, window_mean
 from atomd.train.optim import build_adamw, optimizer_state_by_param, optimizer_tensors
 from atomd.units import format_bytes
 
@@ -615,7 +615,7 @@ class SwapEngine:
             for a, b in zip(acts, chunk, strict=True):  # logits one micro-batch at a time
                 (logits,) = self._forward(n - 1, [a], None)
                 losses.append(lm_loss(logits, b.y.to(self.device, non_blocking=True)))
-        return float(torch.stack(losses).mean())
+        return window_mean(losses, batches)
 
     # -- state ----------------------------------------------------------------------------------
 

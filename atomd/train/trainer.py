@@ -20,7 +20,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from atomd import __version__
-from atomd.data.dataset import TokenDataset, load_dataset
+from atomd.data.dataset import VAL_BATCH, TokenDataset, load_dataset
 from atomd.devices import resolve_device
 from atomd.errors import CheckpointError, ConfigError, TrainingError
 from atomd.logs import get_logger
@@ -127,8 +127,9 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         if resume:
             self._resume()
+        # The same windows whatever the batch size; at most a micro-batch of them at a time.
         self.val_batches = self.dataset.val_batches(
-            count=spec.eval_batches, batch_size=spec.micro_batch_size
+            count=spec.eval_batches, batch_size=min(spec.micro_batch_size, VAL_BATCH)
         )
 
     def _resume(self) -> None:

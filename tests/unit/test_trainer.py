@@ -113,3 +113,14 @@ def test_nan_loss_stops_without_poisoning_the_checkpoint(tmp_path: Path, text_fi
         t.run()
     names = [p.name for p in (tmp_path / "checkpoints").iterdir()]
     assert names == ["step-00000003"]
+
+
+def test_validation_loss_does_not_depend_on_the_batch_size(tmp_path: Path, text_file: Path) -> None:
+    """The same model, two runs whose batch sizes differ: the same windows, the same loss."""
+    losses = []
+    for micro in (3, 16):
+        spec = fast_spec(data=str(text_file), micro_batch_size=micro, eval_batches=2)
+        t = Trainer(spec, tmp_path / f"b{micro}", device="cpu")
+        assert sum(b.x.shape[0] for b in t.val_batches) == 2 * 16
+        losses.append(t.engine.evaluate(t.val_batches))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
