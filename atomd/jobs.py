@@ -121,6 +121,7 @@ def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> Progre
         tokens_per_s=float(d["tokens_per_s"]),
         lr=d.get("lr"),
         at=at or datetime.now(UTC),
+        sync=d.get("sync"),
     )
 
 

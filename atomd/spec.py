@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -60,7 +60,12 @@ OUTER_MOMENTUM: dict[str, float] = {"topk": 0.5}
 class SyncSpec(_Spec):
     """How peers of a swarm job exchange progress: compressed weight deltas every H steps."""
 
-    every: int = Field(50, ge=1, description="H: inner steps between rounds (delta exchanges).")
+    every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="H: inner steps between rounds (delta exchanges), or 'auto': rounds as "
+        "often as their traffic and work hide behind the compute between them, at a pace the "
+        "swarm agrees on (docs/cadence.md).",
+    )
     codec: Literal["fp32", "bf16", "int8", "topk"] = Field(
         "topk", description="Delta codec; all keep what they drop for the next round."
     )

@@ -222,12 +222,12 @@ Inbox = dict[tuple[int, int], list[Contribution]]  # (receiver, step it is there
 
 
 def _async_round(
-    states: Sequence[SyncState], inbox: Inbox, rnd: int, step: int, total: int
+    states: Sequence[SyncState], inbox: Inbox, rnd: int, step: int, total: int, every: int
 ) -> list[Outgoing]:
     """Peers close round ``rnd`` (after ``step`` steps) in a seeded order, each merging what has
     reached it; each delta is posted to the others with its drawn delay (see the docstring), at
     most until the next boundary (the last round may be short)."""
-    n, h = len(states), min(states[0].spec.every, max(1, total - step))
+    n, h = len(states), min(every, max(1, total - step))
     outs: dict[int, Outgoing] = {}
     for i in random.Random(f"order:{SEED}:{rnd}").sample(range(n), n):
         outs[i] = states[i].round_boundary(_arrived(inbox, i, step), n_peers=n)
@@ -253,7 +253,8 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     t0 = time.perf_counter()
     n = budget.peers or run.peers
     spec = _job_spec(budget.batch(run.batch_size), budget)
-    sync = replace_every(run.sync_spec(), budget.every(run.every))
+    h = budget.every(run.every)
+    sync = replace_every(run.sync_spec(), h)
     data = load_dataset(spec.data, seq_len=spec.effective_seq_len, val_fraction=spec.val_fraction)
     shards = [
         TokenDataset(
@@ -278,7 +279,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     ratios: list[float] = []
     divergences: list[float] = []  # committed anchors
     start_divergences: list[float] = []  # where the replicas restart (anchor + pending deltas)
-    h, rnd = sync.every, 0
+    rnd = 0
     for step in range(spec.total_steps):
         lr = lr_at(spec, step)
         for i, (eng, ds) in enumerate(zip(engines, shards, strict=True)):
@@ -301,7 +302,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         if run.mode == "sync":
             outs = _sync_round(states)
         else:
-            outs = _async_round(states, inbox, rnd, step + 1, spec.total_steps)
+            outs = _async_round(states, inbox, rnd, step + 1, spec.total_steps, h)
         bytes_sent += [_frame_bytes(o, ident) for o, ident in zip(outs, identities, strict=True)]
         ratios += [o.wire_ratio for o in outs]
         if (step + 1) > spec.warmup_steps:

@@ -19,6 +19,7 @@ and ``TrainingJobs`` (whether this daemon still trains a job: the job manager).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -86,6 +87,7 @@ class _Row:
     staleness: int | None
     applied: bool
     reason: str | None
+    every: int | None = None  # steps the sender's round lasted
 
 
 class DeltaExchange:
@@ -109,7 +111,9 @@ class DeltaExchange:
         self.jobs: TrainingJobs | None = None  # set by the daemon once the job manager exists
         self.plugins: dict[str, SyncPlugin] = {}
         self._replay_guard: ReplayGuard | None = None
-        self._received_bytes: dict[tuple[str, str, int], int] = {}
+        # (job, sender, round) -> (frame bytes, the sender's round length in steps): recorded
+        # when the plugin merges the delta.
+        self._received: dict[tuple[str, str, int], tuple[int, int | None]] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -161,6 +165,8 @@ class DeltaExchange:
     def release(self, job_id: str) -> None:
         """The job no longer trains here: frames for it are refused from now on."""
         self.plugins.pop(job_id, None)
+        for key in [k for k in self._received if k[0] == job_id]:
+            del self._received[key]
 
     def _codec(self, job_id: str) -> str:
         """The delta codec of a job this daemon trains ("?" once it no longer does)."""
@@ -173,10 +179,12 @@ class DeltaExchange:
         return plugin.state.numel * 4 if plugin is not None and plugin.state is not None else 0
 
     async def _deliver(self, out: RoundOut) -> None:
-        """Send one round's frame to every peer training the job; record what happened."""
+        """Send one round's frame to every peer training the job; record what happened, and
+        tell the plugin how long the frame took to reach them (its cadence's traffic time)."""
         await self._record_merge(out.job_id, out.merge)
         targets = self.peers.job_peers(out.job_id)
         path = f"/p2p/v1/jobs/{out.job_id}/deltas"
+        arrived: list[float] = []  # time.monotonic() of each accepted upload
 
         async def one(peer: PeerRef) -> str | None:
             for attempt in range(UPLOAD_ATTEMPTS):
@@ -184,6 +192,7 @@ class DeltaExchange:
                     await self.client.post_bytes(
                         peer.url, path, out.frame, timeout=UPLOAD_TIMEOUT_S
                     )
+                    arrived.append(time.monotonic())
                     return None
                 except PeerRequestError as e:
                     if e.status is not None and 400 <= e.status < 500:
@@ -193,11 +202,18 @@ class DeltaExchange:
                     await asyncio.sleep(RETRY_DELAY_S)
             return "unreachable"
 
-        errors = await asyncio.gather(*(one(p) for p in targets))
+        try:
+            errors = await asyncio.gather(*(one(p) for p in targets))
+        finally:
+            plugin = self.plugins.get(out.job_id)
+            if plugin is not None:  # the next round may close now; -1: nothing measured
+                traffic = max(arrived) - out.handed_at if arrived else -1.0
+                plugin.delivered(out.outgoing.round, traffic)
         rows = [
-            _Row(out.outgoing.round, "sent", p.id, len(out.frame), None, error is None, error)
+            _Row(out.outgoing.round, "sent", p.id, len(out.frame), None, error is None, error,
+                 out.every)
             for p, error in zip(targets, errors, strict=True)
-        ]
+        ]  # fmt: skip
         await self._record(out.job_id, rows, ratio_of=out.outgoing.raw_bytes)
         for error in errors:
             if error is None:
@@ -206,15 +222,12 @@ class DeltaExchange:
     async def _record_merge(self, job_id: str, merge: MergeReport) -> None:
         """Record what a merge did with the deltas it was given (applied, or why not)."""
 
-        def size(sender: str, rnd: int) -> int:
-            return self._received_bytes.pop((job_id, sender, rnd), 0)
+        def row(sender: str, rnd: int, staleness: int | None, reason: str | None) -> _Row:
+            size, every = self._received.pop((job_id, sender, rnd), (0, None))
+            return _Row(rnd, "received", sender, size, staleness, reason is None, reason, every)
 
-        rows = [
-            _Row(a.round, "received", a.sender, size(a.sender, a.round), a.staleness, True, None)
-            for a in merge.applied
-        ] + [
-            _Row(r.round, "received", r.sender, size(r.sender, r.round), None, False, r.reason)
-            for r in merge.refused
+        rows = [row(a.sender, a.round, a.staleness, None) for a in merge.applied] + [
+            row(r.sender, r.round, None, r.reason) for r in merge.refused
         ]
         await self._record(job_id, rows, ratio_of=self._model_bytes(job_id))
 
@@ -231,7 +244,7 @@ class DeltaExchange:
                     s, job_id=job_id, round=r.round, direction=r.direction, peer_id=r.peer_id,
                     bytes=r.bytes, codec=codec,
                     compression_ratio=ratio_of / r.bytes if r.bytes else 0.0,
-                    staleness=r.staleness, applied=r.applied, reason=r.reason,
+                    staleness=r.staleness, applied=r.applied, reason=r.reason, every=r.every,
                 )  # fmt: skip
         for r in rows:
             self.telemetry.rounds.labels(r.direction, str(r.applied).lower()).inc()
@@ -281,7 +294,10 @@ class DeltaExchange:
                 job_id, [_Row(-1, "received", signer, len(body), None, False, str(e))], ratio_of=0
             )
             raise
-        self._received_bytes[(job_id, frame.sender, frame.round)] = frame.wire_bytes
+        every = frame.cadence.every if frame.cadence is not None else None
+        self._received[(job_id, frame.sender, frame.round)] = (frame.wire_bytes, every)
+        if frame.cadence is not None:
+            plugin.heard(frame.sender, frame.cadence.period_s)
         self.telemetry.bytes_received.inc(frame.wire_bytes)
         plugin.inbox.put(Contribution(frame.sender, frame.round, frame.base_version, tensors))
         return frame.wire_bytes

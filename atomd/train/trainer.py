@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -44,6 +44,9 @@ class RoundPlugin(Protocol):
     def state_tensors(self) -> dict[str, Tensor]: ...
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> bool: ...
     def adopt(self) -> None: ...
+    def stats(self) -> dict[str, Any]:
+        """What to report with each logged step (the cadence in force, time in sync)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -227,6 +230,7 @@ class Trainer:
                         tokens_per_s=window_tokens / max(window_time, 1e-9),
                         val_loss=val_loss,
                         elapsed_s=time.perf_counter() - t_start,
+                        sync=self.plugin.stats() if self.plugin is not None else None,
                     )
                     window_tokens, window_time = 0, 0.0
                     self.metrics.write(report.to_row())
