@@ -114,6 +114,9 @@ class DeltaExchange:
         # (job, sender, round) -> (frame bytes, the sender's round length in steps): recorded
         # when the plugin merges the delta.
         self._received: dict[tuple[str, str, int], tuple[int, int | None]] = {}
+        # job -> peer -> the base version of its last delta for the job: it trains no more, but
+        # still takes the deltas of that round (it waits for them before it finishes).
+        self._finished: dict[str, dict[str, int]] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -153,7 +156,7 @@ class DeltaExchange:
             job_id=job_id,
             spec=spec.sync,
             identity=self.identity,
-            n_peers=lambda: 1 + len(self.peers.job_peers(job_id)),
+            n_peers=lambda base_version: 1 + len(self._training(job_id, base_version)),
             send=lambda out: self._from_trainer(self._deliver(out), f"round-{out.step}"),
             absorbed=lambda job, merge: self._from_trainer(
                 self._record_merge(job, merge), "absorbed"
@@ -162,9 +165,18 @@ class DeltaExchange:
         self.plugins[job_id] = plugin
         return plugin
 
+    def _training(self, job_id: str, base_version: int) -> list[PeerRef]:
+        """The peers of ``job_id`` in its round on ``base_version``: live, and not done with the
+        job before that round (a peer's last delta says which round was its last)."""
+        last = self._finished.get(job_id, {})
+        return [
+            p for p in self.peers.job_peers(job_id) if last.get(p.id, base_version) >= base_version
+        ]
+
     def release(self, job_id: str) -> None:
         """The job no longer trains here: frames for it are refused from now on."""
         self.plugins.pop(job_id, None)
+        self._finished.pop(job_id, None)
         for key in [k for k in self._received if k[0] == job_id]:
             del self._received[key]
 
@@ -182,7 +194,7 @@ class DeltaExchange:
         """Send one round's frame to every peer training the job; record what happened, and
         tell the plugin how long the frame took to reach them (its cadence's traffic time)."""
         await self._record_merge(out.job_id, out.merge)
-        targets = self.peers.job_peers(out.job_id)
+        targets = self._training(out.job_id, out.outgoing.base_version)
         path = f"/p2p/v1/jobs/{out.job_id}/deltas"
         arrived: list[float] = []  # time.monotonic() of each accepted upload
 
@@ -298,6 +310,8 @@ class DeltaExchange:
         self._received[(job_id, frame.sender, frame.round)] = (frame.wire_bytes, every)
         if frame.cadence is not None:
             plugin.heard(frame.sender, frame.cadence.period_s)
+        if frame.final:
+            self._finished.setdefault(job_id, {})[frame.sender] = frame.base_version
         self.telemetry.bytes_received.inc(frame.wire_bytes)
         plugin.inbox.put(Contribution(frame.sender, frame.round, frame.base_version, tensors))
         return frame.wire_bytes

@@ -52,6 +52,7 @@ class RoundOut:
     merge: MergeReport
     every: int  # steps this round lasted
     handed_at: float  # time.monotonic() when it left the trainer
+    final: bool = False  # this peer's last delta for the job
 
 
 class Inbox:
@@ -84,11 +85,12 @@ class SyncPlugin:
         job_id: str,
         spec: SyncSpec,
         identity: Identity,
-        n_peers: Callable[[], int],
+        n_peers: Callable[[int], int],
         send: Callable[[RoundOut], None],
         absorbed: Callable[[str, MergeReport], None] | None = None,
     ) -> None:
-        """``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
+        """``n_peers``: peers (this one included) that take part in the round on a base version;
+        ``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
         boundaries (job id, report), for the records."""
         self.job_id = job_id
         self.spec = spec
@@ -150,15 +152,32 @@ class SyncPlugin:
         try:
             if not self._round_due(step):
                 self._absorb()
-                behind = self.state.rounds_behind()
-                if behind < 2 or (self.cadence.auto and self._uploading()):
+                if not self._catch_up(step):
                     return
-                log.info("step %d: the swarm has closed %d rounds this peer has not; closing "
-                         "round %d early", step, behind, self.state.round)  # fmt: skip
             self._boundary(step)
         finally:
             self._last_step_end = time.perf_counter()
             self._count(self._last_step_end - t0)
+
+    def _catch_up(self, step: int) -> bool:
+        """Close the round before its H steps? When the swarm is two rounds on (see
+        ``after_step``); with the automatic cadence also when this peer is the last of the round:
+        every other peer's delta of it is in. That keeps the peers in phase (a peer that joined
+        or resumed late closes its rounds right after the others' instead of a round behind, where
+        its deltas would reach them after they committed the round)."""
+        assert self.state is not None
+        behind = self.state.rounds_behind()
+        if self.cadence.auto:
+            if self._uploading():
+                return False
+            others = self.n_peers(self.state.version) - 1
+            if behind < 2:
+                return 0 < others <= self.state.deltas_in(self.state.version)
+        elif behind < 2:
+            return False
+        log.info("step %d: the swarm has closed %d rounds this peer has not; closing "
+                 "round %d early", step, behind, self.state.round)  # fmt: skip
+        return True
 
     def _round_due(self, step: int) -> bool:
         if self.cadence.fixed is not None:
@@ -167,7 +186,7 @@ class SyncPlugin:
         if self._uploading():
             return False
         every = self.cadence.every()
-        if self.n_peers() <= 1:
+        if self.n_peers(self.version) <= 1:
             every = max(every, ALONE_EVERY)
         return step - self._round_start >= every
 
@@ -215,11 +234,11 @@ class SyncPlugin:
         if self.absorbed is not None and (merge.applied or merge.refused):
             self.absorbed(self.job_id, merge)
 
-    def _boundary(self, step: int) -> None:
+    def _boundary(self, step: int, *, final: bool = False) -> None:
         assert self.state is not None
         self._settle()
         inbox = self.inbox.take()
-        out = self.state.round_boundary(inbox, n_peers=max(1, self.n_peers()))
+        out = self.state.round_boundary(inbox, n_peers=max(1, self.n_peers(self.state.version)))
         # Steps this round lasted (at least 1: a consolidation round repeats the last step).
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
         view = self.cadence.view()
@@ -230,6 +249,7 @@ class SyncPlugin:
             base_version=out.base_version,
             tensors=out.tensors,
             cadence=None if view.period_s is None else {"period_s": view.period_s, "every": every},
+            final=final,
         )
         merge = self.state.last_merge
         log.info(
@@ -243,7 +263,7 @@ class SyncPlugin:
         self._round_start = step
         handed_at = time.monotonic()
         self._in_flight = (out.round, handed_at)
-        self.send(RoundOut(self.job_id, step, frame, out, merge, every, handed_at))
+        self.send(RoundOut(self.job_id, step, frame, out, merge, every, handed_at, final))
 
     def finish(self, step: int, stop: threading.Event) -> None:
         """Instead of ``after_step`` after the job's last step: close the last round (also when
@@ -260,11 +280,12 @@ class SyncPlugin:
             return
         if self.spec.consolidate_rounds:  # every peer switches at its last boundary
             self.state.average_from_now()
-        self._timed_boundary(step)
+        # Without consolidation this is our last delta: the others stop waiting for us.
+        self._timed_boundary(step, final=not self.spec.consolidate_rounds)
         if not self._await_round(stop, "last deltas"):
             return
         for done in range(self.spec.consolidate_rounds):
-            if stop.is_set() or self.n_peers() <= 1:  # alone, there is nothing to agree on
+            if stop.is_set() or self.n_peers(self.version) <= 1:  # alone: nothing to agree on
                 return
             self._timed_boundary(step)
             if not self._await_round(stop, f"consolidation round {done + 1}"):
@@ -272,24 +293,24 @@ class SyncPlugin:
         if self.spec.consolidate_rounds:
             log.info("consolidated in %d rounds", self.spec.consolidate_rounds)
 
-    def _timed_boundary(self, step: int) -> None:
+    def _timed_boundary(self, step: int, *, final: bool = False) -> None:
         t0 = time.perf_counter()
-        self._boundary(step)
+        self._boundary(step, final=final)
         self.busy_s += time.perf_counter() - t0
 
     def _await_round(self, stop: threading.Event, what: str) -> bool:
         """Absorb the other peers' deltas of the round just closed as they arrive, for at most
         ``final_wait_s``; True once every live peer's is in."""
         assert self.state is not None
-        if self.n_peers() <= 1:  # alone: its own round is committed already
-            return True
         last = self.state.version - 1
+        if self.n_peers(last) <= 1:  # alone: its own round is committed already
+            return True
         deadline = time.monotonic() + self.spec.final_wait_s
         started = time.perf_counter()
         try:
             while True:
                 self._absorb()
-                have, want = self.state.deltas_in(last), self.n_peers()
+                have, want = self.state.deltas_in(last), self.n_peers(last)
                 if have >= want:
                     return True
                 if stop.is_set() or time.monotonic() >= deadline:

@@ -5,12 +5,13 @@ Layout (integers little-endian)::
     b"ATD1" | u8 version | u32 header length | header (JSON, ≤ 1 MiB) | payload
 
 The header names the job, the sender, its round and base version (the anchor version the delta is
-relative to), and every tensor (name, shape, codec, meta, nbytes), and may carry the sender's
-cadence (version 2: ``{"period_s": its proposed round period, "every": steps in this round}``,
-see ``cadence.py``); the payload is the tensors'
-payloads concatenated in header order. The header travels in canonical form (sorted keys, no
-spaces, ASCII) and the sender signs it without its ``signature`` field with its Ed25519 key; the
-signed part holds ``payload_sha256``, so the signature covers the payload.
+relative to), and every tensor (name, shape, codec, meta, nbytes); since version 2 it may also
+carry the sender's cadence (``{"period_s": its proposed round period, "every": steps in this
+round}``, see ``cadence.py``) and ``"final": true`` on the last delta it sends for the job. The
+payload is the tensors' payloads concatenated in header order. The header travels in canonical
+form (sorted keys, no spaces, ASCII) and the sender signs it without its ``signature`` field
+with its Ed25519 key; the signed part holds ``payload_sha256``, so the signature covers the
+payload.
 
 :class:`FrameDecoder` takes the bytes as they arrive and refuses a frame as early as it can: bad
 magic or version, oversize, a header that is malformed, for another job, from an unknown sender,
@@ -40,7 +41,7 @@ from atomd.sync import codecs
 from atomd.sync.codecs import Encoded
 
 MAGIC = b"ATD1"
-VERSION = 2  # 2: the optional "cadence" header field
+VERSION = 2  # 2: the optional "cadence" and "final" header fields
 PREFIX = struct.Struct("<4sBI")  # magic, version, header length: 9 bytes
 MAX_HEADER_BYTES = 1 << 20
 MAX_FUTURE_S = 60.0  # clock skew allowed for created_at
@@ -60,7 +61,7 @@ _HEADER_KEYS = frozenset(
         "signature",
     }
 )
-_OPTIONAL_KEYS = frozenset({"cadence"})
+_OPTIONAL_KEYS = frozenset({"cadence", "final"})
 _TENSOR_KEYS = frozenset({"name", "shape", "codec", "meta", "nbytes"})
 _CADENCE_KEYS = frozenset({"period_s", "every"})
 MAX_PERIOD_S = 86_400.0
@@ -80,6 +81,7 @@ class DeltaFrame:
     tensors: dict[str, Encoded]  # in header order
     wire_bytes: int  # the whole frame
     cadence: Cadence | None = None  # the sender's, when it sent one
+    final: bool = False  # the sender's last delta for the job
 
 
 class Cadence(NamedTuple):
@@ -98,9 +100,10 @@ def encode_frame(
     tensors: Sequence[tuple[str, Encoded]],
     now: float | None = None,
     cadence: Mapping[str, float | int] | None = None,
+    final: bool = False,
 ) -> bytes:
     """One signed frame holding ``tensors`` (name, encoded), in that order, and the sender's
-    ``cadence`` (``period_s``, ``every``) when given."""
+    ``cadence`` (``period_s``, ``every``) when given; ``final``: its last for the job."""
     names = [name for name, _ in tensors]
     if not names or len(set(names)) != len(names):
         raise ValueError(f"a frame holds one or more tensors with distinct names, got {names}")
@@ -132,6 +135,8 @@ def encode_frame(
     if cadence is not None:
         header["cadence"] = {"period_s": float(cadence["period_s"]), "every": int(cadence["every"])}
         _cadence(header["cadence"])  # refuse here what a receiver would refuse
+    if final:
+        header["final"] = True
     header["signature"] = identity.sign(_canonical(header)).hex()
     head = _canonical(header)
     if len(head) > MAX_HEADER_BYTES:
@@ -213,6 +218,7 @@ class _Header:
     payload_sha256: str
     signature: str
     cadence: Cadence | None
+    final: bool
 
 
 class FrameDecoder:
@@ -425,6 +431,7 @@ class FrameDecoder:
             tensors=tensors,
             wire_bytes=self._received,
             cadence=header.cadence,
+            final=header.final,
         )
 
 
@@ -543,7 +550,13 @@ def _validate(obj: dict[str, Any]) -> _Header:
         payload_sha256=obj["payload_sha256"],
         signature=obj["signature"],
         cadence=_cadence(obj["cadence"]) if "cadence" in obj else None,
+        final=_final(obj.get("final", False)),
     )
+
+
+def _final(value: Any) -> bool:
+    _expect(value is True or value is False, "final", "true or false", value)
+    return bool(value)
 
 
 def _cadence(value: Any) -> Cadence:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,10 @@ async def running(ex: DeltaExchange) -> AsyncIterator[None]:
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def _async_true(value: bool) -> bool:
+    return value
+
+
 async def until(predicate: Any, what: str) -> None:
     for _ in range(500):
         if await predicate():
@@ -193,3 +198,35 @@ async def test_received_frames_are_checked_queued_and_recorded(sessions: Any) ->
     assert ex.max_frame_bytes(JOB) == 0
     with pytest.raises(NotFoundError):
         await ex.receive(JOB, frame, sender.peer_id)
+
+
+async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> None:
+    """A peer done with the job says so in its last frame: no more uploads to it, and nobody
+    waits for its deltas (it no longer counts among the job's peers)."""
+    sender = Identity.generate()
+    peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
+    ex = exchange(sessions, FakeClient(), peers)
+    plugin = attach(ex)
+    other = exchange(sessions, FakeClient(), FakePeers([]))
+    other.identity = sender
+    sent: list[Any] = []
+    theirs = attach(other)
+    theirs.send = sent.append
+    theirs.after_step(1)
+    theirs.finish(2, threading.Event())  # alone there: no wait; its last frame says final
+    assert [o.final for o in sent] == [False, True]
+    await ex.receive(JOB, sent[0].frame, sender.peer_id)
+    assert plugin.n_peers(0) == 2
+    await ex.receive(JOB, sent[1].frame, sender.peer_id)  # its last: on base version 1
+    assert len(plugin.inbox) == 2  # its deltas still count
+    # It takes part in the rounds up to its last (it still waits for their deltas), no more.
+    assert (plugin.n_peers(1), plugin.n_peers(2)) == (2, 1)
+    client = cast(FakeClient, ex.client)
+    async with running(ex):
+        plugin.after_step(1)  # round 0, on base version 0: still sent to it
+        plugin.after_step(2)  # base version 1: its last round, still sent to it
+        plugin.after_step(3)  # base version 2: sent to nobody
+        await until(lambda: _async_true(len(client.posts) >= 2), "two uploads")
+        await until(lambda: _async_true(plugin._in_flight is None), "the last round delivered")
+        await asyncio.sleep(0.1)
+    assert len(client.posts) == 2

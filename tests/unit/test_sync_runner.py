@@ -33,7 +33,7 @@ def plugin(peer_sends: list[RoundOut], absorbed: list[MergeReport]) -> SyncPlugi
         job_id="j" * 32,
         spec=SyncSpec(codec="fp32", every=3),
         identity=Identity.generate(),
-        n_peers=lambda: 2,
+        n_peers=lambda base: 2,
         send=peer_sends.append,
         absorbed=lambda job, merge: absorbed.append(merge),
     )
@@ -176,7 +176,7 @@ def test_a_swap_engine_settles_before_sync_touches_its_masters(optimizer: str) -
             job_id="j" * 32,
             spec=SyncSpec(codec="fp32", every=2),
             identity=Identity.generate(),
-            n_peers=lambda: 1,
+            n_peers=lambda base: 1,
             send=lambda out: None,
         )
         me.attach(engine)
@@ -219,7 +219,7 @@ def test_consolidation_rounds_bring_the_peers_models_to_their_average() -> None:
             job_id="j" * 32,
             spec=spec,
             identity=Identity.generate(),
-            n_peers=lambda: 2,
+            n_peers=lambda base: 2,
             send=to_other(me),
         )
         torch.manual_seed(0)  # the same initial model
@@ -270,7 +270,7 @@ def auto_plugin(sent: list[RoundOut], n_peers: int = 2) -> SyncPlugin:
         job_id="j" * 32,
         spec=SyncSpec(codec="fp32"),  # every: "auto", the default
         identity=Identity.generate(),
-        n_peers=lambda: n_peers,
+        n_peers=lambda base: n_peers,
         send=sent.append,
     )
     torch.manual_seed(0)
@@ -364,8 +364,13 @@ def test_peers_at_different_h_commit_the_same_sums() -> None:
 
     clock = [0.0, 0.0, 0.0]
     for i in range(3):
-        p = SyncPlugin(job_id="j" * 32, spec=spec.model_copy(update={"every": every[i]}),
-                       identity=Identity.generate(), n_peers=lambda: 3, send=sender(i))  # fmt: skip
+        p = SyncPlugin(
+            job_id="j" * 32,
+            spec=spec.model_copy(update={"every": every[i]}),
+            identity=Identity.generate(),
+            n_peers=lambda base: 3,
+            send=sender(i),
+        )
         torch.manual_seed(0)
         p.attach(fake_engine(torch.nn.Linear(8, 5)))
         peers.append(p)
@@ -396,3 +401,26 @@ def test_peers_at_different_h_commit_the_same_sums() -> None:
             torch.testing.assert_close(other[name], anchors[0][name], rtol=0, atol=1e-6)
     # Not trivially equal: the anchors moved, and committed 11 rounds of three deltas each.
     assert max(float((anchors[0][n] - a0).abs().max()) for n, a0 in initial.items()) > 1e-3
+
+
+def test_with_the_automatic_cadence_the_last_peer_of_a_round_closes_it_at_once() -> None:
+    """Peers stay in phase: once every other peer's delta of this peer's current round is in,
+    it closes the round without waiting for its H steps (unless its last frame is in flight)."""
+    sent: list[RoundOut] = []
+    me = auto_plugin(sent, n_peers=3)
+    me.cadence = SetCadence(10)
+    zeros = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
+    me.after_step(1)
+    me.inbox.put(Contribution("a", 0, 0, zeros))
+    me.after_step(2)
+    assert sent == []  # one of the two others: the normal spread
+    me.inbox.put(Contribution("b", 0, 0, zeros))
+    me.after_step(3)
+    assert [o.step for o in sent] == [3] and sent[0].every == 3
+    me.inbox.put(Contribution("a", 1, 1, zeros))
+    me.inbox.put(Contribution("b", 1, 1, zeros))
+    me.after_step(4)
+    assert len(sent) == 1  # the last of round 1 too, but round 0's frame is still on its way
+    me.delivered(0, 0.1)
+    me.after_step(5)
+    assert [o.step for o in sent] == [3, 5]
