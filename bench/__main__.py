@@ -1,4 +1,7 @@
-"""``python -m bench [NAME ...]``: run benchmarks and print their JSON, one object per line."""
+"""``python -m bench [NAME ...]``: run benchmarks and print their JSON, one object per line.
+
+``python -m bench swarm [OPTIONS]`` runs the swarm benchmark with its own options
+(``--help``)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench import healthz, membership, swap, sync, train_tiny
+from bench import healthz, membership, swap, swarm, sync, train_tiny
 
 BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "train_tiny": train_tiny.run,
@@ -15,10 +18,16 @@ BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
     "swap": swap.run,
     "membership": membership.run,
     "sync": sync.run,
+    "swarm": swarm.run,
 }
+# Benchmarks that take their own command-line options after their name.
+WITH_OPTIONS: dict[str, Callable[[list[str]], None]] = {"swarm": swarm.main}
 
 
 def main(argv: list[str]) -> None:
+    if argv and argv[0] in WITH_OPTIONS and len(argv) > 1:
+        WITH_OPTIONS[argv[0]](argv[1:])
+        return
     names = argv or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
