@@ -135,7 +135,11 @@ def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
 
     @app.get("/p2p/v1/jobs/{job_id}/state")
     async def state_manifest(job_id: str, peer: Peer) -> dict[str, Any]:
-        manifest = newest_manifest(_root(job_id))
+        """The newest checkpoint: of the live state when the job trains here (written at the
+        trainer's next step boundary for this request), else the newest on disk."""
+        root = _root(job_id)
+        await node.jobs.live_state(job_id)
+        manifest = newest_manifest(root)
         if manifest is None:
             raise NotFoundError(f"no checkpoint of job {job_id} here yet")
         return manifest

@@ -44,12 +44,15 @@ from atomd.train.checkpoint import checkpoint_root, list_checkpoints, sha256_fil
 from atomd.train.metrics import StepReport, read_metrics
 
 if TYPE_CHECKING:  # torch loads when the first job trains, not when the daemon starts
-    from atomd.train.trainer import RoundPlugin, TrainSummary
+    from atomd.train.trainer import RoundPlugin, SnapshotRequests, TrainSummary
 
 log = get_logger(__name__)
 
 Scope = Literal["local", "swarm"]
 SHUTDOWN_REASON = "interrupted by daemon shutdown; resumes when the daemon starts"
+# How long a peer that asks for this daemon's live state waits for the trainer to checkpoint
+# at its next step boundary, before it gets the newest checkpoint on disk instead.
+LIVE_STATE_TIMEOUT_S = 30.0
 RESUMING_REASON = "resuming from the last good checkpoint"
 
 
@@ -109,6 +112,7 @@ class ActiveJob:
     tokens_seen: int = 0
     plugin: RoundPlugin | None = None  # the delta exchange (swarm jobs)
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
+    snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -232,6 +236,25 @@ class JobManager:
         """Whether this daemon trains swarm job ``job_id`` now (and is not stopping it)."""
         a = self.active
         return a is not None and a.id == job_id and a.scope == "swarm" and not a.stop_event.is_set()
+
+    async def live_state(self, job_id: str) -> bool:
+        """Checkpoint the live state of ``job_id`` at the trainer's next step boundary, for a
+        peer joining the job (so it starts from the swarm's current model, not from the last
+        checkpoint on disk). True once written; False when this daemon does not train the job
+        or the trainer did not get there within ``LIVE_STATE_TIMEOUT_S``."""
+        a = self.active
+        if a is None or a.id != job_id or a.snapshots is None or a.stop_event.is_set():
+            return False
+        fut = a.snapshots.ask()
+        try:
+            step = await asyncio.wait_for(asyncio.wrap_future(fut), LIVE_STATE_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as e:
+            fut.cancel()
+            log.info("job %s: no live state for a peer (%s); serving the newest checkpoint",
+                     job_id, e or "timed out")  # fmt: skip
+            return False
+        log.info("job %s: live state at step %d checkpointed for a peer", job_id, step)
+        return True
 
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id
@@ -403,6 +426,7 @@ class JobManager:
             data_seed=data_seed(self.peer_id, active.spec.seed),
             plugin=active.plugin,
             adopt_step=active.adopt_step,
+            snapshots=active.snapshots,
         )
         if active.resume:
             rows = read_metrics(trainer.metrics.path) if trainer.metrics.path.exists() else []
@@ -418,6 +442,9 @@ class JobManager:
                     return
                 if self.exchange is not None:
                     active.plugin = self.exchange.plugin(active.id, active.spec)
+                from atomd.train.trainer import SnapshotRequests
+
+                active.snapshots = SnapshotRequests()
             fut = loop.run_in_executor(self._executor, self._train_blocking, active, loop)
             while not fut.done() or not active.queue.empty():
                 getter = asyncio.ensure_future(active.queue.get())

@@ -6,6 +6,8 @@ boundary when ``stop_event`` is set, writing a checkpoint first, so nothing is l
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import json
 import math
 import threading
@@ -59,6 +61,63 @@ class TrainSummary:
     checkpoint: Path | None
 
 
+class SnapshotRequests:
+    """Requests for a checkpoint of the live state, written at the trainer's next step boundary
+    (a peer joining a swarm job wants the swarm's current model, not the last checkpoint on
+    disk). The event loop asks; the trainer thread serves every request pending at a boundary
+    with one checkpoint. A future resolves to the checkpoint's step, or fails once the trainer
+    has stopped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: list[concurrent.futures.Future[int]] = []
+        self._closed = False
+
+    def ask(self) -> concurrent.futures.Future[int]:
+        fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                fut.set_exception(RuntimeError("the trainer has stopped"))
+            else:
+                self._waiting.append(fut)
+        return fut
+
+    def serve(self, save: Callable[[], int]) -> None:
+        """On the trainer thread, between two steps: one checkpoint for every request."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        waiting = [f for f in waiting if not f.done()]  # the asker may have given up
+        if not waiting:
+            return
+        try:
+            step = save()
+        except BaseException as e:
+            for f in waiting:
+                _settle(f, exc=e)
+            raise
+        for f in waiting:
+            _settle(f, step=step)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            waiting, self._waiting = self._waiting, []
+        for f in waiting:
+            _settle(f, exc=RuntimeError("the trainer has stopped"))
+
+
+def _settle(
+    f: concurrent.futures.Future[int], *, step: int = 0, exc: BaseException | None = None
+) -> None:
+    try:
+        if exc is None:
+            f.set_result(step)
+        else:
+            f.set_exception(exc)
+    except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+        pass
+
+
 def build_model(cfg: GPTConfig, seed: int) -> GPT:
     torch.manual_seed(seed)
     return GPT(cfg)
@@ -82,6 +141,7 @@ class Trainer:
         data_seed: int | None = None,
         plugin: RoundPlugin | None = None,
         adopt_step: int | None = None,
+        snapshots: SnapshotRequests | None = None,
     ) -> None:
         self.spec = spec
         self.out_dir = out_dir
@@ -96,6 +156,7 @@ class Trainer:
         # A checkpoint at this step came from another peer (state transfer): the plugin decides
         # what of the donor's state this peer trains on (see SyncPlugin.adopt).
         self.adopt_step = adopt_step
+        self.snapshots = snapshots
         self.stop_event = stop_event or threading.Event()
         self.ckpt_root = ckpt.checkpoint_root(out_dir)
         self.metrics = MetricsLog(out_dir / "metrics.jsonl")
@@ -182,6 +243,12 @@ class Trainer:
             self.on_checkpoint(path, step)
         return path
 
+    def _checkpoint_now(self, step: int) -> int:
+        """A checkpoint of this very step (written unless it exists already)."""
+        if self.last_checkpoint is None or self.last_checkpoint.name != f"step-{step:08d}":
+            self.save(step)
+        return step
+
     def run(self) -> TrainSummary:
         spec, total = self.spec, self.spec.total_steps
         step = self.start_step
@@ -243,8 +310,12 @@ class Trainer:
                 bar.update(1)
                 if step % spec.checkpoint_interval == 0 and step < total:
                     self.save(step)
+                if self.snapshots is not None and step < total:
+                    self.snapshots.serve(functools.partial(self._checkpoint_now, step))
         finally:
             bar.close()
+            if self.snapshots is not None:
+                self.snapshots.close()
         if self.last_checkpoint is None or ckpt.list_checkpoints(self.ckpt_root)[:1] != [
             self.ckpt_root / f"step-{step:08d}"
         ]:
