@@ -480,6 +480,16 @@ def extra_runs() -> list[RunSpec]:
         *(RunSpec(f"topk-h{h}-plain", codec="topk", every=h, sync=_PLAIN) for h in (50, 2)),
         RunSpec("topk-h2-lr2", codec="topk", every=2, sync={"outer_lr": 2.0, **_PLAIN}),
         RunSpec("fp32-h2-momentum", codec="fp32", every=2, sync={"outer_momentum": 0.5}),
+        # Issue #14's codec study at H=50: Golomb-Rice positions and 2-bit values (2.5% of the
+        # entries for topk's bytes), with the residual in the replica and top-k's momentum, and
+        # SparseLoCo-style (arXiv 2508.15706): error feedback with decay, no outer momentum.
+        RunSpec("rice2-h50", codec="rice2"),
+        RunSpec("fp32-h50-momentum", codec="fp32", sync={"outer_momentum": 0.5}),
+        RunSpec(
+            "rice2-h50-sparseloco",
+            codec="rice2",
+            sync={"residual": "feedback", "ef_decay": 0.95, "outer_momentum": 0.0},
+        ),
     ]
 
 
