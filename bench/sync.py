@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import os
 import random
 import re
 import sys
@@ -525,6 +526,7 @@ def run(
     order = sorted(selected, key=lambda r: -(budget.peers or r.peers) * r.batch_size)
     results: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]  # the machine may be shared
     if workers > 0:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
@@ -556,6 +558,8 @@ def run(
         "runs": [results[r.name] for r in selected],
         "targets": _targets(results),
         "wall_s": time.perf_counter() - t0,
+        "load_avg_start": load_start,
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
     }
 
 
