@@ -18,6 +18,7 @@ from atomd.errors import NotFoundError, PeerAuthError, WireError
 from atomd.p2p.auth import VerifiedPeer, peer_auth
 from atomd.p2p.node import SwarmNode
 from atomd.p2p.transfer import checkpoint_file, newest_manifest
+from atomd.sync.exchange import DeltaExchange
 from atomd.train.checkpoint import checkpoint_root
 from atomd_api import errors
 
@@ -52,7 +53,7 @@ async def _json(request: Request) -> dict[str, Any]:
     return body
 
 
-def create_peer_app(node: SwarmNode) -> FastAPI:
+def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
     app = FastAPI(title="atomd peer plane", version=__version__, docs_url=None, redoc_url=None)
     errors.install(app)
 
@@ -108,7 +109,7 @@ def create_peer_app(node: SwarmNode) -> FastAPI:
 
     async def size_guard(job_id: str, request: Request) -> None:
         """Refuse an oversized delta before its body is read (memory stays bounded)."""
-        limit = node.max_frame_bytes(job_id)
+        limit = exchange.max_frame_bytes(job_id)
         if limit == 0:
             raise NotFoundError(f"not training job {job_id} here")
         length = request.headers.get("content-length")
@@ -124,7 +125,7 @@ def create_peer_app(node: SwarmNode) -> FastAPI:
     )
     async def delta(job_id: str, request: Request, peer: Peer) -> dict[str, Any]:
         """A signed delta frame for the next round boundary; checked whole before queueing."""
-        size = await node.receive_delta(job_id, await request.body(), peer.peer_id)
+        size = await exchange.receive(job_id, await request.body(), peer.peer_id)
         return {"accepted": True, "bytes": size}
 
     def _root(job_id: str) -> Any:
@@ -134,7 +135,11 @@ def create_peer_app(node: SwarmNode) -> FastAPI:
 
     @app.get("/p2p/v1/jobs/{job_id}/state")
     async def state_manifest(job_id: str, peer: Peer) -> dict[str, Any]:
-        manifest = newest_manifest(_root(job_id))
+        """The newest checkpoint: of the live state when the job trains here (written at the
+        trainer's next step boundary for this request), else the newest on disk."""
+        root = _root(job_id)
+        await node.jobs.live_state(job_id)
+        manifest = newest_manifest(root)
         if manifest is None:
             raise NotFoundError(f"no checkpoint of job {job_id} here yet")
         return manifest

@@ -6,7 +6,8 @@ them in SQLite. States: pending -> running -> stopping -> stopped | finished | f
 
 Swarm jobs (scope "swarm", the default) are announced to the peers through a ``SwarmLink``;
 a peer that hears of one it has no record of joins it (auto-join), fetching the newest state
-from a live peer first. A stop is local, or swarm-wide when asked.
+from a live peer first, and trains it with a plugin from the ``DeltaLink`` (the delta exchange).
+A stop is local, or swarm-wide when asked.
 
 Durability: ``metrics.jsonl`` and the checkpoints are written by the trainer thread itself, so
 nothing depends on the loop keeping up. After a crash, a restarted daemon resumes every job that
@@ -46,7 +47,7 @@ from atomd.train.checkpoint import checkpoint_root, list_checkpoints, sha256_fil
 from atomd.train.metrics import StepReport, read_metrics
 
 if TYPE_CHECKING:  # torch loads when the first job trains, not when the daemon starts
-    from atomd.train.trainer import RoundPlugin, TrainSummary
+    from atomd.train.trainer import RoundPlugin, SnapshotRequests, TrainSummary
 
 log = get_logger(__name__)
 
@@ -54,6 +55,9 @@ Scope = Literal["local", "swarm"]
 # Job progress goes to the daemon's log at most this often (and at every evaluation).
 PROGRESS_LOG_INTERVAL_S = 30.0
 SHUTDOWN_REASON = "interrupted by daemon shutdown; resumes when the daemon starts"
+# How long a peer that asks for this daemon's live state waits for the trainer to checkpoint
+# at its next step boundary, before it gets the newest checkpoint on disk instead.
+LIVE_STATE_TIMEOUT_S = 30.0
 RESUMING_REASON = "resuming from the last good checkpoint"
 
 
@@ -64,7 +68,18 @@ class SwarmLink(Protocol):
     def broadcast_stop(self, job_id: str) -> None: ...
     async def fetch_state(self, job_id: str, donors: list[str], root: Path) -> int | None: ...
     def job_donors(self, job_id: str) -> list[str]: ...
-    def sync_plugin(self, job_id: str, spec: JobSpec) -> RoundPlugin: ...
+
+
+class DeltaLink(Protocol):
+    """What the job manager needs from the delta exchange (``atomd.sync.exchange``)."""
+
+    def plugin(self, job_id: str, spec: JobSpec) -> RoundPlugin:
+        """The trainer-thread side of the exchange for one swarm job."""
+        ...
+
+    def release(self, job_id: str) -> None:
+        """The job no longer trains here."""
+        ...
 
 
 @dataclass
@@ -103,6 +118,7 @@ class ActiveJob:
     plugin: RoundPlugin | None = None  # the delta exchange (swarm jobs)
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
     logged_at: float = 0.0  # monotonic time of the last progress line in the log
+    snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -115,6 +131,7 @@ def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> Progre
         tokens_per_s=float(d["tokens_per_s"]),
         lr=d.get("lr"),
         at=at or datetime.now(UTC),
+        sync=d.get("sync"),
     )
 
 
@@ -177,6 +194,7 @@ class JobManager:
         self.device = device
         self.peer_id = peer_id
         self.swarm: SwarmLink | None = None
+        self.exchange: DeltaLink | None = None
         self.active: ActiveJob | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomd-trainer")
         self._tg: asyncio.TaskGroup | None = None
@@ -228,6 +246,30 @@ class JobManager:
         if a is None or a.scope != "swarm" or a.stop_event.is_set():
             return None
         return {"id": a.id, "spec": a.spec.model_dump(), "origin": a.origin}
+
+    def trains(self, job_id: str) -> bool:
+        """Whether this daemon trains swarm job ``job_id`` now (and is not stopping it)."""
+        a = self.active
+        return a is not None and a.id == job_id and a.scope == "swarm" and not a.stop_event.is_set()
+
+    async def live_state(self, job_id: str) -> bool:
+        """Checkpoint the live state of ``job_id`` at the trainer's next step boundary, for a
+        peer joining the job (so it starts from the swarm's current model, not from the last
+        checkpoint on disk). True once written; False when this daemon does not train the job
+        or the trainer did not get there within ``LIVE_STATE_TIMEOUT_S``."""
+        a = self.active
+        if a is None or a.id != job_id or a.snapshots is None or a.stop_event.is_set():
+            return False
+        fut = a.snapshots.ask()
+        try:
+            step = await asyncio.wait_for(asyncio.wrap_future(fut), LIVE_STATE_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as e:
+            fut.cancel()
+            log.info("job %s: no live state for a peer (%s); serving the newest checkpoint",
+                     job_id, e or "timed out")  # fmt: skip
+            return False
+        log.info("job %s: live state at step %d checkpointed for a peer", job_id, step)
+        return True
 
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id
@@ -421,6 +463,7 @@ class JobManager:
             data_seed=data_seed(self.peer_id, active.spec.seed),
             plugin=active.plugin,
             adopt_step=active.adopt_step,
+            snapshots=active.snapshots,
         )
         if active.resume:
             rows = read_metrics(trainer.metrics.path) if trainer.metrics.path.exists() else []
@@ -437,7 +480,11 @@ class JobManager:
             if active.scope == "swarm" and self.swarm is not None:
                 if not await self._take_swarm_state(active):
                     return
-                active.plugin = self.swarm.sync_plugin(active.id, active.spec)
+                if self.exchange is not None:
+                    active.plugin = self.exchange.plugin(active.id, active.spec)
+                from atomd.train.trainer import SnapshotRequests
+
+                active.snapshots = SnapshotRequests()
             fut = loop.run_in_executor(self._executor, self._train_blocking, active, loop)
             while not fut.done() or not active.queue.empty():
                 getter = asyncio.ensure_future(active.queue.get())
@@ -453,6 +500,8 @@ class JobManager:
             await self._finish(active, fut)
         finally:
             self.active = None
+            if active.plugin is not None and self.exchange is not None:
+                self.exchange.release(active.id)
             if not self._closing.is_set():
                 self.telemetry.job_state.state("none")
 

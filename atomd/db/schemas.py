@@ -60,6 +60,7 @@ class JobRecord(_Record):
     updated_at: AwareDatetime
     scope: JobScope = "local"
     origin: str | None = None
+    sync: dict[str, Any] | None = None
 
 
 class ProgressPoint(_Record):
@@ -72,6 +73,7 @@ class ProgressPoint(_Record):
     tokens_per_s: float
     lr: float | None = None
     at: AwareDatetime
+    sync: dict[str, Any] | None = None
 
 
 class RoundRecord(_Record):
@@ -89,6 +91,7 @@ class RoundRecord(_Record):
     applied: bool
     reason: str | None
     at: AwareDatetime
+    every: int | None = None
 
 
 class CheckpointRecord(_Record):

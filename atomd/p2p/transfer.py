@@ -1,7 +1,9 @@
 """State transfer: a peer joining a running job fetches the newest checkpoint from a live peer.
 
-The donor serves its newest checkpoint as a manifest (the checkpoint's ``meta.json``: step,
-file sizes and sha256) and the files as chunked streams. The joiner writes them into a hidden
+A donor that trains the job first checkpoints its live state at its next step boundary, so the
+joiner starts from the swarm's current model. The donor serves its newest checkpoint as a
+manifest (the checkpoint's ``meta.json``: step, file sizes and sha256) and the files as chunked
+streams. The joiner writes them into a hidden
 ``.incoming-*`` folder, checking sizes and hashes as bytes arrive, writes ``meta.json`` last,
 fsyncs and renames the folder into place. A donor that dies, lies or stalls costs that attempt:
 the temporary folder is removed and the next donor is tried. Nothing half-downloaded is used,
@@ -30,6 +32,7 @@ from atomd.train import checkpoint as ckpt
 log = get_logger(__name__)
 
 TRANSFER_FILES = (ckpt.MODEL_FILE, ckpt.STATE_FILE)
+MANIFEST_TIMEOUT_S = 45.0
 _CHUNK = 1 << 20
 
 
@@ -84,7 +87,10 @@ class _Download:
 
 
 async def _fetch_from(client: PeerClient, url: str, job_id: str, root: Path) -> int:
-    manifest = await client.get_json(url, f"/p2p/v1/jobs/{job_id}/state", timeout=10)
+    # The donor may checkpoint its live state for us first (up to 30 s; jobs.LIVE_STATE_...).
+    manifest = await client.get_json(
+        url, f"/p2p/v1/jobs/{job_id}/state", timeout=MANIFEST_TIMEOUT_S
+    )
     if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int):
         raise CheckpointError(f"malformed state manifest from {url}")
     if manifest.get("format_version") != ckpt.FORMAT_VERSION:
