@@ -33,13 +33,19 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from atomd.data.sources import check_source, shard_for_peer
+from atomd.data.sources import check_source, check_tokenizer_name, shard_for_peer
 from atomd.db import repo
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
 from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
-from atomd.errors import AtomdError, DataError, JobConflictError, NotFoundError, SpecError
+from atomd.errors import (
+    AtomdError,
+    ConfigError,
+    DataError,
+    JobConflictError,
+    NotFoundError,
+    SpecError,
+)
 from atomd.logs import get_logger
-from atomd.model import get_preset
 from atomd.model.config import num_parameters
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
@@ -146,7 +152,13 @@ def admit(spec: JobSpec) -> None:
         check_source(spec.data)
     except DataError as e:
         raise SpecError(str(e), field="data") from None
-    need = num_parameters(get_preset(spec.preset)) * TRAIN_BYTES_PER_PARAMETER
+    try:
+        check_tokenizer_name(spec.tokenizer)
+    except ConfigError as e:
+        raise SpecError(str(e), field="tokenizer") from None
+    if spec.init_from is not None and not Path(spec.init_from).expanduser().exists():
+        raise SpecError(f"init_from {spec.init_from!r} does not exist", field="init_from")
+    need = num_parameters(spec.model_shape) * TRAIN_BYTES_PER_PARAMETER
     have = host_memory_available()
     if have is not None and need > have:
         raise SpecError(

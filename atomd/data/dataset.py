@@ -11,7 +11,8 @@ checkpoint needs is the step counter.
 
 Sources (the ``data`` string):
 - ``shakespeare`` (default): the bundled corpus of Shakespeare's plays.
-- a ``.txt`` file or a folder of ``.txt``/``.md`` files (read in sorted order), byte-tokenized.
+- a ``.txt`` file or a folder of ``.txt``/``.md`` files (read in sorted order), tokenized by
+  the job's tokenizer (bytes by default).
 - a ``.bin`` file of uint16 tokens (nanoGPT's format), or a folder holding ``train.bin`` and
   optionally ``val.bin`` (then ``val.bin`` is the validation split).
 """
@@ -30,8 +31,8 @@ from numpy.typing import NDArray
 from torch import Tensor
 
 from atomd.data.sources import BUNDLED, check_source, shard_for_peer
-from atomd.data.tokenizer import ByteTokenizer
-from atomd.errors import DataError
+from atomd.data.tokenizer import ByteTokenizer, Tokenizer
+from atomd.errors import ConfigError, DataError
 
 __all__ = [
     "BUNDLED",
@@ -65,8 +66,7 @@ def bundled_text() -> bytes:
     return lzma.decompress(blob)
 
 
-def _read_text_tokens(paths: list[Path]) -> NDArray[np.uint16]:
-    tok = ByteTokenizer()
+def _read_text_tokens(paths: list[Path], tok: Tokenizer) -> NDArray[np.uint16]:
     parts = [tok.encode_array(p.read_bytes()) for p in paths]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
 
@@ -78,10 +78,10 @@ def _read_bin(path: Path) -> NDArray[np.uint16]:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
-def _load_source(data: str) -> tuple[NDArray[np.uint16], NDArray[np.uint16] | None]:
+def _load_source(data: str, tok: Tokenizer) -> tuple[NDArray[np.uint16], NDArray[np.uint16] | None]:
     """Token stream(s) of a source: (all or train, explicit validation or None)."""
     if data == BUNDLED:
-        return ByteTokenizer().encode_array(bundled_text()), None
+        return tok.encode_array(bundled_text()), None
     check_source(data)
     path = Path(data).expanduser()
     if path.is_dir():
@@ -91,10 +91,20 @@ def _load_source(data: str) -> tuple[NDArray[np.uint16], NDArray[np.uint16] | No
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES)
         if not files:
             raise DataError(f"folder {path} holds no .txt/.md files and no train.bin")
-        return _read_text_tokens(files), None
+        return _read_text_tokens(files, tok), None
     if path.suffix == ".bin":
         return _read_bin(path), None
-    return _read_text_tokens([path]), None
+    return _read_text_tokens([path], tok), None
+
+
+def check_vocab(tokens: NDArray[np.uint16], vocab_size: int, *, what: str, fix: str = "") -> None:
+    """Refuse token ids the model's embedding has no row for (an IndexError deep in training
+    otherwise), naming the largest."""
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise ConfigError(
+            f"{what} holds token id {int(tokens.max()):,}, but the model's vocabulary has "
+            f"{vocab_size:,} entries (ids 0..{vocab_size - 1:,}){fix}"
+        )
 
 
 class TokenDataset:
@@ -202,11 +212,20 @@ def load_dataset(
     num_shards: int = 1,
     shard_mode: ShardMode = "interleaved",
     chunk_tokens: int = 16384,
+    tokenizer: Tokenizer | None = None,
+    vocab_size: int | None = None,
 ) -> TokenDataset:
-    """Load a source, split off validation (its last ``val_fraction``) and pick one shard."""
+    """Load a source (text through ``tokenizer``, bytes by default), split off validation (its
+    last ``val_fraction``) and pick one shard. With ``vocab_size``, every token id is checked
+    against it (``ConfigError`` naming the largest id otherwise)."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    tokens, val = _load_source(data)
+    tokens, val = _load_source(data, tokenizer or ByteTokenizer())
+    if vocab_size is not None:
+        fix = "; set the job's vocab_size to at least the largest id + 1, or use other data"
+        check_vocab(tokens, vocab_size, what=f"data {data!r}", fix=fix)
+        if val is not None:
+            check_vocab(val, vocab_size, what=f"data {data!r} (val.bin)", fix=fix)
     if val is None:
         cut = int(len(tokens) * (1.0 - val_fraction))
         tokens, val = tokens[:cut], tokens[cut:]

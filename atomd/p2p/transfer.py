@@ -32,6 +32,8 @@ from atomd.train import checkpoint as ckpt
 log = get_logger(__name__)
 
 TRANSFER_FILES = (ckpt.MODEL_FILE, ckpt.STATE_FILE)
+# Sent too when the manifest lists them (checkpoints of runs with a tokenizer).
+OPTIONAL_FILES = (ckpt.TOKENIZER_FILE,)
 MANIFEST_TIMEOUT_S = 45.0
 _CHUNK = 1 << 20
 
@@ -50,7 +52,7 @@ def newest_manifest(root: Path) -> dict[str, Any] | None:
 
 def checkpoint_file(root: Path, step: int, name: str) -> Path | None:
     """The path of one transferable file of checkpoint ``step``, if it still exists."""
-    if name not in TRANSFER_FILES:
+    if name not in TRANSFER_FILES + OPTIONAL_FILES:
         return None
     path = root / f"step-{step:08d}" / name
     return path if path.is_file() else None
@@ -104,7 +106,7 @@ async def _fetch_from(client: PeerClient, url: str, job_id: str, root: Path) -> 
     await asyncio.to_thread(shutil.rmtree, tmp, True)
     await asyncio.to_thread(tmp.mkdir, parents=True)
     try:
-        for name in TRANSFER_FILES:
+        for name in TRANSFER_FILES + tuple(n for n in OPTIONAL_FILES if n in files):
             want = files.get(name)
             if not isinstance(want, dict):
                 raise CheckpointError(f"manifest from {url} does not list {name}")
