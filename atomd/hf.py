@@ -85,8 +85,9 @@ def hf_config(cfg: GPTConfig, *, eos_token_id: int | None = None) -> dict[str, A
         "use_cache": True,
         "torch_dtype": "float32",
     }
-    if eos_token_id is not None:
-        out["bos_token_id"] = out["eos_token_id"] = eos_token_id
+    # GPT-2's default (50256) would point outside a smaller vocabulary: none unless the
+    # tokenizer has <|endoftext|>.
+    out["bos_token_id"] = out["eos_token_id"] = eos_token_id
     return out
 
 

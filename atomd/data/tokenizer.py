@@ -46,9 +46,11 @@ DEFAULT_FILE = "tokenizer-shakespeare-4096.json"
 END_OF_TEXT = "<|endoftext|>"
 # Token files hold uint16: the largest vocabulary a tokenizer may have here.
 MAX_VOCAB = 1 << 16
-# Pre-tokens never cross a newline followed by a non-space character (GPT-2's pattern ends a
-# whitespace run there), so text cut at such points encodes exactly as the whole does.
-_CUT = re.compile(r"(?<=\n)(?=\S)")
+# Pre-tokens never cross a lone newline between two non-space characters (GPT-2's pattern
+# makes it a pre-token of its own), so text cut after one encodes exactly as the whole does.
+# (After a longer whitespace run the cut would not be neutral: "  \n" at the end of a piece
+# is one pre-token, inside the whole text "  " and "\n".)
+_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 _BATCH_CHARS = 1 << 18
 
 
