@@ -15,6 +15,7 @@ otherwise. A tracker that fails is logged once and dropped; training goes on.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -79,8 +80,8 @@ class Trackers:
             self._start_wandb(project, dict(config))
 
     def _start_wandb(self, project: str, config: dict[str, Any]) -> None:
-        try:
-            import wandb
+        try:  # optional (pip install "atomd[wandb]"): imported by name, only when configured
+            wandb = importlib.import_module("wandb")
         except ImportError:
             log.warning("%s is set but wandb is not installed: no W&B run", WANDB_PROJECT_ENV)
             return
