@@ -743,6 +743,46 @@ def plot(
     )
 
 
+data_app = typer.Typer(
+    help="Datasets: tokenize once into the token cache, print the content hash.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def data_prepare(
+    data: Annotated[
+        str,
+        typer.Argument(
+            help="'shakespeare', a text file or folder, .bin tokens, a .jsonl file, Parquet "
+            "file(s) or a folder saved by datasets' save_to_disk."
+        ),
+    ],
+    tokenizer: Annotated[
+        str, typer.Option(help="bytes, default or a tokenizer.json, as the job will use.")
+    ] = "bytes",
+    text_field: Annotated[
+        str, typer.Option(help="The field or column holding each document's text.")
+    ] = "text",
+) -> None:
+    """Tokenize a dataset as a job would (documents go to a memory-mapped token cache next to
+    the data) and print its token count and content hash, the job spec's data_sha256: every
+    peer then checks its own copy against it."""
+    from atomd.data.dataset import load_source
+    from atomd.data.readers import tokens_sha256
+    from atomd.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    tokens, val, sha = load_source(data, tok, text_field)
+    parts = [tokens] if val is None else [tokens, val]
+    n = sum(len(p) for p in parts)
+    largest = max((int(p.max()) for p in parts if len(p)), default=0)
+    typer.echo(f"{data}: {n:,} tokens (tokenizer {tokenizer}, largest id {largest:,})")
+    typer.echo(f"data_sha256: {sha or tokens_sha256(*parts)}")
+
+
 tokenizer_app = typer.Typer(
     help="Byte-level BPE tokenizers (Hugging Face tokenizers, offline).",
     no_args_is_help=True,

@@ -281,6 +281,20 @@ class JobSpec(_Spec):
         description="The model's vocabulary; default: the preset's (256 for tiny, 50,257 for "
         "the GPT-2/GPT-3 presets). Set it to the tokenizer's size (4096 for 'default').",
     )
+    text_field: str = Field(
+        "text",
+        min_length=1,
+        max_length=200,
+        description="The field (JSON lines) or column (Parquet, a saved datasets folder) that "
+        "holds each document's text.",
+    )
+    data_sha256: str | None = Field(
+        None,
+        pattern="^[0-9a-f]{64}$",
+        description="The sha256 of the tokenized data (`atomd data prepare` prints it): every "
+        "peer checks its own tokens against it and refuses to train the job when they differ "
+        "(another copy of the data, or another tokenizer).",
+    )
     init_from: str | None = Field(
         None,
         description="Start from the weights of this checkpoint (a run's folder, its "

@@ -15,6 +15,12 @@ Sources (the ``data`` string):
   the job's tokenizer (bytes by default).
 - a ``.bin`` file of uint16 tokens (nanoGPT's format), or a folder holding ``train.bin`` and
   optionally ``val.bin`` (then ``val.bin`` is the validation split).
+- documents: a JSON lines file (``.jsonl``), Parquet file(s), or a folder a ``datasets``
+  ``save_to_disk`` wrote (its train split), read through a memory-mapped token cache
+  (``atomd.data.readers``).
+
+Every dataset has a content hash, the sha256 of its token stream (``TokenDataset.sha256``): a job
+spec's ``data_sha256`` pins it, and a peer whose tokens differ refuses to train the job.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor
 
+from atomd.data.readers import document_source, token_cache, tokens_sha256
 from atomd.data.sources import BUNDLED, check_source, shard_for_peer
 from atomd.data.tokenizer import ByteTokenizer, Tokenizer
 from atomd.errors import ConfigError, DataError
@@ -78,23 +85,34 @@ def _read_bin(path: Path) -> NDArray[np.uint16]:
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
-def _load_source(data: str, tok: Tokenizer) -> tuple[NDArray[np.uint16], NDArray[np.uint16] | None]:
-    """Token stream(s) of a source: (all or train, explicit validation or None)."""
+def load_source(
+    data: str, tok: Tokenizer, text_field: str = "text"
+) -> tuple[NDArray[np.uint16], NDArray[np.uint16] | None, str | None]:
+    """Token stream(s) of a source: (all or train, explicit validation or None, the content
+    hash when the token cache knows it)."""
     if data == BUNDLED:
-        return tok.encode_array(bundled_text()), None
+        return tok.encode_array(bundled_text()), None, None
     check_source(data)
     path = Path(data).expanduser()
+    docs = document_source(path)
+    if docs is not None:
+        cache = token_cache(docs, tok, text_field)
+        return cache.array(), None, cache.sha256
     if path.is_dir():
         if (path / "train.bin").is_file():
             val = path / "val.bin"
-            return _read_bin(path / "train.bin"), (_read_bin(val) if val.is_file() else None)
+            train = _read_bin(path / "train.bin")
+            return train, (_read_bin(val) if val.is_file() else None), None
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES)
         if not files:
-            raise DataError(f"folder {path} holds no .txt/.md files and no train.bin")
-        return _read_text_tokens(files, tok), None
+            raise DataError(
+                f"folder {path} holds no .txt/.md files, no train.bin, no .jsonl or .parquet "
+                "files and no saved dataset"
+            )
+        return _read_text_tokens(files, tok), None, None
     if path.suffix == ".bin":
-        return _read_bin(path), None
-    return _read_text_tokens([path], tok), None
+        return _read_bin(path), None, None
+    return _read_text_tokens([path], tok), None, None
 
 
 def check_vocab(tokens: NDArray[np.uint16], vocab_size: int, *, what: str, fix: str = "") -> None:
@@ -121,12 +139,14 @@ class TokenDataset:
         shard_mode: ShardMode = "interleaved",
         chunk_tokens: int = 16384,
         name: str = "",
+        sha256: str | None = None,
     ) -> None:
         if not 0 <= shard_index < num_shards:
             raise DataError(f"shard_index {shard_index} out of range for {num_shards} shards")
         if chunk_tokens <= seq_len:
             raise DataError(f"chunk_tokens ({chunk_tokens}) must exceed seq_len ({seq_len})")
         self.name = name
+        self._sha256 = sha256
         self.seq_len = seq_len
         self.train = train
         self.val = val
@@ -153,6 +173,13 @@ class TokenDataset:
         # Window start counts per range, for uniform sampling over all windows of the shard.
         self._counts = torch.tensor([b - a - seq_len for a, b in self.ranges], dtype=torch.float64)
         self._offsets = torch.cumsum(self._counts, 0) - self._counts
+
+    @property
+    def sha256(self) -> str:
+        """The content hash of the whole token stream (training then validation tokens)."""
+        if self._sha256 is None:
+            self._sha256 = tokens_sha256(self.train, self.val)
+        return self._sha256
 
     @property
     def train_tokens(self) -> int:
@@ -214,13 +241,14 @@ def load_dataset(
     chunk_tokens: int = 16384,
     tokenizer: Tokenizer | None = None,
     vocab_size: int | None = None,
+    text_field: str = "text",
 ) -> TokenDataset:
     """Load a source (text through ``tokenizer``, bytes by default), split off validation (its
     last ``val_fraction``) and pick one shard. With ``vocab_size``, every token id is checked
     against it (``ConfigError`` naming the largest id otherwise)."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    tokens, val = _load_source(data, tokenizer or ByteTokenizer())
+    tokens, val, sha256 = load_source(data, tokenizer or ByteTokenizer(), text_field)
     if vocab_size is not None:
         fix = "; set the job's vocab_size to at least the largest id + 1, or use other data"
         check_vocab(tokens, vocab_size, what=f"data {data!r}", fix=fix)
@@ -229,6 +257,8 @@ def load_dataset(
     if val is None:
         cut = int(len(tokens) * (1.0 - val_fraction))
         tokens, val = tokens[:cut], tokens[cut:]
+    else:
+        sha256 = None  # a hash of train and val together, computed when asked for
     return TokenDataset(
         tokens,
         val,
@@ -238,4 +268,5 @@ def load_dataset(
         shard_mode=shard_mode,
         chunk_tokens=chunk_tokens,
         name=data,
+        sha256=sha256,
     )

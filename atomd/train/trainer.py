@@ -185,7 +185,14 @@ class Trainer:
             shard_mode=spec.shard_mode,
             tokenizer=self.tokenizer,
             vocab_size=vocab,
+            text_field=spec.text_field,
         )
+        if spec.data_sha256 is not None and self.dataset.sha256 != spec.data_sha256:
+            raise ConfigError(
+                f"data {spec.data!r} tokenized here (tokenizer {spec.tokenizer!r}) has sha256 "
+                f"{self.dataset.sha256}, the job's data_sha256 is {spec.data_sha256}: this "
+                "peer's copy of the data or its tokenizer differs, so it does not train the job"
+            )
         self.engine = engine
         # Resident or swapped, and the swap plan: recorded with the run and every checkpoint.
         self.plan = dict(plan)
