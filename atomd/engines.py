@@ -121,16 +121,19 @@ def build_engine(spec: JobSpec, device: str | torch.device = "auto") -> BuiltEng
         return BuiltEngine(ResidentEngine(model, optim, dev, precision=precision), plan, dev)
     from atomd.swap.engine import SwapEngine
 
-    # The swapping engine computes in bf16 on CUDA (its bf16 link and plan assume it) and in
-    # fp32 on the CPU; fp16 loss scaling and other precisions are not built into it yet.
+    # The swapping engine computes in bf16 on CUDA (its planner's memory model and bf16 link
+    # assume 2-byte compute there) and in fp32 on the CPU, or in fp16 with loss scaling (over
+    # the fp32 link: its bf16 copies are bf16's) anywhere.
     native = "bf16" if dev.type == "cuda" else "fp32"
-    if precision != native:
+    if precision not in (native, "fp16"):
         raise ConfigError(
-            f"precision {precision} with the swapping engine: it computes in {native} on "
-            f"{dev.type} (fp16 loss scaling is built into resident training only); use "
-            f"precision {native} or auto, or swap off"
+            f"precision {precision} with the swapping engine: on {dev.type} it computes in "
+            f"{native} or fp16; use one of those (or auto), or swap off"
         )
-
+    if precision == "fp16":
+        if spec.swap_link == "bf16":
+            raise ConfigError("precision fp16 needs swap_link fp32 (or auto), not bf16")
+        spec = spec.model_copy(update={"swap_link": "fp32"})
     swap_plan = plan_for(spec, dev)
     log.info(
         "swapped training (%s): K=%d, M=%d, optimizer on the %s, %s link, predicted %.3g "
@@ -143,6 +146,6 @@ def build_engine(spec: JobSpec, device: str | torch.device = "auto") -> BuiltEng
         swap_plan.step_s,
         format_bytes(swap_plan.peak_device_bytes),
     )
-    engine = SwapEngine(model, optim, dev, swap_plan)
+    engine = SwapEngine(model, optim, dev, swap_plan, precision=precision)
     plan = {"engine": "swap", "reason": reason, "precision": precision, **swap_plan.to_dict()}
     return BuiltEngine(engine, plan, dev)

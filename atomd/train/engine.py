@@ -59,6 +59,53 @@ def resolve_precision(precision: str, device: torch.device) -> Precision:
     return precision  # type: ignore[return-value]
 
 
+class LossScale:
+    """fp16's dynamic loss scale for engines that step without ``torch.optim`` bookkeeping
+    (the swapping engine), with ``torch.amp.GradScaler``'s defaults: start at 2^16; an
+    overflowing step is skipped and halves the scale; 2,000 clean steps in a row double it."""
+
+    def __init__(self, *, enabled: bool, init: float = 2.0**16, interval: int = 2000) -> None:
+        self.enabled = enabled
+        self.value = init
+        self.interval = interval
+        self.clean = 0  # clean steps since the last change
+        self.skipped = 0
+
+    def scale(self, loss: Tensor) -> Tensor:
+        return loss * self.value if self.enabled else loss
+
+    def update(self, finite: bool) -> bool:
+        """After a step's backward: whether to step (the gradients were finite)."""
+        if not finite:
+            self.value /= 2
+            self.clean = 0
+            self.skipped += 1
+            return False
+        self.clean += 1
+        if self.clean >= self.interval:
+            self.value *= 2
+            self.clean = 0
+        return True
+
+    def stats(self) -> dict[str, Any] | None:
+        return {"loss_scale": self.value, "skipped_steps": self.skipped} if self.enabled else None
+
+    def tensors(self) -> dict[str, Tensor]:
+        if not self.enabled:
+            return {}
+        return {
+            "amp.scale": torch.tensor(self.value, dtype=torch.float64),
+            "amp.growth_tracker": torch.tensor(self.clean),
+            "amp.skipped_steps": torch.tensor(self.skipped),
+        }
+
+    def load(self, tensors: dict[str, Tensor]) -> None:
+        if self.enabled and "amp.scale" in tensors:
+            self.value = float(tensors["amp.scale"])
+            self.clean = int(tensors["amp.growth_tracker"])
+            self.skipped = int(tensors["amp.skipped_steps"])
+
+
 def autocast(
     device: torch.device, precision: Precision | None = None
 ) -> contextlib.AbstractContextManager[object]:

@@ -79,6 +79,9 @@ def test_job_lifecycle_over_rest(daemons: Any) -> None:
         ckpt = Path(final["out_dir"]) / "checkpoints" / f"step-{final['step']:08d}"
         assert (ckpt / "meta.json").exists()  # stopped at a step boundary, checkpointed
         assert (Path(final["out_dir"]) / "metrics.jsonl").exists()
+        assert (ckpt / "tokenizer.json").exists()  # every checkpoint carries its tokenizer
+        # Daemon jobs write TensorBoard events as atomd train does.
+        assert list((Path(final["out_dir"]) / "tensorboard").glob("events.out.tfevents.*"))
         assert c.get(f"/v1/jobs/{jid}/rounds").json() == []
 
         # A short job runs to the end.

@@ -118,7 +118,53 @@ def test_fp32_runs_have_no_scaling_figures(tmp_path: Path, text_file: Path) -> N
     assert all("loss_scale" not in r for r in read_metrics(tmp_path / "metrics.jsonl"))
 
 
-def test_the_swapping_engine_refuses_fp16() -> None:
-    spec = JobSpec(preset="tiny", swap="on", precision="fp16")
-    with pytest.raises(ConfigError, match="precision fp16 with the swapping engine"):
+def test_the_swapping_engine_refuses_a_bf16_link_with_fp16() -> None:
+    spec = JobSpec(preset="tiny", swap="on", precision="fp16", swap_link="bf16")
+    with pytest.raises(ConfigError, match="precision fp16 needs swap_link fp32"):
         build_engine(spec, "cpu")
+    with pytest.raises(ConfigError, match="on cpu it computes in fp32 or fp16"):
+        build_engine(JobSpec(preset="tiny", swap="on", precision="bf16"), "cpu")
+
+
+@pytest.mark.parametrize(
+    ("clip", "optimizer", "m"),
+    [(1.0, "host", 4), (0.0, "host", 2), (1.0, "device", 4), (1.0, "split", 2)],
+    ids=["clip-host", "noclip-host-2waves", "clip-device", "clip-split-2waves"],
+)
+def test_swapped_fp16_trains_as_resident_fp16(clip: float, optimizer: str, m: int) -> None:
+    """The swapping engine's loss scaling (unscaled through the clipping coefficient) gives
+    resident fp16 training's losses and parameters; an overflow skips every layer's step."""
+    from atomd.swap.compare import max_rel_param_diff
+    from atomd.swap.engine import SwapEngine
+    from tests.unit.test_swap_engine import _batches, _model, _plan, _spec
+
+    ref = ResidentEngine(_model(), _spec(clip), CPU, precision="fp16")
+    want = [ref.train_step(_batches(s), 1e-2) for s in range(3)]
+    engine = SwapEngine(_model(), _spec(clip), CPU, _plan(2, m, optimizer=optimizer),  # type: ignore[arg-type]
+                        precision="fp16")  # fmt: skip
+    try:
+        got = [engine.train_step(_batches(s), 1e-2) for s in range(3)]
+        assert got == pytest.approx(want, rel=1e-4)
+        assert max_rel_param_diff(engine.model_tensors(), ref.model_tensors()) < 1e-4
+        assert engine.precision_stats() == {"loss_scale": 2.0**16, "skipped_steps": 0}
+
+        before = {n: t.clone() for n, t in engine.model_tensors().items()}
+        ln_f = engine.model.head.ln_f.weight  # resident: a hook makes its gradient inf
+
+        def poison(g: torch.Tensor) -> torch.Tensor:
+            return torch.full_like(g, math.inf)
+
+        handle = ln_f.register_hook(poison)
+        loss = engine.train_step(_batches(3), 1e-2)
+        handle.remove()
+        assert math.isfinite(loss)
+        after = engine.model_tensors()
+        for name, t in before.items():
+            assert torch.equal(after[name], t), name  # no layer stepped, swapped or resident
+        assert engine.precision_stats() == {"loss_scale": 2.0**15, "skipped_steps": 1}
+        state = engine.optimizer_tensors()
+        assert float(state["amp.scale"]) == 2.0**15 and int(state["amp.skipped_steps"]) == 1
+        engine.train_step(_batches(4), 1e-2)  # and trains on
+        assert any(not torch.equal(engine.model_tensors()[n], t) for n, t in before.items())
+    finally:
+        engine.close()
