@@ -18,13 +18,14 @@ run's ``metrics.jsonl`` (truncated to that checkpoint).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -511,10 +512,8 @@ class JobManager:
                 await self._record(active, items)
             await self._finish(active, fut)
         finally:
-            self.active = None
-            if active.plugin is not None and self.exchange is not None:
-                self.exchange.release(active.id)
-            if not self._closing.is_set():
+            self._release(active)
+            if self.active is None and not self._closing.is_set():
                 self.telemetry.job_state.state("none")
 
     async def _take_swarm_state(self, active: ActiveJob) -> bool:
@@ -540,7 +539,10 @@ class JobManager:
             if own:  # our own checkpoint still serves: resume from it
                 log.warning("job %s: %s; resuming from our own checkpoint", active.id, e)
                 return True
-            await self._set_state(active.id, "failed", str(e), "job.failed", str(e))
+            await self._set_state(
+                active.id, "failed", str(e), "job.failed", str(e),
+                functools.partial(self._release, active),
+            )  # fmt: skip
             return False
         if step is not None and step >= own_step:
             active.adopt_step = step
@@ -606,33 +608,56 @@ class JobManager:
             f"{last.tokens_per_s:,.0f}",
         )  # fmt: skip
 
+    def _release(self, active: ActiveJob) -> None:
+        """The daemon is free for another job: called as the job's last state is committed,
+        with no await in between, so a client that reads that state can start the next job."""
+        if self.active is not active:
+            return
+        self.active = None
+        if active.plugin is not None and self.exchange is not None:
+            self.exchange.release(active.id)
+
     async def _finish(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> None:
+        release = functools.partial(self._release, active)
         try:
             summary = fut.result()
         except AtomdError as e:
-            await self._set_state(active.id, "failed", str(e), "job.failed", str(e))
+            await self._set_state(active.id, "failed", str(e), "job.failed", str(e), release)
             return
         except Exception as e:  # a bug, not bad input: keep the traceback in the log
             log.exception("job %s crashed", active.id)
             reason = f"{type(e).__name__}: {e}"
-            await self._set_state(active.id, "failed", reason, "job.failed", reason)
+            await self._set_state(active.id, "failed", reason, "job.failed", reason, release)
             return
         at = f"step {summary.step}"
         if summary.state == "finished":
-            await self._set_state(active.id, "finished", None, "job.finished", at)
+            await self._set_state(active.id, "finished", None, "job.finished", at, release)
         elif active.stop_reason is not None:
-            await self._set_state(active.id, "stopped", active.stop_reason, "job.stopped", at)
+            await self._set_state(
+                active.id, "stopped", active.stop_reason, "job.stopped", at, release
+            )
         else:
             await self._set_state(
-                active.id, "pending", SHUTDOWN_REASON, "job.interrupted", f"checkpointed at {at}"
-            )
+                active.id, "pending", SHUTDOWN_REASON, "job.interrupted",
+                f"checkpointed at {at}", release,
+            )  # fmt: skip
 
     async def _set_state(
-        self, job_id: str, state: JobState, reason: str | None, kind: str, message: str
+        self,
+        job_id: str,
+        state: JobState,
+        reason: str | None,
+        kind: str,
+        message: str,
+        committed: Callable[[], None] | None = None,
     ) -> JobRecord:
-        async with self.sessions() as s, s.begin():
-            job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
-            await repo.add_event(s, kind=kind, job_id=job_id, message=message)
+        """Record a job's state and its event; ``committed`` runs right after the commit."""
+        async with self.sessions() as s:
+            async with s.begin():
+                job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
+                await repo.add_event(s, kind=kind, job_id=job_id, message=message)
+            if committed is not None:
+                committed()
         self.telemetry.job_state.state(state)
         level = logging.ERROR if state == "failed" else logging.INFO
         log.log(level, "job %s: %s%s", job_id, state, f" ({reason})" if reason else "")
