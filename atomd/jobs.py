@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from atomd.data.sources import check_source, check_tokenizer_name, shard_for_peer
+from atomd.data.sources import (
+    check_source,
+    check_tokenizer_name,
+    exists,
+    expand_path,
+    shard_for_peer,
+)
 from atomd.db import repo
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
 from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
@@ -157,7 +163,7 @@ def admit(spec: JobSpec) -> None:
         check_tokenizer_name(spec.tokenizer)
     except ConfigError as e:
         raise SpecError(str(e), field="tokenizer") from None
-    if spec.init_from is not None and not Path(spec.init_from).expanduser().exists():
+    if spec.init_from is not None and not exists(expand_path(spec.init_from)):
         raise SpecError(f"init_from {spec.init_from!r} does not exist", field="init_from")
     need = num_parameters(spec.model_shape) * TRAIN_BYTES_PER_PARAMETER
     have = host_memory_available()

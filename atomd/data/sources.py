@@ -14,9 +14,24 @@ DEFAULT = "default"
 TOKENIZER_FILE = "tokenizer.json"
 
 
+def expand_path(name: str) -> Path:
+    """``~`` expanded where it can be (``~nobody-here/x`` stays as written, not an error)."""
+    try:
+        return Path(name).expanduser()
+    except RuntimeError:  # no such user's home
+        return Path(name)
+
+
+def exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long for the file system, for instance
+        return False
+
+
 def check_source(data: str) -> None:
     """Cheap up-front check that a source exists (the daemon calls it before queueing a job)."""
-    if data != BUNDLED and not Path(data).expanduser().exists():
+    if data != BUNDLED and not exists(expand_path(data)):
         raise DataError(
             f"dataset {data!r} not found: give {BUNDLED!r}, a .txt/.bin file or a folder"
         )
@@ -31,7 +46,12 @@ def shard_for_peer(peer_id: str, num_shards: int) -> int:
 def tokenizer_path(name: str) -> Path:
     """The ``tokenizer.json`` a path names: the file, or the one in that folder (a checkpoint,
     an export, a Hugging Face model folder), or in a run's newest checkpoint."""
-    path = Path(name).expanduser()
+    path = expand_path(name)
+    if not exists(path):
+        raise ConfigError(
+            f"tokenizer {name!r} not found: give {BYTES!r}, {DEFAULT!r} or the path of a "
+            f"{TOKENIZER_FILE} (or of a folder holding one)"
+        )
     if path.is_file():
         return path
     if path.is_dir():

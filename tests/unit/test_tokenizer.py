@@ -124,3 +124,18 @@ def test_bytes_runs_carry_the_bytes_tokenizer(tmp_path: Path, text_file: Path) -
     assert summary.checkpoint is not None
     _, found = model_from_checkpoint(tmp_path, torch.device("cpu"))
     assert isinstance(tokenizer_of(found), ByteTokenizer)
+
+
+@pytest.mark.parametrize("name", ["/nope/tokenizer.json", "x" * 5000, "~no-such-user-here/t.json"])
+def test_the_daemon_refuses_a_missing_tokenizer_or_init_from_before_queueing(name: str) -> None:
+    from atomd.errors import SpecError
+    from atomd.jobs import admit
+    from atomd.spec import JobSpec
+
+    with pytest.raises(SpecError, match="not found") as e:
+        admit(JobSpec(tokenizer=name))
+    assert e.value.field == "tokenizer"
+    with pytest.raises(SpecError, match="does not exist") as e:
+        admit(JobSpec(init_from=name))
+    assert e.value.field == "init_from"
+    admit(JobSpec(tokenizer="default"))  # the packaged ones need no file
