@@ -95,7 +95,7 @@ def _condition(root: Path, *, hogs: int, creations: int, probes: int) -> dict[st
                 healthz.append(dt)
                 time.sleep(0.02)
             steps = _job(t, jid)["step"]
-        create = []
+        create: list[float] = []
         with creator.client(timeout=120) as c:
             for _ in range(creations):
                 dt, r = _timed(c, "POST", "/v1/jobs?scope=local", json=SPEC)

@@ -1,9 +1,10 @@
 """Token datasets: sources, the train/validation split, per-peer shards and batch sampling.
 
-A dataset is one stream of uint16 tokens. The last ``val_fraction`` of it is the validation
-split. The training part is cut into chunks of ``chunk_tokens`` tokens and dealt to
-``num_shards`` shards, either ``interleaved`` (chunk i goes to shard i mod n, so each shard is a
-fair sample of the text) or ``contiguous`` (shard k holds the k-th contiguous 1/n).
+A dataset is one stream of tokens (uint16; uint32 for vocabularies over 65,536). The last
+``val_fraction`` of it is the validation split. The training part is cut into chunks of
+``chunk_tokens`` tokens and dealt to ``num_shards`` shards, either ``interleaved`` (chunk i
+goes to shard i mod n, so each shard is a fair sample of the text) or ``contiguous`` (shard k
+holds the k-th contiguous 1/n).
 
 Sampling is *stateless*: the batch for a step is a pure function of (seed, shard, step, micro
 index), so a resumed run sees exactly the batches it would have seen, and the "data position" a
@@ -33,12 +34,11 @@ from typing import Literal
 
 import numpy as np
 import torch
-from numpy.typing import NDArray
 from torch import Tensor
 
 from atomd.data.readers import document_source, token_cache, tokens_sha256
 from atomd.data.sources import BUNDLED, check_source, shard_for_peer
-from atomd.data.tokenizer import ByteTokenizer, Tokenizer
+from atomd.data.tokenizer import ByteTokenizer, TokenArray, Tokenizer
 from atomd.errors import ConfigError, DataError
 
 __all__ = [
@@ -73,12 +73,13 @@ def bundled_text() -> bytes:
     return lzma.decompress(blob)
 
 
-def _read_text_tokens(paths: list[Path], tok: Tokenizer) -> NDArray[np.uint16]:
+def _read_text_tokens(paths: list[Path], tok: Tokenizer) -> TokenArray:
     parts = [tok.encode_array(p.read_bytes()) for p in paths]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+    out: TokenArray = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+    return out
 
 
-def _read_bin(path: Path) -> NDArray[np.uint16]:
+def _read_bin(path: Path) -> TokenArray:
     size = path.stat().st_size
     if size % 2:
         raise DataError(f"{path}: size {size} is odd; a .bin file holds uint16 tokens")
@@ -87,7 +88,7 @@ def _read_bin(path: Path) -> NDArray[np.uint16]:
 
 def load_source(
     data: str, tok: Tokenizer, text_field: str = "text"
-) -> tuple[NDArray[np.uint16], NDArray[np.uint16] | None, str | None]:
+) -> tuple[TokenArray, TokenArray | None, str | None]:
     """Token stream(s) of a source: (all or train, explicit validation or None, the content
     hash when the token cache knows it)."""
     if data == BUNDLED:
@@ -115,7 +116,7 @@ def load_source(
     return _read_text_tokens([path], tok), None, None
 
 
-def check_vocab(tokens: NDArray[np.uint16], vocab_size: int, *, what: str, fix: str = "") -> None:
+def check_vocab(tokens: TokenArray, vocab_size: int, *, what: str, fix: str = "") -> None:
     """Refuse token ids the model's embedding has no row for (an IndexError deep in training
     otherwise), naming the largest."""
     if len(tokens) and int(tokens.max()) >= vocab_size:
@@ -130,8 +131,8 @@ class TokenDataset:
 
     def __init__(
         self,
-        train: NDArray[np.uint16],
-        val: NDArray[np.uint16],
+        train: TokenArray,
+        val: TokenArray,
         *,
         seq_len: int,
         shard_index: int = 0,
@@ -186,7 +187,7 @@ class TokenDataset:
         """Tokens in this peer's training shard."""
         return sum(b - a for a, b in self.ranges)
 
-    def _windows(self, data: NDArray[np.uint16], starts: list[int]) -> Batch:
+    def _windows(self, data: TokenArray, starts: list[int]) -> Batch:
         rows = np.stack(
             [np.asarray(data[s : s + self.seq_len + 1], dtype=np.int64) for s in starts]
         )

@@ -2,12 +2,13 @@
 tokenized once into a memory-mapped token cache next to the data.
 
 A source's documents (the ``text_field`` of each record) are tokenized in batches and streamed
-to ``<cache>/tokens-<key>.bin`` (uint16), documents separated by the tokenizer's
-``<|endoftext|>`` when it has one, else by a blank line. The key hashes the tokenizer, the text
-field and each input file's name, size and modification time, so a changed file or another
-tokenizer makes a new cache. Training maps the file (``np.memmap``): the corpus is never held in
-memory. Beside it, ``tokens-<key>.json`` records the token count and the sha256 of the tokens
-(the content hash a job spec's ``data_sha256`` names). The cache goes to ``<data>.atomd-cache/``
+to ``<cache>/tokens-<key>.bin`` (uint16, or uint32 for vocabularies over 65,536), documents
+separated by the tokenizer's ``<|endoftext|>`` when it has one, else by a blank line. The key
+hashes the tokenizer, the text field and each input file's name, size and modification time,
+so a changed file or another tokenizer makes a new cache. Training maps the file
+(``np.memmap``): the corpus is never held in memory. Beside it, ``tokens-<key>.json`` records
+the token count and the sha256 of the tokens (the content hash a job spec's ``data_sha256``
+names). The cache goes to ``<data>.atomd-cache/``
 (a folder source: ``<folder>/.atomd-cache/``), or under ``$XDG_CACHE_HOME/atomd/tokens`` where
 the data's folder is read-only.
 
@@ -27,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 
-from atomd.data.tokenizer import END_OF_TEXT, BPETokenizer, Tokenizer
+from atomd.data.tokenizer import END_OF_TEXT, BPETokenizer, TokenArray, Tokenizer, token_dtype
 from atomd.errors import ConfigError, DataError
 from atomd.logs import get_logger
 
@@ -158,19 +158,24 @@ class TokenCache:
     path: Path
     tokens: int
     sha256: str
+    dtype: str = "uint16"
 
-    def array(self) -> NDArray[np.uint16]:
+    def array(self) -> TokenArray:
         if self.tokens == 0:
-            return np.zeros(0, dtype=np.uint16)
-        return np.memmap(self.path, dtype=np.uint16, mode="r")
+            return np.zeros(0, dtype=self.dtype)
+        out: TokenArray = np.memmap(self.path, dtype=self.dtype, mode="r")
+        return out
 
 
 def _read_meta(meta_path: Path, bin_path: Path) -> TokenCache | None:
     try:
         meta = json.loads(meta_path.read_text())
-        if bin_path.stat().st_size != 2 * int(meta["tokens"]):
+        dtype = np.dtype(meta["dtype"])
+        if dtype not in (np.uint16, np.uint32):
             return None
-        return TokenCache(bin_path, int(meta["tokens"]), str(meta["sha256"]))
+        if bin_path.stat().st_size != dtype.itemsize * int(meta["tokens"]):
+            return None
+        return TokenCache(bin_path, int(meta["tokens"]), str(meta["sha256"]), dtype.name)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -205,20 +210,21 @@ def _write_cache(
 ) -> TokenCache:
     final = folder / f"tokens-{key}.bin"
     tmp = folder / f".tokens-{key}.{os.getpid()}.tmp"
-    sep = np.asarray(_separator(tok), dtype=np.uint16)
+    dtype = np.dtype(token_dtype(tok.vocab_size))
+    sep = np.asarray(_separator(tok), dtype=dtype)
     digest = hashlib.sha256()
     count, docs = 0, 0
 
     def flush(batch: list[str], f: Any) -> int:
-        arrays: list[NDArray[np.uint16]] = []
+        arrays: list[TokenArray] = []
         for text in batch:
             if count or arrays:
                 arrays.append(sep)
             arrays.append(tok.encode_array(text.encode("utf-8")))
-        blob = np.concatenate(arrays).astype(np.uint16).tobytes() if arrays else b""
+        blob = np.concatenate(arrays).astype(dtype).tobytes() if arrays else b""
         f.write(blob)
         digest.update(blob)
-        return len(blob) // 2
+        return len(blob) // dtype.itemsize
 
     log.info("tokenizing %s into %s", source.root, final)
     try:
@@ -240,7 +246,7 @@ def _write_cache(
     meta = {
         "tokens": count,
         "documents": docs,
-        "dtype": "uint16",
+        "dtype": dtype.name,
         "sha256": digest.hexdigest(),
         "tokenizer": tok.name,
         "text_field": field,
@@ -249,13 +255,14 @@ def _write_cache(
     }
     (folder / f"tokens-{key}.json").write_text(json.dumps(meta, indent=2) + "\n")
     log.info("%s: %d documents, %d tokens", source.root, docs, count)
-    return TokenCache(final, count, digest.hexdigest())
+    return TokenCache(final, count, digest.hexdigest(), dtype.name)
 
 
-def tokens_sha256(*parts: NDArray[np.uint16]) -> str:
-    """The content hash of a token stream (its parts in order, as uint16 bytes)."""
+def tokens_sha256(*parts: TokenArray) -> str:
+    """The content hash of a token stream (its parts in order, as the bytes of their dtype:
+    uint16, or uint32 for vocabularies over 65,536)."""
     h = hashlib.sha256()
     for p in parts:
-        for i in range(0, len(p), 1 << 24):  # memory-mapped data in 32 MiB pieces
-            h.update(np.ascontiguousarray(p[i : i + (1 << 24)], dtype=np.uint16).tobytes())
+        for i in range(0, len(p), 1 << 24):  # memory-mapped data in pieces
+            h.update(np.ascontiguousarray(p[i : i + (1 << 24)]).tobytes())
     return h.hexdigest()

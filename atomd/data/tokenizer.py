@@ -33,6 +33,7 @@ __all__ = [
     "TOKENIZER_FILE",
     "BPETokenizer",
     "ByteTokenizer",
+    "TokenArray",
     "Tokenizer",
     "load_tokenizer",
     "tokenizer_from_json",
@@ -44,8 +45,17 @@ if TYPE_CHECKING:
 
 DEFAULT_FILE = "tokenizer-shakespeare-4096.json"
 END_OF_TEXT = "<|endoftext|>"
-# Token files hold uint16: the largest vocabulary a tokenizer may have here.
-MAX_VOCAB = 1 << 16
+# Token arrays are uint16 for vocabularies up to 65,536 entries, uint32 above.
+UINT16_VOCAB = 1 << 16
+MAX_VOCAB = 1 << 32
+TokenArray = NDArray[np.unsignedinteger[Any]]
+
+
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger[Any]]:
+    """uint16 while every id fits, else uint32."""
+    return np.uint16 if vocab_size <= UINT16_VOCAB else np.uint32
+
+
 # Pre-tokens never cross a lone newline between two non-space characters (GPT-2's pattern
 # makes it a pre-token of its own), so text cut after one encodes exactly as the whole does.
 # (After a longer whitespace run the cut would not be neutral: "  \n" at the end of a piece
@@ -61,7 +71,7 @@ class Tokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
-    def encode_array(self, data: bytes) -> NDArray[np.uint16]: ...
+    def encode_array(self, data: bytes) -> TokenArray: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def to_json(self) -> str:
         """The tokenizer as a Hugging Face ``tokenizer.json``."""
@@ -77,8 +87,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_array(self, data: bytes) -> NDArray[np.uint16]:
-        return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+    def encode_array(self, data: bytes) -> TokenArray:
+        out: TokenArray = np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i & 0xFF for i in ids).decode("utf-8", errors="replace")
@@ -140,16 +151,12 @@ class BPETokenizer:
         self.tok = tok
         self.name = name
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
-        if self.vocab_size > MAX_VOCAB:
-            raise ConfigError(
-                f"tokenizer {name} has {self.vocab_size:,} tokens; token files here hold uint16 "
-                f"ids, so at most {MAX_VOCAB:,}"
-            )
+        self.dtype = token_dtype(self.vocab_size)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False).ids)
 
-    def encode_array(self, data: bytes) -> NDArray[np.uint16]:
+    def encode_array(self, data: bytes) -> TokenArray:
         text = data.decode("utf-8", errors="replace")
         pieces = _CUT.split(text)
         groups, current, size = [], [], 0
@@ -162,8 +169,8 @@ class BPETokenizer:
         if current:
             groups.append("".join(current))
         encoded = self.tok.encode_batch(groups, add_special_tokens=False)
-        arrays = [np.asarray(e.ids, dtype=np.uint16) for e in encoded]
-        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.uint16)
+        arrays = [np.asarray(e.ids, dtype=self.dtype) for e in encoded]
+        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=self.dtype)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tok.decode(list(ids), skip_special_tokens=False))
@@ -214,8 +221,8 @@ def train_bpe(
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if not 257 <= vocab_size <= MAX_VOCAB:
-        raise ConfigError(f"vocab size must be in [257, {MAX_VOCAB}], got {vocab_size}")
+    if not 257 <= vocab_size <= UINT16_VOCAB:
+        raise ConfigError(f"vocab size must be in [257, {UINT16_VOCAB}], got {vocab_size}")
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

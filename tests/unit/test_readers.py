@@ -123,3 +123,29 @@ def test_the_data_hash_in_the_spec_is_checked(tmp_path: Path) -> None:
     _jsonl(data, DOCS[1:])  # this peer's copy differs
     with pytest.raises(ConfigError, match=f"the job's data_sha256 is {sha}: this peer's copy"):
         trainer_for(ok, tmp_path / "other")
+
+
+def test_vocabularies_over_65536_cache_uint32(tmp_path: Path) -> None:
+    """A tokenizer of 70,001 entries: its ids do not fit uint16, the cache holds uint32."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from atomd.data.tokenizer import BPETokenizer
+
+    vocab = {f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000}
+    hf = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = BPETokenizer(hf, name="words")
+    docs = [" ".join(f"w{(i * 7919 + j) % 70_000}" for j in range(50)) for i in range(40)]
+    data = _jsonl(tmp_path / "words.jsonl", docs)
+    ds = load_dataset(str(data), seq_len=16, tokenizer=tok, vocab_size=70_001)
+    whole = np.concatenate([ds.train, ds.val])
+    assert ds.train.dtype == np.uint32 and isinstance(ds.train, np.memmap)
+    sep = tok.encode("\n\n")  # WordLevel has no <|endoftext|>: documents end with a blank line
+    want: list[int] = []
+    for i, d in enumerate(docs):
+        want += (sep if i else []) + tok.encode(d)
+    assert whole.tolist() == want and max(want) > 65_535
+    with pytest.raises(
+        ConfigError, match=r"holds token id 6\d,\d{3}, but the model.s vocabulary has 50,257"
+    ):
+        load_dataset(str(data), seq_len=16, tokenizer=tok, vocab_size=50_257)
