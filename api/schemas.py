@@ -13,7 +13,9 @@ JobState = Literal["pending", "running", "stopping", "stopped", "finished", "fai
 class ErrorBody(BaseModel):
     """Every error: a machine-readable kind and a sentence for people."""
 
-    error: str = Field(description="not_found, conflict, unauthorized, forbidden, invalid")
+    error: str = Field(
+        description="not_found, conflict, unauthorized, forbidden, invalid, too_large, rate_limited"
+    )
     detail: str
 
 

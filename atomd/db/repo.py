@@ -364,6 +364,8 @@ async def upsert_peer(
     """Insert or update a peer. ``first_seen_at`` is set on insert, ``last_seen_at`` always;
     a ``None`` public key or round-trip time keeps the one already known."""
     _check("peer state", state, PEER_STATES)
+    if not 0 <= incarnation < 2**63:  # SQLite's INTEGER; the peer plane keeps them below 2^62
+        raise ValueError(f"incarnation {incarnation} does not fit a 64-bit integer")
     now = utcnow()
     stmt = sqlite_insert(Peer).values(
         id=peer_id,

@@ -19,47 +19,26 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from atomd.logs import get_logger
+from atomd.p2p.messages import (
+    MAX_MEMBERS,
+    Gossip,
+    JobAdvert,
+    JoinReply,
+    MemberRecord,
+    MemberState,
+    PingReq,
+    PingReqReply,
+)
 
 log = get_logger(__name__)
 
-PeerState = Literal["alive", "suspect", "dead", "left"]
+PeerState = MemberState
+Update = MemberRecord  # one piece of gossip: what a member is, as of an incarnation
 _RANK: dict[str, int] = {"alive": 0, "suspect": 1, "dead": 2, "left": 3}
-
-
-@dataclass(frozen=True)
-class Update:
-    """One piece of gossip: what a member is, as of an incarnation."""
-
-    id: str
-    url: str
-    public_key: str
-    state: PeerState
-    incarnation: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "url": self.url,
-            "public_key": self.public_key,
-            "state": self.state,
-            "incarnation": self.incarnation,
-        }
-
-    @classmethod
-    def from_json(cls, d: Any) -> Update:
-        if not isinstance(d, dict) or d.get("state") not in _RANK:
-            raise ValueError(f"malformed membership update: {d!r}")
-        return cls(
-            id=str(d["id"]),
-            url=str(d["url"]),
-            public_key=str(d["public_key"]),
-            state=d["state"],
-            incarnation=int(d["incarnation"]),
-        )
 
 
 @dataclass
@@ -75,7 +54,13 @@ class Member:
     rtt_ms: float | None = None
 
     def update(self) -> Update:
-        return Update(self.id, self.url, self.public_key, self.state, self.incarnation)
+        return Update(
+            id=self.id,
+            url=self.url,
+            public_key=self.public_key,
+            state=self.state,
+            incarnation=self.incarnation,
+        )
 
 
 def supersedes(new: Update, old: Member) -> bool:
@@ -178,7 +163,7 @@ class Membership:
         m = self.members.get(peer_id)
         if m is None or m.state == state:
             return False
-        return self.apply(replace(m.update(), state=state))
+        return self.apply(m.update().model_copy(update={"state": state}))
 
     def _changed(self, m: Member, before: PeerState | None) -> None:
         log.info("peer %s (%s): %s -> %s", m.id[:12], m.url, before or "new", m.state)
@@ -188,14 +173,17 @@ class Membership:
 
 class Transport(Protocol):
     """How ``Swim`` reaches other members (signed HTTP in the daemon, in-memory in tests).
-    Every call raises on failure or timeout."""
+    ``target`` is the peer id expected at ``url`` (None: whoever answers there). Every call
+    raises on failure or timeout."""
 
-    async def ping(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]: ...
+    async def ping(self, url: str, target: str, msg: Gossip, timeout: float) -> Gossip: ...
     async def ping_req(
-        self, url: str, payload: dict[str, Any], timeout: float
-    ) -> dict[str, Any]: ...
-    async def join(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]: ...
-    async def leave(self, url: str, payload: dict[str, Any], timeout: float) -> None: ...
+        self, url: str, target: str, msg: PingReq, timeout: float
+    ) -> PingReqReply: ...
+    async def join(
+        self, url: str, target: str | None, msg: Gossip, timeout: float
+    ) -> JoinReply: ...
+    async def leave(self, url: str, target: str, msg: Gossip, timeout: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -218,57 +206,57 @@ class Swim:
         self.transport = transport
         self.config = config
         self._order: list[str] = []
-        self.extra: Callable[[], dict[str, Any]] = dict
-        """Extra fields every message carries (the daemon adds its active job)."""
-        self.on_extra: Callable[[str, dict[str, Any]], None] = lambda _peer, _extra: None
+        self.advert: Callable[[], JobAdvert | None] = lambda: None
+        """The job every message carries (the daemon's swarm job)."""
+        self.on_message: Callable[[str, Gossip], None] = lambda _peer, _msg: None
         """Called with (sender id, message) for every message received."""
 
     # -- messages ----------------------------------------------------------------------------
 
-    def _message(self) -> dict[str, Any]:
-        return {
-            "from": self.m.me.update().to_json(),
-            "updates": [u.to_json() for u in self.m.gossip()],
-            **self.extra(),
-        }
+    def message(self) -> Gossip:
+        return Gossip(sender=self.m.me.update(), updates=self.m.gossip(), job=self.advert())
 
-    def receive(self, msg: dict[str, Any]) -> str:
+    def receive(self, msg: Gossip) -> str:
         """Merge a message's sender and gossip; return the sender id."""
-        sender = Update.from_json(msg.get("from"))
-        self.m.apply(sender, direct=True)
-        for raw in msg.get("updates", [])[:256]:
-            self.m.apply(Update.from_json(raw))
-        self.on_extra(sender.id, msg)
-        return sender.id
+        self.m.apply(msg.sender, direct=True)
+        for u in msg.updates:
+            self.m.apply(u)
+        self.on_message(msg.sender.id, msg)
+        return msg.sender.id
 
     # -- incoming ----------------------------------------------------------------------------
 
-    def handle_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def handle_ping(self, msg: Gossip) -> Gossip:
         self.receive(msg)
-        return self._message()
+        return self.message()
 
-    async def handle_ping_req(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def handle_ping_req(self, msg: PingReq) -> PingReqReply:
         self.receive(msg)
-        target = self.m.get(str(msg.get("target", "")))
+        target = self.m.get(msg.target)
         ok = False
         if target is not None and target is not self.m.me:
             ok = await self._ping(target, self.config.ping_timeout)
-        return {**self._message(), "ok": ok}
+        m = self.message()
+        return PingReqReply(sender=m.sender, updates=m.updates, job=m.job, ok=ok)
 
-    def handle_join(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def handle_join(self, msg: Gossip) -> JoinReply:
         self.receive(msg)
-        return {**self._message(), "members": [u.to_json() for u in self.m.snapshot()]}
+        m = self.message()
+        members = self.m.snapshot()[:MAX_MEMBERS]
+        return JoinReply(sender=m.sender, updates=m.updates, job=m.job, members=members)
 
-    def handle_leave(self, msg: dict[str, Any]) -> None:
-        sender = Update.from_json(msg.get("from"))
-        self.m.apply(replace(sender, state="left"), direct=True)
+    def handle_leave(self, msg: Gossip) -> None:
+        sender = msg.sender.model_copy(update={"state": "left"})
+        self.m.apply(sender, direct=True)
 
     # -- outgoing ----------------------------------------------------------------------------
 
     async def _ping(self, target: Member, timeout: float) -> bool:
         t0 = time.perf_counter()
         try:
-            reply = await self.transport.ping(target.url, self._message(), timeout)
+            reply = await self.transport.ping(target.url, target.id, self.message(), timeout)
+            if reply.sender.id != target.id:
+                raise ValueError(f"{reply.sender.id} answered for {target.id}")
             self.receive(reply)
         except Exception as e:  # any failure to get a valid answer is a missed ping
             log.debug("ping %s failed: %s", target.id[:12], e)
@@ -279,10 +267,13 @@ class Swim:
 
     async def _ping_req(self, via: Member, target: Member) -> bool:
         try:
-            payload = {**self._message(), "target": target.id}
-            reply = await self.transport.ping_req(via.url, payload, self.config.indirect_timeout)
+            m = self.message()
+            msg = PingReq(sender=m.sender, updates=m.updates, job=m.job, target=target.id)
+            reply = await self.transport.ping_req(
+                via.url, via.id, msg, self.config.indirect_timeout
+            )
             self.receive(reply)
-            return bool(reply.get("ok"))
+            return reply.ok
         except Exception as e:
             log.debug("ping-req via %s failed: %s", via.id[:12], e)
             return False
@@ -335,10 +326,12 @@ class Swim:
             if url.rstrip("/") == self.m.me.url:
                 continue
             try:
-                reply = await self.transport.join(url, self._message(), self.config.join_timeout)
+                reply = await self.transport.join(
+                    url, None, self.message(), self.config.join_timeout
+                )
                 self.receive(reply)
-                for raw in reply.get("members", []):
-                    self.m.apply(Update.from_json(raw))
+                for u in reply.members:
+                    self.m.apply(u)
             except Exception as e:
                 log.info("could not join through %s: %s", url, e)
                 continue
@@ -350,12 +343,11 @@ class Swim:
         """Tell every live member we are leaving (best effort, bounded in time)."""
         self.m.me.state = "left"
         targets = self.m.others("alive", "suspect")
-        msg = self._message()
-        msg["from"] = replace(self.m.me.update(), state="left").to_json()
+        msg = self.message().model_copy(update={"sender": self.m.me.update()})
 
         async def one(m: Member) -> None:
             try:
-                await self.transport.leave(m.url, msg, self.config.leave_timeout)
+                await self.transport.leave(m.url, m.id, msg, self.config.leave_timeout)
             except Exception as e:
                 log.debug("leave to %s failed: %s", m.id[:12], e)
 

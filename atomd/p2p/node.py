@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,12 +20,25 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.config import Settings
 from atomd.db import repo
-from atomd.errors import NotFoundError, PeerAuthError, PeerRequestError, WireError
+from atomd.errors import AtomdError, NotFoundError, PeerAuthError, PeerRequestError, WireError
 from atomd.jobs import JobManager
 from atomd.logs import get_logger
-from atomd.p2p.auth import Admission, PeerClient, RequestVerifier
+from atomd.p2p import paths
+from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
 from atomd.p2p.membership import Member, Membership, PeerState, Swim, SwimConfig, Update
+from atomd.p2p.messages import (
+    Ack,
+    Announce,
+    DeltaAccepted,
+    Gossip,
+    JobAdvert,
+    JoinReply,
+    PingReq,
+    PingReqReply,
+    StopJob,
+)
+from atomd.p2p.signing import Admission, RequestVerifier
 from atomd.p2p.transfer import fetch_state
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
@@ -38,33 +52,38 @@ if TYPE_CHECKING:  # the delta exchange loads torch with the first swarm job, no
 
 log = get_logger(__name__)
 
+SEND_TIMEOUT_S = 3.0  # a job announcement or stop to one peer
+
 
 class HttpTransport:
-    """SWIM's messages as signed JSON POSTs to ``/p2p/v1/...``."""
+    """SWIM's messages as signed JSON POSTs to the peer plane."""
 
     def __init__(self, client: PeerClient) -> None:
         self.client = client
 
-    async def _post(self, url: str, path: str, payload: dict[str, Any], timeout: float) -> Any:
-        reply = await self.client.post_json(url, path, payload, timeout=timeout)
-        if not isinstance(reply, dict):
-            raise PeerRequestError(f"{url}{path}: expected a JSON object")
-        return reply
+    async def ping(self, url: str, target: str, msg: Gossip, timeout: float) -> Gossip:
+        return await self.client.post(url, paths.PING, msg, Gossip, target=target, timeout=timeout)
 
-    async def ping(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        reply: dict[str, Any] = await self._post(url, "/p2p/v1/ping", payload, timeout)
-        return reply
+    async def ping_req(self, url: str, target: str, msg: PingReq, timeout: float) -> PingReqReply:
+        return await self.client.post(
+            url, paths.PING_REQ, msg, PingReqReply, target=target, timeout=timeout
+        )
 
-    async def ping_req(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        reply: dict[str, Any] = await self._post(url, "/p2p/v1/ping-req", payload, timeout)
-        return reply
+    async def join(self, url: str, target: str | None, msg: Gossip, timeout: float) -> JoinReply:
+        return await self.client.post(
+            url, paths.JOIN, msg, JoinReply, target=target, timeout=timeout
+        )
 
-    async def join(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        reply: dict[str, Any] = await self._post(url, "/p2p/v1/join", payload, timeout)
-        return reply
+    async def leave(self, url: str, target: str, msg: Gossip, timeout: float) -> None:
+        await self.client.post(url, paths.LEAVE, msg, Ack, target=target, timeout=timeout)
 
-    async def leave(self, url: str, payload: dict[str, Any], timeout: float) -> None:
-        await self._post(url, "/p2p/v1/leave", payload, timeout)
+
+async def _logged(coro: Coroutine[Any, Any, None], name: str) -> None:
+    """Run a background task of the node; a failure is logged, never ends the daemon."""
+    try:
+        await coro
+    except Exception:
+        log.exception("task %s failed", name)
 
 
 class SwarmNode:
@@ -85,8 +104,8 @@ class SwarmNode:
         self.telemetry = telemetry
         self.jobs = jobs
         self.admission = Admission.from_settings(settings)
-        self.client = PeerClient(identity, self.admission, timeout=5.0)
-        self.verifier = RequestVerifier(self.admission)
+        self.client = PeerClient(identity, self.admission)
+        self.verifier = RequestVerifier(self.admission, self_id=identity.peer_id)
         me = Update(
             id=identity.peer_id,
             url=settings.advertise_url,
@@ -106,8 +125,8 @@ class SwarmNode:
                 indirect_timeout=max(0.75, min(3.0, 3 * settings.gossip_interval)),
             ),
         )
-        self.swim.extra = self._extra
-        self.swim.on_extra = self._on_message
+        self.swim.advert = self._advert
+        self.swim.on_message = self._on_message
         self._changes: asyncio.Queue[tuple[Update, PeerState | None]] = asyncio.Queue()
         self._tg: asyncio.TaskGroup | None = None
         self._lan: list[str] = []
@@ -182,13 +201,19 @@ class SwarmNode:
     async def _record_changes(self) -> None:
         while True:
             u, before = await self._changes.get()
-            m = self.membership.get(u.id)
-            async with self.sessions() as s, s.begin():
-                await repo.upsert_peer(
+            try:
+                await self._record_change(u, before)
+            except Exception:  # a record that cannot be written must not end the daemon
+                log.exception("could not record peer %s: %s -> %s", u.id, before, u.state)
+
+    async def _record_change(self, u: Update, before: PeerState | None) -> None:
+        m = self.membership.get(u.id)
+        async with self.sessions() as s, s.begin():
+            await repo.upsert_peer(
                     s, peer_id=u.id, url=u.url, public_key=u.public_key, state=u.state,
                     incarnation=u.incarnation, rtt_ms=m.rtt_ms if m else None,
                 )  # fmt: skip
-                await repo.add_event(
+            await repo.add_event(
                     s, kind=f"peer.{u.state}", peer_id=u.id,
                     message=f"{before or 'new'} -> {u.state} ({u.url})",
                 )  # fmt: skip
@@ -207,10 +232,11 @@ class SwarmNode:
                         incarnation=m.incarnation, rtt_ms=m.rtt_ms,
                     )  # fmt: skip
 
-    async def record_rejection(self, path: str, client: str, error: PeerAuthError) -> None:
+    async def record_rejection(self, path: str, client: str, error: AtomdError) -> None:
+        status = error.status if isinstance(error, PeerAuthError) else 413
         async with self.sessions() as s, s.begin():
             await repo.add_event(
-                s, kind="auth.rejected", message=f"{error.status} {path} from {client}: {error}"
+                s, kind="auth.rejected", message=f"{status} {path[:100]} from {client}: {error}"
             )
 
     def peers(self) -> list[dict[str, Any]]:
@@ -234,45 +260,47 @@ class SwarmNode:
 
     # -- jobs across the swarm ----------------------------------------------------------------
 
-    def _extra(self) -> dict[str, Any]:
+    def _advert(self) -> JobAdvert | None:
         advert = self.jobs.advert()
-        return {"job": advert} if advert else {}
+        return JobAdvert.model_validate(advert) if advert else None
 
-    def _on_message(self, sender: str, msg: dict[str, Any]) -> None:
-        advert = msg.get("job")
-        if isinstance(advert, dict) and isinstance(advert.get("id"), str):
-            self._job_peers.setdefault(advert["id"], {})[sender] = time.monotonic()
-        if isinstance(advert, dict) and self.settings.auto_join:
+    def _on_message(self, sender: str, msg: Gossip) -> None:
+        advert = msg.job
+        if advert is None:
+            return
+        self._job_peers.setdefault(advert.id, {})[sender] = time.monotonic()
+        if self.settings.auto_join:
             member = self.membership.get(sender)
             donors = [member.url] if member is not None else []
             # Other members that train the same job are donors too, should this one fail.
-            self.jobs.offer(advert, donors + self._donors_besides(sender))
+            offer = advert.model_dump(mode="json")
+            self.jobs.offer(offer, donors + self._donors_besides(sender))
 
     def _donors_besides(self, sender: str) -> list[str]:
         return [m.url for m in self.membership.others("alive") if m.id != sender]
 
-    def _spawn(self, coro: Any, name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         if self._tg is None:
             coro.close()
             return
-        self._tg.create_task(coro, name=name)
+        self._tg.create_task(_logged(coro, name), name=name)
 
     def announce(self, advert: dict[str, Any]) -> None:
         """Tell every live peer about a new swarm job now (gossip would in a few periods)."""
-        msg = {"from": self.membership.me.update().to_json(), "job": advert}
+        msg = Announce(sender=self.membership.me.update(), job=JobAdvert.model_validate(advert))
         for m in self.membership.others("alive"):
-            self._spawn(self._send(m.url, "/p2p/v1/jobs/announce", msg), f"announce-{m.id[:8]}")
+            self._spawn(self._send(m, paths.ANNOUNCE, msg), f"announce-{m.id[:8]}")
 
     def broadcast_stop(self, job_id: str) -> None:
-        msg = {"from": self.membership.me.update().to_json()}
+        msg = StopJob(sender=self.membership.me.update())
         for m in self.membership.others("alive", "suspect"):
-            self._spawn(self._send(m.url, f"/p2p/v1/jobs/{job_id}/stop", msg), f"stop-{m.id[:8]}")
+            self._spawn(self._send(m, paths.job_stop(job_id), msg), f"stop-{m.id[:8]}")
 
-    async def _send(self, url: str, path: str, msg: dict[str, Any]) -> None:
+    async def _send(self, m: Member, path: str, msg: Announce | StopJob) -> None:
         try:
-            await self.client.post_json(url, path, msg, timeout=3.0)
+            await self.client.post(m.url, path, msg, Ack, target=m.id, timeout=SEND_TIMEOUT_S)
         except PeerRequestError as e:
-            log.info("%s%s failed: %s", url, path, e)
+            log.info("%s%s failed: %s", m.url, path, e)
 
     async def fetch_state(self, job_id: str, donors: list[str], root: Path) -> int | None:
         return await fetch_state(self.client, donors, job_id, root)
@@ -331,10 +359,12 @@ class SwarmNode:
         targets = self.job_peers(out.job_id)
 
         async def one(m: Member) -> tuple[Member, str | None]:
-            path = f"/p2p/v1/jobs/{out.job_id}/deltas"
+            path = paths.job_deltas(out.job_id)
             for attempt in range(2):
                 try:
-                    await self.client.post_bytes(m.url, path, out.frame, timeout=30.0)
+                    await self.client.post_bytes(
+                        m.url, path, out.frame, DeltaAccepted, target=m.id, timeout=30.0
+                    )
                     return m, None
                 except PeerRequestError as e:
                     if e.status is not None and 400 <= e.status < 500:

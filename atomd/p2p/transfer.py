@@ -17,14 +17,15 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 from safetensors import SafetensorError, safe_open
 
 from atomd.errors import AtomdError, CheckpointError, PeerRequestError
 from atomd.logs import get_logger
-from atomd.p2p.auth import PeerClient
+from atomd.p2p import paths
+from atomd.p2p.client import PeerClient
+from atomd.p2p.messages import StateManifest, parse
 from atomd.train import checkpoint as ckpt
 
 log = get_logger(__name__)
@@ -33,14 +34,14 @@ TRANSFER_FILES = (ckpt.MODEL_FILE, ckpt.STATE_FILE)
 _CHUNK = 1 << 20
 
 
-def newest_manifest(root: Path) -> dict[str, Any] | None:
+def newest_manifest(root: Path) -> StateManifest | None:
     """The newest complete checkpoint's meta.json under ``root`` (None if there is none)."""
     for path in ckpt.list_checkpoints(root):
         try:
-            meta = json.loads((path / ckpt.META_FILE).read_text())
-        except (OSError, json.JSONDecodeError):
+            meta = parse(StateManifest, (path / ckpt.META_FILE).read_bytes())
+        except (OSError, AtomdError):
             continue
-        if isinstance(meta, dict) and all((path / name).is_file() for name in TRANSFER_FILES):
+        if all((path / name).is_file() for name in TRANSFER_FILES):
             return meta
     return None
 
@@ -84,36 +85,29 @@ class _Download:
 
 
 async def _fetch_from(client: PeerClient, url: str, job_id: str, root: Path) -> int:
-    manifest = await client.get_json(url, f"/p2p/v1/jobs/{job_id}/state", timeout=10)
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int):
-        raise CheckpointError(f"malformed state manifest from {url}")
-    if manifest.get("format_version") != ckpt.FORMAT_VERSION:
-        raise CheckpointError(
-            f"state from {url} has format_version {manifest.get('format_version')!r}, "
-            f"expected {ckpt.FORMAT_VERSION}"
-        )
-    step: int = manifest["step"]
-    files = manifest.get("files", {})
+    manifest = await client.get(url, paths.job_state(job_id), StateManifest, timeout=10)
+    step = manifest.step
+    files = {ckpt.MODEL_FILE: manifest.files.model, ckpt.STATE_FILE: manifest.files.state}
     tmp = root / f".incoming-step-{step:08d}-{os.getpid()}"
     await asyncio.to_thread(shutil.rmtree, tmp, True)
     await asyncio.to_thread(tmp.mkdir, parents=True)
     try:
         for name in TRANSFER_FILES:
-            want = files.get(name)
-            if not isinstance(want, dict):
-                raise CheckpointError(f"manifest from {url} does not list {name}")
-            dl = await asyncio.to_thread(
-                _Download, tmp / name, int(want["bytes"]), str(want["sha256"])
-            )
+            want = files[name]
+            dl = await asyncio.to_thread(_Download, tmp / name, want.bytes, want.sha256)
             try:
-                path = f"/p2p/v1/jobs/{job_id}/state/{step}/{name}"
+                path = paths.job_state_file(job_id, step, name)
                 async with client.stream("GET", url, path, timeout=30) as resp:
                     async for chunk in resp.aiter_bytes(_CHUNK):
                         await asyncio.to_thread(dl.write, chunk)
                 await asyncio.to_thread(dl.finish)
             finally:
                 dl.file.close()
-        meta = json.dumps(manifest, indent=2, sort_keys=True)
+        meta = json.dumps(
+            manifest.model_dump(mode="json", by_alias=True, exclude_none=True),
+            indent=2,
+            sort_keys=True,
+        )
         await asyncio.to_thread((tmp / ckpt.META_FILE).write_text, meta)
         await asyncio.to_thread(_fsync_and_publish, tmp, root / f"step-{step:08d}")
     except BaseException:

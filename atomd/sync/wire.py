@@ -487,7 +487,7 @@ def _validate(obj: dict[str, Any]) -> _Header:
     for key in ("job_id", "sender", "codec"):
         _expect(isinstance(obj[key], str), key, "a string", obj[key])
     for key in ("round", "base_version", "payload_bytes"):
-        _expect(_is_count(obj[key]), key, "an int >= 0", obj[key])
+        _expect(_is_count(obj[key]), key, f"an int in [0, {MAX_COUNT}]", obj[key])
     created_at = obj["created_at"]
     # An int is fine too, but not one too large for a float (math.isfinite would raise).
     _expect(
@@ -557,8 +557,11 @@ def _expect(ok: bool, what: str, expected: str, got: Any) -> None:
         raise WireError("malformed", f"header {what} must be {expected}, got {shown}")
 
 
+MAX_COUNT = 2**62 - 1  # rounds, versions, sizes: SQLite's 64-bit integers always hold them
+
+
 def _is_count(value: Any) -> bool:
-    return type(value) is int and value >= 0
+    return type(value) is int and 0 <= value <= MAX_COUNT
 
 
 def _is_hex(value: Any, length: int) -> bool:

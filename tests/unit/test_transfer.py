@@ -17,8 +17,10 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from atomd.errors import CheckpointError
-from atomd.p2p.auth import Admission, PeerClient
+from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
+from atomd.p2p.messages import PeerInfo
+from atomd.p2p.signing import Admission
 from atomd.p2p.transfer import fetch_state, newest_manifest
 from atomd.train import checkpoint as ckpt
 
@@ -35,12 +37,18 @@ def _free_port() -> int:
 def donor_app(root: Path, behaviour: str) -> FastAPI:
     """A donor serving ``root``'s newest checkpoint: honestly, or dying, or lying."""
     app = FastAPI()
+    me = Identity.generate().peer_id
+
+    @app.get("/p2p/v1/info")
+    async def info() -> PeerInfo:
+        return PeerInfo(swarm="s", version="test", id=me, url="http://donor")
 
     @app.get("/p2p/v1/jobs/{job_id}/state")
     async def manifest(job_id: str) -> Any:
-        m = newest_manifest(root)
-        if m is None or behaviour == "empty":
+        found = newest_manifest(root)
+        if found is None or behaviour == "empty":
             return JSONResponse({"error": "not_found", "detail": "none"}, status_code=404)
+        m = found.model_dump(mode="json", by_alias=True, exclude_none=True)
         if behaviour == "garbage":  # consistent sizes and hashes of bytes that are no checkpoint
             m = {
                 **m,
