@@ -15,8 +15,6 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import FileResponse
 
-from api import errors
-from api.peer_auth import SignedRequest, peer_auth
 from atomd import __version__
 from atomd.errors import AtomdError, NotFoundError, PeerAuthError
 from atomd.p2p import paths
@@ -38,6 +36,8 @@ from atomd.p2p.messages import (
 from atomd.p2p.node import SwarmNode
 from atomd.p2p.transfer import checkpoint_file, newest_manifest
 from atomd.train.checkpoint import checkpoint_root
+from atomd_api import errors
+from atomd_api.peer_auth import SignedRequest, peer_auth
 
 MAX_MESSAGE_BYTES = 256 << 10
 """The largest membership or job message accepted (a ping with 64 updates is about 30 KiB)."""

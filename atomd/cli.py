@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, cast
 
@@ -27,6 +31,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: rich's panels print boolean flags as `--zeroconf / --no-zeroconf <bool>`.
+    rich_markup_mode=None,
 )
 
 DeviceOpt = Annotated[
@@ -47,8 +53,10 @@ def _spec_from(spec_file: Path | None, overrides: dict[str, Any]) -> Any:
     if spec_file is not None:
         try:
             base = json.loads(spec_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            fail(f"cannot read job spec {spec_file}: {e}")
+        except OSError as e:
+            fail(f"cannot read job spec {spec_file}: {e.strerror or e}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            fail(f"job spec {spec_file} is not valid JSON: {e}")
         if not isinstance(base, dict):
             fail(f"job spec {spec_file} must be a JSON object")
     base.update({k: v for k, v in overrides.items() if v is not None})
@@ -136,14 +144,42 @@ def train(
     typer.echo(
         f"training {spec.preset} ({n_params / 1e6:.2f}M parameters) on {spec.data} "
         f"[{trainer.dataset.train_tokens:,} training tokens] with {built.device.type}, "
-        f"{spec.total_steps} steps of {spec.tokens_per_step:,} tokens -> {out}"
+        f"{spec.total_steps} steps of {spec.tokens_per_step:,} tokens -> {out} "
+        "(Ctrl-C stops at the next step and checkpoints)"
     )
-    summary = trainer.run()
+    with _stop_on_ctrl_c(trainer.stop_event):
+        summary = trainer.run()
     val = f", val_loss {summary.val_loss:.4f}" if summary.val_loss is not None else ""
     loss = f", loss {summary.loss:.4f}" if summary.loss is not None else ""
     typer.echo(
         f"{summary.state} at step {summary.step}{loss}{val}; checkpoint {summary.checkpoint}"
     )
+    if summary.state == "stopped":
+        typer.echo(f"interrupted; continue with: atomd train --out {out} --resume", err=True)
+        raise typer.Exit(130)
+
+
+@contextlib.contextmanager
+def _stop_on_ctrl_c(stop: threading.Event) -> Iterator[None]:
+    """The first Ctrl-C stops training at the next step boundary (it checkpoints); a second
+    one aborts at once, without a checkpoint."""
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if stop.is_set():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        stop.set()
+        typer.echo(
+            "\nCtrl-C: stopping at the next step boundary and writing a checkpoint "
+            "(Ctrl-C again aborts without one)",
+            err=True,
+        )
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @app.command()
@@ -187,16 +223,14 @@ def _generate_text(
 @app.command()
 def presets() -> None:
     """List the model presets with their shapes and parameter counts."""
-    import torch
-
-    from atomd.model import GPT, PRESETS
+    from atomd.model import PRESETS
+    from atomd.model.config import num_parameters
 
     typer.echo(
         f"{'preset':<10} {'layers':>6} {'width':>6} {'heads':>5} {'context':>7} {'params':>10}"
     )
     for name, cfg in PRESETS.items():
-        with torch.device("meta"):
-            n = GPT(cfg).num_parameters()
+        n = num_parameters(cfg)
         typer.echo(
             f"{name:<10} {cfg.n_layer:>6} {cfg.n_embd:>6} {cfg.n_head:>5} {cfg.block_size:>7} "
             f"{n / 1e6:>9.1f}M"
@@ -254,7 +288,15 @@ def demo(
 
 
 SwapOptimizerOpt = Annotated[
-    str | None, typer.Option(help="Fix where swapped layers' AdamW runs: host or device.")
+    str | None,
+    typer.Option(
+        help="Fix where swapped layers' AdamW runs: host, device, or split (the first layers "
+        "on the device, the rest on the host)."
+    ),
+]
+DeviceStepsOpt = Annotated[
+    int | None,
+    typer.Option(min=1, help="With --optimizer split: how many swapped layers step on the device."),
 ]
 GraphBlocksOpt = Annotated[
     int | None, typer.Option(help="Fix the blocks not recomputed (default: as many as fit).")
@@ -279,7 +321,7 @@ def _link_choice(value: str | None) -> Link | None:
 
 
 def _optimizer_choice(value: str | None) -> Optimizer | None:
-    return cast("Optimizer | None", _one_of("--optimizer", value, ("host", "device")))
+    return cast("Optimizer | None", _one_of("--optimizer", value, ("host", "device", "split")))
 
 
 @app.command()
@@ -305,6 +347,7 @@ def plan(
         int | None, typer.Option(help="Fix the blocks kept on the device.")
     ] = None,
     optimizer: SwapOptimizerOpt = None,
+    device_steps: DeviceStepsOpt = None,
     graph_blocks: GraphBlocksOpt = None,
     link: LinkOpt = None,
     measure: Annotated[
@@ -366,6 +409,7 @@ def plan(
         "micro_batches": micro_batches,
         "resident_blocks": resident_blocks,
         "optimizer": _optimizer_choice(optimizer),
+        "device_steps": device_steps,
         "graph_blocks": graph_blocks,
         "link": _link_choice(link),
     }
@@ -382,7 +426,7 @@ def plan(
         from atomd.swap.rehearse import rehearse
         from atomd.swap.report import format_simulation
 
-        recorder, sim = rehearse(result, shape, hw)
+        recorder, sim = rehearse(result, shape, hw, steps=2)
         problems = check_schedule(recorder)
         out["simulation"] = sim.summary() | {"schedule_problems": problems}
         text += "\n\n" + format_simulation(sim, problems, predicted_s=result.step_s)
@@ -390,7 +434,9 @@ def plan(
 
 
 bench_app = typer.Typer(
-    help="Benchmarks: each prints what it measured in one run as JSON.", no_args_is_help=True
+    help="Benchmarks: each prints what it measured in one run as JSON.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(bench_app, name="bench")
 
@@ -410,6 +456,7 @@ def bench_swap(
     ] = 0,
     gpu_mem: Annotated[str | None, typer.Option(help="Device-memory budget, e.g. 8GiB.")] = None,
     optimizer: SwapOptimizerOpt = None,
+    device_steps: DeviceStepsOpt = None,
     graph_blocks: GraphBlocksOpt = None,
     link: LinkOpt = None,
     resident: Annotated[
@@ -450,13 +497,21 @@ def bench_swap(
             "JSON file; the output gets the simulated step times and critical path."
         ),
     ] = None,
+    host_threads: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="torch's intra-op threads for this run (default: torch's): fewer than the cores "
+            "leaves one for the thread that issues the device's work beside the host AdamW.",
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
 ) -> None:
     """Train the same steps resident and swapped; print throughput, ratio and parameter diff."""
     if profile is not None and profile.exists() and not profile.is_dir():
         fail(f"--profile {profile}: exists and is not a folder")
     try:
-        from bench.swap import run as run_swap_bench
+        from atomd_bench.swap import run as run_swap_bench
     except ImportError:
         fail("atomd bench needs the bench/ package (a source checkout or `pip install -e .`)")
     result = run_swap_bench(
@@ -471,6 +526,7 @@ def bench_swap(
         resident_blocks=resident_blocks,
         gpu_mem=gpu_mem,
         optimizer=_optimizer_choice(optimizer),
+        device_steps=device_steps,
         graph_blocks=graph_blocks,
         link=_link_choice(link),
         resident=resident,
@@ -478,6 +534,7 @@ def bench_swap(
         also_grad_clip=also_grad_clip,
         profile=profile,
         trace=trace,
+        host_threads=host_threads,
     )
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
 
@@ -498,7 +555,7 @@ def bench_sync(
 ) -> None:
     """Simulated 4-peer swarms on the tiny GPT: val loss, bytes per round, anchor divergence."""
     try:
-        from bench.sync import run as run_sync_bench
+        from atomd_bench.sync import run as run_sync_bench
     except ImportError:
         fail("atomd bench needs the bench/ package (a source checkout or `pip install -e .`)")
     try:
@@ -533,6 +590,6 @@ def main() -> NoReturn:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         sys.exit(2)
     except KeyboardInterrupt:
-        typer.secho("interrupted", err=True)
+        typer.secho("interrupted (Ctrl-C): stopped at once, nothing more was saved", err=True)
         sys.exit(130)
     sys.exit(0)

@@ -16,7 +16,14 @@ from typing import Any
 
 import httpx
 
-from atomd.launch import DaemonProcess, peer_id, start_swarm, wait_until
+from atomd.launch import (
+    READY_TIMEOUT,
+    DaemonProcess,
+    peer_id,
+    start_swarm,
+    stop_all,
+    wait_until,
+)
 
 
 def _get(d: DaemonProcess, path: str) -> Any:
@@ -46,31 +53,47 @@ def _line(name: str, d: DaemonProcess, job_id: str) -> tuple[str, dict[str, Any]
     )
 
 
+class _InterruptedError(Exception):
+    """SIGINT or SIGTERM reached the demo: stop the daemons and leave."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise(signum: int, frame: Any) -> None:
+    raise _InterruptedError(signum)
+
+
 def run_swarm_demo(root: Path, *, peers: int = 3, max_steps: int = 600, every: int = 50) -> int:
+    """0 when the job finished or Ctrl-C stopped it, 1 on a failure, 143 on SIGTERM. Every
+    daemon started is stopped on every way out; if the demo itself is killed, the kernel
+    sends them SIGTERM (see ``atomd.launch``)."""
     spec = {"preset": "tiny", "micro_batch_size": 16, "max_steps": max_steps,
             "sync": {"every": every}}  # fmt: skip
     print(f"atomd demo: {peers} daemons on loopback train the tiny GPT on Shakespeare together,")
     print(f"each on its own shard, exchanging compressed weight deltas every {every} steps.")
     print(f"Data and logs: {root}   (Ctrl-C stops everything cleanly)\n", flush=True)
     ds: list[DaemonProcess] = []
-    interrupted = False
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        nonlocal interrupted
-        interrupted = True
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {sig: signal.signal(sig, _raise) for sig in (signal.SIGINT, signal.SIGTERM)}
+    code = 1
     try:
-        ds = start_swarm(root, peers)
+        t0 = time.monotonic()
+        start_swarm(root, peers, started=ds)
+        wait_until(
+            lambda: all(len(_get(d, "/v1/peers")) == peers for d in ds),
+            timeout=READY_TIMEOUT,
+            what=f"every daemon to list all {peers} peers",
+        )
         ids = [peer_id(d) for d in ds]
-        wait_until(lambda: all(len(_get(d, "/v1/peers")) == peers for d in ds), timeout=30)
+        print(f"{peers} daemons ready in {time.monotonic() - t0:.1f} s:")
         for i, d in enumerate(ds):
             print(f"  peer{i}: {ids[i][:16]}…  control {d.url}  peer plane {d.peer_url}")
-        job = httpx.post(f"{ds[0].url}/v1/jobs", json=spec, timeout=60).json()
+        job = httpx.post(f"{ds[0].url}/v1/jobs", json=spec, timeout=READY_TIMEOUT).json()
         job_id = job["id"]
         print(f"\nstarted job {job_id} on peer0 (POST {ds[0].url}/v1/jobs); the others join:\n")
         done = False
-        while not interrupted and not done:
+        while not done:
             time.sleep(5)
             lines, states = [], []
             for i, d in enumerate(ds):
@@ -83,18 +106,41 @@ def run_swarm_demo(root: Path, *, peers: int = 3, max_steps: int = 600, every: i
             print(time.strftime("%H:%M:%S"), flush=True)
             print("\n".join(lines), flush=True)
             done = bool(states) and all(s in ("finished", "failed", "stopped") for s in states)
-        if done:
-            print("\nthe job has finished on every peer.")
-        return 0
+        print("\nthe job has finished on every peer.")
+        code = 0
+    except _InterruptedError as e:
+        what = "Ctrl-C" if e.signum == signal.SIGINT else str(e)
+        print(f"\n{what}: stopping the daemons (each checkpoints first)…", flush=True)
+        code = 0 if e.signum == signal.SIGINT else 128 + e.signum
     except (httpx.HTTPError, RuntimeError, TimeoutError) as e:
         print(f"demo failed: {e}", file=sys.stderr)
         for d in ds:
             print(f"--- {d.log_path}\n{d.log()[-2000:]}", file=sys.stderr)
-        return 1
     finally:
-        if interrupted:
-            print("\nCtrl-C: stopping the daemons (each checkpoints first)…", flush=True)
+        _stop(ds)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code
+
+
+def _stop(ds: list[DaemonProcess]) -> None:
+    """Stop every daemon, say what happened to each, and whether any is left."""
+
+    def force(signum: int, frame: Any) -> None:
+        print("\nagain: killing the daemons (SIGKILL)", flush=True)
         for d in ds:
-            d.stop()
-        signal.signal(signal.SIGINT, previous)
-        print("all daemons stopped.")
+            d.kill()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, force)
+    if not ds:
+        print("no daemon was started.")
+        return
+    print(f"stopping {len(ds)} daemon(s) (SIGTERM; a second Ctrl-C kills them):", flush=True)
+    for line in stop_all(ds):
+        print(f"  {line}", flush=True)
+    left = [d for d in ds if d.running()]
+    if left:
+        print(f"still running: {', '.join(f'{d.name} (pid {d.pid})' for d in left)}")
+    else:
+        print(f"all {len(ds)} daemons stopped.")

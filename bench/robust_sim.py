@@ -17,7 +17,7 @@ ratio to ``absent``, the largest relative distance between two honest peers' anc
 the defence refused, clipped and rolled back. A run whose honest loss became non-finite reports
 ``val_loss`` null and the step (``diverged_at``).
 
-``python -m atomd_bench robust_sim [--quick] [--attacks a,b] [--defences d,e]``: JSON to stdout.
+``python -m atomd_bench.robust_sim [--quick] [--attacks a,b] [--defences d,e]``: JSON to stdout.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from atomd.spec import JobSpec, SyncSpec, lr_at
 from atomd.sync.codecs import decode, make_codec
 from atomd.sync.guard import LossGuard
 from atomd.sync.state import DEFAULT_RULE, Contribution, Outgoing, SyncState
-from bench.sync import _build, _max_divergence
+from atomd_bench.sync import _build, _max_divergence
 
 HONEST = 3
 ATTACKS = (
@@ -243,9 +243,12 @@ def run(
         for f in futures:
             r = f.result()
             results.append(r)
-            print(f"[robust_sim] {r['attack']}/{r['defence']}: val {r['val_loss']}, "
-                  f"div {r['anchor_divergence_max']:.1e}, refused {r['refused']}, "
-                  f"rollbacks {r['rollbacks']}, {r['wall_s']} s", file=sys.stderr, flush=True)  # fmt: skip
+            line = (
+                f"[robust_sim] {r['attack']}/{r['defence']}: val {r['val_loss']}, "
+                f"div {r['anchor_divergence_max']:.1e}, refused {r['refused']}, "
+                f"rollbacks {r['rollbacks']}, {r['wall_s']} s"
+            )
+            print(line, file=sys.stderr, flush=True)
     ref = results[0]["val_loss"]
     for r in results:
         r["vs_absent"] = None if r["val_loss"] is None or ref is None else r["val_loss"] / ref - 1

@@ -550,7 +550,7 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m bench.sync [--quick] [--runs a,b]``: JSON to stdout."""
+    """``python -m atomd_bench.sync [--quick] [--runs a,b]``: JSON to stdout."""
     args = list(sys.argv[1:] if argv is None else argv)
     quick = "--quick" in args
     names: list[str] | None = None

@@ -136,7 +136,10 @@ class SwapEngine:
             optim,
             fused=True if cuda else None,
         )
-        self.device_opt = plan.optimizer == "device"
+        # The swapped layers whose AdamW step runs on the device ('device': all; 'split': the
+        # first ones, needed first by the next forward); the others step on the host.
+        self.on_device = set(self.swapped[: plan.steps_on_device])
+        self.device_opt = bool(self.on_device)  # slots then carry fp32 weights and moments
         self.link = torch.bfloat16 if plan.link == "bf16" else torch.float32
         if self.device_opt and self.link != torch.float32:
             raise SwapError("the device optimizer steps fp32 masters: it needs an fp32 link")
@@ -150,7 +153,7 @@ class SwapEngine:
                 link=self.link,
                 pin=cuda,
                 accumulate=plan.waves > 1,
-                keep_grad=self.device_opt,
+                keep_grad=i in self.on_device,
             )
             self.host_params[i] = params
         host = [t for h in self.hosts.values() for t in h.host_tensors()]
@@ -177,8 +180,7 @@ class SwapEngine:
         self._due: dict[int, tuple[float, Tensor | None]] = {}
         self._written: dict[int, Marker] = {}
         self._coef: Marker = DONE  # the clipping coefficient the due steps use is computed
-        if self.device_opt:
-            self.host_opt.init_state(pin=cuda)
+        self.host_opt.init_state(pinned=self.on_device if cuda else set())
         # The link copies follow the masters after each step; after ``settle`` the caller may
         # write the masters, so the next step or evaluation refreshes them first.
         self._refresh_links = False
@@ -492,7 +494,7 @@ class SwapEngine:
                 g_total=g_total,
                 first=w == 0,
                 last=w == waves - 1,
-                lr=None if clip or self.device_opt else lr,
+                lr=None if clip else lr,
                 norms=norms,
                 total=total,
             )
@@ -507,16 +509,17 @@ class SwapEngine:
             total_norm = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]))
             coef = torch.clamp(self.optim.grad_clip / (total_norm + 1e-6), max=1.0)
             torch._foreach_mul_(resident_grads, coef)
-        if self.device_opt:  # each layer's step comes with its next load
+        if self.on_device:  # each of these layers' step comes with its next load
             if coef is not None:  # computed on the compute stream, read on the load stream
                 self._coef = st.mark(st.compute)
                 st.hand_over(coef, st.load)
-            self._due.update((layer, (lr, coef)) for layer in self.swapped)
-        elif coef is not None:
+            self._due.update((layer, (lr, coef)) for layer in self.on_device)
+        on_host = [layer for layer in self.swapped if layer not in self.on_device]
+        if coef is not None and on_host:
             st.host_reads(st.compute, "clip")
             with label("atomd.clip_coef_to_host"):
                 coef_host = float(coef)  # waits for the compute stream, as the loss below does
-            for layer in self.swapped:  # forward order: the next step needs these first
+            for layer in on_host:  # forward order: the next step needs these first
                 self.host_opt.submit(layer, self._grad_stored[layer], lr=lr, clip=coef_host)
         for grp in self.resident_opt.param_groups:
             grp["lr"] = lr
@@ -608,14 +611,15 @@ class SwapEngine:
                     norms.extend(torch._foreach_norm(slot.grads))
                 slot.used = st.mark(st.compute)
                 stored = self._store_grads(i, slot)
-                if not single or (last and lr is not None):
+                step_lr = lr if last and i not in self.on_device else None
+                if not single or step_lr is not None:
                     self.host_opt.submit(
                         i,
                         stored,
                         accumulate=not single,
                         first=first,
                         norms=last and clip,
-                        lr=lr if last else None,
+                        lr=step_lr,
                     )
                 wave.done()
             del inputs
@@ -727,7 +731,7 @@ class SwapEngine:
                     state[key] = t.to(p.device, torch.float32, copy=True)
             opt.state[p] = state
         # A state the checkpoint lacks starts as AdamW's first step would make it.
-        self.host_opt.init_state(pin=self.device_opt and self.streams.cuda)
+        self.host_opt.init_state(pinned=self.on_device if self.streams.cuda else set())
 
     def device_state_bytes(self) -> int:
         """Bytes the engine keeps on the device between steps: slots and resident layers'

@@ -63,5 +63,6 @@ def plan_for(spec: JobSpec, device: torch.device, hw: hardware.Hardware | None =
         optimizer=None if spec.swap_optimizer == "auto" else spec.swap_optimizer,
         graph_blocks=spec.swap_graph_blocks,
         link=None if spec.swap_link == "auto" else spec.swap_link,
+        device_steps=spec.swap_device_steps,
         host_budget_bytes=host_budget(),
     )

@@ -25,8 +25,6 @@ from fastapi.responses import StreamingResponse
 from pydantic import SecretStr
 from starlette.datastructures import Headers
 
-from api import errors
-from api.peer_auth import SignedRequest, peer_auth
 from atomd.config import Settings
 from atomd.errors import AtomdError, ConfigError, PeerAuthError, PeerRequestError
 from atomd.p2p.client import PeerClient
@@ -47,6 +45,8 @@ from atomd.p2p.signing import (
     canonical_request,
     sign_request,
 )
+from atomd_api import errors
+from atomd_api.peer_auth import SignedRequest, peer_auth
 
 NOW = 1_700_000_000.0
 PATH = "/p2p/v1/ping?round=3"
@@ -200,7 +200,7 @@ def _fields() -> dict[str, str]:
             "peer_id",
             "public_key_hex",
             "body_sha256",
-        ],  # fmt: skip
+        ],
         "x",
     )
 
