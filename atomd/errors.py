@@ -83,7 +83,7 @@ class WireError(AtomdError):
 
     ``reason`` is a short machine code for records and metrics: oversize, truncated, bad_hash,
     bad_signature, unknown_sender, stale, replayed, wrong_shape, non_finite, malformed,
-    wrong_job or unsupported_version. The message says what was expected."""
+    wrong_job, wrong_codec or unsupported_version. The message says what was expected."""
 
     def __init__(self, reason: str, message: str = "") -> None:
         super().__init__(f"{reason}: {message}" if message else reason)

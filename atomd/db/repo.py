@@ -33,6 +33,7 @@ from atomd.db.models import (
     Job,
     Node,
     Peer,
+    PeerBan,
     Progress,
     SyncRound,
     utcnow,
@@ -40,6 +41,7 @@ from atomd.db.models import (
 from atomd.db.schemas import (
     ACTIVE_JOB_STATES,
     TERMINAL_JOB_STATES,
+    BanRecord,
     CheckpointRecord,
     EventRecord,
     JobRecord,
@@ -408,3 +410,31 @@ async def upsert_peer(
 async def list_peers(s: AsyncSession) -> list[PeerRecord]:
     """Every peer ever seen, by id."""
     return [PeerRecord.model_validate(p) for p in await s.scalars(select(Peer).order_by(Peer.id))]
+
+
+# -- bans --------------------------------------------------------------------------------------
+
+
+async def add_ban(s: AsyncSession, *, public_key: str, reason: str) -> BanRecord:
+    """Ban a key (lowercase hex); banning it again replaces the reason."""
+    stmt = sqlite_insert(PeerBan).values(public_key=public_key, reason=reason, created_at=utcnow())
+    await s.execute(
+        stmt.on_conflict_do_update(index_elements=[PeerBan.public_key], set_={"reason": reason})
+    )
+    await s.flush()
+    ban = await s.get(PeerBan, public_key, populate_existing=True)
+    assert ban is not None
+    return BanRecord.model_validate(ban)
+
+
+async def remove_ban(s: AsyncSession, *, public_key: str) -> bool:
+    """Lift a ban; False if the key was not banned."""
+    result = await s.execute(delete(PeerBan).where(PeerBan.public_key == public_key))
+    return bool(getattr(result, "rowcount", 0))
+
+
+async def list_bans(s: AsyncSession) -> list[BanRecord]:
+    return [
+        BanRecord.model_validate(b)
+        for b in await s.scalars(select(PeerBan).order_by(PeerBan.created_at))
+    ]

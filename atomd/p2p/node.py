@@ -39,6 +39,7 @@ from atomd.p2p.messages import (
     PingReqReply,
     StopJob,
 )
+from atomd.p2p.quarantine import Quarantine, Verdict
 from atomd.p2p.signing import Admission, RequestVerifier
 from atomd.p2p.transfer import fetch_state
 from atomd.spec import JobSpec
@@ -54,6 +55,11 @@ if TYPE_CHECKING:  # the delta exchange loads torch with the first swarm job, no
 log = get_logger(__name__)
 
 SEND_TIMEOUT_S = 3.0  # a job announcement or stop to one peer
+# Refusals of a signed frame that count against its sender (quarantine): what no honest peer
+# of the job sends. Staleness, replays and clocks do not count.
+STRIKING_WIRE_ERRORS = frozenset(
+    {"wrong_codec", "wrong_shape", "non_finite"}
+)  # a job announcement or stop to one peer
 
 
 class HttpTransport:
@@ -106,7 +112,10 @@ class SwarmNode:
         self.jobs = jobs
         self.admission = Admission.from_settings(settings)
         self.client = PeerClient(identity, self.admission)
-        self.verifier = RequestVerifier(self.admission, self_id=identity.peer_id)
+        self.quarantine = Quarantine(key_of=self._key_of)
+        self.verifier = RequestVerifier(
+            self.admission, self_id=identity.peer_id, blocked=self._banned_reason
+        )
         me = Update(
             id=identity.peer_id,
             url=settings.advertise_url,
@@ -142,11 +151,74 @@ class SwarmNode:
     def peer_id(self) -> str:
         return self.identity.peer_id
 
+    # -- quarantine and bans ------------------------------------------------------------------
+
+    def _key_of(self, peer_id: str) -> str | None:
+        m = self.membership.get(peer_id)
+        return m.public_key if m is not None else None
+
+    def _banned_reason(self, public_key: str) -> str | None:
+        if not self.quarantine.is_banned_key(public_key):
+            return None
+        return "its key is banned by this daemon's operator (atomd unban to lift it)"
+
+    async def load_bans(self) -> None:
+        """The operator's bans, from the database (at start)."""
+        async with self.sessions() as s:
+            bans = await repo.list_bans(s)
+        self.quarantine.set_bans({b.public_key: b.reason for b in bans})
+
+    async def ban(self, public_key: str, reason: str) -> None:
+        """Ban a key (persisted): refused on the peer plane, out of every merge and transfer."""
+        async with self.sessions() as s, s.begin():
+            await repo.add_ban(s, public_key=public_key, reason=reason)
+            await repo.add_event(s, kind="peer.banned", message=f"key {public_key}: {reason}")
+        self.quarantine.ban(public_key, reason)
+        for m in self.membership.all():
+            if m.public_key == public_key:
+                for plugin in self.plugins.values():
+                    plugin.inbox.drop_sender(m.id)
+
+    async def unban(self, public_key: str) -> bool:
+        """Lift a ban (and a quarantine of that key); False if the key was not banned."""
+        async with self.sessions() as s, s.begin():
+            found = await repo.remove_ban(s, public_key=public_key)
+            await repo.add_event(s, kind="peer.unbanned", message=f"key {public_key}")
+        self.quarantine.unban(public_key)
+        return found
+
+    def verdict(self, peer_id: str) -> Verdict | None:
+        """Why this daemon takes nothing from ``peer_id`` now (banned, quarantined), or None."""
+        return self.quarantine.verdict(peer_id)
+
+    async def _judged(self, merge: MergeReport) -> None:
+        """Count the merge's strikes (see ``atomd.p2p.quarantine``)."""
+        for a in merge.applied:
+            await self._judge(a.sender, a.strike, a.note)
+        for r in merge.refused:
+            if r.strike:
+                await self._judge(r.sender, True, r.reason)
+
+    async def _judge(self, sender: str, strike: bool, reason: str | None) -> None:
+        """One judged contribution of ``sender``; quarantine it (recorded) when its strikes
+        reach the limit."""
+        if sender == self.peer_id:
+            return
+        verdict = self.quarantine.judged(sender, strike, reason)
+        if verdict is None:
+            return
+        log.warning("peer %s quarantined: %s", sender, verdict.reason)
+        for plugin in self.plugins.values():
+            plugin.inbox.drop_sender(sender)
+        async with self.sessions() as s, s.begin():
+            await repo.add_event(s, kind="peer.quarantined", peer_id=sender, message=verdict.reason)
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Join, then probe and record until cancelled."""
         try:
+            await self.load_bans()
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 tg.create_task(self._record_changes(), name="peers-recorder")
@@ -254,6 +326,7 @@ class SwarmNode:
         out = []
         for m in self.membership.all():
             me = m is self.membership.me
+            verdict = None if me else self.quarantine.verdict(m.id)
             out.append(
                 {
                     "id": m.id,
@@ -264,6 +337,9 @@ class SwarmNode:
                     "last_seen_at": datetime.fromtimestamp(time.time() if me else m.last_seen, UTC),
                     "rtt_ms": None if m.rtt_ms is None else round(m.rtt_ms, 3),
                     "is_self": me,
+                    "public_key": m.public_key,
+                    "excluded": None if verdict is None else verdict.kind,
+                    "excluded_reason": None if verdict is None else verdict.reason,
                 }
             )
         return out
@@ -279,7 +355,7 @@ class SwarmNode:
         if advert is None:
             return
         self._job_peers.setdefault(advert.id, {})[sender] = time.monotonic()
-        if self.settings.auto_join:
+        if self.settings.auto_join and not self.quarantine.excluded(sender):
             member = self.membership.get(sender)
             donors = [member.url] if member is not None else []
             # Other members that train the same job are donors too, should this one fail.
@@ -287,7 +363,11 @@ class SwarmNode:
             self.jobs.offer(offer, donors + self._donors_besides(sender))
 
     def _donors_besides(self, sender: str) -> list[str]:
-        return [m.url for m in self.membership.others("alive") if m.id != sender]
+        return [
+            m.url
+            for m in self.membership.others("alive")
+            if m.id != sender and not self.quarantine.excluded(m.id)
+        ]
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         if self._tg is None:
@@ -326,7 +406,9 @@ class SwarmNode:
         for pid, at in tuple(heard.items()):  # the trainer thread calls this too
             m = self.membership.get(pid)
             fresh = now - at <= window
-            if fresh and m is not None and m is not self.membership.me and m.state == "alive":
+            live = m is not None and m is not self.membership.me and m.state == "alive"
+            # A quarantined or banned member is neither sent deltas nor asked for state.
+            if fresh and live and m is not None and not self.quarantine.excluded(pid):
                 out.append(m)
         return out
 
@@ -353,6 +435,7 @@ class SwarmNode:
             send=send,
             absorbed=absorbed,
         )
+        plugin.excluded = self.quarantine.excluded
         self.plugins[job_id] = plugin
         return plugin
 
@@ -398,11 +481,13 @@ class SwarmNode:
                 self.telemetry.rounds.labels("sent", str(error is None).lower()).inc()
 
     async def _record_merge(self, job_id: str, merge: MergeReport) -> None:
-        """Record what a merge did with the deltas it was given (applied, or why not)."""
+        """Record what a merge did with the deltas it was given (applied, or why not), and
+        count its strikes."""
+        await self._judged(merge)
         plugin = self.plugins.get(job_id)
         codec = self._codec(job_id)
         raw = plugin.state.numel * 4 if plugin is not None and plugin.state is not None else 0
-        rows = [(a.sender, a.round, a.staleness, True, None) for a in merge.applied] + [
+        rows = [(a.sender, a.round, a.staleness, True, a.note) for a in merge.applied] + [
             (r.sender, r.round, None, False, r.reason) for r in merge.refused
         ]
         if not rows:
@@ -428,11 +513,18 @@ class SwarmNode:
         """Check and queue one frame for the next round boundary; raises WireError (recorded)
         or NotFoundError. Nothing reaches the model unless every check passed."""
         from atomd.sync.state import Contribution
-        from atomd.sync.wire import FrameDecoder, ReplayGuard, decode_tensors
+        from atomd.sync.wire import FrameDecoder, ReplayGuard, check_codec, decode_tensors
 
         plugin = self.plugins.get(job_id)
         if plugin is None or plugin.state is None or self.jobs.advert() is None:
             raise NotFoundError(f"not training job {job_id} here")
+        verdict = self.quarantine.verdict(signer)
+        if verdict is not None:  # refused before anything is decoded; not recorded per frame
+            self.telemetry.rounds.labels("received", "false").inc()
+            raise PeerAuthError(
+                f"peer {signer} is {verdict.kind} here: {verdict.reason}", status=403
+            )
+        codec = plugin.spec.codec
         if self._replay_guard is None:
             self._replay_guard = ReplayGuard()
         decoder = FrameDecoder(
@@ -449,6 +541,7 @@ class SwarmNode:
             frame = decoder.finish()
             if frame.sender != signer:
                 raise WireError("bad_signature", f"frame of {frame.sender} sent by {signer}")
+            check_codec(frame, codec)
             return frame, decode_tensors(frame, plugin.expected_shapes)
 
         try:
@@ -461,8 +554,13 @@ class SwarmNode:
                     staleness=None, applied=False, reason=str(e),
                 )  # fmt: skip
             self.telemetry.rounds.labels("received", "false").inc()
+            if e.reason in STRIKING_WIRE_ERRORS:  # signed by a member: no honest peer sends it
+                await self._judge(signer, True, str(e))
             raise
         self._received_bytes[(job_id, frame.sender, frame.round)] = frame.wire_bytes
         self.telemetry.bytes_received.inc(frame.wire_bytes)
-        plugin.inbox.put(Contribution(frame.sender, frame.round, frame.base_version, tensors))
+        if not plugin.inbox.put(
+            Contribution(frame.sender, frame.round, frame.base_version, tensors)
+        ):
+            log.warning("inbox of job %s full: a delta from %s dropped", job_id, signer)
         return frame.wire_bytes

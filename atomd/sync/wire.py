@@ -570,3 +570,16 @@ def _is_hex(value: Any, length: int) -> bool:
         and len(value) == length
         and all(c in "0123456789abcdef" for c in value)
     )
+
+
+def check_codec(frame: DeltaFrame, codec: str) -> None:
+    """Every tensor of ``frame`` must be in the job's ``codec``: a member may not send, say,
+    dense fp32 values in a top-k job (it would carry what the job's codec cannot).
+    ``WireError("wrong_codec")`` otherwise."""
+    bad = [(name, enc.codec) for name, enc in frame.tensors.items() if enc.codec != codec]
+    if bad:
+        shown = ", ".join(f"{n}: {c}" for n, c in bad[:3])
+        raise WireError(
+            "wrong_codec",
+            f"this job's deltas are {codec}; {len(bad)} tensor(s) of the frame are not ({shown})",
+        )
