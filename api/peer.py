@@ -32,6 +32,7 @@ from atomd.p2p.messages import (
     StateManifest,
     StopJob,
     parse,
+    record_problem,
 )
 from atomd.p2p.node import SwarmNode
 from atomd.p2p.transfer import checkpoint_file, newest_manifest
@@ -43,8 +44,9 @@ MAX_MESSAGE_BYTES = 256 << 10
 """The largest membership or job message accepted (a ping with 64 updates is about 30 KiB)."""
 
 
-def _check_sender(sender: MemberRecord, signed: SignedRequest) -> None:
-    """The message's "from" must be the signer: nobody speaks for another peer."""
+def _check_sender(sender: MemberRecord, signed: SignedRequest, swarm: str) -> None:
+    """The message's "from" must be the signer's own signed record: nobody speaks for
+    another peer."""
     peer = signed.peer
     if sender.id != peer.peer_id:
         raise PeerAuthError(
@@ -52,6 +54,9 @@ def _check_sender(sender: MemberRecord, signed: SignedRequest) -> None:
         )
     if sender.public_key != peer.public_key_hex:
         raise PeerAuthError("message public key does not match the signing key", status=401)
+    problem = record_problem(sender, swarm)
+    if problem is not None:
+        raise PeerAuthError(f"the sender's own record: {problem}", status=401)
 
 
 def create_peer_app(node: SwarmNode) -> FastAPI:
@@ -85,7 +90,7 @@ def create_peer_app(node: SwarmNode) -> FastAPI:
         sender = getattr(msg, "sender", None)
         if isinstance(sender, MemberRecord):
             try:
-                _check_sender(sender, signed)
+                _check_sender(sender, signed, node.settings.swarm)
             except PeerAuthError as e:
                 await on_reject(request, e)
                 raise

@@ -10,6 +10,14 @@ raising its incarnation. A daemon that stops says *left* to everyone directly.
 
 Incarnations start from the wall clock in milliseconds, so a restarted daemon (same id) always
 outranks what the swarm remembers of its previous life.
+
+Claims about a member come from that member (issue #15): its ``alive`` and ``left`` records,
+with their URL and incarnation, are signed by its own key and checked on receipt
+(``atomd.p2p.messages.record_problem``); a peer id is the hash of its key, so the key cannot
+change either. ``suspect`` and ``dead`` are each daemon's own verdicts, reached by its own
+probes; heard from others (unsigned gossip) they only make this daemon probe that member soon
+(``on_hearsay``), and they tell the member itself to refute. Nobody can declare another member
+dead or left, nor move it to another URL.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from atomd.logs import get_logger
+from atomd.p2p.identity import Identity
 from atomd.p2p.messages import (
     MAX_MEMBERS,
     Gossip,
@@ -32,6 +41,8 @@ from atomd.p2p.messages import (
     MemberState,
     PingReq,
     PingReqReply,
+    record_problem,
+    sign_record,
 )
 
 log = get_logger(__name__)
@@ -52,8 +63,16 @@ class Member:
     last_seen: float = field(default_factory=time.time)  # wall clock of last direct contact
     state_since: float = field(default_factory=time.monotonic)
     rtt_ms: float | None = None
+    signed: Update | None = None  # its newest signed (alive or left) record
 
     def update(self) -> Update:
+        """What we say of it: its own signed record while that is what we believe, otherwise
+        our verdict (unsigned, at its incarnation)."""
+        s = self.signed
+        if s is not None and (s.state, s.incarnation, s.url) == (
+            self.state, self.incarnation, self.url
+        ):  # fmt: skip
+            return s
         return Update(
             id=self.id,
             url=self.url,
@@ -78,13 +97,39 @@ class Membership:
         self,
         me: Update,
         *,
+        identity: Identity | None = None,
+        swarm: str = "default",
         on_change: Callable[[Member, PeerState | None], None] | None = None,
+        on_hearsay: Callable[[str], None] | None = None,
     ) -> None:
+        """``identity`` signs this daemon's own records (without one they go unsigned, and
+        other members will not believe them: tests of the merge rules only)."""
         self.me = Member(me.id, me.url, me.public_key, "alive", me.incarnation)
+        self.identity = identity
+        self.swarm = swarm
         self.members: dict[str, Member] = {}
         self.on_change = on_change
+        self.on_hearsay = on_hearsay
+        self.refused = 0  # records not believed (bad id, missing or wrong signature)
         self._gossip: dict[str, tuple[Update, int]] = {}  # id -> (update, sends left)
+        self._sign_me()
         self._enqueue(self.me.update())
+
+    def _sign_me(self) -> None:
+        """Sign this daemon's record as it now is (after any change of its state or
+        incarnation)."""
+        if self.identity is None:
+            return
+        me = self.me
+        record = Update(id=me.id, url=me.url, public_key=me.public_key, state=me.state,
+                        incarnation=me.incarnation)  # fmt: skip
+        me.signed = sign_record(record, self.identity, self.swarm)
+
+    def leaving(self) -> Update:
+        """Mark this daemon as leaving; its signed *left* record."""
+        self.me.state = "left"
+        self._sign_me()
+        return self.me.update()
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -123,16 +168,34 @@ class Membership:
 
     def apply(self, u: Update, *, direct: bool = False) -> bool:
         """Merge one update; True if it changed what we know. ``direct``: it came from the
-        member itself (it is alive and reachable now)."""
+        member itself (it is alive and reachable now).
+
+        A record that is not the member's own word (``record_problem``) is refused; a
+        suspicion or death heard from others changes nothing here but asks for a probe."""
         if u.id == self.me.id:
             if u.state in ("suspect", "dead") and u.incarnation >= self.me.incarnation:
                 self.refute(u.incarnation)
             return False
+        problem = record_problem(u, self.swarm)
+        if problem is not None:
+            self.refused += 1
+            log.debug("gossip refused: %s", problem)
+            return False
         known = self.members.get(u.id)
+        if u.state in ("suspect", "dead"):  # hearsay: only the member's own records count
+            live = known is not None and known.state in ("alive", "suspect")
+            if (
+                live
+                and known is not None
+                and u.incarnation >= known.incarnation
+                and self.on_hearsay
+            ):
+                self.on_hearsay(u.id)
+            return False
         if known is None:
-            if u.state in ("dead", "left") and not direct:
-                return False  # hearsay about a stranger who is gone: nothing to add
-            member = Member(u.id, u.url, u.public_key, u.state, u.incarnation)
+            if u.state == "left" and not direct:
+                return False  # a stranger who is gone: nothing to add
+            member = Member(u.id, u.url, u.public_key, u.state, u.incarnation, signed=u)
             self.members[u.id] = member
             self._enqueue(u)
             self._changed(member, None)
@@ -142,7 +205,8 @@ class Membership:
         if not supersedes(u, known):
             return False
         before = known.state
-        known.url, known.public_key = u.url, u.public_key or known.public_key
+        known.signed = u
+        known.url = u.url
         known.incarnation = u.incarnation
         if u.state != before:
             known.state = u.state
@@ -155,15 +219,22 @@ class Membership:
     def refute(self, incarnation: int) -> None:
         """Someone suspects us: outrank that with a higher incarnation, alive."""
         self.me.incarnation = max(self.me.incarnation, incarnation) + 1
+        self._sign_me()
         self._enqueue(self.me.update())
         log.info("refuting a suspicion: incarnation %d", self.me.incarnation)
 
     def mark(self, peer_id: str, state: PeerState) -> bool:
-        """Our own verdict about another member, at its current incarnation."""
+        """Our own verdict about another member (suspect or dead, from our own probes), at its
+        current incarnation; gossiped unsigned, as an opinion."""
         m = self.members.get(peer_id)
-        if m is None or m.state == state:
+        if m is None or m.state == state or _RANK[state] < _RANK[m.state]:
             return False
-        return self.apply(m.update().model_copy(update={"state": state}))
+        before = m.state
+        m.state = state
+        m.state_since = time.monotonic()
+        self._enqueue(m.update())
+        self._changed(m, before)
+        return True
 
     def _changed(self, m: Member, before: PeerState | None) -> None:
         log.info("peer %s (%s): %s -> %s", m.id[:12], m.url, before or "new", m.state)
@@ -207,6 +278,9 @@ class Swim:
         self.config = config
         self.join_errors: dict[str, str] = {}  # url -> why the last join through it failed
         self._order: list[str] = []
+        self._urgent: dict[str, None] = {}  # members others suspect: probed first (ordered set)
+        if self.m.on_hearsay is None:
+            self.m.on_hearsay = self.probe_soon
         self.advert: Callable[[], JobAdvert | None] = lambda: None
         """The job every message carries (the daemon's swarm job)."""
         self.on_message: Callable[[str, Gossip], None] = lambda _peer, _msg: None
@@ -247,8 +321,9 @@ class Swim:
         return JoinReply(sender=m.sender, updates=m.updates, job=m.job, members=members)
 
     def handle_leave(self, msg: Gossip) -> None:
-        sender = msg.sender.model_copy(update={"state": "left"})
-        self.m.apply(sender, direct=True)
+        """The member's own signed *left* record (anything else is ignored)."""
+        if msg.sender.state == "left":
+            self.m.apply(msg.sender, direct=True)
 
     # -- outgoing ----------------------------------------------------------------------------
 
@@ -279,7 +354,18 @@ class Swim:
             log.debug("ping-req via %s failed: %s", via.id[:12], e)
             return False
 
+    def probe_soon(self, peer_id: str) -> None:
+        """Someone says ``peer_id`` is suspect or dead: see for ourselves at the next period."""
+        if peer_id in self.m.members:  # bounded by the members we know
+            self._urgent[peer_id] = None
+
     def _next_target(self) -> Member | None:
+        while self._urgent:
+            pid = next(iter(self._urgent))
+            del self._urgent[pid]
+            m = self.m.get(pid)
+            if m is not None and m is not self.m.me and m.state in ("alive", "suspect"):
+                return m
         candidates = {m.id for m in self.m.others("alive", "suspect")}
         self._order = [i for i in self._order if i in candidates]
         if not self._order:
@@ -345,9 +431,9 @@ class Swim:
 
     async def leave(self) -> None:
         """Tell every live member we are leaving (best effort, bounded in time)."""
-        self.m.me.state = "left"
+        left = self.m.leaving()
         targets = self.m.others("alive", "suspect")
-        msg = self.message().model_copy(update={"sender": self.m.me.update()})
+        msg = self.message().model_copy(update={"sender": left})
 
         async def one(m: Member) -> None:
             try:

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from atomd.errors import MessageError, PeerRequestError
+from atomd.p2p.identity import Identity, peer_id_from_public_key, verify_signature
 from atomd.spec import JobSpec
 
 MAX_COUNTER = 2**62 - 1
@@ -114,13 +115,52 @@ def _errors(e: ValidationError) -> str:
 
 
 class MemberRecord(Message):
-    """What a member is, as of an incarnation: one piece of gossip."""
+    """What a member is, as of an incarnation: one piece of gossip.
+
+    An ``alive`` or ``left`` record is the member's own word: ``signature`` is its Ed25519
+    signature of ``record_payload`` (swarm, id, url, key, state, incarnation), checked on
+    receipt (``record_problem``), so nobody else can say that it left, nor give it another URL.
+    ``suspect`` and ``dead`` records are others' opinions, unsigned: a receiver takes them only
+    as a reason to probe the member itself."""
 
     id: PeerId
     url: PeerUrl
     public_key: PublicKeyHex
     state: MemberState
     incarnation: Counter
+    signature: SignatureHex | None = None
+
+
+RECORD_VERSION = "atomd-member-v1"
+
+
+def record_payload(r: MemberRecord, swarm: str) -> bytes:
+    """What a member signs of its own record (no field can hold a line break)."""
+    fields = (RECORD_VERSION, swarm, r.id, r.url, r.public_key, r.state, str(r.incarnation))
+    return "\n".join(fields).encode()
+
+
+def sign_record(r: MemberRecord, identity: Identity, swarm: str) -> MemberRecord:
+    """``r`` signed by ``identity`` (which must be the member's own)."""
+    if identity.peer_id != r.id or identity.public_key_hex != r.public_key:
+        raise ValueError(f"peer {identity.peer_id} cannot sign the record of {r.id}")
+    unsigned = r.model_copy(update={"signature": None})
+    sig = identity.sign(record_payload(unsigned, swarm)).hex()
+    return r.model_copy(update={"signature": sig})
+
+
+def record_problem(r: MemberRecord, swarm: str) -> str | None:
+    """Why ``r`` cannot be believed, or None: its id must be its key's, and an ``alive`` or
+    ``left`` record must be signed by that key."""
+    if peer_id_from_public_key(r.public_key) != r.id:
+        return f"peer id {r.id} is not that of key {r.public_key}"
+    if r.state in ("alive", "left"):
+        if r.signature is None:
+            return f"an unsigned {r.state} record of {r.id}: only the member itself says so"
+        payload = record_payload(r.model_copy(update={"signature": None}), swarm)
+        if not verify_signature(r.public_key, payload, bytes.fromhex(r.signature)):
+            return f"the {r.state} record of {r.id} is not signed by its key"
+    return None
 
 
 class JobAdvert(Message):

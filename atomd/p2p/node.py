@@ -124,7 +124,9 @@ class SwarmNode:
             # Wall-clock milliseconds: a restart always outranks our previous life.
             incarnation=int(time.time() * 1000),
         )
-        self.membership = Membership(me, on_change=self._on_change)
+        self.membership = Membership(
+            me, identity=identity, swarm=settings.swarm, on_change=self._on_change
+        )
         self.swim = Swim(
             self.membership,
             HttpTransport(self.client),

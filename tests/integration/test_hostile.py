@@ -24,7 +24,7 @@ from atomd.model.presets import get_preset
 from atomd.p2p import paths
 from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
-from atomd.p2p.messages import DeltaAccepted, Gossip, JoinReply, MemberRecord
+from atomd.p2p.messages import DeltaAccepted, Gossip, JoinReply, MemberRecord, sign_record
 from atomd.p2p.signing import Admission
 from atomd.sync.codecs import Encoded, make_codec
 from atomd.sync.wire import encode_frame
@@ -46,10 +46,10 @@ class Hostile:
     def __init__(self) -> None:
         self.identity = Identity.generate()
         self.url = f"http://127.0.0.1:{free_port()}"  # nobody answers there: it never gossips
-        self.record = MemberRecord(
+        self.record = sign_record(MemberRecord(
             id=self.identity.peer_id, url=self.url, public_key=self.identity.public_key_hex,
             state="alive", incarnation=1,
-        )  # fmt: skip
+        ), self.identity, "default")  # fmt: skip
 
     def _client(self) -> PeerClient:
         return PeerClient(self.identity, Admission("default", None, frozenset()), timeout=30)

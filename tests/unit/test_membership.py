@@ -11,7 +11,16 @@ import pytest
 from atomd.errors import MessageError
 from atomd.p2p.identity import Identity
 from atomd.p2p.membership import Member, Membership, Swim, SwimConfig, Update, supersedes
-from atomd.p2p.messages import MAX_COUNTER, Gossip, JoinReply, PingReq, PingReqReply, parse
+from atomd.p2p.messages import (
+    MAX_COUNTER,
+    Gossip,
+    JoinReply,
+    PingReq,
+    PingReqReply,
+    parse,
+    record_problem,
+    sign_record,
+)
 
 FAST = SwimConfig(
     period=0.02, ping_timeout=0.05, indirect_timeout=0.08, suspect_timeout=0.3, join_timeout=0.2
@@ -34,10 +43,12 @@ def url(name: str) -> str:
     return f"http://{name}.mem"
 
 
-def upd(name: str, state: str = "alive", inc: int = 1) -> Update:
+def upd(name: str, state: str = "alive", inc: int = 1, signed: bool = True) -> Update:
+    """A record of member ``name``; its own alive/left records are signed by its key."""
     i = ident(name)
-    return Update(id=i.peer_id, url=url(name), public_key=i.public_key_hex, state=state,  # type: ignore[arg-type]
-                  incarnation=inc)  # fmt: skip
+    u = Update(id=i.peer_id, url=url(name), public_key=i.public_key_hex, state=state,  # type: ignore[arg-type]
+               incarnation=inc)  # fmt: skip
+    return sign_record(u, i, "default") if signed and state in ("alive", "left") else u
 
 
 def test_ordering_of_updates() -> None:
@@ -117,7 +128,7 @@ class Net:
         self._node(address).handle_leave(wire(msg, Gossip))
 
     async def start(self, name: str, seeds: list[str], inc: int = 1) -> Swim:
-        swim = Swim(Membership(upd(name, inc=inc)), self, FAST)
+        swim = Swim(Membership(upd(name, inc=inc), identity=ident(name)), self, FAST)
         self.nodes[name] = swim
         self.down.discard(name)
         await swim.join([url(s) for s in seeds])
@@ -229,3 +240,77 @@ def test_gossip_carries_at_most_64_updates() -> None:
     msg = {"from": upd("a").model_dump(mode="json"), "updates": [upd("b").model_dump()] * 65}
     with pytest.raises(MessageError, match="updates: List should have at most 64"):
         parse(Gossip, msg)
+
+
+def test_claims_about_a_member_come_only_from_that_member() -> None:
+    """Issue #15: gossip to A that B has left, at a huge incarnation, with the attacker's URL
+    and key, made A list B as left with them, for good."""
+    probes: list[str] = []
+    ms = Membership(upd("me"), identity=ident("me"), on_hearsay=probes.append)
+    assert ms.apply(upd("b", inc=5))
+    b, evil = ident("b"), ident("evil")
+    huge = MAX_COUNTER
+    lies = [
+        upd("b", "left", huge, signed=False),  # unsigned: nobody's word
+        Update(id=b.peer_id, url="http://evil.example", public_key=evil.public_key_hex,
+               state="left", incarnation=huge),  # another key under b's id
+        sign_record(  # the attacker signs with its own key: the id is not its key's
+            Update(id=evil.peer_id, url="http://evil.example", public_key=evil.public_key_hex,
+                   state="alive", incarnation=huge), evil, "default",
+        ).model_copy(update={"id": b.peer_id}),
+        upd("b", "alive", huge).model_copy(update={"url": "http://evil.example"}),  # altered
+        upd("b", "left", huge).model_copy(update={"signature": None}),
+    ]  # fmt: skip
+    for lie in lies:
+        assert not ms.apply(lie)
+    assert ms.refused == len(lies)
+    m = ms.get(b.peer_id)
+    assert m is not None and (m.state, m.url, m.public_key, m.incarnation) == (
+        "alive", url("b"), b.public_key_hex, 5
+    )  # fmt: skip
+    # Suspicion or death from others: a probe of our own, nothing else.
+    assert not ms.apply(upd("b", "dead", huge)) and not ms.apply(upd("b", "suspect", 5))
+    assert probes == [b.peer_id, b.peer_id] and ms.get(b.peer_id).state == "alive"  # type: ignore[union-attr]
+    assert not ms.apply(upd("b", "dead", 4)), "older than what we know: not even a probe"
+    assert len(probes) == 2
+    # The member itself may move (a signed record, higher incarnation) and may leave.
+    assert not ms.apply(upd("b", "alive", 6).model_copy(update={"url": "http://b2.mem"}))
+    moved = sign_record(
+        Update(id=b.peer_id, url="http://b2.mem", public_key=b.public_key_hex, state="alive",
+               incarnation=7), b, "default",
+    )  # fmt: skip
+    assert ms.apply(moved) and ms.get(b.peer_id).url == "http://b2.mem"  # type: ignore[union-attr]
+    assert ms.apply(upd("b", "left", 7)) and ms.get(b.peer_id).state == "left"  # type: ignore[union-attr]
+
+
+def test_a_record_from_another_swarm_is_not_believed() -> None:
+    ms = Membership(upd("me"), identity=ident("me"), swarm="blue")
+    assert not ms.apply(upd("b"))  # signed for swarm "default"
+    u = sign_record(upd("b", signed=False), ident("b"), "blue")
+    assert ms.apply(u)
+
+
+def test_own_records_are_signed_and_gossip_carries_members_own_records() -> None:
+    ms = Membership(upd("me", inc=3), identity=ident("me"))
+    me = ms.me.update()
+    assert me.signature is not None and record_problem(me, "default") is None
+    ms.apply(upd("me", "suspect", 3))  # refute: a new signed record at a higher incarnation
+    again = ms.me.update()
+    assert again.incarnation == 4 and record_problem(again, "default") is None
+    assert ms.apply(upd("b"))
+    ms.mark(pid("b"), "suspect")  # our own verdict: gossiped unsigned, as an opinion
+    said = {u.id: u for u in ms.snapshot()}
+    assert said[pid("b")].state == "suspect" and said[pid("b")].signature is None
+    left = ms.leaving()
+    assert left.state == "left" and record_problem(left, "default") is None
+
+
+async def test_hearsay_makes_the_receiver_probe_not_believe(net: Net) -> None:
+    for name, seeds in (("a", []), ("b", ["a"]), ("c", ["a"])):
+        await net.start(name, seeds)
+    await until(lambda: all(len(net.nodes[n].m.others()) == 2 for n in "abc"))
+    a = net.nodes["a"]
+    a.m.apply(upd("b", "dead", MAX_COUNTER))  # a lie at the largest incarnation
+    await until(lambda: pid("b") not in a._urgent)  # probed first, and b answered
+    assert states(a)["b"] == "alive"
+    assert all(states(net.nodes[n])["b"] == "alive" for n in "ac")
