@@ -21,9 +21,11 @@ from atomd.db.health import DatabaseFile
 from atomd.errors import NotFoundError, UnauthorizedError
 from atomd.jobs import JobManager, Scope
 from atomd.p2p.node import SwarmNode
+from atomd.rejections import Rejections
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 from atomd_api import errors
+from atomd_api.gate import ControlGate
 from atomd_api.schemas import (
     BanIn,
     BanPublic,
@@ -49,6 +51,7 @@ class ControlContext:
     started_at: float
     swarm: SwarmNode | None = None
     database: DatabaseFile | None = None
+    rejections: Rejections | None = None  # refused requests (the gate's rate limit and counts)
 
 
 def _ctx(request: Request) -> ControlContext:
@@ -295,4 +298,6 @@ def create_control_app(ctx: ControlContext) -> FastAPI:
         return Response(c.telemetry.render(), media_type="text/plain; version=0.0.4")
 
     app.include_router(v1)
+    rejections = ctx.rejections or (ctx.swarm.rejections if ctx.swarm else Rejections())
+    app.add_middleware(ControlGate, settings=ctx.settings, rejections=rejections)
     return app

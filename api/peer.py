@@ -82,7 +82,15 @@ def create_peer_app(node: SwarmNode) -> FastAPI:
         return MAX_MESSAGE_BYTES
 
     Peer = Annotated[
-        SignedRequest, Depends(peer_auth(node.verifier, limit=limit, on_reject=on_reject))
+        SignedRequest,
+        Depends(
+            peer_auth(
+                node.verifier,
+                limit=limit,
+                on_reject=on_reject,
+                retry_after=node.rejections.retry_after,
+            )
+        ),
     ]
 
     async def message(request: Request, signed: SignedRequest, model: type[M]) -> M:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from atomd.errors import AtomdError, PeerAuthError, TooLargeError
+from atomd.errors import AtomdError, PeerAuthError, RateLimitedError, TooLargeError
 from atomd.logs import get_logger
 from atomd.p2p.signing import RequestVerifier, VerifiedPeer
 
@@ -70,13 +70,22 @@ def peer_auth(
     *,
     limit: Callable[[Request], int],
     on_reject: Callable[[Request, AtomdError], Awaitable[None]] | None = None,
+    retry_after: Callable[[str], float | None] | None = None,
 ) -> Callable[[Request], Awaitable[SignedRequest]]:
     """A FastAPI dependency giving the ``SignedRequest`` of a signed request whose body is at
     most ``limit(request)`` bytes (0: the route takes no body).
 
-    On refusal it awaits ``on_reject(request, error)``, then raises the error."""
+    On refusal it awaits ``on_reject(request, error)``, then raises the error. A source that
+    ``retry_after`` says must wait (refused too often) is answered 429 before anything else."""
 
     async def dependency(request: Request) -> SignedRequest:
+        source = request.client.host if request.client else "?"
+        wait = retry_after(source) if retry_after is not None else None
+        if wait is not None:
+            raise RateLimitedError(
+                f"too many refused requests from {source}; retry in {wait:.1f} s",
+                retry_after_s=wait,
+            )
         try:
             verifier.check_headers(request.headers)
             body = await read_body(request, limit(request))

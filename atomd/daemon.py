@@ -133,6 +133,7 @@ class Daemon:
             settings=s, identity=identity, sessions=sessions, telemetry=self.telemetry, jobs=jobs
         )
         jobs.swarm = node
+        jobs.data_names = dict(s.data_names)
         control = _server(
             create_control_app(
                 ControlContext(

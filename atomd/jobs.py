@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from atomd.data.sources import check_source, shard_for_peer
+from atomd.data.sources import BUNDLED, check_source, shard_for_peer
 from atomd.db import repo
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
 from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
@@ -118,6 +118,27 @@ def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> Progre
     )
 
 
+def advert_data_problem(data: str, names: Mapping[str, str]) -> str | None:
+    """Why a job another peer announced may not train on ``data`` here, or None: a swarm job
+    names the bundled corpus or a dataset this daemon's operator registered by name
+    (``ATOMD_DATA_NAMES``), never a path (a peer would otherwise make this daemon train on,
+    and send deltas of, whatever local file the advert names)."""
+    if data == BUNDLED or data in names:
+        return None
+    known = ", ".join(sorted([BUNDLED, *names]))
+    return (
+        f"its data {data[:200]!r} is neither the bundled corpus nor a dataset registered here "
+        f"by name ({known}; ATOMD_DATA_NAMES): a job from the swarm may not name a local path"
+    )
+
+
+def local_data(spec: JobSpec, names: Mapping[str, str]) -> JobSpec:
+    """``spec`` with a registered dataset name replaced by its local path."""
+    if spec.data in names:
+        return spec.model_copy(update={"data": names[spec.data]})
+    return spec
+
+
 def admit(spec: JobSpec) -> None:
     """Refuse, with the reason, a job that cannot start here (before anything is queued).
 
@@ -176,6 +197,7 @@ class JobManager:
         self.telemetry = telemetry
         self.device = device
         self.peer_id = peer_id
+        self.data_names: dict[str, str] = {}  # registered datasets: name -> local path
         self.swarm: SwarmLink | None = None
         self.active: ActiveJob | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomd-trainer")
@@ -245,7 +267,7 @@ class JobManager:
 
     async def start(self, spec: JobSpec, scope: Scope = "swarm") -> JobRecord:
         self._check_free()
-        admit(spec)  # cheap: a stat() and arithmetic
+        admit(local_data(spec, self.data_names))  # cheap: a stat() and arithmetic
         job_id = uuid.uuid4().hex
         out_dir = self.job_dir(job_id)
         async with self.sessions() as s, s.begin():
@@ -280,7 +302,7 @@ class JobManager:
                 f"job {job_id} is {job.state}; only a stopped, failed or pending job resumes"
             )
         spec = JobSpec.model_validate(job.spec)
-        admit(spec)
+        admit(local_data(spec, self.data_names))
         job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", "")
         self._launch(
             ActiveJob(
@@ -332,11 +354,18 @@ class JobManager:
                 if await repo.get_job(s, job_id=job_id) is not None:
                     return  # we had it: stopped, finished or failed here; do not rejoin
             spec = JobSpec.model_validate(advert.get("spec", {}))
+            problem = advert_data_problem(spec.data, self.data_names)
+            if problem is not None:
+                log.warning("not joining the swarm's job %s: %s", job_id, problem)
+                async with self.sessions() as s, s.begin():
+                    await repo.add_event(s, kind="job.refused", job_id=job_id,
+                                         message=f"not joined: {problem}")  # fmt: skip
+                return
             if spec.num_shards > 1:
                 spec = spec.model_copy(
                     update={"shard_index": shard_for_peer(self.peer_id, spec.num_shards)}
                 )
-            admit(spec)
+            admit(local_data(spec, self.data_names))
             if self.active is not None or self._closing.is_set():
                 return
             out_dir = self.job_dir(job_id)
@@ -408,9 +437,10 @@ class JobManager:
         def send(item: _Message) -> None:
             loop.call_soon_threadsafe(active.queue.put_nowait, item)
 
-        built = build_engine(active.spec, self.device)
+        spec = local_data(active.spec, self.data_names)
+        built = build_engine(spec, self.device)
         trainer = Trainer(
-            active.spec,
+            spec,
             active.out_dir,
             built.engine,
             plan=built.plan,

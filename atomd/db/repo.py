@@ -300,6 +300,15 @@ async def add_event(
     await s.flush()
 
 
+async def prune_events(s: AsyncSession, *, keep: int) -> int:
+    """Delete all but the newest ``keep`` events; how many were deleted."""
+    newest = await s.scalar(select(func.max(Event.id)))
+    if newest is None or newest <= keep:
+        return 0
+    result = await s.execute(delete(Event).where(Event.id <= newest - keep))
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
 async def list_events(
     s: AsyncSession, *, limit: int = 100, kind: str | None = None
 ) -> list[EventRecord]:

@@ -42,6 +42,7 @@ from atomd.p2p.messages import (
 from atomd.p2p.quarantine import Quarantine, Verdict
 from atomd.p2p.signing import Admission, RequestVerifier
 from atomd.p2p.transfer import fetch_state
+from atomd.rejections import Rejections
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # the delta exchange loads torch with the first swarm job, no
 log = get_logger(__name__)
 
 SEND_TIMEOUT_S = 3.0  # a job announcement or stop to one peer
+REJECTIONS_FLUSH_S = 60.0
 # Refusals of a signed frame that count against its sender (quarantine): what no honest peer
 # of the job sends. Staleness, replays and clocks do not count.
 STRIKING_WIRE_ERRORS = frozenset(
@@ -113,6 +115,7 @@ class SwarmNode:
         self.admission = Admission.from_settings(settings)
         self.client = PeerClient(identity, self.admission)
         self.quarantine = Quarantine(key_of=self._key_of)
+        self.rejections = Rejections()  # refused requests of both planes, counted
         self.verifier = RequestVerifier(
             self.admission, self_id=identity.peer_id, blocked=self._banned_reason
         )
@@ -225,6 +228,7 @@ class SwarmNode:
                 self._tg = tg
                 tg.create_task(self._record_changes(), name="peers-recorder")
                 tg.create_task(self._refresh_last_seen(), name="peers-last-seen")
+                tg.create_task(self._flush_rejections(), name="rejections")
                 await self._join_once()
                 tg.create_task(self.swim.run(), name="swim")
                 tg.create_task(self._rejoin_when_alone(), name="rejoin")
@@ -233,8 +237,13 @@ class SwarmNode:
             await self.client.aclose()
 
     async def leave(self) -> None:
-        """Say *left* to every live peer (bounded: about one second)."""
+        """Say *left* to every live peer (bounded: about one second); record what was refused
+        since the last minute's count."""
         await self.swim.leave()
+        try:
+            await self.flush_rejections()
+        except Exception:
+            log.exception("could not record refused requests")
 
     def lan_found(self, peer_id: str, url: str) -> None:
         """A peer of our swarm seen on the LAN (zeroconf): a join candidate."""
@@ -317,11 +326,27 @@ class SwarmNode:
                     )  # fmt: skip
 
     async def record_rejection(self, path: str, client: str, error: AtomdError) -> None:
+        """Count a refused peer-plane request (aggregated: ``atomd.rejections``)."""
         status = error.status if isinstance(error, PeerAuthError) else 413
+        self.rejections.refused("peer", client, status, f"{path[:100]}: {error}")
+
+    async def _flush_rejections(self) -> None:
+        """Once a minute: one event for the requests refused since, and the events table cut
+        to ``events_keep`` rows."""
+        while True:
+            await asyncio.sleep(REJECTIONS_FLUSH_S)
+            try:
+                await self.flush_rejections()
+            except Exception:  # the records must not end the daemon
+                log.exception("could not record refused requests")
+
+    async def flush_rejections(self) -> None:
+        summary = self.rejections.flush()
         async with self.sessions() as s, s.begin():
-            await repo.add_event(
-                s, kind="auth.rejected", message=f"{status} {path[:100]} from {client}: {error}"
-            )
+            if summary is not None:
+                message, data = summary
+                await repo.add_event(s, kind="auth.rejected", message=message, data=data)
+            await repo.prune_events(s, keep=self.settings.events_keep)
 
     def peers(self) -> list[dict[str, Any]]:
         """Every member we know, this daemon first, for ``GET /v1/peers``."""

@@ -404,6 +404,18 @@ async def test_peers_upsert(sessions: Sessions) -> None:
     _assert_utc(peers[1].first_seen_at, peers[1].last_seen_at)
 
 
+async def test_events_are_pruned_to_the_retention_limit(sessions: Sessions) -> None:
+    async with sessions() as s, s.begin():
+        for i in range(30):
+            await repo.add_event(s, kind="auth.rejected", message=f"e{i}")
+    async with sessions() as s, s.begin():
+        assert await repo.prune_events(s, keep=10) == 20
+        assert await repo.prune_events(s, keep=10) == 0
+    async with sessions() as s:
+        kept = await repo.list_events(s, limit=100)
+    assert sorted(e.message for e in kept) == sorted(f"e{i}" for i in range(20, 30))
+
+
 async def test_bans_persist_replace_and_lift(sessions: Sessions) -> None:
     key = "ab" * 32
     async with sessions() as s, s.begin():

@@ -626,3 +626,31 @@ async def test_peer_client_unreachable_peer(alice: Identity, closed_port: int) -
         with pytest.raises(PeerRequestError, match=r"failed") as info:
             await client.get(f"http://127.0.0.1:{closed_port}", "/p2p/v1/x", Echo, target=ME)
         assert info.value.status is None
+
+
+async def test_a_source_refused_too_often_gets_429_before_any_check(alice: Identity) -> None:
+    from atomd.rejections import Rejections
+
+    adm = admission()
+    rejections = Rejections(burst=5, rate=0.01)
+
+    async def on_reject(request: Request, error: AtomdError) -> None:
+        rejections.refused("peer", request.client.host if request.client else "?", 401, str(error))
+
+    app = FastAPI()
+    errors.install(app)
+    auth = peer_auth(verifier_for(adm), limit=lambda r: LIMIT, on_reject=on_reject,
+                     retry_after=rejections.retry_after)  # fmt: skip
+
+    @app.post("/p2p/v1/echo")
+    async def echo(peer: Annotated[SignedRequest, Depends(auth)]) -> dict[str, Any]:
+        return {}
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://peer") as http:
+        codes = [(await http.post("/p2p/v1/echo", content=b"x")).status_code for _ in range(8)]
+        assert codes == [401] * 5 + [429] * 3
+        headers = sign(alice, adm, "POST", "/p2p/v1/echo", b"x")
+        r = await http.post("/p2p/v1/echo", content=b"x", headers=headers)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"] == "rate_limited"
