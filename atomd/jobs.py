@@ -62,7 +62,9 @@ class SwarmLink(Protocol):
 
     def announce(self, advert: dict[str, Any]) -> None: ...
     def broadcast_stop(self, job_id: str) -> None: ...
-    async def fetch_state(self, job_id: str, donors: list[str], root: Path) -> int | None: ...
+    async def fetch_state(
+        self, job_id: str, donors: list[str], root: Path, *, max_file_bytes: int | None = None
+    ) -> int | None: ...
     def job_donors(self, job_id: str) -> list[str]: ...
     def sync_plugin(self, job_id: str, spec: JobSpec) -> RoundPlugin: ...
 
@@ -137,6 +139,13 @@ def local_data(spec: JobSpec, names: Mapping[str, str]) -> JobSpec:
     if spec.data in names:
         return spec.model_copy(update={"data": names[spec.data]})
     return spec
+
+
+def state_file_bound(spec: JobSpec) -> int:
+    """The most bytes a checkpoint file of ``spec``'s model can hold: fp32 weights, AdamW's two
+    moments and the sync state (anchor, momentum, error feedback, pending rounds), with room
+    to spare; a donor announcing more is lying (issue #15: a manifest claimed 10^12 bytes)."""
+    return num_parameters(get_preset(spec.preset)) * 4 * 16 + (64 << 20)
 
 
 def admit(spec: JobSpec) -> None:
@@ -504,7 +513,9 @@ class JobManager:
         own = await asyncio.to_thread(list_checkpoints, root)
         own_step = int(own[0].name.split("-")[1]) if own else 0
         try:
-            step = await self.swarm.fetch_state(active.id, donors, root)
+            step = await self.swarm.fetch_state(
+                active.id, donors, root, max_file_bytes=state_file_bound(active.spec)
+            )
         except AtomdError as e:
             if own:  # our own checkpoint still serves: resume from it
                 log.warning("job %s: %s; resuming from our own checkpoint", active.id, e)

@@ -151,6 +151,7 @@ class SwarmNode:
         self.plugins: dict[str, SyncPlugin] = {}
         self._replay_guard: ReplayGuard | None = None
         self._received_bytes: dict[tuple[str, str, int], int] = {}
+        self._liars: set[str] = set()  # donor URLs whose state transfer lied: not asked again
 
     @property
     def peer_id(self) -> str:
@@ -419,8 +420,12 @@ class SwarmNode:
         except PeerRequestError as e:
             log.info("%s%s failed: %s", m.url, path, e)
 
-    async def fetch_state(self, job_id: str, donors: list[str], root: Path) -> int | None:
-        return await fetch_state(self.client, donors, job_id, root)
+    async def fetch_state(
+        self, job_id: str, donors: list[str], root: Path, *, max_file_bytes: int | None = None
+    ) -> int | None:
+        return await fetch_state(
+            self.client, donors, job_id, root, max_file_bytes=max_file_bytes, liars=self._liars
+        )
 
     # -- delta exchange ---------------------------------------------------------------------------
 

@@ -32,6 +32,8 @@ log = get_logger(__name__)
 
 TRANSFER_FILES = (ckpt.MODEL_FILE, ckpt.STATE_FILE)
 _CHUNK = 1 << 20
+DEADLINE_S = 900.0  # the whole transfer, every donor tried included
+DISK_MARGIN = 64 << 20  # free bytes left on the disk after a transfer
 
 
 def newest_manifest(root: Path) -> StateManifest | None:
@@ -66,7 +68,7 @@ class _Download:
     def write(self, chunk: bytes) -> None:
         self.size += len(chunk)
         if self.size > self.expect_bytes:
-            raise CheckpointError(
+            raise LyingDonorError(
                 f"{self.path.name}: donor sent more than the {self.expect_bytes} bytes it announced"
             )
         self.hash.update(chunk)
@@ -81,12 +83,39 @@ class _Download:
                 f"{self.path.name}: got {self.size} bytes, expected {self.expect_bytes} (truncated)"
             )
         if self.hash.hexdigest() != self.expect_sha256:
-            raise CheckpointError(f"{self.path.name}: sha256 mismatch (corrupt in transfer)")
+            raise LyingDonorError(f"{self.path.name}: sha256 mismatch (corrupt in transfer)")
 
 
-async def _fetch_from(client: PeerClient, url: str, job_id: str, root: Path) -> int:
+class LyingDonorError(CheckpointError):
+    """A donor announced what it did not send (sizes, hashes) or more than the job's model can
+    be: it is not asked again."""
+
+
+def _check_sizes(url: str, manifest: StateManifest, root: Path, max_file_bytes: int | None) -> None:
+    """Sizes the job's model implies, and room on the disk, before a byte is downloaded."""
+    files = {ckpt.MODEL_FILE: manifest.files.model, ckpt.STATE_FILE: manifest.files.state}
+    if max_file_bytes is not None:
+        for name, f in files.items():
+            if f.bytes > max_file_bytes:
+                raise LyingDonorError(
+                    f"{url} announces {name} of {f.bytes} bytes; this job's model makes it at "
+                    f"most {max_file_bytes}"
+                )
+    need = sum(f.bytes for f in files.values()) + DISK_MARGIN
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise CheckpointError(
+            f"the state from {url} needs {need / 2**20:.0f} MiB on the disk of {root}; "
+            f"{free / 2**20:.0f} MiB are free"
+        )
+
+
+async def _fetch_from(
+    client: PeerClient, url: str, job_id: str, root: Path, max_file_bytes: int | None = None
+) -> int:
     manifest = await client.get(url, paths.job_state(job_id), StateManifest, timeout=10)
     step = manifest.step
+    await asyncio.to_thread(_check_sizes, url, manifest, root, max_file_bytes)
     files = {ckpt.MODEL_FILE: manifest.files.model, ckpt.STATE_FILE: manifest.files.state}
     tmp = root / f".incoming-step-{step:08d}-{os.getpid()}"
     await asyncio.to_thread(shutil.rmtree, tmp, True)
@@ -126,7 +155,7 @@ def _fsync_and_publish(tmp: Path, final: Path) -> None:
             with safe_open(str(tmp / name), framework="pt"):
                 pass
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{name} from the donor is not a safetensors file: {e}") from e
+            raise LyingDonorError(f"{name} from the donor is not a safetensors file: {e}") from e
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -138,18 +167,58 @@ def _fsync_and_publish(tmp: Path, final: Path) -> None:
 
 
 async def fetch_state(
-    client: PeerClient, donors: Sequence[str], job_id: str, root: Path, *, rounds: int = 2
+    client: PeerClient,
+    donors: Sequence[str],
+    job_id: str,
+    root: Path,
+    *,
+    rounds: int = 2,
+    max_file_bytes: int | None = None,
+    deadline_s: float = DEADLINE_S,
+    liars: set[str] | None = None,
 ) -> int | None:
-    """Fetch the newest checkpoint of ``job_id`` from the first donor that delivers it whole.
+    """Fetch the newest checkpoint of ``job_id`` from the first donor that delivers it whole,
+    within ``deadline_s`` in all. A file announced larger than ``max_file_bytes`` (what the
+    job's model implies) or than the free disk is not downloaded; a donor that lies (sizes,
+    hashes) is added to ``liars`` and not asked again.
 
     Returns the step fetched, or None when no donor has one (the job starts from its seed).
     """
+    try:
+        async with asyncio.timeout(deadline_s):
+            return await _fetch_state(client, donors, job_id, root, rounds, max_file_bytes,
+                                      liars if liars is not None else set())  # fmt: skip
+    except TimeoutError:
+        raise CheckpointError(
+            f"the state of job {job_id} did not arrive within {deadline_s:g} s"
+        ) from None
+
+
+async def _fetch_state(
+    client: PeerClient,
+    donors: Sequence[str],
+    job_id: str,
+    root: Path,
+    rounds: int,
+    max_file_bytes: int | None,
+    liars: set[str],
+) -> int | None:
     await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
+    honest = [u for u in donors if u not in liars]
+    if not honest and donors:
+        raise CheckpointError(f"every donor of job {job_id} lied before: {', '.join(donors)}")
+    donors = honest
     no_state = 0
     for attempt in range(rounds):
         for url in donors:
+            if url in liars:
+                continue
             try:
-                step = await _fetch_from(client, url, job_id, root)
+                step = await _fetch_from(client, url, job_id, root, max_file_bytes)
+            except LyingDonorError as e:
+                liars.add(url)
+                log.warning("state transfer from %s refused: %s; not asking it again", url, e)
+                continue
             except PeerRequestError as e:
                 if e.status == 404:
                     no_state += 1
