@@ -36,6 +36,7 @@ from atomd.p2p.messages import (
 )
 from atomd.p2p.node import SwarmNode
 from atomd.p2p.transfer import checkpoint_file, newest_manifest
+from atomd.sync.exchange import DeltaExchange
 from atomd.train.checkpoint import checkpoint_root
 from atomd_api import errors
 from atomd_api.peer_auth import SignedRequest, peer_auth
@@ -59,7 +60,7 @@ def _check_sender(sender: MemberRecord, signed: SignedRequest, swarm: str) -> No
         raise PeerAuthError(f"the sender's own record: {problem}", status=401)
 
 
-def create_peer_app(node: SwarmNode) -> FastAPI:
+def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
     app = FastAPI(
         title="atomd peer plane",
         version=__version__,
@@ -78,7 +79,7 @@ def create_peer_app(node: SwarmNode) -> FastAPI:
             return 0
         job_id = request.path_params.get("job_id")
         if job_id is not None and request.url.path.endswith("/deltas"):
-            return node.max_frame_bytes(str(job_id))
+            return exchange.max_frame_bytes(str(job_id))
         return MAX_MESSAGE_BYTES
 
     Peer = Annotated[
@@ -141,13 +142,13 @@ def create_peer_app(node: SwarmNode) -> FastAPI:
 
     async def training(job_id: str) -> None:
         """Runs before the body is read: a job not trained here takes no frame."""
-        if node.max_frame_bytes(job_id) == 0:
+        if exchange.max_frame_bytes(job_id) == 0:
             raise NotFoundError(f"not training job {job_id} here")
 
     @app.post(paths.JOB_DELTAS, status_code=202, dependencies=[Depends(training)])
     async def delta(job_id: str, peer: Peer) -> DeltaAccepted:
         """A signed delta frame for the next round boundary; checked whole before queueing."""
-        size = await node.receive_delta(job_id, peer.body, peer.peer.peer_id)
+        size = await exchange.receive(job_id, peer.body, peer.peer.peer_id)
         return DeltaAccepted(accepted=True, bytes=size)
 
     def _root(job_id: str) -> Any:
@@ -157,7 +158,11 @@ def create_peer_app(node: SwarmNode) -> FastAPI:
 
     @app.get(paths.JOB_STATE)
     async def state_manifest(job_id: str, peer: Peer) -> Any:
-        manifest: StateManifest | None = newest_manifest(_root(job_id))
+        """The newest checkpoint: of the live state when the job trains here (written at the
+        trainer's next step boundary for this request), else the newest on disk."""
+        root = _root(job_id)
+        await node.jobs.live_state(job_id)
+        manifest: StateManifest | None = newest_manifest(root)
         if manifest is None:
             raise NotFoundError(f"no checkpoint of job {job_id} here yet")
         return manifest.model_dump(mode="json", by_alias=True, exclude_none=True)

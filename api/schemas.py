@@ -44,6 +44,12 @@ class JobPublic(BaseModel):
     loss: float | None = None
     val_loss: float | None = None
     plan: dict[str, Any] | None = None
+    sync: dict[str, Any] | None = Field(
+        None,
+        description="Swarm jobs, as of the newest step: the cadence in force (every: steps per "
+        "round, period_s: the swarm's round period, auto) and the trainer's time in sync "
+        "(busy_s: merging and sending, wait_s: blocked waiting for deltas), rounds closed",
+    )
     created_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -58,6 +64,7 @@ class ProgressPublic(BaseModel):
     tokens_per_s: float
     lr: float | None = None
     at: datetime
+    sync: dict[str, Any] | None = Field(None, description="As the job's sync, at this step")
 
 
 class RoundPublic(BaseModel):
@@ -71,6 +78,7 @@ class RoundPublic(BaseModel):
     applied: bool
     reason: str | None = None
     at: datetime
+    every: int | None = Field(None, description="Steps the sender's round lasted (its cadence)")
 
 
 class PeerPublic(BaseModel):

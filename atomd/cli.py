@@ -567,6 +567,56 @@ def bench_sync(
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
 
 
+@bench_app.command("swarm")
+def bench_swarm(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="A smoke test: 3 peers, 150 small steps.")
+    ] = False,
+    peers: Annotated[int | None, typer.Option(help="Daemons in the swarm (default 4).")] = None,
+    scenarios: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated: unlimited, upload-1mbit, upload-256kbit, sigkill (default: all)."
+        ),
+    ] = None,
+    every: Annotated[
+        str | None, typer.Option(help="sync.every of the job: auto (default) or a number.")
+    ] = None,
+    steps: Annotated[int | None, typer.Option(help="Steps per peer (default 600).")] = None,
+    network: Annotated[
+        str, typer.Option(help="auto (namespaces as root, else loopback), netns or loopback.")
+    ] = "auto",
+    references: Annotated[
+        bool, typer.Option(help="Also train one peer alone and one large-batch process.")
+    ] = True,
+    keep: Annotated[
+        Path | None, typer.Option(help="Keep the daemons' folders and logs here.")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
+) -> None:
+    """Real daemons train together (each in its own network namespace as root): val loss
+    against one peer alone and one large-batch process, bytes on the wire, cadence, waits."""
+    try:
+        from atomd_bench.swarm import run as run_swarm_bench
+    except ImportError:
+        fail("atomd bench needs the bench/ package (a source checkout or `pip install -e .`)")
+    if network not in ("auto", "netns", "loopback"):
+        fail(f"--network {network}: expected auto, netns or loopback")
+    every_value: int | str | None = every
+    if every is not None and every != "auto":
+        if not every.isdigit() or int(every) < 1:
+            fail(f"--every {every}: expected auto or a number >= 1")
+        every_value = int(every)
+    try:
+        result = run_swarm_bench(
+            quick=quick, peers=peers, scenarios=scenarios.split(",") if scenarios else None,
+            every=every_value, steps=steps, network=network, references=references, root=keep,
+        )  # fmt: skip
+    except (ValueError, RuntimeError) as e:
+        fail(str(e))
+    typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
+
+
 @app.command()
 def version() -> None:
     """Print the atomd version."""

@@ -85,8 +85,22 @@ def _job_detail(j: dict[str, Any]) -> None:
         "finished_at",
     ):
         t.add_row(key, _fmt(j.get(key)))
+    if j.get("sync"):
+        t.add_row("cadence", _cadence(j["sync"]))
     t.add_row("spec", json.dumps(j["spec"], separators=(",", ":")))
     _console().print(t)
+
+
+def _cadence(sync: dict[str, Any]) -> str:
+    """The cadence in force and the time in sync, as a swarm job reports them."""
+    every = sync.get("every")
+    text = "every ? steps" if every is None else f"every {every} step{'s' * (every != 1)}"
+    if sync.get("auto"):
+        text += f" (auto: a round every {_fmt(sync.get('period_s'))} s across the swarm)"
+    return (
+        f"{text}, {sync.get('rounds', 0)} rounds; sync work {_fmt(sync.get('busy_s'), 1)} s, "
+        f"waiting {_fmt(sync.get('wait_s'), 1)} s"
+    )
 
 
 def run(
@@ -362,7 +376,7 @@ def job_show(
         typer.echo(json.dumps({**job, "progress": points[-last:]}, indent=2))
         return
     _job_detail(job)
-    t = Table("step", "tokens", "loss", "val_loss", "tokens/s", "at", box=None)
+    t = Table("step", "tokens", "loss", "val_loss", "tokens/s", "every", "at", box=None)
     for p in points[-last:]:
         t.add_row(
             str(p["step"]),
@@ -370,6 +384,7 @@ def job_show(
             _fmt(p["loss"]),
             _fmt(p["val_loss"]),
             f"{p['tokens_per_s']:,.0f}",
+            _fmt((p.get("sync") or {}).get("every")),
             p["at"][:19],
         )
     _console().print(t)

@@ -31,6 +31,7 @@ from atomd.jobs import JobManager, load_training_modules
 from atomd.logs import Repeated, get_logger
 from atomd.p2p.identity import Identity
 from atomd.p2p.node import SwarmNode
+from atomd.sync.exchange import DeltaExchange
 from atomd.telemetry import Telemetry
 from atomd_api.control import ControlContext, create_control_app
 from atomd_api.peer import create_peer_app
@@ -132,8 +133,18 @@ class Daemon:
         node = SwarmNode(
             settings=s, identity=identity, sessions=sessions, telemetry=self.telemetry, jobs=jobs
         )
+        exchange = DeltaExchange(
+            identity=identity,
+            client=node.client,
+            peers=node,
+            sessions=sessions,
+            telemetry=self.telemetry,
+        )
+        exchange.jobs = jobs
+        node.on_excluded = exchange.drop_sender  # a quarantined member's waiting deltas go
         jobs.swarm = node
         jobs.data_names = dict(s.data_names)
+        jobs.exchange = exchange
         control = _server(
             create_control_app(
                 ControlContext(
@@ -153,12 +164,14 @@ class Daemon:
             ),
             s.log_level,
         )
-        peer = _server(create_peer_app(node), s.log_level)
+        peer = _server(create_peer_app(node, exchange), s.log_level)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown, signal.Signals(sig).name)
         try:
             async with asyncio.TaskGroup() as tg:
+                # First: a resumed job's plugin hands it rounds as soon as it trains.
+                exchange_task = tg.create_task(exchange.run(), name="delta-exchange")
                 jobs_task = tg.create_task(jobs.run(), name="jobs")
                 tg.create_task(control.serve(sockets=[control_sock]), name="control-server")
                 tg.create_task(peer.serve(sockets=[peer_sock]), name="peer-server")
@@ -179,6 +192,7 @@ class Daemon:
                 await jobs_task  # the trainer has checkpointed and the job is recorded
                 await leaving
                 node_task.cancel()
+                exchange_task.cancel()
                 if lan is not None:
                     await lan.aclose()
                 control.should_exit = peer.should_exit = True

@@ -6,7 +6,8 @@ them in SQLite. States: pending -> running -> stopping -> stopped | finished | f
 
 Swarm jobs (scope "swarm", the default) are announced to the peers through a ``SwarmLink``;
 a peer that hears of one it has no record of joins it (auto-join), fetching the newest state
-from a live peer first. A stop is local, or swarm-wide when asked.
+from a live peer first, and trains it with a plugin from the ``DeltaLink`` (the delta exchange).
+A stop is local, or swarm-wide when asked.
 
 Durability: ``metrics.jsonl`` and the checkpoints are written by the trainer thread itself, so
 nothing depends on the loop keeping up. After a crash, a restarted daemon resumes every job that
@@ -17,13 +18,14 @@ run's ``metrics.jsonl`` (truncated to that checkpoint).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -46,7 +48,7 @@ from atomd.train.checkpoint import checkpoint_root, list_checkpoints, sha256_fil
 from atomd.train.metrics import StepReport, read_metrics
 
 if TYPE_CHECKING:  # torch loads when the first job trains, not when the daemon starts
-    from atomd.train.trainer import RoundPlugin, TrainSummary
+    from atomd.train.trainer import RoundPlugin, SnapshotRequests, TrainSummary
 
 log = get_logger(__name__)
 
@@ -54,6 +56,9 @@ Scope = Literal["local", "swarm"]
 # Job progress goes to the daemon's log at most this often (and at every evaluation).
 PROGRESS_LOG_INTERVAL_S = 30.0
 SHUTDOWN_REASON = "interrupted by daemon shutdown; resumes when the daemon starts"
+# How long a peer that asks for this daemon's live state waits for the trainer to checkpoint
+# at its next step boundary, before it gets the newest checkpoint on disk instead.
+LIVE_STATE_TIMEOUT_S = 30.0
 RESUMING_REASON = "resuming from the last good checkpoint"
 
 
@@ -66,7 +71,18 @@ class SwarmLink(Protocol):
         self, job_id: str, donors: list[str], root: Path, *, max_file_bytes: int | None = None
     ) -> int | None: ...
     def job_donors(self, job_id: str) -> list[str]: ...
-    def sync_plugin(self, job_id: str, spec: JobSpec) -> RoundPlugin: ...
+
+
+class DeltaLink(Protocol):
+    """What the job manager needs from the delta exchange (``atomd.sync.exchange``)."""
+
+    def plugin(self, job_id: str, spec: JobSpec) -> RoundPlugin:
+        """The trainer-thread side of the exchange for one swarm job."""
+        ...
+
+    def release(self, job_id: str) -> None:
+        """The job no longer trains here."""
+        ...
 
 
 @dataclass
@@ -105,6 +121,7 @@ class ActiveJob:
     plugin: RoundPlugin | None = None  # the delta exchange (swarm jobs)
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
     logged_at: float = 0.0  # monotonic time of the last progress line in the log
+    snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -117,6 +134,7 @@ def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> Progre
         tokens_per_s=float(d["tokens_per_s"]),
         lr=d.get("lr"),
         at=at or datetime.now(UTC),
+        sync=d.get("sync"),
     )
 
 
@@ -208,6 +226,7 @@ class JobManager:
         self.peer_id = peer_id
         self.data_names: dict[str, str] = {}  # registered datasets: name -> local path
         self.swarm: SwarmLink | None = None
+        self.exchange: DeltaLink | None = None
         self.active: ActiveJob | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomd-trainer")
         self._tg: asyncio.TaskGroup | None = None
@@ -259,6 +278,30 @@ class JobManager:
         if a is None or a.scope != "swarm" or a.stop_event.is_set():
             return None
         return {"id": a.id, "spec": a.spec.model_dump(), "origin": a.origin}
+
+    def trains(self, job_id: str) -> bool:
+        """Whether this daemon trains swarm job ``job_id`` now (and is not stopping it)."""
+        a = self.active
+        return a is not None and a.id == job_id and a.scope == "swarm" and not a.stop_event.is_set()
+
+    async def live_state(self, job_id: str) -> bool:
+        """Checkpoint the live state of ``job_id`` at the trainer's next step boundary, for a
+        peer joining the job (so it starts from the swarm's current model, not from the last
+        checkpoint on disk). True once written; False when this daemon does not train the job
+        or the trainer did not get there within ``LIVE_STATE_TIMEOUT_S``."""
+        a = self.active
+        if a is None or a.id != job_id or a.snapshots is None or a.stop_event.is_set():
+            return False
+        fut = a.snapshots.ask()
+        try:
+            step = await asyncio.wait_for(asyncio.wrap_future(fut), LIVE_STATE_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as e:
+            fut.cancel()
+            log.info("job %s: no live state for a peer (%s); serving the newest checkpoint",
+                     job_id, e or "timed out")  # fmt: skip
+            return False
+        log.info("job %s: live state at step %d checkpointed for a peer", job_id, step)
+        return True
 
     def job_dir(self, job_id: str) -> Path:
         return self.jobs_dir / job_id
@@ -460,6 +503,7 @@ class JobManager:
             data_seed=data_seed(self.peer_id, active.spec.seed),
             plugin=active.plugin,
             adopt_step=active.adopt_step,
+            snapshots=active.snapshots,
         )
         if active.resume:
             rows = read_metrics(trainer.metrics.path) if trainer.metrics.path.exists() else []
@@ -476,7 +520,11 @@ class JobManager:
             if active.scope == "swarm" and self.swarm is not None:
                 if not await self._take_swarm_state(active):
                     return
-                active.plugin = self.swarm.sync_plugin(active.id, active.spec)
+                if self.exchange is not None:
+                    active.plugin = self.exchange.plugin(active.id, active.spec)
+                from atomd.train.trainer import SnapshotRequests
+
+                active.snapshots = SnapshotRequests()
             fut = loop.run_in_executor(self._executor, self._train_blocking, active, loop)
             while not fut.done() or not active.queue.empty():
                 getter = asyncio.ensure_future(active.queue.get())
@@ -491,8 +539,8 @@ class JobManager:
                 await self._record(active, items)
             await self._finish(active, fut)
         finally:
-            self.active = None
-            if not self._closing.is_set():
+            self._release(active)
+            if self.active is None and not self._closing.is_set():
                 self.telemetry.job_state.state("none")
 
     async def _take_swarm_state(self, active: ActiveJob) -> bool:
@@ -520,7 +568,10 @@ class JobManager:
             if own:  # our own checkpoint still serves: resume from it
                 log.warning("job %s: %s; resuming from our own checkpoint", active.id, e)
                 return True
-            await self._set_state(active.id, "failed", str(e), "job.failed", str(e))
+            await self._set_state(
+                active.id, "failed", str(e), "job.failed", str(e),
+                functools.partial(self._release, active),
+            )  # fmt: skip
             return False
         if step is not None and step >= own_step:
             active.adopt_step = step
@@ -586,33 +637,56 @@ class JobManager:
             f"{last.tokens_per_s:,.0f}",
         )  # fmt: skip
 
+    def _release(self, active: ActiveJob) -> None:
+        """The daemon is free for another job: called as the job's last state is committed,
+        with no await in between, so a client that reads that state can start the next job."""
+        if self.active is not active:
+            return
+        self.active = None
+        if active.plugin is not None and self.exchange is not None:
+            self.exchange.release(active.id)
+
     async def _finish(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> None:
+        release = functools.partial(self._release, active)
         try:
             summary = fut.result()
         except AtomdError as e:
-            await self._set_state(active.id, "failed", str(e), "job.failed", str(e))
+            await self._set_state(active.id, "failed", str(e), "job.failed", str(e), release)
             return
         except Exception as e:  # a bug, not bad input: keep the traceback in the log
             log.exception("job %s crashed", active.id)
             reason = f"{type(e).__name__}: {e}"
-            await self._set_state(active.id, "failed", reason, "job.failed", reason)
+            await self._set_state(active.id, "failed", reason, "job.failed", reason, release)
             return
         at = f"step {summary.step}"
         if summary.state == "finished":
-            await self._set_state(active.id, "finished", None, "job.finished", at)
+            await self._set_state(active.id, "finished", None, "job.finished", at, release)
         elif active.stop_reason is not None:
-            await self._set_state(active.id, "stopped", active.stop_reason, "job.stopped", at)
+            await self._set_state(
+                active.id, "stopped", active.stop_reason, "job.stopped", at, release
+            )
         else:
             await self._set_state(
-                active.id, "pending", SHUTDOWN_REASON, "job.interrupted", f"checkpointed at {at}"
-            )
+                active.id, "pending", SHUTDOWN_REASON, "job.interrupted",
+                f"checkpointed at {at}", release,
+            )  # fmt: skip
 
     async def _set_state(
-        self, job_id: str, state: JobState, reason: str | None, kind: str, message: str
+        self,
+        job_id: str,
+        state: JobState,
+        reason: str | None,
+        kind: str,
+        message: str,
+        committed: Callable[[], None] | None = None,
     ) -> JobRecord:
-        async with self.sessions() as s, s.begin():
-            job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
-            await repo.add_event(s, kind=kind, job_id=job_id, message=message)
+        """Record a job's state and its event; ``committed`` runs right after the commit."""
+        async with self.sessions() as s:
+            async with s.begin():
+                job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
+                await repo.add_event(s, kind=kind, job_id=job_id, message=message)
+            if committed is not None:
+                committed()
         self.telemetry.job_state.state(state)
         level = logging.ERROR if state == "failed" else logging.INFO
         log.log(level, "job %s: %s%s", job_id, state, f" ({reason})" if reason else "")

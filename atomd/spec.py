@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -61,20 +61,31 @@ class _Spec(BaseModel):
 
 
 # The outer momentum a codec gets unless the spec names one (see SyncSpec.outer_lr).
-OUTER_MOMENTUM: dict[str, float] = {"topk": 0.5}
+OUTER_MOMENTUM: dict[str, float] = {"topk": 0.5, "rice2": 0.5}
+# The share of entries a sparse codec sends unless the spec names one: rice2 spends ~9 bits on
+# an entry where topk spends ~25, so 2.5% of the entries cost it fewer bytes than topk's 1%.
+SPARSE_FRACTION: dict[str, float] = {"topk": 0.01, "rice2": 0.025}
 
 
 class SyncSpec(_Spec):
     """How peers of a swarm job exchange progress: compressed weight deltas every H steps."""
 
-    every: int = Field(
-        50, ge=1, le=MAX_STEPS, description="H: inner steps between rounds (delta exchanges)."
+    every: Annotated[int, Field(ge=1, le=MAX_STEPS)] | Literal["auto"] = Field(
+        "auto",
+        description="H: inner steps between rounds (delta exchanges), or 'auto': rounds as "
+        "often as their traffic and work hide behind the compute between them, at a pace the "
+        "swarm agrees on (docs/cadence.md).",
     )
-    codec: Literal["fp32", "bf16", "int8", "topk"] = Field(
+    codec: Literal["fp32", "bf16", "int8", "topk", "rice2"] = Field(
         "topk", description="Delta codec; all keep what they drop for the next round."
     )
     topk_fraction: float = Field(
-        0.01, gt=0, le=1, description="Share of each tensor's entries the topk codec sends."
+        0.01,
+        gt=0,
+        le=1,
+        description="Share of each tensor's entries a sparse codec sends; default: "
+        + ", ".join(f"{v} for {c}" for c, v in SPARSE_FRACTION.items())
+        + ".",
     )
     # Defaults measured by `atomd bench sync` (bench/sync.py; README): lr 1 for every codec;
     # momentum 0 (the plain average) for the dense codecs, never far off (fp32 with momentum
@@ -129,6 +140,8 @@ class SyncSpec(_Spec):
     def _codec_defaults(self) -> SyncSpec:
         if "outer_momentum" not in self.model_fields_set:  # set here, so it shows in the spec
             self.outer_momentum = OUTER_MOMENTUM.get(self.codec, 0.0)
+        if "topk_fraction" not in self.model_fields_set:
+            self.topk_fraction = SPARSE_FRACTION.get(self.codec, 0.01)
         return self
 
 
@@ -168,7 +181,13 @@ class JobSpec(_Spec):
     eval_interval: int = Field(
         100, ge=1, le=MAX_STEPS, description="Validate every this many steps."
     )
-    eval_batches: int = Field(20, ge=1, le=1000, description="Validation batches per evaluation.")
+    eval_batches: int = Field(
+        20,
+        ge=1,
+        le=1000,
+        description="Validation batches of 16 fixed windows each: the same windows whatever "
+        "the batch size, so every run's validation loss compares with every other's.",
+    )
     log_interval: int = Field(
         10, ge=1, le=MAX_STEPS, description="Write a metrics row every this many steps."
     )

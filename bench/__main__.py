@@ -4,6 +4,8 @@ first.
 
 The durations are those measured on a quiet 2-core machine without a GPU (``make bench``:
 about 80 min in all, most of it the sync convergence runs; ``make bench-quick``: a few minutes).
+``python -m atomd_bench swarm [OPTIONS]`` runs the real-daemon swarm benchmark with its own
+options (``--help``); it is not part of the default list (its full run takes hours here).
 """
 
 from __future__ import annotations
@@ -40,14 +42,24 @@ BENCHES: dict[str, Bench] = {
     "membership": Bench("atomd_bench.membership", "~1 min", "~40 s", {"n": 4}),
     "sync": Bench("atomd_bench.sync", "~70 min", "~1 min", {"quick": True}),
 }
+# Benchmarks that take their own command-line options after their name: (module, function).
+WITH_OPTIONS: dict[str, tuple[str, str]] = {"swarm": ("atomd_bench.swarm", "main")}
 
 
 def main(argv: list[str]) -> None:
+    if argv and argv[0] in WITH_OPTIONS:
+        from importlib import import_module
+
+        module, fn = WITH_OPTIONS[argv[0]]
+        getattr(import_module(module), fn)(argv[1:])
+        return
     quick = "--quick" in argv
     names = [a for a in argv if a != "--quick"] or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
-        raise SystemExit(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHES)}")
+        raise SystemExit(
+            f"unknown benchmark(s) {unknown}; known: {', '.join([*BENCHES, *WITH_OPTIONS])}"
+        )
     plan = ", ".join(
         f"{n} ({BENCHES[n].quick_takes if quick else BENCHES[n].takes})" for n in names
     )

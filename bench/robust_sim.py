@@ -142,6 +142,8 @@ def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
     counts = {"refused": 0, "clipped": 0, "strikes": 0, "hostile_applied": 0, "honest_refused": 0}
     divergences: list[float] = []
     diverged_at: int | None = None
+    if not isinstance(sync.every, int):
+        raise ValueError("robust_sim simulates a fixed cadence: give sync.every as a number")
     h, rnd = sync.every, 0
 
     def note(report: Any) -> None:

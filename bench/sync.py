@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import os
 import random
 import re
 import sys
@@ -223,12 +224,12 @@ Inbox = dict[tuple[int, int], list[Contribution]]  # (receiver, step it is there
 
 
 def _async_round(
-    states: Sequence[SyncState], inbox: Inbox, rnd: int, step: int, total: int
+    states: Sequence[SyncState], inbox: Inbox, rnd: int, step: int, total: int, every: int
 ) -> list[Outgoing]:
     """Peers close round ``rnd`` (after ``step`` steps) in a seeded order, each merging what has
     reached it; each delta is posted to the others with its drawn delay (see the docstring), at
     most until the next boundary (the last round may be short)."""
-    n, h = len(states), min(states[0].spec.every, max(1, total - step))
+    n, h = len(states), min(every, max(1, total - step))
     outs: dict[int, Outgoing] = {}
     for i in random.Random(f"order:{SEED}:{rnd}").sample(range(n), n):
         outs[i] = states[i].round_boundary(_arrived(inbox, i, step), n_peers=n)
@@ -254,7 +255,8 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     t0 = time.perf_counter()
     n = budget.peers or run.peers
     spec = _job_spec(budget.batch(run.batch_size), budget)
-    sync = replace_every(run.sync_spec(), budget.every(run.every))
+    h = budget.every(run.every)
+    sync = replace_every(run.sync_spec(), h)
     data = load_dataset(spec.data, seq_len=spec.effective_seq_len, val_fraction=spec.val_fraction)
     shards = [
         TokenDataset(
@@ -279,7 +281,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     ratios: list[float] = []
     divergences: list[float] = []  # committed anchors
     start_divergences: list[float] = []  # where the replicas restart (anchor + pending deltas)
-    h, rnd = sync.every, 0
+    rnd = 0
     for step in range(spec.total_steps):
         lr = lr_at(spec, step)
         for i, (eng, ds) in enumerate(zip(engines, shards, strict=True)):
@@ -302,7 +304,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         if run.mode == "sync":
             outs = _sync_round(states)
         else:
-            outs = _async_round(states, inbox, rnd, step + 1, spec.total_steps)
+            outs = _async_round(states, inbox, rnd, step + 1, spec.total_steps, h)
         bytes_sent += [_frame_bytes(o, ident) for o, ident in zip(outs, identities, strict=True)]
         ratios += [o.wire_ratio for o in outs]
         if (step + 1) > spec.warmup_steps:
@@ -480,6 +482,16 @@ def extra_runs() -> list[RunSpec]:
         *(RunSpec(f"topk-h{h}-plain", codec="topk", every=h, sync=_PLAIN) for h in (50, 2)),
         RunSpec("topk-h2-lr2", codec="topk", every=2, sync={"outer_lr": 2.0, **_PLAIN}),
         RunSpec("fp32-h2-momentum", codec="fp32", every=2, sync={"outer_momentum": 0.5}),
+        # Issue #14's codec study at H=50: Golomb-Rice positions and 2-bit values (2.5% of the
+        # entries for topk's bytes), with the residual in the replica and top-k's momentum, and
+        # SparseLoCo-style (arXiv 2508.15706): error feedback with decay, no outer momentum.
+        RunSpec("rice2-h50", codec="rice2"),
+        RunSpec("fp32-h50-momentum", codec="fp32", sync={"outer_momentum": 0.5}),
+        RunSpec(
+            "rice2-h50-sparseloco",
+            codec="rice2",
+            sync={"residual": "feedback", "ef_decay": 0.95, "outer_momentum": 0.0},
+        ),
     ]
 
 
@@ -515,6 +527,7 @@ def run(
     order = sorted(selected, key=lambda r: -(budget.peers or r.peers) * r.batch_size)
     results: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]  # the machine may be shared
     if workers > 0:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
@@ -546,6 +559,8 @@ def run(
         "runs": [results[r.name] for r in selected],
         "targets": _targets(results),
         "wall_s": time.perf_counter() - t0,
+        "load_avg_start": load_start,
+        "load_avg_end": [round(x, 2) for x in os.getloadavg()],
     }
 
 

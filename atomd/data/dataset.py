@@ -33,10 +33,22 @@ from atomd.data.sources import BUNDLED, check_source, shard_for_peer
 from atomd.data.tokenizer import ByteTokenizer
 from atomd.errors import DataError
 
-__all__ = ["BUNDLED", "Batch", "TokenDataset", "check_source", "load_dataset", "shard_for_peer"]
+__all__ = [
+    "BUNDLED",
+    "VAL_BATCH",
+    "Batch",
+    "TokenDataset",
+    "check_source",
+    "load_dataset",
+    "shard_for_peer",
+]
 
 ShardMode = Literal["interleaved", "contiguous"]
 _TEXT_SUFFIXES = {".txt", ".md"}
+# Windows per validation batch. The validation set is a number of such batches (the job spec's
+# ``eval_batches``), never a function of the training batch size, so every run's validation loss
+# is measured on the same windows and compares with every other's.
+VAL_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -158,15 +170,27 @@ class TokenDataset:
         ]
         return self._windows(self.train, starts)
 
-    def val_batches(self, *, count: int, batch_size: int, seed: int = 1234) -> list[Batch]:
-        """``count`` fixed validation batches (the same for every peer and every call)."""
+    def val_batches(
+        self, *, count: int, batch_size: int = VAL_BATCH, seed: int = 1234
+    ) -> list[Batch]:
+        """The validation set: ``count`` x ``VAL_BATCH`` fixed windows of the validation split,
+        the same for every peer, every run and every call whatever the run's batch size, served
+        in batches of at most ``batch_size`` windows (to bound memory; the loss over them is the
+        same up to rounding)."""
+        if count < 1 or batch_size < 1:
+            raise ValueError(f"count and batch_size must be >= 1, got {count}, {batch_size}")
         g = torch.Generator().manual_seed(seed)
         hi = len(self.val) - self.seq_len
-        out = []
-        for _ in range(count):
-            starts = torch.randint(0, hi, (batch_size,), generator=g).tolist()
-            out.append(self._windows(self.val, starts))
-        return out
+        # Drawn VAL_BATCH at a time, as when the windows were drawn per batch of 16.
+        starts = [
+            s
+            for _ in range(count)
+            for s in torch.randint(0, hi, (VAL_BATCH,), generator=g).tolist()
+        ]
+        return [
+            self._windows(self.val, starts[i : i + batch_size])
+            for i in range(0, len(starts), batch_size)
+        ]
 
 
 def load_dataset(

@@ -135,6 +135,8 @@ class Job(Base):
     # "swarm": announced to the peers, who join it; "local": this daemon's alone (0002).
     scope: Mapped[str] = mapped_column(String(8), default="local", server_default="local")
     origin: Mapped[str | None] = mapped_column(String(128))  # peer id that started it
+    # The newest progress point's sync figures: cadence in force, time in sync (0003).
+    sync: Mapped[dict[str, Any] | None]
 
 
 class Progress(Base):
@@ -154,6 +156,8 @@ class Progress(Base):
     tokens_per_s: Mapped[float] = mapped_column(Float)
     lr: Mapped[float | None] = mapped_column(Float)
     at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Swarm jobs: cadence in force and the trainer's time in sync (SyncPlugin.stats, 0003).
+    sync: Mapped[dict[str, Any] | None]
 
 
 class SyncRound(Base):
@@ -177,6 +181,7 @@ class SyncRound(Base):
     applied: Mapped[bool]
     reason: Mapped[str | None] = mapped_column(Text)
     at: Mapped[datetime] = mapped_column(default=utcnow)
+    every: Mapped[int | None]  # steps the sender's round lasted: the cadence it used (0003)
 
 
 class Checkpoint(Base):

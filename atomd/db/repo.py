@@ -212,6 +212,7 @@ async def add_progress(s: AsyncSession, *, job_id: str, points: Sequence[Progres
     if newest.step >= job.step:
         evaluated = [p for p in points if p.val_loss is not None and p.step >= job.step]
         job.step, job.tokens, job.loss = newest.step, newest.tokens, newest.loss
+        job.sync = newest.sync
         if evaluated:
             job.val_loss = max(evaluated, key=lambda p: p.step).val_loss
         job.updated_at = utcnow()
@@ -238,6 +239,7 @@ async def delete_progress_after(s: AsyncSession, *, job_id: str, step: int) -> i
     job.step = last.step if last else 0
     job.tokens = last.tokens if last else 0
     job.loss = last.loss if last else None
+    job.sync = last.sync if last else None
     job.val_loss = last_val
     job.updated_at = utcnow()
     await s.flush()
@@ -336,8 +338,10 @@ async def add_round(
     staleness: int | None,
     applied: bool,
     reason: str | None,
+    every: int | None = None,
 ) -> None:
-    """Record one delta sent or received; ``reason`` says why it was not applied."""
+    """Record one delta sent or received; ``reason`` says why it was not applied, ``every``
+    how many steps the sender's round lasted."""
     _check("direction", direction, DIRECTIONS)
     await _job(s, job_id)
     s.add(
@@ -353,6 +357,7 @@ async def add_round(
             applied=applied,
             reason=reason,
             at=utcnow(),
+            every=every,
         )
     )
     await s.flush()

@@ -68,6 +68,7 @@ class JobRecord(_Record):
     updated_at: AwareDatetime
     scope: JobScope = "local"
     origin: str | None = None
+    sync: dict[str, Any] | None = None
 
 
 class ProgressPoint(_Record):
@@ -80,6 +81,7 @@ class ProgressPoint(_Record):
     tokens_per_s: float
     lr: float | None = None
     at: AwareDatetime
+    sync: dict[str, Any] | None = None
 
 
 class RoundRecord(_Record):
@@ -97,6 +99,7 @@ class RoundRecord(_Record):
     applied: bool
     reason: str | None
     at: AwareDatetime
+    every: int | None = None
 
 
 class CheckpointRecord(_Record):

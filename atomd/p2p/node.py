@@ -4,7 +4,9 @@
 remembered in SQLite), runs the SWIM protocol, records every state change of a peer in the
 ``peers`` and ``events`` tables, and carries the daemon's swarm job on every message so that
 free peers join it. It is also the ``SwarmLink`` the job manager uses to announce jobs, stop
-them swarm-wide and fetch state from donors.
+them swarm-wide and fetch state from donors, and the ``JobPeers`` the delta exchange
+(``atomd.sync.exchange``) asks which peers train a job. It reaches the job manager only through
+the small ``SwarmJobs`` interface.
 """
 
 from __future__ import annotations
@@ -12,17 +14,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.config import Settings
 from atomd.db import repo
-from atomd.errors import AtomdError, NotFoundError, PeerAuthError, PeerRequestError, WireError
-from atomd.jobs import JobManager
+from atomd.errors import AtomdError, PeerAuthError, PeerRequestError
 from atomd.logs import Repeated, get_logger
 from atomd.p2p import paths
 from atomd.p2p.client import PeerClient
@@ -31,7 +32,6 @@ from atomd.p2p.membership import Member, Membership, PeerState, Swim, SwimConfig
 from atomd.p2p.messages import (
     Ack,
     Announce,
-    DeltaAccepted,
     Gossip,
     JobAdvert,
     JoinReply,
@@ -43,25 +43,31 @@ from atomd.p2p.quarantine import Quarantine, Verdict
 from atomd.p2p.signing import Admission, RequestVerifier
 from atomd.p2p.transfer import fetch_state
 from atomd.rejections import Rejections
-from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
-
-if TYPE_CHECKING:  # the delta exchange loads torch with the first swarm job, not at start
-    from torch import Tensor
-
-    from atomd.sync.runner import RoundOut, SyncPlugin
-    from atomd.sync.state import MergeReport
-    from atomd.sync.wire import DeltaFrame, ReplayGuard
 
 log = get_logger(__name__)
 
 SEND_TIMEOUT_S = 3.0  # a job announcement or stop to one peer
 REJECTIONS_FLUSH_S = 60.0
-# Refusals of a signed frame that count against its sender (quarantine): what no honest peer
-# of the job sends. Staleness, replays and clocks do not count.
-STRIKING_WIRE_ERRORS = frozenset(
-    {"wrong_codec", "wrong_shape", "non_finite"}
-)  # a job announcement or stop to one peer
+
+
+class SwarmJobs(Protocol):
+    """What the swarm needs from the job manager (``atomd.jobs.JobManager``)."""
+
+    def advert(self) -> dict[str, Any] | None:
+        """The swarm job this daemon trains, as told to peers (None if none)."""
+        ...
+
+    def offer(self, advert: dict[str, Any], donors: list[str]) -> None:
+        """A peer trains ``advert``: join it if free."""
+        ...
+
+    async def stop_from_peer(self, job_id: str, peer_id: str) -> None: ...
+    async def live_state(self, job_id: str) -> bool:
+        """Checkpoint the live state of a job trained here, for a joining peer."""
+        ...
+
+    def job_dir(self, job_id: str) -> Path: ...
 
 
 class HttpTransport:
@@ -105,7 +111,7 @@ class SwarmNode:
         identity: Identity,
         sessions: async_sessionmaker[AsyncSession],
         telemetry: Telemetry,
-        jobs: JobManager,
+        jobs: SwarmJobs,
     ) -> None:
         self.settings = settings
         self.identity = identity
@@ -148,10 +154,9 @@ class SwarmNode:
         self._lan: list[str] = []
         # job id -> peer id -> when we last heard that peer train it (monotonic seconds)
         self._job_peers: dict[str, dict[str, float]] = {}
-        self.plugins: dict[str, SyncPlugin] = {}
-        self._replay_guard: ReplayGuard | None = None
-        self._received_bytes: dict[tuple[str, str, int], int] = {}
         self._liars: set[str] = set()  # donor URLs whose state transfer lied: not asked again
+        self.on_excluded: Callable[[str], None] = lambda _peer_id: None
+        """Called with a peer id quarantined or banned (the exchange drops its waiting deltas)."""
 
     @property
     def peer_id(self) -> str:
@@ -182,8 +187,7 @@ class SwarmNode:
         self.quarantine.ban(public_key, reason)
         for m in self.membership.all():
             if m.public_key == public_key:
-                for plugin in self.plugins.values():
-                    plugin.inbox.drop_sender(m.id)
+                self.on_excluded(m.id)
 
     async def unban(self, public_key: str) -> bool:
         """Lift a ban (and a quarantine of that key); False if the key was not banned."""
@@ -197,15 +201,16 @@ class SwarmNode:
         """Why this daemon takes nothing from ``peer_id`` now (banned, quarantined), or None."""
         return self.quarantine.verdict(peer_id)
 
-    async def _judged(self, merge: MergeReport) -> None:
-        """Count the merge's strikes (see ``atomd.p2p.quarantine``)."""
-        for a in merge.applied:
-            await self._judge(a.sender, a.strike, a.note)
-        for r in merge.refused:
-            if r.strike:
-                await self._judge(r.sender, True, r.reason)
+    def excluded(self, peer_id: str) -> bool:
+        """Whether deltas and state are no longer taken from ``peer_id`` (quarantined, banned)."""
+        return self.quarantine.excluded(peer_id)
 
-    async def _judge(self, sender: str, strike: bool, reason: str | None) -> None:
+    def exclusion(self, peer_id: str) -> str | None:
+        """Why deltas are no longer taken from ``peer_id``, in words, or None."""
+        v = self.quarantine.verdict(peer_id)
+        return None if v is None else f"{v.kind} here: {v.reason}"
+
+    async def judge(self, sender: str, strike: bool, reason: str | None) -> None:
         """One judged contribution of ``sender``; quarantine it (recorded) when its strikes
         reach the limit."""
         if sender == self.peer_id:
@@ -214,8 +219,7 @@ class SwarmNode:
         if verdict is None:
             return
         log.warning("peer %s quarantined: %s", sender, verdict.reason)
-        for plugin in self.plugins.values():
-            plugin.inbox.drop_sender(sender)
+        self.on_excluded(sender)
         async with self.sessions() as s, s.begin():
             await repo.add_event(s, kind="peer.quarantined", peer_id=sender, message=verdict.reason)
 
@@ -427,7 +431,7 @@ class SwarmNode:
             self.client, donors, job_id, root, max_file_bytes=max_file_bytes, liars=self._liars
         )
 
-    # -- delta exchange ---------------------------------------------------------------------------
+    # -- which peers train a job (for the delta exchange, ``atomd.sync.exchange``) -------------
 
     def job_peers(self, job_id: str) -> list[Member]:
         """Live members heard training ``job_id`` recently (this daemon excluded)."""
@@ -447,152 +451,6 @@ class SwarmNode:
     def job_donors(self, job_id: str) -> list[str]:
         return [m.url for m in self.job_peers(job_id)]
 
-    def sync_plugin(self, job_id: str, spec: JobSpec) -> SyncPlugin:
-        """The trainer-thread side of the delta exchange of one job, wired to this node."""
-        from atomd.sync.runner import SyncPlugin
-
-        loop = asyncio.get_running_loop()
-
-        def send(out: RoundOut) -> None:  # called on the trainer thread
-            loop.call_soon_threadsafe(self._spawn, self._deliver(out), f"round-{out.step}")
-
-        def absorbed(job: str, merge: MergeReport) -> None:  # the trainer thread, too
-            loop.call_soon_threadsafe(self._spawn, self._record_merge(job, merge), "absorbed")
-
-        plugin = SyncPlugin(
-            job_id=job_id,
-            spec=spec.sync,
-            identity=self.identity,
-            n_peers=lambda: 1 + len(self.job_peers(job_id)),
-            send=send,
-            absorbed=absorbed,
-        )
-        plugin.excluded = self.quarantine.excluded
-        self.plugins[job_id] = plugin
-        return plugin
-
-    def _codec(self, job_id: str) -> str:
-        """The delta codec of a job this node trains ("?" once it no longer does)."""
-        plugin = self.plugins.get(job_id)
-        return plugin.spec.codec if plugin else "?"
-
-    async def _deliver(self, out: RoundOut) -> None:
-        """Send one round's frame to every peer training the job; record what happened."""
-        raw = out.outgoing.raw_bytes
-        codec = self._codec(out.job_id)
-        await self._record_merge(out.job_id, out.merge)
-        targets = self.job_peers(out.job_id)
-
-        async def one(m: Member) -> tuple[Member, str | None]:
-            path = paths.job_deltas(out.job_id)
-            for attempt in range(2):
-                try:
-                    await self.client.post_bytes(
-                        m.url, path, out.frame, DeltaAccepted, target=m.id, timeout=30.0
-                    )
-                    return m, None
-                except PeerRequestError as e:
-                    if e.status is not None and 400 <= e.status < 500:
-                        return m, str(e)  # refused: retrying the same frame cannot help
-                    if attempt == 1:
-                        return m, str(e)
-                    await asyncio.sleep(0.5)
-            return m, "unreachable"
-
-        results = await asyncio.gather(*(one(m) for m in targets))
-        async with self.sessions() as s, s.begin():
-            for m, error in results:
-                await repo.add_round(
-                    s, job_id=out.job_id, round=out.outgoing.round, direction="sent",
-                    peer_id=m.id, bytes=len(out.frame), codec=codec,
-                    compression_ratio=raw / len(out.frame), staleness=None,
-                    applied=error is None, reason=error,
-                )  # fmt: skip
-                if error is None:
-                    self.telemetry.bytes_sent.inc(len(out.frame))
-                self.telemetry.rounds.labels("sent", str(error is None).lower()).inc()
-
-    async def _record_merge(self, job_id: str, merge: MergeReport) -> None:
-        """Record what a merge did with the deltas it was given (applied, or why not), and
-        count its strikes."""
-        await self._judged(merge)
-        plugin = self.plugins.get(job_id)
-        codec = self._codec(job_id)
-        raw = plugin.state.numel * 4 if plugin is not None and plugin.state is not None else 0
-        rows = [(a.sender, a.round, a.staleness, True, a.note) for a in merge.applied] + [
-            (r.sender, r.round, None, False, r.reason) for r in merge.refused
-        ]
-        if not rows:
-            return
-        async with self.sessions() as s, s.begin():
-            for sender, rnd, staleness, applied, reason in rows:
-                size = self._received_bytes.pop((job_id, sender, rnd), 0)
-                await repo.add_round(
-                    s, job_id=job_id, round=rnd, direction="received", peer_id=sender,
-                    bytes=size, codec=codec, compression_ratio=raw / size if size else 0.0,
-                    staleness=staleness, applied=applied, reason=reason,
-                )  # fmt: skip
-                self.telemetry.rounds.labels("received", str(applied).lower()).inc()
-
-    def max_frame_bytes(self, job_id: str) -> int:
-        plugin = self.plugins.get(job_id)
-        if plugin is None or plugin.state is None:
-            return 0
-        # Every codec is at most fp32-sized; headroom for framing and the header.
-        return int(plugin.state.numel * 4 * 1.05) + (2 << 20)
-
-    async def receive_delta(self, job_id: str, body: bytes, signer: str) -> int:
-        """Check and queue one frame for the next round boundary; raises WireError (recorded)
-        or NotFoundError. Nothing reaches the model unless every check passed."""
-        from atomd.sync.state import Contribution
-        from atomd.sync.wire import FrameDecoder, ReplayGuard, check_codec, decode_tensors
-
-        plugin = self.plugins.get(job_id)
-        if plugin is None or plugin.state is None or self.jobs.advert() is None:
-            raise NotFoundError(f"not training job {job_id} here")
-        verdict = self.quarantine.verdict(signer)
-        if verdict is not None:  # refused before anything is decoded; not recorded per frame
-            self.telemetry.rounds.labels("received", "false").inc()
-            raise PeerAuthError(
-                f"peer {signer} is {verdict.kind} here: {verdict.reason}", status=403
-            )
-        codec = plugin.spec.codec
-        if self._replay_guard is None:
-            self._replay_guard = ReplayGuard()
-        decoder = FrameDecoder(
-            job_id=job_id,
-            public_key_of=lambda pid: m.public_key if (m := self.membership.get(pid)) else None,
-            expected_shapes=plugin.expected_shapes,
-            max_bytes=self.max_frame_bytes(job_id),
-            seen=self._replay_guard,
-        )
-
-        def decode() -> tuple[DeltaFrame, dict[str, Tensor]]:
-            for i in range(0, len(body), 1 << 20):
-                decoder.feed(body[i : i + (1 << 20)])
-            frame = decoder.finish()
-            if frame.sender != signer:
-                raise WireError("bad_signature", f"frame of {frame.sender} sent by {signer}")
-            check_codec(frame, codec)
-            return frame, decode_tensors(frame, plugin.expected_shapes)
-
-        try:
-            frame, tensors = await asyncio.to_thread(decode)
-        except WireError as e:
-            async with self.sessions() as s, s.begin():
-                await repo.add_round(
-                    s, job_id=job_id, round=-1, direction="received", peer_id=signer,
-                    bytes=len(body), codec=plugin.spec.codec, compression_ratio=0.0,
-                    staleness=None, applied=False, reason=str(e),
-                )  # fmt: skip
-            self.telemetry.rounds.labels("received", "false").inc()
-            if e.reason in STRIKING_WIRE_ERRORS:  # signed by a member: no honest peer sends it
-                await self._judge(signer, True, str(e))
-            raise
-        self._received_bytes[(job_id, frame.sender, frame.round)] = frame.wire_bytes
-        self.telemetry.bytes_received.inc(frame.wire_bytes)
-        if not plugin.inbox.put(
-            Contribution(frame.sender, frame.round, frame.base_version, tensors)
-        ):
-            log.warning("inbox of job %s full: a delta from %s dropped", job_id, signer)
-        return frame.wire_bytes
+    def public_key(self, peer_id: str) -> str | None:
+        m = self.membership.get(peer_id)
+        return m.public_key if m is not None else None

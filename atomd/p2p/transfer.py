@@ -1,7 +1,9 @@
 """State transfer: a peer joining a running job fetches the newest checkpoint from a live peer.
 
-The donor serves its newest checkpoint as a manifest (the checkpoint's ``meta.json``: step,
-file sizes and sha256) and the files as chunked streams. The joiner writes them into a hidden
+A donor that trains the job first checkpoints its live state at its next step boundary, so the
+joiner starts from the swarm's current model. The donor serves its newest checkpoint as a
+manifest (the checkpoint's ``meta.json``: step, file sizes and sha256) and the files as chunked
+streams. The joiner writes them into a hidden
 ``.incoming-*`` folder, checking sizes and hashes as bytes arrive, writes ``meta.json`` last,
 fsyncs and renames the folder into place. A donor that dies, lies or stalls costs that attempt:
 the temporary folder is removed and the next donor is tried. Nothing half-downloaded is used,
@@ -31,6 +33,7 @@ from atomd.train import checkpoint as ckpt
 log = get_logger(__name__)
 
 TRANSFER_FILES = (ckpt.MODEL_FILE, ckpt.STATE_FILE)
+MANIFEST_TIMEOUT_S = 45.0
 _CHUNK = 1 << 20
 DEADLINE_S = 900.0  # the whole transfer, every donor tried included
 DISK_MARGIN = 64 << 20  # free bytes left on the disk after a transfer
@@ -113,7 +116,10 @@ def _check_sizes(url: str, manifest: StateManifest, root: Path, max_file_bytes: 
 async def _fetch_from(
     client: PeerClient, url: str, job_id: str, root: Path, max_file_bytes: int | None = None
 ) -> int:
-    manifest = await client.get(url, paths.job_state(job_id), StateManifest, timeout=10)
+    # The donor may checkpoint its live state for us first (up to 30 s; jobs.LIVE_STATE_...).
+    manifest = await client.get(
+        url, paths.job_state(job_id), StateManifest, timeout=MANIFEST_TIMEOUT_S
+    )
     step = manifest.step
     await asyncio.to_thread(_check_sizes, url, manifest, root, max_file_bytes)
     files = {ckpt.MODEL_FILE: manifest.files.model, ckpt.STATE_FILE: manifest.files.state}

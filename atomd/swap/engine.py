@@ -69,7 +69,7 @@ from atomd.swap.record import Recorder
 from atomd.swap.schedule import training_visits
 from atomd.swap.slots import Slot, SwapStats, Wave, nbytes
 from atomd.swap.streams import DONE, Marker, Streams, label
-from atomd.train.engine import autocast, load_model_tensors, model_tensors
+from atomd.train.engine import autocast, load_model_tensors, model_tensors, window_mean
 from atomd.train.optim import (
     OptimConfig,
     build_adamw,
@@ -652,7 +652,7 @@ class SwapEngine:
             for a, b in zip(acts, chunk, strict=True):  # logits one micro-batch at a time
                 (logits,) = self._forward(n - 1, [a], None)
                 losses.append(lm_loss(logits, b.y.to(self.device, non_blocking=True)))
-        return float(torch.stack(losses).mean())
+        return window_mean(losses, batches)
 
     # -- state ----------------------------------------------------------------------------------
 

@@ -12,6 +12,10 @@ returns a finite float32 tensor or raises ``WireError``.
 - ``topk`` (the default): the flat tensor is cut into equal chunks of at most 4096 entries; each
   chunk keeps its ``fraction`` largest-magnitude entries as uint16 indices and int8 values with
   an fp32 scale per chunk (at 1 %: 41 of 4096 kept in 127 bytes, ratio ≈ 129).
+- ``rice2``: the ``fraction`` largest-magnitude entries of the whole tensor, their positions
+  Golomb-Rice coded (~ log2(1/fraction) + 1.5 bits each) and their values in 2 bits (sign, and
+  which half of the magnitudes: each half decodes to its mean): at 2.5 %, ~9 bits an entry,
+  2.7x the entries of ``topk`` for the same bytes (ratio ≈ 140).
 
 zstd (level 3) goes on top of a payload only when it shrinks it (``meta["zstd"] = 1``).
 :class:`ErrorFeedback` adds what a round's compression dropped to the next round's delta, so over
@@ -52,6 +56,8 @@ class Codec(ABC):
     """Turns a float32 tensor into an :class:`Encoded` and back; deterministic, on the CPU."""
 
     name: str
+    exact_size = True  # raw_nbytes is the payload's size (not an estimate)
+    takes_zstd = True  # zstd may shrink its payloads
 
     def __init__(self, *, zstd: bool = True) -> None:
         self.zstd = zstd
@@ -240,16 +246,143 @@ class TopKCodec(Codec):
         return _tensor(dense.reshape(-1)[:numel], enc.shape)
 
 
-_CODECS: dict[str, type[Codec]] = {c.name: c for c in (Fp32Codec, Bf16Codec, Int8Codec, TopKCodec)}
+class Rice2Codec(Codec):
+    """Top-k by magnitude over the whole tensor, positions Golomb-Rice coded, values in 2 bits.
+
+    The k = round(fraction * numel) largest |x| are kept. Their positions ascend; the gaps
+    between them (a run of skipped entries each) are Rice-coded with the parameter b that
+    makes the stream shortest: each gap's quotient (gap >> b) in unary, its remainder in b
+    bits. At a density p that costs about log2(1/p) + 1.5 bits per entry (~6.5 at 3%) against
+    16 for a uint16 index. Each value keeps its sign and whether its magnitude is above the
+    median of the kept ones, and is decoded as the mean magnitude of its half: 2 bits.
+
+    Payload: two float32 scales (the halves' mean magnitudes: large, small), the unary stream
+    (``ubytes`` bytes, zero bits end each quotient), the remainders (k x b bits), the 2-bit
+    codes (sign, large); bit streams packed most significant bit first."""
+
+    name = "rice2"
+    exact_size = False  # the positions' bits depend on the gaps
+    takes_zstd = False  # near their entropy already
+
+    def __init__(self, *, fraction: float = 0.025, zstd: bool = False) -> None:
+        super().__init__(zstd=zstd)
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        self.fraction = fraction
+
+    def __repr__(self) -> str:
+        return f"Rice2Codec(fraction={self.fraction}, zstd={self.zstd})"
+
+    def _k(self, numel: int) -> int:
+        return 0 if numel == 0 else max(1, min(numel, round(self.fraction * numel)))
+
+    def raw_nbytes(self, numel: int) -> int:
+        """An estimate (the exact size depends on the gaps): ~ log2(1/p) + 3.5 bits an entry."""
+        k = self._k(numel)
+        if k == 0:
+            return 8
+        bits_per_index = math.log2(max(1.0, numel / k)) + 1.5
+        return 8 + math.ceil(k * (bits_per_index + 2) / 8)
+
+    def encode(self, x: Tensor) -> Encoded:
+        flat = _flat(x)
+        numel = flat.size
+        k = self._k(numel)
+        idx = np.sort(np.argpartition(np.abs(flat), numel - k)[numel - k :]) if k else np.zeros(0)
+        idx = idx.astype(np.int64)
+        values = flat[idx]
+        gaps = np.diff(idx, prepend=-1) - 1  # entries skipped before each kept one
+        b = _rice_parameter(gaps)
+        q = gaps >> b
+        unary = np.ones(int(q.sum()) + k, np.uint8)
+        unary[np.cumsum(q + 1) - 1] = 0  # each quotient's ones end with a zero
+        remainders = _bits(gaps & ((1 << b) - 1), b)
+        mag = np.abs(values)
+        large = mag >= np.median(mag) if k else np.zeros(0, bool)
+        scales = np.array(
+            [
+                mag[large].mean() if large.any() else 0.0,
+                mag[~large].mean() if (~large).any() else 0.0,
+            ],
+            "<f4",
+        )
+        codes = _bits((values < 0).astype(np.int64) * 2 + large, 2)
+        packed_unary = np.packbits(unary).tobytes()
+        raw = scales.tobytes() + packed_unary + np.packbits(remainders).tobytes()
+        raw += np.packbits(codes).tobytes()
+        meta: dict[str, int | float | str] = {"k": k, "b": b, "ubytes": len(packed_unary)}
+        return self._pack(tuple(x.shape), meta, raw)
+
+    def decode(self, enc: Encoded) -> Tensor:
+        numel = _numel(enc.shape)
+        k = _meta_int(enc.meta, "k", 0 if numel == 0 else 1, numel)
+        b = _meta_int(enc.meta, "b", 0, 31)
+        ubytes = _meta_int(enc.meta, "ubytes", math.ceil(k / 8), math.ceil((numel + k) / 8))
+        rbytes, cbytes = math.ceil(k * b / 8), math.ceil(2 * k / 8)
+        raw = _unpack(enc, 8 + ubytes + rbytes + cbytes, ("k", "b", "ubytes"))
+        scales = np.frombuffer(raw, "<f4", count=2)
+        if not np.isfinite(scales).all() or (scales < 0).any():
+            raise WireError("malformed", f"rice2 scales must be finite and >= 0, got {scales}")
+        unary = np.unpackbits(np.frombuffer(raw, np.uint8, count=ubytes, offset=8))
+        ends = np.flatnonzero(unary == 0)
+        if len(ends) < k or (k and math.ceil((ends[k - 1] + 1) / 8) != ubytes):
+            raise WireError("malformed", f"rice2 unary stream does not hold {k} quotients")
+        if unary[ends[k - 1] + 1 :].any() if k else unary.any():
+            raise WireError("malformed", "rice2 unary stream has bits after its last quotient")
+        q = np.diff(ends[:k], prepend=-1) - 1
+        offset = 8 + ubytes
+        r = _from_bits(np.frombuffer(raw, np.uint8, count=rbytes, offset=offset), k, b)
+        codes = _from_bits(np.frombuffer(raw, np.uint8, count=cbytes, offset=offset + rbytes), k, 2)
+        idx = np.cumsum((q.astype(np.int64) << b) + r + 1) - 1
+        if k and idx[-1] >= numel:
+            raise WireError("malformed", f"rice2 position {idx[-1]} beyond {numel} entries")
+        dense = np.zeros(numel, np.float32)
+        sign = np.where(codes >= 2, np.float32(-1), np.float32(1))
+        dense[idx] = sign * np.where(codes & 1, scales[0], scales[1])
+        return _tensor(dense, enc.shape)
+
+
+def _rice_parameter(gaps: np.ndarray) -> int:
+    """The b in [0, 31] giving the shortest stream: sum(gap >> b) + len(gaps) * (1 + b) bits."""
+    if gaps.size == 0:
+        return 0
+    guess = int(math.log2(max(1.0, float(gaps.mean()) * math.log(2))))
+    candidates = range(max(0, guess - 1), min(31, guess + 2) + 1)
+    return min(candidates, key=lambda b: int((gaps >> b).sum()) + gaps.size * (1 + b))
+
+
+def _bits(values: np.ndarray, width: int) -> np.ndarray:
+    """Each value's low ``width`` bits, most significant first, as one flat 0/1 uint8 array."""
+    if width == 0:
+        return np.zeros(0, np.uint8)
+    shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
+    return ((values.astype(np.int64)[:, None] >> shifts) & 1).astype(np.uint8).reshape(-1)
+
+
+def _from_bits(packed: np.ndarray, n: int, width: int) -> np.ndarray:
+    """Inverse of ``_bits`` after ``np.packbits``: ``n`` values of ``width`` bits."""
+    if width == 0:
+        return np.zeros(n, np.int64)
+    bits = np.unpackbits(packed)[: n * width].reshape(n, width).astype(np.int64)
+    out: np.ndarray = (bits << np.arange(width - 1, -1, -1, dtype=np.int64)).sum(axis=1)
+    return out
+
+
+_CODECS: dict[str, type[Codec]] = {
+    c.name: c for c in (Fp32Codec, Bf16Codec, Int8Codec, TopKCodec, Rice2Codec)
+}
 # Decoding reads every parameter from meta, so one instance of each codec decodes anything.
 _DECODERS: dict[str, Codec] = {name: cls() for name, cls in _CODECS.items()}
 CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
 
 
 def make_codec(name: str, *, topk_fraction: float = 0.01, zstd: bool = True) -> Codec:
-    """The codec called ``name`` (fp32, bf16, int8 or topk); ``ValueError`` if unknown."""
+    """The codec called ``name`` (fp32, bf16, int8, topk or rice2); ``ValueError`` if unknown.
+    ``topk_fraction`` is the share of entries kept by the sparse codecs."""
     if name == "topk":
         return TopKCodec(fraction=topk_fraction, zstd=zstd)
+    if name == "rice2":  # its streams are near their entropy already: zstd would not shrink them
+        return Rice2Codec(fraction=topk_fraction, zstd=False)
     if name not in _CODECS:
         raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}")
     return _CODECS[name](zstd=zstd)

@@ -15,20 +15,22 @@ the signal away):
    reference follow peers that legitimately send more (faster peers take more steps per
    round). A hostile member moves the lower median by at most one rank, and only with what
    survived its own clipping.
-2. A delta whose norm exceeds ``refuse_ratio`` times the reference is refused (a strike
-   against its sender); above ``clip_ratio`` it is scaled down to ``clip_ratio`` times the
-   reference (norm clipping, as in Byzantine-robust SGD: it bounds what any one delta can
-   move, whatever its direction).
-3. Then each tensor's norm is clipped to ``tensor_ratio`` times that tensor's reference (an
-   attack concentrated in one small tensor, a LayerNorm gain, has a small overall norm), and
-   each coordinate to ``coord_ratio`` times the reference's largest absolute value in its
-   tensor (top-k and int8 deltas are made of few large entries; one entry of 1e3 would
+2. A delta whose norm exceeds ``refuse_ratio`` (16) times the reference is refused (a strike
+   against its sender); above ``clip_ratio`` (4) it is scaled down to ``clip_ratio`` times
+   the reference (norm clipping, as in Byzantine-robust SGD: it bounds what any one delta can
+   move, whatever its direction). 4, not less: with ``sync.every: "auto"`` peers close
+   rounds by time, so a peer twice or four times as fast sends a delta of two to four times
+   the norm, and honest deltas must pass untouched for the anchors to agree.
+3. Then each tensor's norm is clipped to ``tensor_ratio`` (6) times that tensor's reference
+   (an attack concentrated in one small tensor, a LayerNorm gain, has a small overall norm),
+   and each coordinate to ``coord_ratio`` (8) times the reference's largest absolute value in
+   its tensor (top-k and int8 deltas are made of few large entries; one entry of 1e3 would
    otherwise pass in a large model).
 
-Honest deltas of peers at the same pace differ in norm by a few percent (``atomd bench
-attack`` and the study in ``bench/robust_sim.py``: within 3%, per tensor within 1.5x), so at
-these ratios an honest swarm's deltas pass untouched and its anchors stay equal; only outliers
-are clipped or refused. What norm clipping cannot see (a sign-flipped delta of honest size) is
+Honest deltas of peers at the same pace differ in norm by a few percent (the study in
+``bench/robust_sim.py``: within 3%, per tensor within 1.5x), so at these ratios an honest
+swarm's deltas pass untouched and its anchors stay equal; only outliers are clipped or
+refused. What norm clipping cannot see (a sign-flipped delta of honest size) is
 bounded by it to what one honest peer contributes; the loss guard of ``SyncPlugin`` catches
 what makes the loss jump. The judgements are local (each peer's own delta is in its
 reference), so two honest peers may clip an outlier by slightly different factors: their
@@ -49,13 +51,14 @@ from torch import Tensor
 class RobustRule:
     """Thresholds of the robust merge, as multiples of the round's reference norms."""
 
-    clip_ratio: float = 1.5
-    """A delta's norm above this times the reference is scaled down to it."""
-    refuse_ratio: float = 8.0
+    clip_ratio: float = 4.0
+    """A delta's norm above this times the reference is scaled down to it (honest peers of one
+    swarm take up to 4x each other's steps per round with ``sync.every: "auto"``)."""
+    refuse_ratio: float = 16.0
     """A delta's norm above this times the reference is refused (a strike)."""
-    tensor_ratio: float = 3.0
+    tensor_ratio: float = 6.0
     """Each tensor's norm is clipped to this times its own reference."""
-    coord_ratio: float = 4.0
+    coord_ratio: float = 8.0
     """Each coordinate is clipped to this times the reference's largest |x| in its tensor."""
     strike_scale: float = 0.5
     """A delta scaled by less than this counts as a strike too (far outside the swarm)."""

@@ -1,12 +1,12 @@
 """The trainer-thread side of delta exchange for one job.
 
-After every optimizer step the trainer calls ``after_step``. Every ``every`` steps (a round
-boundary) the plugin takes whatever deltas have arrived (the inbox, filled by the event loop),
-merges them with this peer's own delta through ``SyncState`` (compress, outer step, reset the
-replica), encodes this peer's delta as a signed frame and hands it to the loop to send. Between
-boundaries, deltas that have arrived are absorbed at once (``SyncState.absorb``): the replica
-moves by as much as the swarm's estimate does and keeps what it trained. The trainer never waits
-for the network.
+After every optimizer step the trainer calls ``after_step``. At a round boundary (every H steps,
+H fixed or picked by the ``Cadence``) the plugin takes whatever deltas have arrived (the inbox,
+filled by the event loop), merges them with this peer's own delta through ``SyncState``
+(compress, outer step, reset the replica), encodes this peer's delta as a signed frame and hands
+it to the loop to send (``exchange.DeltaExchange``). Between boundaries, deltas that have arrived
+are absorbed at once (``SyncState.absorb``): the replica moves by as much as the swarm's
+estimate does and keeps what it trained. The trainer never waits for the network.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from atomd.logs import get_logger
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec
+from atomd.sync.cadence import Cadence
 from atomd.sync.guard import LossGuard
 from atomd.sync.state import Contribution, MergeReport, Outgoing, SyncState
 from atomd.sync.wire import encode_frame
@@ -34,6 +35,12 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 STATE_PREFIX = "sync."
+# A round's frame counts as in flight at most this long (its uploads give up well before: two
+# attempts of 30 s), so a frame the loop never got cannot hold the next round back for good.
+MAX_IN_FLIGHT_S = 90.0
+# Alone (no other peer trains the job) a round has nobody to tell: the automatic cadence closes
+# one only every ALONE_EVERY steps, so that a lone peer does not pay for rounds every step.
+ALONE_EVERY = 50
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,9 @@ class RoundOut:
     frame: bytes
     outgoing: Outgoing
     merge: MergeReport
+    every: int  # steps this round lasted
+    handed_at: float  # time.monotonic() when it left the trainer
+    final: bool = False  # this peer's last delta for the job
 
 
 class Inbox:
@@ -104,11 +114,12 @@ class SyncPlugin:
         job_id: str,
         spec: SyncSpec,
         identity: Identity,
-        n_peers: Callable[[], int],
+        n_peers: Callable[[int], int],
         send: Callable[[RoundOut], None],
         absorbed: Callable[[str, MergeReport], None] | None = None,
     ) -> None:
-        """``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
+        """``n_peers``: peers (this one included) that take part in the round on a base version;
+        ``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
         boundaries (job id, report), for the records."""
         self.job_id = job_id
         self.spec = spec
@@ -122,6 +133,14 @@ class SyncPlugin:
         self.guard: LossGuard | None = None
         self.excluded: Callable[[str], bool] = lambda _sender: False
         """Senders whose deltas leave every merge (quarantined or banned; set by the node)."""
+        self.cadence = Cadence(None if spec.every == "auto" else spec.every)
+        self.busy_s = 0.0  # trainer-thread time in sync work (closing rounds, merging deltas)
+        self.wait_s = 0.0  # trainer-thread time blocked waiting for other peers' deltas
+        self._round_start: int | None = None  # the step the current round started at
+        self._round_work = 0.0  # trainer-thread sync time spent on the current round
+        # The round whose frame is still being uploaded, and when it left the trainer.
+        self._in_flight: tuple[int, float] | None = None
+        self._last_step_end: float | None = None
 
     def attach(self, engine: StepEngine) -> None:
         """Build the anchor from the engine's live parameters (host masters when swapping)."""
@@ -159,21 +178,96 @@ class SyncPlugin:
         return self.state.version if self.state is not None else 0
 
     def after_step(self, step: int) -> None:
-        """Every H steps a round boundary; in between, absorb what has arrived, and close the
-        round early when the swarm has moved two rounds on (others' deltas of the round after
-        this peer's current one are in): a slower peer keeps the swarm's pace of rounds with
-        fewer steps per round, instead of falling behind until its deltas are refused as
-        stale and the others' pile up here."""
+        """At a round boundary close the round; in between absorb what has arrived, and close
+        the round early when the swarm has moved two rounds on (others' deltas of the round
+        after this peer's current one are in): a slower peer keeps the swarm's pace of rounds
+        with fewer steps per round, instead of falling behind until its deltas are refused as
+        stale and the others' pile up here.
+
+        A boundary comes every H steps: the fixed ``sync.every``, or with ``"auto"`` the
+        cadence's H, once the previous round's frame has left (one round in flight)."""
         if self.state is None:
             return
-        if step % self.spec.every:
-            self._absorb()
-            behind = self.state.rounds_behind()
+        t0 = time.perf_counter()
+        if self._last_step_end is not None:
+            self.cadence.step(t0 - self._last_step_end)
+        if self._round_start is None:
+            self._round_start = step - 1
+        try:
+            if not self._round_due(step):
+                self._absorb()
+                if not self._catch_up(step):
+                    return
+            self._boundary(step)
+        finally:
+            self._last_step_end = time.perf_counter()
+            self._count(self._last_step_end - t0)
+
+    def _catch_up(self, step: int) -> bool:
+        """Close the round before its H steps? When the swarm is two rounds on (see
+        ``after_step``); with the automatic cadence also when this peer is the last of the round:
+        every other peer's delta of it is in. That keeps the peers in phase (a peer that joined
+        or resumed late closes its rounds right after the others' instead of a round behind, where
+        its deltas would reach them after they committed the round)."""
+        assert self.state is not None
+        behind = self.state.rounds_behind()
+        if self.cadence.auto:
+            if self._uploading():
+                return False
+            others = self.n_peers(self.state.version) - 1
             if behind < 2:
-                return
-            log.info("step %d: the swarm has closed %d rounds this peer has not; closing "
-                     "round %d early", step, behind, self.state.round)  # fmt: skip
-        self._boundary(step)
+                return 0 < others <= self.state.deltas_in(self.state.version)
+        elif behind < 2:
+            return False
+        log.info("step %d: the swarm has closed %d rounds this peer has not; closing "
+                 "round %d early", step, behind, self.state.round)  # fmt: skip
+        return True
+
+    def _round_due(self, step: int) -> bool:
+        if self.cadence.fixed is not None:
+            return step % self.cadence.fixed == 0
+        assert self._round_start is not None
+        if self._uploading():
+            return False
+        every = self.cadence.every()
+        if self.n_peers(self.version) <= 1:
+            every = max(every, ALONE_EVERY)
+        return step - self._round_start >= every
+
+    def _uploading(self) -> bool:
+        """The previous round's frame is still on its way (one round in flight at most)."""
+        flight = self._in_flight
+        return flight is not None and time.monotonic() - flight[1] < MAX_IN_FLIGHT_S
+
+    def _count(self, seconds: float) -> None:
+        self.busy_s += seconds
+        self._round_work += seconds
+
+    def delivered(self, round: int, seconds: float) -> None:
+        """The loop: round ``round``'s frame has reached every peer it could, in ``seconds``
+        (since it left the trainer); negative when it reached none: the round is done, but
+        there is nothing to measure."""
+        if seconds >= 0:
+            self.cadence.traffic(seconds)
+        flight = self._in_flight
+        if flight is not None and flight[0] == round:
+            self._in_flight = None
+
+    def heard(self, peer: str, period_s: float) -> None:
+        """The loop: another peer's proposed round period, from its frame."""
+        self.cadence.heard(peer, period_s)
+
+    def stats(self) -> dict[str, Any]:
+        """The cadence in force and the trainer's time in sync, for progress reports."""
+        view = self.cadence.view()
+        return {
+            "every": view.every,
+            "period_s": None if view.period_s is None else round(view.period_s, 4),
+            "auto": int(view.auto),
+            "rounds": self.version,
+            "busy_s": round(self.busy_s, 4),
+            "wait_s": round(self.wait_s, 4),
+        }
 
     def _absorb(self) -> None:
         """Merge what has arrived since the last look (between boundaries)."""
@@ -185,28 +279,40 @@ class SyncPlugin:
         if self.absorbed is not None and (merge.applied or merge.refused):
             self.absorbed(self.job_id, merge)
 
-    def _boundary(self, step: int) -> None:
+    def _boundary(self, step: int, *, final: bool = False) -> None:
         assert self.state is not None
         self._settle()
         inbox = self._inbox()
-        n_peers = max(1, self.n_peers())
+        n_peers = max(1, self.n_peers(self.state.version))
         if self.guard is not None:
             out = self.guard.round_boundary(inbox, n_peers=n_peers)
         else:
             out = self.state.round_boundary(inbox, n_peers=n_peers)
+        # Steps this round lasted (at least 1: a consolidation round repeats the last step).
+        every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
+        view = self.cadence.view()
         frame = encode_frame(
             identity=self.identity,
             job_id=self.job_id,
             round=out.round,
             base_version=out.base_version,
             tensors=out.tensors,
+            cadence=None if view.period_s is None else {"period_s": view.period_s, "every": every},
+            final=final,
         )
         merge = self.state.last_merge
         log.info(
-            "round %d at step %d: merged %d delta(s), refused %d; sending %d bytes (%.0fx)",
-            out.round, step, len(merge.applied), len(merge.refused), len(frame), out.wire_ratio,
+            "round %d at step %d (%d steps): merged %d delta(s), refused %d; sending %d bytes "
+            "(%.0fx)", out.round, step, every, len(merge.applied), len(merge.refused),
+            len(frame), out.wire_ratio,
         )  # fmt: skip
-        self.send(RoundOut(self.job_id, step, frame, out, merge))
+        if self._round_work > 0:
+            self.cadence.round_work(self._round_work)
+        self._round_work = 0.0
+        self._round_start = step
+        handed_at = time.monotonic()
+        self._in_flight = (out.round, handed_at)
+        self.send(RoundOut(self.job_id, step, frame, out, merge, every, handed_at, final))
 
     def finish(self, step: int, stop: threading.Event) -> None:
         """Instead of ``after_step`` after the job's last step: close the last round (also when
@@ -223,35 +329,45 @@ class SyncPlugin:
             return
         if self.spec.consolidate_rounds:  # every peer switches at its last boundary
             self.state.average_from_now()
-        self._boundary(step)
+        # Without consolidation this is our last delta: the others stop waiting for us.
+        self._timed_boundary(step, final=not self.spec.consolidate_rounds)
         if not self._await_round(stop, "last deltas"):
             return
         for done in range(self.spec.consolidate_rounds):
-            if stop.is_set() or self.n_peers() <= 1:  # alone, there is nothing to agree on
+            if stop.is_set() or self.n_peers(self.version) <= 1:  # alone: nothing to agree on
                 return
-            self._boundary(step)
+            self._timed_boundary(step)
             if not self._await_round(stop, f"consolidation round {done + 1}"):
                 return
         if self.spec.consolidate_rounds:
             log.info("consolidated in %d rounds", self.spec.consolidate_rounds)
 
+    def _timed_boundary(self, step: int, *, final: bool = False) -> None:
+        t0 = time.perf_counter()
+        self._boundary(step, final=final)
+        self.busy_s += time.perf_counter() - t0
+
     def _await_round(self, stop: threading.Event, what: str) -> bool:
         """Absorb the other peers' deltas of the round just closed as they arrive, for at most
         ``final_wait_s``; True once every live peer's is in."""
         assert self.state is not None
-        if self.n_peers() <= 1:  # alone: its own round is committed already
-            return True
         last = self.state.version - 1
+        if self.n_peers(last) <= 1:  # alone: its own round is committed already
+            return True
         deadline = time.monotonic() + self.spec.final_wait_s
-        while True:
-            self._absorb()
-            have, want = self.state.deltas_in(last), self.n_peers()
-            if have >= want:
-                return True
-            if stop.is_set() or time.monotonic() >= deadline:
-                log.info("%s: %d of %d peers' deltas in; not waiting longer", what, have, want)
-                return False
-            stop.wait(0.05)
+        started = time.perf_counter()
+        try:
+            while True:
+                self._absorb()
+                have, want = self.state.deltas_in(last), self.n_peers(last)
+                if have >= want:
+                    return True
+                if stop.is_set() or time.monotonic() >= deadline:
+                    log.info("%s: %d of %d peers' deltas in; not waiting longer", what, have, want)
+                    return False
+                stop.wait(0.05)
+        finally:
+            self.wait_s += time.perf_counter() - started
 
     def state_tensors(self) -> dict[str, Tensor]:
         if self.state is None:

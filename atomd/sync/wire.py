@@ -5,10 +5,13 @@ Layout (integers little-endian)::
     b"ATD1" | u8 version | u32 header length | header (JSON, ≤ 1 MiB) | payload
 
 The header names the job, the sender, its round and base version (the anchor version the delta is
-relative to), and every tensor (name, shape, codec, meta, nbytes); the payload is the tensors'
-payloads concatenated in header order. The header travels in canonical form (sorted keys, no
-spaces, ASCII) and the sender signs it without its ``signature`` field with its Ed25519 key; the
-signed part holds ``payload_sha256``, so the signature covers the payload.
+relative to), and every tensor (name, shape, codec, meta, nbytes); since version 2 it may also
+carry the sender's cadence (``{"period_s": its proposed round period, "every": steps in this
+round}``, see ``cadence.py``) and ``"final": true`` on the last delta it sends for the job. The
+payload is the tensors' payloads concatenated in header order. The header travels in canonical
+form (sorted keys, no spaces, ASCII) and the sender signs it without its ``signature`` field
+with its Ed25519 key; the signed part holds ``payload_sha256``, so the signature covers the
+payload.
 
 :class:`FrameDecoder` takes the bytes as they arrive and refuses a frame as early as it can: bad
 magic or version, oversize, a header that is malformed, for another job, from an unknown sender,
@@ -38,7 +41,7 @@ from atomd.sync import codecs
 from atomd.sync.codecs import Encoded
 
 MAGIC = b"ATD1"
-VERSION = 1
+VERSION = 2  # 2: the optional "cadence" and "final" header fields
 PREFIX = struct.Struct("<4sBI")  # magic, version, header length: 9 bytes
 MAX_HEADER_BYTES = 1 << 20
 MAX_FUTURE_S = 60.0  # clock skew allowed for created_at
@@ -58,7 +61,11 @@ _HEADER_KEYS = frozenset(
         "signature",
     }
 )
+_OPTIONAL_KEYS = frozenset({"cadence", "final"})
 _TENSOR_KEYS = frozenset({"name", "shape", "codec", "meta", "nbytes"})
+_CADENCE_KEYS = frozenset({"period_s", "every"})
+MAX_PERIOD_S = 86_400.0
+MAX_EVERY = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,15 @@ class DeltaFrame:
     created_at: float  # unix seconds, the sender's clock
     tensors: dict[str, Encoded]  # in header order
     wire_bytes: int  # the whole frame
+    cadence: Cadence | None = None  # the sender's, when it sent one
+    final: bool = False  # the sender's last delta for the job
+
+
+class Cadence(NamedTuple):
+    """A sender's cadence: its proposed round period (s) and the steps of this round."""
+
+    period_s: float
+    every: int
 
 
 def encode_frame(
@@ -83,8 +99,11 @@ def encode_frame(
     base_version: int,
     tensors: Sequence[tuple[str, Encoded]],
     now: float | None = None,
+    cadence: Mapping[str, float | int] | None = None,
+    final: bool = False,
 ) -> bytes:
-    """One signed frame holding ``tensors`` (name, encoded), in that order."""
+    """One signed frame holding ``tensors`` (name, encoded), in that order, and the sender's
+    ``cadence`` (``period_s``, ``every``) when given; ``final``: its last for the job."""
     names = [name for name, _ in tensors]
     if not names or len(set(names)) != len(names):
         raise ValueError(f"a frame holds one or more tensors with distinct names, got {names}")
@@ -113,6 +132,11 @@ def encode_frame(
         "payload_bytes": len(payload),
         "payload_sha256": hashlib.sha256(payload).hexdigest(),
     }
+    if cadence is not None:
+        header["cadence"] = {"period_s": float(cadence["period_s"]), "every": int(cadence["every"])}
+        _cadence(header["cadence"])  # refuse here what a receiver would refuse
+    if final:
+        header["final"] = True
     header["signature"] = identity.sign(_canonical(header)).hex()
     head = _canonical(header)
     if len(head) > MAX_HEADER_BYTES:
@@ -193,6 +217,8 @@ class _Header:
     payload_bytes: int
     payload_sha256: str
     signature: str
+    cadence: Cadence | None
+    final: bool
 
 
 class FrameDecoder:
@@ -404,6 +430,8 @@ class FrameDecoder:
             created_at=header.created_at,
             tensors=tensors,
             wire_bytes=self._received,
+            cadence=header.cadence,
+            final=header.final,
         )
 
 
@@ -476,11 +504,11 @@ def _parse_json(raw: bytes) -> dict[str, Any]:
 
 def _validate(obj: dict[str, Any]) -> _Header:
     """Check every header field's type and range; ``WireError("malformed")`` otherwise."""
-    if obj.keys() != _HEADER_KEYS:
+    if not _HEADER_KEYS <= obj.keys() <= _HEADER_KEYS | _OPTIONAL_KEYS:
         raise WireError(
             "malformed",
-            f"header fields differ: unknown {sorted(obj.keys() - _HEADER_KEYS)}, "
-            f"missing {sorted(_HEADER_KEYS - obj.keys())}",
+            f"header fields differ: unknown {sorted(obj.keys() - _HEADER_KEYS - _OPTIONAL_KEYS)}"
+            f", missing {sorted(_HEADER_KEYS - obj.keys())}",
         )
     if obj["version"] != VERSION or type(obj["version"]) is not int:
         raise WireError("malformed", f"header version {obj['version']!r}, expected {VERSION}")
@@ -521,7 +549,37 @@ def _validate(obj: dict[str, Any]) -> _Header:
         payload_bytes=obj["payload_bytes"],
         payload_sha256=obj["payload_sha256"],
         signature=obj["signature"],
+        cadence=_cadence(obj["cadence"]) if "cadence" in obj else None,
+        final=_final(obj.get("final", False)),
     )
+
+
+def _final(value: Any) -> bool:
+    _expect(value is True or value is False, "final", "true or false", value)
+    return bool(value)
+
+
+def _cadence(value: Any) -> Cadence:
+    _expect(
+        isinstance(value, dict) and value.keys() == _CADENCE_KEYS,
+        "cadence",
+        f"an object of exactly {sorted(_CADENCE_KEYS)}",
+        value,
+    )
+    period, every = value["period_s"], value["every"]
+    _expect(
+        type(period) in (int, float) and math.isfinite(period) and 0 <= period <= MAX_PERIOD_S,
+        "cadence period_s",
+        f"a number in [0, {MAX_PERIOD_S:.0f}]",
+        period,
+    )
+    _expect(
+        type(every) is int and 1 <= every <= MAX_EVERY,
+        "cadence every",
+        f"an int in [1, {MAX_EVERY}]",
+        every,
+    )
+    return Cadence(float(period), every)
 
 
 def _tensor_entry(entry: Any) -> _Entry:

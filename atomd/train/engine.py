@@ -43,6 +43,13 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
+def window_mean(losses: Sequence[Tensor], batches: Sequence[Batch]) -> float:
+    """The mean loss per window of batches of any sizes (each loss: one batch's mean)."""
+    rows = [b.x.shape[0] for b in batches]
+    total = sum(float(loss) * n for loss, n in zip(losses, rows, strict=True))
+    return total / max(1, sum(rows))
+
+
 def model_tensors(model: GPT) -> dict[str, Tensor]:
     """Parameters and persistent buffers by name; a tied weight appears once."""
     out = {n: p.detach() for n, p in model.named_parameters()}
@@ -130,7 +137,7 @@ class ResidentEngine:
             with autocast(self.device):
                 logits, _ = self.model(x)
             losses.append(lm_loss(logits, y))
-        return float(torch.stack(losses).mean())
+        return window_mean(losses, batches)
 
     def model_tensors(self) -> dict[str, Tensor]:
         return model_tensors(self.model)

@@ -20,11 +20,13 @@ class StepReport:
     tokens_per_s: float
     val_loss: float | None
     elapsed_s: float
+    sync: dict[str, Any] | None = None  # swarm jobs: the delta exchange's figures (cadence...)
 
     def to_row(self) -> dict[str, Any]:
         row = asdict(self)
-        if row["val_loss"] is None:
-            del row["val_loss"]
+        for key in ("val_loss", "sync"):
+            if row[key] is None:
+                del row[key]
         return row
 
 

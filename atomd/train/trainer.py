@@ -6,6 +6,8 @@ boundary when ``stop_event`` is set, writing a checkpoint first, so nothing is l
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import json
 import math
 import threading
@@ -20,7 +22,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from atomd import __version__
-from atomd.data.dataset import TokenDataset, load_dataset
+from atomd.data.dataset import VAL_BATCH, TokenDataset, load_dataset
 from atomd.errors import CheckpointError, ConfigError, TrainingError
 from atomd.logs import get_logger
 from atomd.model.gpt import GPT, GPTConfig
@@ -42,6 +44,9 @@ class RoundPlugin(Protocol):
     def state_tensors(self) -> dict[str, Tensor]: ...
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> bool: ...
     def adopt(self) -> None: ...
+    def stats(self) -> dict[str, Any]:
+        """What to report with each logged step (the cadence in force, time in sync)."""
+        ...
 
 
 PROBE_BATCH = 8  # sequences in the loss guard's probe batch (atomd.sync.guard)
@@ -56,6 +61,63 @@ class TrainSummary:
     loss: float | None
     val_loss: float | None
     checkpoint: Path | None
+
+
+class SnapshotRequests:
+    """Requests for a checkpoint of the live state, written at the trainer's next step boundary
+    (a peer joining a swarm job wants the swarm's current model, not the last checkpoint on
+    disk). The event loop asks; the trainer thread serves every request pending at a boundary
+    with one checkpoint. A future resolves to the checkpoint's step, or fails once the trainer
+    has stopped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: list[concurrent.futures.Future[int]] = []
+        self._closed = False
+
+    def ask(self) -> concurrent.futures.Future[int]:
+        fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                fut.set_exception(RuntimeError("the trainer has stopped"))
+            else:
+                self._waiting.append(fut)
+        return fut
+
+    def serve(self, save: Callable[[], int]) -> None:
+        """On the trainer thread, between two steps: one checkpoint for every request."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        waiting = [f for f in waiting if not f.done()]  # the asker may have given up
+        if not waiting:
+            return
+        try:
+            step = save()
+        except BaseException as e:
+            for f in waiting:
+                _settle(f, exc=e)
+            raise
+        for f in waiting:
+            _settle(f, step=step)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            waiting, self._waiting = self._waiting, []
+        for f in waiting:
+            _settle(f, exc=RuntimeError("the trainer has stopped"))
+
+
+def _settle(
+    f: concurrent.futures.Future[int], *, step: int = 0, exc: BaseException | None = None
+) -> None:
+    try:
+        if exc is None:
+            f.set_result(step)
+        else:
+            f.set_exception(exc)
+    except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+        pass
 
 
 class Trainer:
@@ -79,6 +141,7 @@ class Trainer:
         data_seed: int | None = None,
         plugin: RoundPlugin | None = None,
         adopt_step: int | None = None,
+        snapshots: SnapshotRequests | None = None,
     ) -> None:
         self.spec = spec
         self.out_dir = out_dir
@@ -92,6 +155,7 @@ class Trainer:
         # A checkpoint at this step came from another peer (state transfer): the plugin decides
         # what of the donor's state this peer trains on (see SyncPlugin.adopt).
         self.adopt_step = adopt_step
+        self.snapshots = snapshots
         self.stop_event = stop_event or threading.Event()
         self.ckpt_root = ckpt.checkpoint_root(out_dir)
         self.metrics = MetricsLog(out_dir / "metrics.jsonl")
@@ -124,8 +188,9 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         if resume:
             self._resume()
+        # The same windows whatever the batch size; at most a micro-batch of them at a time.
         self.val_batches = self.dataset.val_batches(
-            count=spec.eval_batches, batch_size=spec.micro_batch_size
+            count=spec.eval_batches, batch_size=min(spec.micro_batch_size, VAL_BATCH)
         )
         guard_with = getattr(plugin, "guard_with", None)
         if guard_with is not None:  # the swarm's merges are checked on a fixed batch's loss
@@ -178,6 +243,12 @@ class Trainer:
             self.on_checkpoint(path, step)
         return path
 
+    def _checkpoint_now(self, step: int) -> int:
+        """A checkpoint of this very step (written unless it exists already)."""
+        if self.last_checkpoint is None or self.last_checkpoint.name != f"step-{step:08d}":
+            self.save(step)
+        return step
+
     def run(self) -> TrainSummary:
         spec, total = self.spec, self.spec.total_steps
         step = self.start_step
@@ -226,6 +297,7 @@ class Trainer:
                         tokens_per_s=window_tokens / max(window_time, 1e-9),
                         val_loss=val_loss,
                         elapsed_s=time.perf_counter() - t_start,
+                        sync=self.plugin.stats() if self.plugin is not None else None,
                     )
                     window_tokens, window_time = 0, 0.0
                     self.metrics.write(report.to_row())
@@ -238,8 +310,12 @@ class Trainer:
                 bar.update(1)
                 if step % spec.checkpoint_interval == 0 and step < total:
                     self.save(step)
+                if self.snapshots is not None and step < total:
+                    self.snapshots.serve(functools.partial(self._checkpoint_now, step))
         finally:
             bar.close()
+            if self.snapshots is not None:
+                self.snapshots.close()
         if self.last_checkpoint is None or ckpt.list_checkpoints(self.ckpt_root)[:1] != [
             self.ckpt_root / f"step-{step:08d}"
         ]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from atomd.data.dataset import TokenDataset, bundled_text, load_dataset, shard_for_peer
+from atomd.data.dataset import VAL_BATCH, TokenDataset, bundled_text, load_dataset, shard_for_peer
 from atomd.data.tokenizer import ByteTokenizer
 from atomd.errors import DataError
 
@@ -86,6 +86,16 @@ def test_validation_batches_are_fixed(text_file: Path) -> None:
     v1 = ds.val_batches(count=3, batch_size=4)
     v2 = ds.val_batches(count=3, batch_size=4)
     assert all(torch.equal(a.x, b.x) for a, b in zip(v1, v2, strict=True))
+
+
+def test_validation_windows_do_not_depend_on_the_batch_size(text_file: Path) -> None:
+    ds = load_dataset(str(text_file), seq_len=16, chunk_tokens=1024)
+    windows = {
+        b: torch.cat([v.x for v in ds.val_batches(count=3, batch_size=b)]) for b in (1, 5, 16)
+    }
+    assert windows[16].shape == (3 * VAL_BATCH, 16)
+    assert torch.equal(windows[1], windows[16]) and torch.equal(windows[5], windows[16])
+    assert [v.x.shape[0] for v in ds.val_batches(count=1, batch_size=5)] == [5, 5, 5, 1]
 
 
 def test_folder_of_text_files(tmp_path: Path) -> None:

@@ -149,8 +149,8 @@ def test_one_hostile_delta_leaves_honest_anchors_finite_bounded_and_equal(
         for t in states[i].start_point().values():
             assert bool(torch.isfinite(t).all())
     # Equal (the hostile delta refused or clipped alike by both) or apart by at most what a
-    # clipped delta may carry: its entries are at most 4x the reference's largest entry.
+    # clipped delta may carry: its entries are at most 8x the reference's largest entry.
     a, b = states[0].start_point(), states[1].start_point()
     gap = max(float((a[n] - b[n]).abs().max()) for n in SHAPES)
-    assert gap <= 4 * max(own_norms) + 1e-6, gap
+    assert gap <= 8 * max(own_norms) + 1e-6, gap
     assert not math.isnan(gap)

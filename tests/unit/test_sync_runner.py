@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import random
 import threading
 import time
 from types import SimpleNamespace
@@ -12,9 +15,12 @@ import torch
 
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec
+from atomd.sync import runner
+from atomd.sync.cadence import Cadence
 from atomd.sync.codecs import decode
 from atomd.sync.runner import RoundOut, SyncPlugin
 from atomd.sync.state import Contribution, MergeReport
+from atomd.sync.wire import FrameDecoder
 
 
 def fake_engine(model: torch.nn.Module) -> Any:
@@ -27,7 +33,7 @@ def plugin(peer_sends: list[RoundOut], absorbed: list[MergeReport]) -> SyncPlugi
         job_id="j" * 32,
         spec=SyncSpec(codec="fp32", every=3),
         identity=Identity.generate(),
-        n_peers=lambda: 2,
+        n_peers=lambda base: 2,
         send=peer_sends.append,
         absorbed=lambda job, merge: absorbed.append(merge),
     )
@@ -170,7 +176,7 @@ def test_a_swap_engine_settles_before_sync_touches_its_masters(optimizer: str) -
             job_id="j" * 32,
             spec=SyncSpec(codec="fp32", every=2),
             identity=Identity.generate(),
-            n_peers=lambda: 1,
+            n_peers=lambda base: 1,
             send=lambda out: None,
         )
         me.attach(engine)
@@ -213,7 +219,7 @@ def test_consolidation_rounds_bring_the_peers_models_to_their_average() -> None:
             job_id="j" * 32,
             spec=spec,
             identity=Identity.generate(),
-            n_peers=lambda: 2,
+            n_peers=lambda base: 2,
             send=to_other(me),
         )
         torch.manual_seed(0)  # the same initial model
@@ -246,3 +252,175 @@ def test_consolidation_rounds_bring_the_peers_models_to_their_average() -> None:
     t0 = time.monotonic()
     lone.finish(6, threading.Event())
     assert time.monotonic() - t0 < 3 and lone.state is not None and lone.state.version == 32
+
+
+class SetCadence(Cadence):
+    """The automatic cadence with H set by the test (what the measurements would give)."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__(None)
+        self.h = every
+
+    def every(self, *, now: float | None = None) -> int:
+        return self.h
+
+
+def auto_plugin(sent: list[RoundOut], n_peers: int = 2) -> SyncPlugin:
+    p = SyncPlugin(
+        job_id="j" * 32,
+        spec=SyncSpec(codec="fp32"),  # every: "auto", the default
+        identity=Identity.generate(),
+        n_peers=lambda base: n_peers,
+        send=sent.append,
+    )
+    torch.manual_seed(0)
+    p.attach(fake_engine(torch.nn.Linear(4, 3)))
+    return p
+
+
+def test_auto_cadence_keeps_one_round_in_flight_and_says_so_in_its_frames() -> None:
+    sent: list[RoundOut] = []
+    me = auto_plugin(sent)
+    assert me.cadence.auto
+    me.cadence = SetCadence(2)
+    me.after_step(1)
+    me.after_step(2)  # H = 2: the first round closes
+    assert [o.step for o in sent] == [2] and sent[0].every == 2
+    for step in (3, 4, 5):  # due at 4, but round 0's frame is still being uploaded
+        me.after_step(step)
+    assert len(sent) == 1
+    me.delivered(0, 0.5)  # it has reached the others in 0.5 s: the traffic time measured
+    assert list(me.cadence._traffic) == [0.5]
+    me.after_step(6)  # the round that waited closes now, 4 steps long
+    assert [o.step for o in sent] == [2, 6] and sent[1].every == 4
+    me.delivered(1, -1.0)  # reached nobody: done, nothing measured
+    me.cadence.h = 3
+    for step in (7, 8, 9):
+        me.after_step(step)
+    assert [o.step for o in sent] == [2, 6, 9]
+    # The frame carries the cadence (signed); the stats report it with the time in sync.
+    got = FrameDecoder(
+        job_id="j" * 32,
+        public_key_of=lambda pid: me.identity.public_key_hex,
+        expected_shapes=me.expected_shapes,
+        max_bytes=1 << 20,
+    )
+    got.feed(sent[2].frame)
+    cadence = got.finish().cadence
+    assert cadence is not None and cadence.every == 3 and cadence.period_s >= 0
+    stats = me.stats()
+    assert (stats["every"], stats["auto"], stats["rounds"]) == (3, 1, 3)
+    assert stats["busy_s"] > 0 and stats["wait_s"] == 0
+
+
+def test_a_frame_the_loop_never_sent_holds_the_next_round_back_only_so_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[RoundOut] = []
+    me = auto_plugin(sent)
+    me.cadence = SetCadence(1)
+    me.after_step(1)
+    me.after_step(2)
+    assert len(sent) == 1
+    later = time.monotonic() + runner.MAX_IN_FLIGHT_S + 1
+    monkeypatch.setattr(runner.time, "monotonic", lambda: later)
+    me.after_step(3)
+    assert len(sent) == 2
+
+
+def test_alone_the_automatic_cadence_closes_rounds_rarely() -> None:
+    sent: list[RoundOut] = []
+    me = auto_plugin(sent, n_peers=1)
+    me.cadence = SetCadence(1)
+    for step in range(1, runner.ALONE_EVERY + 1):
+        me.after_step(step)
+        me.delivered(len(sent) - 1, -1.0)
+    assert [o.step for o in sent] == [runner.ALONE_EVERY]
+
+
+def test_peers_at_different_h_commit_the_same_sums() -> None:
+    """Three peers step at different speeds (1, 2 and 0.5 time units per step) and close rounds
+    every 2 time units, as the automatic cadence makes them: H = 2, 1 and 4 steps. Deltas reach
+    each peer after random delays shorter than a round. Whatever H each used, all commit the
+    same sums: their anchors agree (Nesterov momentum 0.5, fp32 deltas)."""
+    step_time, every = (1.0, 2.0, 0.5), (2, 1, 4)
+    spec = SyncSpec(codec="fp32", outer_momentum=0.5)
+    rng = random.Random(0)
+    peers: list[SyncPlugin] = []
+    events: list[tuple[float, int, int, Any]] = []  # (time, order, peer, step or delta)
+    order = itertools.count()
+
+    def sender(me: int) -> Any:
+        def send(out: RoundOut) -> None:
+            o = out.outgoing
+            c = Contribution(f"p{me}", o.round, o.base_version,
+                             {n: decode(enc) for n, enc in o.tensors})  # fmt: skip
+            for j in range(3):
+                if j != me:
+                    at = clock[me] + rng.uniform(0.0, 1.8)
+                    heapq.heappush(events, (at, next(order), j, c))
+
+        return send
+
+    clock = [0.0, 0.0, 0.0]
+    for i in range(3):
+        p = SyncPlugin(
+            job_id="j" * 32,
+            spec=spec.model_copy(update={"every": every[i]}),
+            identity=Identity.generate(),
+            n_peers=lambda base: 3,
+            send=sender(i),
+        )
+        torch.manual_seed(0)
+        p.attach(fake_engine(torch.nn.Linear(8, 5)))
+        peers.append(p)
+    assert peers[0].state is not None
+    initial = {n: t.clone() for n, t in peers[0].state.anchor.items()}
+    for i in range(3):
+        heapq.heappush(events, (step_time[i], next(order), i, 1))
+    gen = torch.Generator().manual_seed(1)
+    while events:
+        at, _, i, what = heapq.heappop(events)
+        clock[i] = at
+        p = peers[i]
+        assert p.state is not None
+        if isinstance(what, Contribution):
+            p.inbox.put(what)
+            continue
+        with torch.no_grad():  # one "step" of training
+            for t in p.state.params.values():
+                t.add_(0.01 * torch.randn(t.shape, generator=gen))
+        p.after_step(what)
+        if what < 12 * every[i]:  # 12 rounds each
+            heapq.heappush(events, (at + step_time[i], next(order), i, what + 1))
+    versions = [p.version for p in peers]
+    assert versions == [12, 12, 12]
+    anchors = [p.state.anchor for p in peers if p.state is not None]
+    for other in anchors[1:]:
+        for name in anchors[0]:
+            torch.testing.assert_close(other[name], anchors[0][name], rtol=0, atol=1e-6)
+    # Not trivially equal: the anchors moved, and committed 11 rounds of three deltas each.
+    assert max(float((anchors[0][n] - a0).abs().max()) for n, a0 in initial.items()) > 1e-3
+
+
+def test_with_the_automatic_cadence_the_last_peer_of_a_round_closes_it_at_once() -> None:
+    """Peers stay in phase: once every other peer's delta of this peer's current round is in,
+    it closes the round without waiting for its H steps (unless its last frame is in flight)."""
+    sent: list[RoundOut] = []
+    me = auto_plugin(sent, n_peers=3)
+    me.cadence = SetCadence(10)
+    zeros = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
+    me.after_step(1)
+    me.inbox.put(Contribution("a", 0, 0, zeros))
+    me.after_step(2)
+    assert sent == []  # one of the two others: the normal spread
+    me.inbox.put(Contribution("b", 0, 0, zeros))
+    me.after_step(3)
+    assert [o.step for o in sent] == [3] and sent[0].every == 3
+    me.inbox.put(Contribution("a", 1, 1, zeros))
+    me.inbox.put(Contribution("b", 1, 1, zeros))
+    me.after_step(4)
+    assert len(sent) == 1  # the last of round 1 too, but round 0's frame is still on its way
+    me.delivered(0, 0.1)
+    me.after_step(5)
+    assert [o.step for o in sent] == [3, 5]

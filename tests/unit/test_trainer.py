@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -113,3 +114,40 @@ def test_nan_loss_stops_without_poisoning_the_checkpoint(tmp_path: Path, text_fi
         t.run()
     names = [p.name for p in (tmp_path / "checkpoints").iterdir()]
     assert names == ["step-00000003"]
+
+
+def test_validation_loss_does_not_depend_on_the_batch_size(tmp_path: Path, text_file: Path) -> None:
+    """The same model, two runs whose batch sizes differ: the same windows, the same loss."""
+    losses = []
+    for micro in (3, 16):
+        spec = fast_spec(data=str(text_file), micro_batch_size=micro, eval_batches=2)
+        t = trainer_for(spec, tmp_path / f"b{micro}", device="cpu")
+        assert sum(b.x.shape[0] for b in t.val_batches) == 2 * 16
+        losses.append(t.engine.evaluate(t.val_batches))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_a_snapshot_of_the_live_state_is_written_at_the_next_step(
+    tmp_path: Path, text_file: Path
+) -> None:
+    """A joining peer asks for the live state: the trainer checkpoints the step it is at (not a
+    multiple of checkpoint_interval) and says which; once it has stopped, asking fails."""
+    from atomd.train import checkpoint as ckpt
+    from atomd.train.trainer import SnapshotRequests
+
+    snapshots = SnapshotRequests()
+    spec = fast_spec(data=str(text_file), max_steps=40, checkpoint_interval=1000)
+    asked: list[Any] = []
+
+    def ask_at_5(r: StepReport) -> None:
+        if r.step == 5:
+            asked.append(snapshots.ask())
+
+    trainer = trainer_for(spec, tmp_path, on_report=ask_at_5, snapshots=snapshots)
+    trainer.run()
+    step = asked[0].result(timeout=0)
+    assert 5 <= step < 40  # the step it was at, not the end
+    steps = [int(p.name.split("-")[1]) for p in ckpt.list_checkpoints(trainer.ckpt_root)]
+    assert step in steps and 40 in steps
+    with pytest.raises(RuntimeError, match="stopped"):
+        snapshots.ask().result(timeout=0)

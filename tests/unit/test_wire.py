@@ -22,6 +22,7 @@ from atomd.sync.codecs import Encoded, make_codec
 from atomd.sync.wire import (
     MAX_HEADER_BYTES,
     PREFIX,
+    VERSION,
     DeltaFrame,
     FrameDecoder,
     ReplayGuard,
@@ -51,8 +52,10 @@ def frame(
     base_version: int = 2,
     tensors: Sequence[tuple[str, Encoded]] | None = None,
     now: float | None = None,
+    cadence: dict[str, float | int] | None = None,
 ) -> bytes:
     return encode_frame(
+        cadence=cadence,
         identity=identity,
         job_id=job_id,
         round=round,
@@ -100,7 +103,7 @@ def split(data: bytes) -> tuple[bytes, dict[str, object], bytes]:
     return data[: PREFIX.size], json.loads(data[PREFIX.size : end]), data[end:]
 
 
-def join(header: dict[str, object], payload: bytes, version: int = 1) -> bytes:
+def join(header: dict[str, object], payload: bytes, version: int = VERSION) -> bytes:
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     return PREFIX.pack(b"ATD1", version, len(head)) + head + payload
 
@@ -176,7 +179,7 @@ def test_oversize_is_refused_before_the_payload() -> None:
     with pytest.raises(WireError, match="header of"):
         dec.feed(data[: PREFIX.size])
     # A header length over the 1 MiB limit.
-    refused(PREFIX.pack(b"ATD1", 1, MAX_HEADER_BYTES + 1), "oversize", max_bytes=1 << 30)
+    refused(PREFIX.pack(b"ATD1", VERSION, MAX_HEADER_BYTES + 1), "oversize", max_bytes=1 << 30)
     # Bytes beyond max_bytes, whatever the header says.
     refused(b"ATD1" + b"\0" * 200, "oversize", max_bytes=100)
 
@@ -214,16 +217,27 @@ def test_flipped_header_bytes() -> None:
     refused(join(resign(header, OTHER), payload), "bad_signature")
     # Not canonical (a space), even with the right signature.
     head = json.dumps(header, sort_keys=True, separators=(", ", ":")).encode()
-    refused(PREFIX.pack(b"ATD1", 1, len(head)) + head + payload, "malformed")
+    refused(PREFIX.pack(b"ATD1", VERSION, len(head)) + head + payload, "malformed")
 
 
 def test_prefix() -> None:
     data = frame()
     refused(b"ATDX" + data[4:], "malformed")
     refused(b"X", "malformed")  # refused on the first wrong byte
-    refused(data[:4] + bytes([2]) + data[5:], "unsupported_version")
+    refused(data[:4] + bytes([1]) + data[5:], "unsupported_version")  # before the cadence
     _, header, payload = split(data)
-    refused(join(resign({**header, "version": 2}), payload), "malformed")
+    refused(join(resign({**header, "version": 1}), payload), "malformed")
+
+
+def test_the_senders_cadence_travels_signed() -> None:
+    got = receive(frame(cadence={"period_s": 1.25, "every": 3}))
+    assert got.cadence == (1.25, 3)
+    assert receive(frame(round=4)).cadence is None  # optional
+    with pytest.raises(WireError, match="cadence"):
+        frame(cadence={"period_s": -1.0, "every": 3})  # refused when made, too
+    _, header, payload = split(frame(round=5, cadence={"period_s": 1.0, "every": 2}))
+    header["cadence"] = {"period_s": 9.0, "every": 2}  # changed without the key: not signed
+    refused(join(header, payload), "bad_signature")
 
 
 def test_unknown_sender() -> None:
@@ -340,6 +354,13 @@ def test_decode_tensors_checks_shapes() -> None:
         {"payload_sha256": "XYZ"},
         {"tensors": {}},
         {"tensors": [{"name": "wte"}]},
+        {"cadence": 1.0},
+        {"cadence": {"period_s": 1.0}},
+        {"cadence": {"period_s": 1.0, "every": 0}},
+        {"cadence": {"period_s": 1.0, "every": 2.0}},
+        {"cadence": {"period_s": 1e9, "every": 2}},
+        {"cadence": {"period_s": "1", "every": 2}},
+        {"cadence": {"period_s": 1.0, "every": 2, "x": 1}},
     ],
     ids=str,
 )
@@ -385,7 +406,7 @@ def test_malformed_tensor_entries(change: dict[str, object]) -> None:
     ids=["list", "eof", "utf8", "deep", "dup", "nan", "inf", "bigint"],
 )
 def test_header_json_that_is_not_a_header(head: bytes) -> None:
-    refused(PREFIX.pack(b"ATD1", 1, len(head)) + head, "malformed")
+    refused(PREFIX.pack(b"ATD1", VERSION, len(head)) + head, "malformed")
 
 
 def test_decoder_lifecycle() -> None:
@@ -445,7 +466,7 @@ def test_fuzz_arbitrary_headers(fields: dict[str, object], payload: bytes) -> No
     _, header, _ = split(VALID["topk"])
     bad = {**header, **fields}
     head = json.dumps(bad, sort_keys=True, separators=(",", ":")).encode()
-    data = PREFIX.pack(b"ATD1", 1, len(head)) + head + payload
+    data = PREFIX.pack(b"ATD1", VERSION, len(head)) + head + payload
     try:
         feed_in_pieces(data, [])
     except WireError:
@@ -491,4 +512,4 @@ def test_fuzz_mutated_frames(
 def test_prefix_layout() -> None:
     # Pinned: peers of other builds must agree on it.
     assert PREFIX.format == "<4sBI" and PREFIX.size == 9
-    assert struct.unpack_from("<4sBI", frame())[:2] == (b"ATD1", 1)
+    assert struct.unpack_from("<4sBI", frame())[:2] == (b"ATD1", 2)

@@ -1,0 +1,156 @@
+"""When a peer closes its rounds: every fixed H steps, or at a cadence the swarm picks itself.
+
+``sync.every: "auto"`` (the default). Each peer measures, as it trains:
+
+- ``step_s``: one optimizer step's time on its trainer thread (the median of the last steps, so
+  an evaluation or a checkpoint does not count), sync work excluded;
+- ``work_s``: what one round costs its trainer thread (closing it, merging deltas);
+- ``traffic_s``: how long its last rounds' frames took to reach every peer training the job,
+  from the hand-off to the event loop to the last upload that succeeded (the largest of the last
+  few rounds: a link that fills shows at once, a burst is forgotten after a few rounds);
+
+and proposes a round period, in seconds::
+
+    T_i = max(MARGIN * traffic_s, work_s / WORK_SHARE, step_s)
+
+the shortest period at which its round's traffic fits MARGIN times into the compute between two
+rounds and its own round work takes at most WORK_SHARE of that compute. Every frame carries its
+sender's proposal; the swarm's period T is the largest proposal heard recently (this peer's own
+included), so the slowest link or the busiest peer sets the pace of everyone's rounds and no
+peer's rounds outrun the others' deltas. A peer closes a round every
+
+    H_i = clamp(round(T / step_s_i), 1, MAX_EVERY)
+
+steps: rounds come at the same rate in wall time on fast and slow peers (a slower peer puts fewer
+steps into each round instead of falling behind). Conditions are re-measured all the time, so T
+follows a peer that slows down or a link that fills (or frees up).
+
+And at most one round in flight: a peer does not close a round while its previous round's frame
+is still being uploaded. It keeps training meanwhile (nobody waits): a link slower than measured
+stretches the round instead of queueing frames behind each other.
+
+Why the anchors still agree: the cadence changes only *when* a peer closes a round, never what a
+round is. Each peer sends one delta per round number, and which deltas a peer commits to its
+anchor, with which weights, depends only on round numbers and base versions (``state.py``), not
+on how many steps or seconds a round lasted. So every peer commits the same sums, whatever H each
+of them used, exactly as with a fixed H and peers of different speeds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+# A round's traffic may fill at most 1/MARGIN of the time between rounds: the rest is headroom
+# for other peers' frames on the same link, membership, and a link that slows down.
+MARGIN = 2.0
+# A round's own work on the trainer thread may take at most this share of the compute between
+# rounds (measured on the tiny model: closing a round ~35 ms, merging a delta ~8 ms, against a
+# ~0.25 s step on one core, so rounds every step or two).
+WORK_SHARE = 0.25
+MAX_EVERY = 1000
+STEP_SAMPLES = 16  # steps whose median is the step time
+TRAFFIC_SAMPLES = 3  # rounds whose largest traffic time counts
+WORK_SAMPLES = 8
+PROPOSAL_TTL_S = 10.0  # a peer's proposal counts this long, plus 3 swarm periods
+
+
+@dataclass(frozen=True)
+class CadenceView:
+    """The cadence in force, for reports: H steps per round (None: not measured yet) and the
+    swarm's period in seconds (None with a fixed H)."""
+
+    every: int | None
+    period_s: float | None
+    auto: bool
+
+
+class Cadence:
+    """This peer's round cadence for one job: a fixed H, or ``auto`` (see the module docstring).
+
+    The trainer thread reports steps and round work, the event loop reports traffic and the
+    other peers' proposals; every method is safe to call from either."""
+
+    def __init__(self, every: int | None) -> None:
+        """``every``: a fixed H, or None for the automatic cadence."""
+        if every is not None and every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.fixed = every
+        self._lock = threading.Lock()
+        self._steps: deque[float] = deque(maxlen=STEP_SAMPLES)
+        self._work: deque[float] = deque(maxlen=WORK_SAMPLES)
+        self._traffic: deque[float] = deque(maxlen=TRAFFIC_SAMPLES)
+        self._heard: dict[str, tuple[float, float]] = {}  # peer -> (period_s, monotonic at)
+
+    @property
+    def auto(self) -> bool:
+        return self.fixed is None
+
+    # -- measurements ------------------------------------------------------------------------
+
+    def step(self, seconds: float) -> None:
+        """One optimizer step took ``seconds`` on the trainer thread (sync work excluded)."""
+        if seconds > 0:
+            with self._lock:
+                self._steps.append(seconds)
+
+    def round_work(self, seconds: float) -> None:
+        """The trainer-thread time one round cost (closing it and merging deltas)."""
+        with self._lock:
+            self._work.append(max(0.0, seconds))
+
+    def traffic(self, seconds: float) -> None:
+        """A round's frame reached every peer it could reach in ``seconds``."""
+        with self._lock:
+            self._traffic.append(max(0.0, seconds))
+
+    def heard(self, peer: str, period_s: float, *, now: float | None = None) -> None:
+        """Another peer's proposed period (carried by its frames)."""
+        if period_s >= 0:
+            with self._lock:
+                self._heard[peer] = (period_s, time.monotonic() if now is None else now)
+
+    # -- what follows from them --------------------------------------------------------------
+
+    def step_s(self) -> float | None:
+        with self._lock:
+            return statistics.median(self._steps) if self._steps else None
+
+    def proposal(self) -> float:
+        """This peer's period T_i in seconds (0 before anything is measured)."""
+        step = self.step_s()
+        with self._lock:
+            traffic = max(self._traffic, default=0.0)
+            work = statistics.median(self._work) if self._work else 0.0
+        return max(MARGIN * traffic, work / WORK_SHARE, step or 0.0)
+
+    def period(self, *, now: float | None = None) -> float:
+        """The swarm's period T: the largest recent proposal, this peer's own included."""
+        own = self.proposal()
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            periods = [own]
+            for peer, (p, at) in tuple(self._heard.items()):
+                if now - at > PROPOSAL_TTL_S + 3 * max(own, p):
+                    del self._heard[peer]  # left, died, or stopped training the job
+                else:
+                    periods.append(p)
+        return max(periods)
+
+    def every(self, *, now: float | None = None) -> int:
+        """H: steps in this peer's current round."""
+        if self.fixed is not None:
+            return self.fixed
+        step = self.step_s()
+        if not step:
+            return 1
+        return max(1, min(MAX_EVERY, round(self.period(now=now) / step)))
+
+    def view(self) -> CadenceView:
+        if self.fixed is not None:
+            return CadenceView(every=self.fixed, period_s=None, auto=False)
+        step = self.step_s()
+        return CadenceView(every=self.every() if step else None, period_s=self.period(), auto=True)

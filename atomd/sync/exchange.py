@@ -1,0 +1,359 @@
+"""The loop side of the delta exchange: one ``DeltaExchange`` per daemon, for its swarm job.
+
+A delta's whole path stays in ``atomd.sync``:
+
+1. the trainer thread's ``SyncPlugin`` (``runner``) closes a round and hands the signed frame to
+   ``DeltaExchange.send`` (thread-safe);
+2. the exchange uploads it to every peer that trains the job (``POST /p2p/v1/jobs/{id}/deltas``,
+   one retry on a network error, none on a refusal);
+3. on each receiver the peer plane hands the body to ``DeltaExchange.receive``, which checks it
+   whole off the event loop (``wire.FrameDecoder``, the replay guard) and queues it in the job's
+   plugin inbox; the plugin merges it after the next optimizer step;
+4. every delta sent, received, applied or refused is recorded in one place (``_record``).
+
+The exchange depends downward only: on the peer client that signs requests and on two narrow
+interfaces, ``JobPeers`` (which live peers train a job, and their keys: the swarm membership)
+and ``TrainingJobs`` (whether this daemon still trains a job: the job manager).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from atomd.db import repo
+from atomd.errors import NotFoundError, PeerAuthError, PeerRequestError, WireError
+from atomd.logs import get_logger
+from atomd.p2p import paths
+from atomd.p2p.client import PeerClient
+from atomd.p2p.identity import Identity
+from atomd.p2p.messages import DeltaAccepted
+from atomd.spec import JobSpec
+from atomd.telemetry import Telemetry
+
+if TYPE_CHECKING:  # torch loads with the first swarm job, not when the daemon starts
+    from torch import Tensor
+
+    from atomd.sync.runner import RoundOut, SyncPlugin
+    from atomd.sync.state import MergeReport
+    from atomd.sync.wire import DeltaFrame, ReplayGuard
+
+log = get_logger(__name__)
+
+UPLOAD_TIMEOUT_S = 30.0  # one frame to one peer
+UPLOAD_ATTEMPTS = 2
+RETRY_DELAY_S = 0.5
+FEED_CHUNK = 1 << 20  # bytes handed to the decoder at a time
+# Refusals of a signed frame that count against its sender (quarantine): what no honest peer
+# of the job sends. Staleness, replays and clocks do not count.
+STRIKING_WIRE_ERRORS = frozenset({"wrong_codec", "wrong_shape", "non_finite"})
+
+
+class PeerRef(Protocol):
+    """A peer as the exchange sees it."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def url(self) -> str: ...
+
+
+class JobPeers(Protocol):
+    """Which peers train a job (the membership: ``atomd.p2p.node.SwarmNode``)."""
+
+    def job_peers(self, job_id: str) -> Sequence[PeerRef]:
+        """Live peers heard training ``job_id`` recently, this daemon excluded."""
+        ...
+
+    def public_key(self, peer_id: str) -> str | None:
+        """The Ed25519 public key (hex) of a known peer, None if unknown."""
+        ...
+
+    def exclusion(self, peer_id: str) -> str | None:
+        """Why this daemon takes no delta from ``peer_id`` now (quarantined or banned: see
+        ``atomd.p2p.quarantine``), or None."""
+        ...
+
+    async def judge(self, sender: str, strike: bool, reason: str | None) -> None:
+        """One judged contribution of ``sender`` (``strike``: refused or clipped hard, or a
+        frame no honest peer sends); enough strikes quarantine it."""
+        ...
+
+
+class TrainingJobs(Protocol):
+    """Whether this daemon trains a swarm job now (the job manager: ``atomd.jobs``)."""
+
+    def trains(self, job_id: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One delta sent or received, as ``sync_rounds`` records it."""
+
+    round: int
+    direction: str
+    peer_id: str
+    bytes: int
+    staleness: int | None
+    applied: bool
+    reason: str | None
+    every: int | None = None  # steps the sender's round lasted
+
+
+class DeltaExchange:
+    """Sends each round's frame to the job's peers, checks and queues the frames that arrive,
+    and records both. ``run()`` lives in the daemon's TaskGroup and owns the uploads."""
+
+    def __init__(
+        self,
+        *,
+        identity: Identity,
+        client: PeerClient,
+        peers: JobPeers,
+        sessions: async_sessionmaker[AsyncSession],
+        telemetry: Telemetry,
+    ) -> None:
+        self.identity = identity
+        self.client = client
+        self.peers = peers
+        self.sessions = sessions
+        self.telemetry = telemetry
+        self.jobs: TrainingJobs | None = None  # set by the daemon once the job manager exists
+        self.plugins: dict[str, SyncPlugin] = {}
+        self._replay_guard: ReplayGuard | None = None
+        # (job, sender, round) -> (frame bytes, the sender's round length in steps): recorded
+        # when the plugin merges the delta.
+        self._received: dict[tuple[str, str, int], tuple[int, int | None]] = {}
+        # job -> peer -> the base version of its last delta for the job: it trains no more, but
+        # still takes the deltas of that round (it waits for them before it finishes).
+        self._finished: dict[str, dict[str, int]] = {}
+        self._tg: asyncio.TaskGroup | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def run(self) -> None:
+        """Own the uploads and records until cancelled."""
+        self._loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                await asyncio.Event().wait()
+        finally:
+            self._tg = None
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        if self._tg is None:  # not running (yet, or any more): nothing to own it
+            coro.close()
+            return
+        self._tg.create_task(coro, name=name)
+
+    def _from_trainer(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """Hand a coroutine made on the trainer thread to the loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            coro.close()
+            return
+        loop.call_soon_threadsafe(self._spawn, coro, name)
+
+    # -- the trainer's side ------------------------------------------------------------------
+
+    def plugin(self, job_id: str, spec: JobSpec) -> SyncPlugin:
+        """The trainer-thread side of the exchange for one job, wired to this exchange."""
+        from atomd.sync.runner import SyncPlugin
+
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        plugin = SyncPlugin(
+            job_id=job_id,
+            spec=spec.sync,
+            identity=self.identity,
+            n_peers=lambda base_version: 1 + len(self._training(job_id, base_version)),
+            send=lambda out: self._from_trainer(self._deliver(out), f"round-{out.step}"),
+            absorbed=lambda job, merge: self._from_trainer(
+                self._record_merge(job, merge), "absorbed"
+            ),
+        )
+        plugin.excluded = lambda sender: self.peers.exclusion(sender) is not None
+        self.plugins[job_id] = plugin
+        return plugin
+
+    def drop_sender(self, peer_id: str) -> None:
+        """``peer_id`` was quarantined or banned: forget its deltas waiting in every inbox."""
+        for plugin in self.plugins.values():
+            plugin.inbox.drop_sender(peer_id)
+
+    def _training(self, job_id: str, base_version: int) -> list[PeerRef]:
+        """The peers of ``job_id`` in its round on ``base_version``: live, and not done with the
+        job before that round (a peer's last delta says which round was its last)."""
+        last = self._finished.get(job_id, {})
+        return [
+            p for p in self.peers.job_peers(job_id) if last.get(p.id, base_version) >= base_version
+        ]
+
+    def release(self, job_id: str) -> None:
+        """The job no longer trains here: frames for it are refused from now on."""
+        self.plugins.pop(job_id, None)
+        self._finished.pop(job_id, None)
+        for key in [k for k in self._received if k[0] == job_id]:
+            del self._received[key]
+
+    def _codec(self, job_id: str) -> str:
+        """The delta codec of a job this daemon trains ("?" once it no longer does)."""
+        plugin = self.plugins.get(job_id)
+        return plugin.spec.codec if plugin else "?"
+
+    def _model_bytes(self, job_id: str) -> int:
+        """The job's model as fp32 bytes (0 before the plugin is attached)."""
+        plugin = self.plugins.get(job_id)
+        return plugin.state.numel * 4 if plugin is not None and plugin.state is not None else 0
+
+    async def _deliver(self, out: RoundOut) -> None:
+        """Send one round's frame to every peer training the job; record what happened, and
+        tell the plugin how long the frame took to reach them (its cadence's traffic time)."""
+        await self._record_merge(out.job_id, out.merge)
+        targets = self._training(out.job_id, out.outgoing.base_version)
+        path = paths.job_deltas(out.job_id)
+        arrived: list[float] = []  # time.monotonic() of each accepted upload
+
+        async def one(peer: PeerRef) -> str | None:
+            for attempt in range(UPLOAD_ATTEMPTS):
+                try:
+                    await self.client.post_bytes(
+                        peer.url, path, out.frame, DeltaAccepted, target=peer.id,
+                        timeout=UPLOAD_TIMEOUT_S,
+                    )  # fmt: skip
+                    arrived.append(time.monotonic())
+                    return None
+                except PeerRequestError as e:
+                    if e.status is not None and 400 <= e.status < 500:
+                        return str(e)  # refused: retrying the same frame cannot help
+                    if attempt == UPLOAD_ATTEMPTS - 1:
+                        return str(e)
+                    await asyncio.sleep(RETRY_DELAY_S)
+            return "unreachable"
+
+        try:
+            errors = await asyncio.gather(*(one(p) for p in targets))
+        finally:
+            plugin = self.plugins.get(out.job_id)
+            if plugin is not None:  # the next round may close now; -1: nothing measured
+                traffic = max(arrived) - out.handed_at if arrived else -1.0
+                plugin.delivered(out.outgoing.round, traffic)
+        rows = [
+            _Row(out.outgoing.round, "sent", p.id, len(out.frame), None, error is None, error,
+                 out.every)
+            for p, error in zip(targets, errors, strict=True)
+        ]  # fmt: skip
+        await self._record(out.job_id, rows, ratio_of=out.outgoing.raw_bytes)
+        for error in errors:
+            if error is None:
+                self.telemetry.bytes_sent.inc(len(out.frame))
+
+    async def _record_merge(self, job_id: str, merge: MergeReport) -> None:
+        """Record what a merge did with the deltas it was given (applied, clipped, or why
+        not), and count the strikes against their senders."""
+
+        def row(
+            sender: str, rnd: int, staleness: int | None, applied: bool, reason: str | None
+        ) -> _Row:
+            size, every = self._received.pop((job_id, sender, rnd), (0, None))
+            return _Row(rnd, "received", sender, size, staleness, applied, reason, every)
+
+        rows = [row(a.sender, a.round, a.staleness, True, a.note) for a in merge.applied] + [
+            row(r.sender, r.round, None, False, r.reason) for r in merge.refused
+        ]
+        await self._record(job_id, rows, ratio_of=self._model_bytes(job_id))
+        for a in merge.applied:
+            if a.sender != self.identity.peer_id:
+                await self.peers.judge(a.sender, a.strike, a.note)
+        for r in merge.refused:
+            if r.strike:
+                await self.peers.judge(r.sender, True, r.reason)
+
+    async def _record(self, job_id: str, rows: Sequence[_Row], *, ratio_of: int) -> None:
+        """The one place a delta sent or received is written down (``sync_rounds``, metrics).
+
+        ``ratio_of``: the fp32 bytes each row's ``bytes`` is compared with."""
+        if not rows:
+            return
+        codec = self._codec(job_id)
+        async with self.sessions() as s, s.begin():
+            for r in rows:
+                await repo.add_round(
+                    s, job_id=job_id, round=r.round, direction=r.direction, peer_id=r.peer_id,
+                    bytes=r.bytes, codec=codec,
+                    compression_ratio=ratio_of / r.bytes if r.bytes else 0.0,
+                    staleness=r.staleness, applied=r.applied, reason=r.reason, every=r.every,
+                )  # fmt: skip
+        for r in rows:
+            self.telemetry.rounds.labels(r.direction, str(r.applied).lower()).inc()
+
+    # -- the receiving side ------------------------------------------------------------------
+
+    def max_frame_bytes(self, job_id: str) -> int:
+        """The largest frame accepted for ``job_id`` (0: not training it here)."""
+        raw = self._model_bytes(job_id)
+        if raw == 0:
+            return 0
+        # Every codec is at most fp32-sized; headroom for framing and the header.
+        return int(raw * 1.05) + (2 << 20)
+
+    async def receive(self, job_id: str, body: bytes, signer: str) -> int:
+        """Check and queue one frame for the job's plugin; returns its size. Raises
+        ``WireError`` (recorded) or ``NotFoundError``. Nothing reaches the model unless every
+        check passed."""
+        from atomd.sync.state import Contribution
+        from atomd.sync.wire import FrameDecoder, ReplayGuard, check_codec, decode_tensors
+
+        plugin = self.plugins.get(job_id)
+        if plugin is None or plugin.state is None or not (self.jobs and self.jobs.trains(job_id)):
+            raise NotFoundError(f"not training job {job_id} here")
+        why = self.peers.exclusion(signer)
+        if why is not None:  # refused before anything is decoded; counted, not recorded a row
+            self.telemetry.rounds.labels("received", "false").inc()
+            raise PeerAuthError(f"peer {signer} is {why}", status=403)
+        codec = plugin.spec.codec
+        if self._replay_guard is None:
+            self._replay_guard = ReplayGuard()
+        decoder = FrameDecoder(
+            job_id=job_id,
+            public_key_of=self.peers.public_key,
+            expected_shapes=plugin.expected_shapes,
+            max_bytes=self.max_frame_bytes(job_id),
+            seen=self._replay_guard,
+        )
+
+        def decode() -> tuple[DeltaFrame, dict[str, Tensor]]:
+            for i in range(0, len(body), FEED_CHUNK):
+                decoder.feed(body[i : i + FEED_CHUNK])
+            frame = decoder.finish()
+            if frame.sender != signer:
+                raise WireError("bad_signature", f"frame of {frame.sender} sent by {signer}")
+            check_codec(frame, codec)
+            return frame, decode_tensors(frame, plugin.expected_shapes)
+
+        try:
+            frame, tensors = await asyncio.to_thread(decode)
+        except WireError as e:
+            await self._record(
+                job_id, [_Row(-1, "received", signer, len(body), None, False, str(e))], ratio_of=0
+            )
+            if e.reason in STRIKING_WIRE_ERRORS:  # signed by a member: no honest peer sends it
+                await self.peers.judge(signer, True, str(e))
+            raise
+        every = frame.cadence.every if frame.cadence is not None else None
+        self._received[(job_id, frame.sender, frame.round)] = (frame.wire_bytes, every)
+        if frame.cadence is not None:
+            plugin.heard(frame.sender, frame.cadence.period_s)
+        if frame.final:
+            self._finished.setdefault(job_id, {})[frame.sender] = frame.base_version
+        self.telemetry.bytes_received.inc(frame.wire_bytes)
+        if not plugin.inbox.put(
+            Contribution(frame.sender, frame.round, frame.base_version, tensors)
+        ):
+            log.warning("inbox of job %s full: a delta from %s dropped", job_id, signer)
+        return frame.wire_bytes

@@ -1,0 +1,79 @@
+"""Cadence: the round period each peer proposes, the swarm's period, and H from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from atomd.sync.cadence import MARGIN, MAX_EVERY, PROPOSAL_TTL_S, WORK_SHARE, Cadence
+
+
+def measured(step: float, traffic: float = 0.0, work: float = 0.0) -> Cadence:
+    c = Cadence(None)
+    for _ in range(5):
+        c.step(step)
+    if traffic:
+        c.traffic(traffic)
+    if work:
+        c.round_work(work)
+    return c
+
+
+def test_a_fixed_every_is_kept() -> None:
+    c = Cadence(7)
+    c.step(1.0)
+    c.traffic(100.0)
+    assert not c.auto and c.every() == 7
+    assert c.view().period_s is None
+    with pytest.raises(ValueError):
+        Cadence(0)
+
+
+def test_rounds_every_step_until_something_says_otherwise() -> None:
+    assert Cadence(None).every() == 1  # nothing measured: the first round after one step
+    assert measured(0.2).every() == 1  # a free link and free rounds: every step
+
+
+def test_traffic_fits_margin_times_between_rounds() -> None:
+    c = measured(0.25, traffic=3.0)  # 3 s of uploads per round at 0.25 s per step
+    assert c.proposal() == pytest.approx(MARGIN * 3.0)
+    assert c.every() == round(MARGIN * 3.0 / 0.25)
+    c.traffic(0.1)  # a burst is forgotten only once it leaves the last few rounds
+    assert c.every() == round(MARGIN * 3.0 / 0.25)
+    for _ in range(3):
+        c.traffic(0.1)
+    assert c.every() == 1
+
+
+def test_round_work_takes_at_most_its_share_of_the_compute() -> None:
+    c = measured(0.2, work=0.1)
+    assert c.proposal() == pytest.approx(0.1 / WORK_SHARE)
+    assert c.every() == 2
+
+
+def test_the_step_time_is_a_median_and_evaluations_do_not_count() -> None:
+    c = measured(0.5, traffic=5.0)
+    c.step(30.0)  # an evaluation or a checkpoint between two steps
+    assert c.step_s() == 0.5 and c.every() == 20
+
+
+def test_the_swarm_follows_its_slowest_proposal_until_it_goes_quiet() -> None:
+    c = measured(0.25, traffic=0.1)
+    c.heard("slow-link", 4.0, now=100.0)
+    assert c.period(now=100.0) == 4.0 and c.every(now=100.0) == 16
+    c.heard("fast", 0.1, now=100.0)
+    assert c.period(now=101.0) == 4.0  # the largest proposal wins
+    gone = 100.0 + PROPOSAL_TTL_S + 3 * 4.0 + 0.1
+    assert c.period(now=gone) == 0.25  # it left: back to our own (a step: traffic is 0.2)
+    view = c.view()
+    assert view.auto and view.every == c.every()
+
+
+def test_a_slower_peer_puts_fewer_steps_in_a_round_of_the_same_length() -> None:
+    fast, slow = measured(0.25, traffic=2.0), measured(0.5, traffic=2.0)
+    assert fast.period() == slow.period()
+    assert (fast.every(), slow.every()) == (16, 8)
+
+
+def test_every_is_bounded() -> None:
+    c = measured(0.001, traffic=3600.0)
+    assert c.every() == MAX_EVERY

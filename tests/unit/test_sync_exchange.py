@@ -1,0 +1,268 @@
+"""DeltaExchange: a round's frame goes to every peer training the job, frames that arrive are
+checked before they are queued, and both are recorded (real SQLite; the peer client is a fake)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+import torch
+
+from atomd.db import migrate, repo
+from atomd.db.engine import make_engine, make_sessionmaker
+from atomd.errors import NotFoundError, PeerRequestError, WireError
+from atomd.p2p.identity import Identity
+from atomd.spec import JobSpec
+from atomd.sync.exchange import DeltaExchange, PeerRef
+from atomd.telemetry import Telemetry
+
+JOB = "a" * 32
+
+
+@dataclass(frozen=True)
+class Peer:
+    id: str
+    url: str
+
+
+@dataclass
+class FakeClient:
+    """Records uploads; answers each url with the statuses given, in turn (None: accepted)."""
+
+    answers: dict[str, list[int | None]] = field(default_factory=dict)
+    posts: list[tuple[str, str, int]] = field(default_factory=list)
+
+    async def post_bytes(
+        self, url: str, path: str, body: bytes, reply: Any, *, target: str, timeout: float
+    ) -> Any:
+        self.posts.append((url, path, len(body)))
+        queue = self.answers.get(url, [])
+        status = queue.pop(0) if queue else None
+        if status is not None:
+            raise PeerRequestError(f"{url}{path}: {status}", status=status if status else None)
+        return {}
+
+
+@dataclass
+class FakePeers:
+    peers: list[Peer]
+    keys: dict[str, str] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+    judged: list[tuple[str, bool]] = field(default_factory=list)
+
+    def job_peers(self, job_id: str) -> Sequence[PeerRef]:
+        return self.peers
+
+    def public_key(self, peer_id: str) -> str | None:
+        return self.keys.get(peer_id)
+
+    def exclusion(self, peer_id: str) -> str | None:
+        return self.excluded.get(peer_id)
+
+    async def judge(self, sender: str, strike: bool, reason: str | None) -> None:
+        self.judged.append((sender, strike))
+
+
+@dataclass
+class Training:
+    job: str | None = JOB
+
+    def trains(self, job_id: str) -> bool:
+        return job_id == self.job
+
+
+@pytest.fixture
+async def sessions(tmp_path: Path) -> AsyncIterator[Any]:
+    db = tmp_path / "atomd.db"
+    await asyncio.to_thread(migrate.upgrade, db)
+    engine = make_engine(db)
+    s = make_sessionmaker(engine)
+    async with s() as session, session.begin():
+        await repo.create_job(session, job_id=JOB, spec={}, out_dir="/x", scope="swarm")
+    yield s
+    await engine.dispose()
+
+
+def exchange(sessions: Any, client: FakeClient, peers: FakePeers) -> DeltaExchange:
+    ex = DeltaExchange(
+        identity=Identity.generate(),
+        client=cast(Any, client),
+        peers=peers,
+        sessions=sessions,
+        telemetry=Telemetry(),
+    )
+    ex.jobs = Training()
+    return ex
+
+
+def attach(ex: DeltaExchange) -> Any:
+    plugin = ex.plugin(JOB, JobSpec(sync={"codec": "fp32", "every": 1}))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    plugin.attach(cast(Any, SimpleNamespace(model=model, settle=lambda: None)))
+    return plugin
+
+
+async def rounds(sessions: Any) -> list[Any]:
+    async with sessions() as s:
+        return list(await repo.list_rounds(s, job_id=JOB, limit=100))
+
+
+@contextlib.asynccontextmanager
+async def running(ex: DeltaExchange) -> AsyncIterator[None]:
+    task = asyncio.create_task(ex.run())
+    await asyncio.sleep(0)  # its TaskGroup is up
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def _async_true(value: bool) -> bool:
+    return value
+
+
+async def until(predicate: Any, what: str) -> None:
+    for _ in range(500):
+        if await predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within 5 s: {what}")
+
+
+async def test_a_round_goes_to_every_peer_and_is_recorded_once_per_peer(sessions: Any) -> None:
+    a, b, c = Peer("p" * 32, "http://a"), Peer("q" * 32, "http://b"), Peer("r" * 32, "http://c")
+    # a: accepted; b: a network error, then accepted (one retry); c: refused, never retried.
+    client = FakeClient(answers={"http://b": [0], "http://c": [409]})
+    ex = exchange(sessions, client, FakePeers([a, b, c]))
+    plugin = attach(ex)
+
+    async def three_rows() -> bool:
+        return len(await rounds(sessions)) == 3
+
+    async with running(ex):
+        plugin.after_step(1)  # a round boundary (every=1): the frame goes to the loop
+        await until(three_rows, "a row per peer")
+    assert sorted(url for url, _, _ in client.posts) == ["http://a", "http://b", "http://b",
+                                                          "http://c"]  # fmt: skip
+    assert {path for _, path, _ in client.posts} == {f"/p2p/v1/jobs/{JOB}/deltas"}
+    by_peer = {r.peer_id: r for r in await rounds(sessions)}
+    assert by_peer[a.id].applied and by_peer[b.id].applied
+    assert not by_peer[c.id].applied and "409" in (by_peer[c.id].reason or "")
+    assert {r.direction for r in by_peer.values()} == {"sent"}
+    assert by_peer[a.id].bytes == client.posts[0][2]
+    assert by_peer[a.id].compression_ratio == pytest.approx(15 * 4 / by_peer[a.id].bytes)
+
+
+async def test_received_frames_are_checked_queued_and_recorded(sessions: Any) -> None:
+    sender = Identity.generate()
+    peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
+    ex = exchange(sessions, FakeClient(), peers)
+    plugin = attach(ex)
+    # The sender's own exchange makes the frame: same model shape, its identity.
+    other = exchange(sessions, FakeClient(), FakePeers([]))
+    other.identity = sender
+    sent: list[Any] = []
+    mine = attach(other)
+    mine.send = sent.append
+    mine.after_step(1)
+    mine.after_step(2)
+    frame, later = sent[0].frame, sent[1].frame
+
+    size = await ex.receive(JOB, frame, sender.peer_id)
+    assert size == len(frame) and len(plugin.inbox) == 1
+    with pytest.raises(WireError, match="replayed"):
+        await ex.receive(JOB, frame, sender.peer_id)
+    with pytest.raises(WireError, match="bad_signature"):  # signed by one, sent by another
+        await ex.receive(JOB, later, "f" * 32)
+    refused = [r for r in await rounds(sessions) if not r.applied]
+    assert len(refused) == 2 and all(r.round == -1 for r in refused)
+
+    async def merged() -> bool:
+        return any(r.applied and r.direction == "received" for r in await rounds(sessions))
+
+    async with running(ex):  # merged at the next step: recorded as received, with its size
+        plugin.after_step(2)
+        await until(merged, "the merge recorded")
+    (row,) = [r for r in await rounds(sessions) if r.applied and r.direction == "received"]
+    assert (row.direction, row.peer_id, row.bytes, row.round) == (
+        "received",
+        sender.peer_id,
+        len(frame),
+        0,
+    )
+
+    ex.jobs = Training(job=None)  # no longer training it: nothing is queued
+    with pytest.raises(NotFoundError):
+        await ex.receive(JOB, frame, sender.peer_id)
+    ex.jobs = Training()
+    ex.release(JOB)
+    assert ex.max_frame_bytes(JOB) == 0
+    with pytest.raises(NotFoundError):
+        await ex.receive(JOB, frame, sender.peer_id)
+
+
+async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> None:
+    """A peer done with the job says so in its last frame: no more uploads to it, and nobody
+    waits for its deltas (it no longer counts among the job's peers)."""
+    sender = Identity.generate()
+    peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
+    ex = exchange(sessions, FakeClient(), peers)
+    plugin = attach(ex)
+    other = exchange(sessions, FakeClient(), FakePeers([]))
+    other.identity = sender
+    sent: list[Any] = []
+    theirs = attach(other)
+    theirs.send = sent.append
+    theirs.after_step(1)
+    theirs.finish(2, threading.Event())  # alone there: no wait; its last frame says final
+    assert [o.final for o in sent] == [False, True]
+    await ex.receive(JOB, sent[0].frame, sender.peer_id)
+    assert plugin.n_peers(0) == 2
+    await ex.receive(JOB, sent[1].frame, sender.peer_id)  # its last: on base version 1
+    assert len(plugin.inbox) == 2  # its deltas still count
+    # It takes part in the rounds up to its last (it still waits for their deltas), no more.
+    assert (plugin.n_peers(1), plugin.n_peers(2)) == (2, 1)
+    client = cast(FakeClient, ex.client)
+    async with running(ex):
+        plugin.after_step(1)  # round 0, on base version 0: still sent to it
+        plugin.after_step(2)  # base version 1: its last round, still sent to it
+        plugin.after_step(3)  # base version 2: sent to nobody
+        await until(lambda: _async_true(len(client.posts) >= 2), "two uploads")
+        await until(lambda: _async_true(plugin._in_flight is None), "the last round delivered")
+        await asyncio.sleep(0.1)
+    assert len(client.posts) == 2
+
+
+async def test_quarantined_senders_and_other_codecs_are_refused(sessions: Any) -> None:
+    """Issue #15: a frame in another codec than the job's is refused (a strike), and nothing
+    from a quarantined member is decoded at all."""
+    from atomd.errors import PeerAuthError
+    from atomd.sync.codecs import make_codec
+    from atomd.sync.wire import encode_frame
+
+    sender = Identity.generate()
+    peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
+    ex = exchange(sessions, FakeClient(), peers)
+    plugin = ex.plugin(JOB, JobSpec(sync={"codec": "topk", "every": 1}))
+    torch.manual_seed(0)
+    plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+    dense = [(n, make_codec("fp32").encode(torch.full(s, 5.0)))
+             for n, s in plugin.expected_shapes.items()]  # fmt: skip
+    frame = encode_frame(identity=sender, job_id=JOB, round=0, base_version=0, tensors=dense)
+    with pytest.raises(WireError, match="wrong_codec"):
+        await ex.receive(JOB, frame, sender.peer_id)
+    assert peers.judged == [(sender.peer_id, True)] and len(plugin.inbox) == 0
+    peers.excluded[sender.peer_id] = "quarantined here: 3 strikes"
+    with pytest.raises(PeerAuthError, match="quarantined") as e:
+        await ex.receive(JOB, b"not even a frame", sender.peer_id)
+    assert e.value.status == 403
+    assert len([r for r in await rounds(sessions) if not r.applied]) == 1, "only the first"
