@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.data.sources import (
+    BUNDLED,
     check_source,
     check_tokenizer_name,
     exists,
@@ -79,7 +80,9 @@ class SwarmLink(Protocol):
 
     def announce(self, advert: dict[str, Any]) -> None: ...
     def broadcast_stop(self, job_id: str) -> None: ...
-    async def fetch_state(self, job_id: str, donors: list[str], root: Path) -> int | None: ...
+    async def fetch_state(
+        self, job_id: str, donors: list[str], root: Path, *, max_file_bytes: int | None = None
+    ) -> int | None: ...
     def job_donors(self, job_id: str) -> list[str]: ...
 
 
@@ -148,6 +151,50 @@ def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> Progre
     )
 
 
+def advert_data_problem(data: str, names: Mapping[str, str]) -> str | None:
+    """Why a job another peer announced may not train on ``data`` here, or None: a swarm job
+    names the bundled corpus or a dataset this daemon's operator registered by name
+    (``ATOMD_DATA_NAMES``), never a path (a peer would otherwise make this daemon train on,
+    and send deltas of, whatever local file the advert names)."""
+    if data == BUNDLED or data in names:
+        return None
+    known = ", ".join(sorted([BUNDLED, *names]))
+    return (
+        f"its data {data[:200]!r} is neither the bundled corpus nor a dataset registered here "
+        f"by name ({known}; ATOMD_DATA_NAMES): a job from the swarm may not name a local path"
+    )
+
+
+def advert_paths_problem(spec: JobSpec) -> str | None:
+    """Why a job another peer announced may not name its tokenizer or initial weights here, or
+    None: like its data, never a local path (``bytes`` and ``default`` ship with atomd)."""
+    if spec.tokenizer not in ("bytes", "default"):
+        return (
+            f"its tokenizer {spec.tokenizer[:200]!r} is a path: a job from the swarm may name "
+            "only the tokenizers atomd ships (bytes, default)"
+        )
+    if spec.init_from is not None:
+        return (
+            f"it starts from init_from {spec.init_from[:200]!r}, a local path: a job from the "
+            "swarm may not name one (start it with scope=local on each daemon instead)"
+        )
+    return None
+
+
+def local_data(spec: JobSpec, names: Mapping[str, str]) -> JobSpec:
+    """``spec`` with a registered dataset name replaced by its local path."""
+    if spec.data in names:
+        return spec.model_copy(update={"data": names[spec.data]})
+    return spec
+
+
+def state_file_bound(spec: JobSpec) -> int:
+    """The most bytes a checkpoint file of ``spec``'s model can hold: fp32 weights, AdamW's two
+    moments and the sync state (anchor, momentum, error feedback, pending rounds), with room
+    to spare; a donor announcing more is lying (issue #15: a manifest claimed 10^12 bytes)."""
+    return num_parameters(spec.model_shape) * 4 * 16 + (64 << 20)
+
+
 def admit(spec: JobSpec) -> None:
     """Refuse, with the reason, a job that cannot start here (before anything is queued).
 
@@ -212,6 +259,7 @@ class JobManager:
         self.telemetry = telemetry
         self.device = device
         self.peer_id = peer_id
+        self.data_names: dict[str, str] = {}  # registered datasets: name -> local path
         self.swarm: SwarmLink | None = None
         self.exchange: DeltaLink | None = None
         self.active: ActiveJob | None = None
@@ -306,7 +354,7 @@ class JobManager:
 
     async def start(self, spec: JobSpec, scope: Scope = "swarm") -> JobRecord:
         self._check_free()
-        admit(spec)  # cheap: a stat() and arithmetic
+        admit(local_data(spec, self.data_names))  # cheap: a stat() and arithmetic
         job_id = uuid.uuid4().hex
         out_dir = self.job_dir(job_id)
         async with self.sessions() as s, s.begin():
@@ -341,7 +389,7 @@ class JobManager:
                 f"job {job_id} is {job.state}; only a stopped, failed or pending job resumes"
             )
         spec = JobSpec.model_validate(job.spec)
-        admit(spec)
+        admit(local_data(spec, self.data_names))
         job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", "")
         self._launch(
             ActiveJob(
@@ -393,11 +441,18 @@ class JobManager:
                 if await repo.get_job(s, job_id=job_id) is not None:
                     return  # we had it: stopped, finished or failed here; do not rejoin
             spec = JobSpec.model_validate(advert.get("spec", {}))
+            problem = advert_data_problem(spec.data, self.data_names) or advert_paths_problem(spec)
+            if problem is not None:
+                log.warning("not joining the swarm's job %s: %s", job_id, problem)
+                async with self.sessions() as s, s.begin():
+                    await repo.add_event(s, kind="job.refused", job_id=job_id,
+                                         message=f"not joined: {problem}")  # fmt: skip
+                return
             if spec.num_shards > 1:
                 spec = spec.model_copy(
                     update={"shard_index": shard_for_peer(self.peer_id, spec.num_shards)}
                 )
-            admit(spec)
+            admit(local_data(spec, self.data_names))
             if self.active is not None or self._closing.is_set():
                 return
             out_dir = self.job_dir(job_id)
@@ -469,9 +524,10 @@ class JobManager:
         def send(item: _Message) -> None:
             loop.call_soon_threadsafe(active.queue.put_nowait, item)
 
-        built = build_engine(active.spec, self.device)
+        spec = local_data(active.spec, self.data_names)
+        built = build_engine(spec, self.device)
         trainer = Trainer(
-            active.spec,
+            spec,
             active.out_dir,
             built.engine,
             plan=built.plan,
@@ -540,7 +596,9 @@ class JobManager:
         own = await asyncio.to_thread(list_checkpoints, root)
         own_step = int(own[0].name.split("-")[1]) if own else 0
         try:
-            step = await self.swarm.fetch_state(active.id, donors, root)
+            step = await self.swarm.fetch_state(
+                active.id, donors, root, max_file_bytes=state_file_bound(active.spec)
+            )
         except AtomdError as e:
             if own:  # our own checkpoint still serves: resume from it
                 log.warning("job %s: %s; resuming from our own checkpoint", active.id, e)

@@ -50,6 +50,10 @@ class RoundPlugin(Protocol):
         ...
 
 
+PROBE_BATCH = 8  # sequences in the loss guard's probe batch (atomd.sync.guard)
+PROBE_SEED = 99  # not the validation batches' seed
+
+
 @dataclass(frozen=True)
 class TrainSummary:
     state: Literal["finished", "stopped"]
@@ -208,6 +212,9 @@ class Trainer:
         self.val_batches = self.dataset.val_batches(
             count=spec.eval_batches, batch_size=min(spec.micro_batch_size, VAL_BATCH)
         )
+        guard_with = getattr(plugin, "guard_with", None)
+        if guard_with is not None:  # the swarm's merges are checked on a fixed batch's loss
+            guard_with(self.dataset.val_batches(count=1, batch_size=PROBE_BATCH, seed=PROBE_SEED))
 
     def _resume(self) -> None:
         found = ckpt.load_latest(self.ckpt_root)
