@@ -42,6 +42,8 @@ from atomd.data.sources import (
     expand_path,
     shard_for_peer,
 )
+from atomd.data.sources import BYTES as BYTES_TOKENIZER
+from atomd.data.sources import DEFAULT as DEFAULT_TOKENIZER
 from atomd.db import repo
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
 from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
@@ -165,18 +167,21 @@ def advert_data_problem(data: str, names: Mapping[str, str]) -> str | None:
     )
 
 
-def advert_paths_problem(spec: JobSpec) -> str | None:
-    """Why a job another peer announced may not name its tokenizer or initial weights here, or
-    None: like its data, never a local path (``bytes`` and ``default`` ship with atomd)."""
-    if spec.tokenizer not in ("bytes", "default"):
+def advert_problem(spec: JobSpec, names: Mapping[str, str]) -> str | None:
+    """Why this daemon may not join a job another peer announced, or None: no field of the
+    advert may make it read a local file (its data, tokenizer, or initial weights)."""
+    problem = advert_data_problem(spec.data, names)
+    if problem is not None:
+        return problem
+    if spec.tokenizer not in (BYTES_TOKENIZER, DEFAULT_TOKENIZER):
         return (
-            f"its tokenizer {spec.tokenizer[:200]!r} is a path: a job from the swarm may name "
-            "only the tokenizers atomd ships (bytes, default)"
+            f"its tokenizer {spec.tokenizer[:200]!r} is a path: a job from the swarm may only "
+            f"use {BYTES_TOKENIZER!r} or {DEFAULT_TOKENIZER!r}"
         )
     if spec.init_from is not None:
         return (
-            f"it starts from init_from {spec.init_from[:200]!r}, a local path: a job from the "
-            "swarm may not name one (start it with scope=local on each daemon instead)"
+            f"it starts from init_from {spec.init_from[:200]!r}: a job from the swarm may not "
+            f"name a local path (a joiner starts from the swarm's state)"
         )
     return None
 
@@ -441,7 +446,7 @@ class JobManager:
                 if await repo.get_job(s, job_id=job_id) is not None:
                     return  # we had it: stopped, finished or failed here; do not rejoin
             spec = JobSpec.model_validate(advert.get("spec", {}))
-            problem = advert_data_problem(spec.data, self.data_names) or advert_paths_problem(spec)
+            problem = advert_problem(spec, self.data_names)
             if problem is not None:
                 log.warning("not joining the swarm's job %s: %s", job_id, problem)
                 async with self.sessions() as s, s.begin():

@@ -238,7 +238,13 @@ class FileEntry(Message):
 class StateFiles(Message):
     model: FileEntry = Field(alias="model.safetensors")
     state: FileEntry = Field(alias="state.safetensors")
+    # A run with a BPE tokenizer keeps its tokenizer.json beside the tensors.
     tokenizer: FileEntry | None = Field(None, alias="tokenizer.json")
+
+    def entries(self) -> dict[str, FileEntry]:
+        """File name -> entry, for the files this checkpoint has."""
+        named = {"model.safetensors": self.model, "state.safetensors": self.state}
+        return named | ({"tokenizer.json": self.tokenizer} if self.tokenizer else {})
 
 
 class StateManifest(Message):
@@ -260,4 +266,3 @@ class StateManifest(Message):
     data_position: dict[str, int] | None = Field(None, max_length=8)
     tokens: Counter | None = None
     plan: dict[str, Any] | None = Field(None, max_length=64)
-    tokenizer: Annotated[str, StringConstraints(max_length=4096, strict=True)] | None = None

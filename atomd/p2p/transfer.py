@@ -27,7 +27,7 @@ from atomd.errors import AtomdError, CheckpointError, PeerRequestError
 from atomd.logs import get_logger
 from atomd.p2p import paths
 from atomd.p2p.client import PeerClient
-from atomd.p2p.messages import FileEntry, StateManifest, parse
+from atomd.p2p.messages import StateManifest, parse
 from atomd.train import checkpoint as ckpt
 
 log = get_logger(__name__)
@@ -39,6 +39,7 @@ MANIFEST_TIMEOUT_S = 45.0
 _CHUNK = 1 << 20
 DEADLINE_S = 900.0  # the whole transfer, every donor tried included
 DISK_MARGIN = 64 << 20  # free bytes left on the disk after a transfer
+MAX_TOKENIZER_BYTES = 64 << 20  # a BPE vocabulary of ~10^6 entries is ~50 MB of JSON
 
 
 def newest_manifest(root: Path) -> StateManifest | None:
@@ -48,17 +49,9 @@ def newest_manifest(root: Path) -> StateManifest | None:
             meta = parse(StateManifest, (path / ckpt.META_FILE).read_bytes())
         except (OSError, AtomdError):
             continue
-        if all((path / name).is_file() for name in manifest_files(meta)):
+        if all((path / name).is_file() for name in TRANSFER_FILES):
             return meta
     return None
-
-
-def manifest_files(manifest: StateManifest) -> dict[str, FileEntry]:
-    """The files a manifest lists, by name: the tensors, and the tokenizer when it has one."""
-    files = {ckpt.MODEL_FILE: manifest.files.model, ckpt.STATE_FILE: manifest.files.state}
-    if manifest.files.tokenizer is not None:
-        files[ckpt.TOKENIZER_FILE] = manifest.files.tokenizer
-    return files
 
 
 def checkpoint_file(root: Path, step: int, name: str) -> Path | None:
@@ -106,7 +99,13 @@ class LyingDonorError(CheckpointError):
 
 def _check_sizes(url: str, manifest: StateManifest, root: Path, max_file_bytes: int | None) -> None:
     """Sizes the job's model implies, and room on the disk, before a byte is downloaded."""
-    files = manifest_files(manifest)
+    files = manifest.files.entries()
+    tokenizer = manifest.files.tokenizer
+    if tokenizer is not None and tokenizer.bytes > MAX_TOKENIZER_BYTES:
+        raise LyingDonorError(
+            f"{url} announces a tokenizer.json of {tokenizer.bytes} bytes; "
+            f"at most {MAX_TOKENIZER_BYTES} are accepted"
+        )
     if max_file_bytes is not None:
         for name, f in files.items():
             if f.bytes > max_file_bytes:
@@ -132,7 +131,7 @@ async def _fetch_from(
     )
     step = manifest.step
     await asyncio.to_thread(_check_sizes, url, manifest, root, max_file_bytes)
-    files = manifest_files(manifest)
+    files = manifest.files.entries()
     tmp = root / f".incoming-step-{step:08d}-{os.getpid()}"
     await asyncio.to_thread(shutil.rmtree, tmp, True)
     await asyncio.to_thread(tmp.mkdir, parents=True)
