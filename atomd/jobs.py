@@ -34,13 +34,28 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from atomd.data.sources import BUNDLED, check_source, shard_for_peer
+from atomd.data.sources import (
+    BUNDLED,
+    check_source,
+    check_tokenizer_name,
+    exists,
+    expand_path,
+    shard_for_peer,
+)
+from atomd.data.sources import BYTES as BYTES_TOKENIZER
+from atomd.data.sources import DEFAULT as DEFAULT_TOKENIZER
 from atomd.db import repo
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
 from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
-from atomd.errors import AtomdError, DataError, JobConflictError, NotFoundError, SpecError
+from atomd.errors import (
+    AtomdError,
+    ConfigError,
+    DataError,
+    JobConflictError,
+    NotFoundError,
+    SpecError,
+)
 from atomd.logs import get_logger
-from atomd.model import get_preset
 from atomd.model.config import num_parameters
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
@@ -152,6 +167,25 @@ def advert_data_problem(data: str, names: Mapping[str, str]) -> str | None:
     )
 
 
+def advert_problem(spec: JobSpec, names: Mapping[str, str]) -> str | None:
+    """Why this daemon may not join a job another peer announced, or None: no field of the
+    advert may make it read a local file (its data, tokenizer, or initial weights)."""
+    problem = advert_data_problem(spec.data, names)
+    if problem is not None:
+        return problem
+    if spec.tokenizer not in (BYTES_TOKENIZER, DEFAULT_TOKENIZER):
+        return (
+            f"its tokenizer {spec.tokenizer[:200]!r} is a path: a job from the swarm may only "
+            f"use {BYTES_TOKENIZER!r} or {DEFAULT_TOKENIZER!r}"
+        )
+    if spec.init_from is not None:
+        return (
+            f"it starts from init_from {spec.init_from[:200]!r}: a job from the swarm may not "
+            f"name a local path (a joiner starts from the swarm's state)"
+        )
+    return None
+
+
 def local_data(spec: JobSpec, names: Mapping[str, str]) -> JobSpec:
     """``spec`` with a registered dataset name replaced by its local path."""
     if spec.data in names:
@@ -163,7 +197,7 @@ def state_file_bound(spec: JobSpec) -> int:
     """The most bytes a checkpoint file of ``spec``'s model can hold: fp32 weights, AdamW's two
     moments and the sync state (anchor, momentum, error feedback, pending rounds), with room
     to spare; a donor announcing more is lying (issue #15: a manifest claimed 10^12 bytes)."""
-    return num_parameters(get_preset(spec.preset)) * 4 * 16 + (64 << 20)
+    return num_parameters(spec.model_shape) * 4 * 16 + (64 << 20)
 
 
 def admit(spec: JobSpec) -> None:
@@ -177,7 +211,13 @@ def admit(spec: JobSpec) -> None:
         check_source(spec.data)
     except DataError as e:
         raise SpecError(str(e), field="data") from None
-    need = num_parameters(get_preset(spec.preset)) * TRAIN_BYTES_PER_PARAMETER
+    try:
+        check_tokenizer_name(spec.tokenizer)
+    except ConfigError as e:
+        raise SpecError(str(e), field="tokenizer") from None
+    if spec.init_from is not None and not exists(expand_path(spec.init_from)):
+        raise SpecError(f"init_from {spec.init_from!r} does not exist", field="init_from")
+    need = num_parameters(spec.model_shape) * TRAIN_BYTES_PER_PARAMETER
     have = host_memory_available()
     if have is not None and need > have:
         raise SpecError(
@@ -406,7 +446,7 @@ class JobManager:
                 if await repo.get_job(s, job_id=job_id) is not None:
                     return  # we had it: stopped, finished or failed here; do not rejoin
             spec = JobSpec.model_validate(advert.get("spec", {}))
-            problem = advert_data_problem(spec.data, self.data_names)
+            problem = advert_problem(spec, self.data_names)
             if problem is not None:
                 log.warning("not joining the swarm's job %s: %s", job_id, problem)
                 async with self.sessions() as s, s.begin():

@@ -238,6 +238,13 @@ class FileEntry(Message):
 class StateFiles(Message):
     model: FileEntry = Field(alias="model.safetensors")
     state: FileEntry = Field(alias="state.safetensors")
+    # A run with a BPE tokenizer keeps its tokenizer.json beside the tensors.
+    tokenizer: FileEntry | None = Field(None, alias="tokenizer.json")
+
+    def entries(self) -> dict[str, FileEntry]:
+        """File name -> entry, for the files this checkpoint has."""
+        named = {"model.safetensors": self.model, "state.safetensors": self.state}
+        return named | ({"tokenizer.json": self.tokenizer} if self.tokenizer else {})
 
 
 class StateManifest(Message):

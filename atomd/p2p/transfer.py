@@ -33,10 +33,13 @@ from atomd.train import checkpoint as ckpt
 log = get_logger(__name__)
 
 TRANSFER_FILES = (ckpt.MODEL_FILE, ckpt.STATE_FILE)
+# Sent too when the manifest lists them (checkpoints of runs with a tokenizer).
+OPTIONAL_FILES = (ckpt.TOKENIZER_FILE,)
 MANIFEST_TIMEOUT_S = 45.0
 _CHUNK = 1 << 20
 DEADLINE_S = 900.0  # the whole transfer, every donor tried included
 DISK_MARGIN = 64 << 20  # free bytes left on the disk after a transfer
+MAX_TOKENIZER_BYTES = 64 << 20  # a BPE vocabulary of ~10^6 entries is ~50 MB of JSON
 
 
 def newest_manifest(root: Path) -> StateManifest | None:
@@ -53,7 +56,7 @@ def newest_manifest(root: Path) -> StateManifest | None:
 
 def checkpoint_file(root: Path, step: int, name: str) -> Path | None:
     """The path of one transferable file of checkpoint ``step``, if it still exists."""
-    if name not in TRANSFER_FILES:
+    if name not in TRANSFER_FILES + OPTIONAL_FILES:
         return None
     path = root / f"step-{step:08d}" / name
     return path if path.is_file() else None
@@ -96,7 +99,13 @@ class LyingDonorError(CheckpointError):
 
 def _check_sizes(url: str, manifest: StateManifest, root: Path, max_file_bytes: int | None) -> None:
     """Sizes the job's model implies, and room on the disk, before a byte is downloaded."""
-    files = {ckpt.MODEL_FILE: manifest.files.model, ckpt.STATE_FILE: manifest.files.state}
+    files = manifest.files.entries()
+    tokenizer = manifest.files.tokenizer
+    if tokenizer is not None and tokenizer.bytes > MAX_TOKENIZER_BYTES:
+        raise LyingDonorError(
+            f"{url} announces a tokenizer.json of {tokenizer.bytes} bytes; "
+            f"at most {MAX_TOKENIZER_BYTES} are accepted"
+        )
     if max_file_bytes is not None:
         for name, f in files.items():
             if f.bytes > max_file_bytes:
@@ -138,13 +147,12 @@ async def _fetch_from(
         if problem is not None:
             raise LyingDonorError(f"{url}: {problem}")
     await asyncio.to_thread(_check_sizes, url, manifest, root, max_file_bytes)
-    files = {ckpt.MODEL_FILE: manifest.files.model, ckpt.STATE_FILE: manifest.files.state}
+    files = manifest.files.entries()
     tmp = root / f".incoming-step-{step:08d}-{os.getpid()}"
     await asyncio.to_thread(shutil.rmtree, tmp, True)
     await asyncio.to_thread(tmp.mkdir, parents=True)
     try:
-        for name in TRANSFER_FILES:
-            want = files[name]
+        for name, want in files.items():
             dl = await asyncio.to_thread(_Download, tmp / name, want.bytes, want.sha256)
             try:
                 path = paths.job_state_file(job_id, step, name)

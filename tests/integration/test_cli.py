@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 ATOMD = [sys.executable, "-m", "atomd"]
-COMMANDS = ["train", "sample", "presets", "demo", "version"]
+COMMANDS = [
+    "train", "sample", "presets", "demo", "version", "export", "import", "plot", "tokenizer"
+]  # fmt: skip
 
 
 def run(

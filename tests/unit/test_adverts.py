@@ -8,7 +8,7 @@ from pathlib import Path
 from atomd.config import Settings
 from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
-from atomd.jobs import JobManager, advert_data_problem, local_data
+from atomd.jobs import JobManager, advert_data_problem, advert_problem, local_data
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 
@@ -23,6 +23,19 @@ def test_only_the_bundled_corpus_or_registered_names() -> None:
     spec = JobSpec(preset="tiny", data="wiki")
     assert local_data(spec, names).data == "/srv/data/wiki.bin"
     assert local_data(JobSpec(preset="tiny"), names).data == "shakespeare"
+
+
+def test_no_field_of_an_advert_names_a_local_file(tmp_path: Path) -> None:
+    """Tokenizer and initial weights are local files too: an advert may not name them."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    ok = JobSpec(preset="tiny", tokenizer="default", vocab_size=4096)
+    assert advert_problem(ok, {}) is None
+    by_path = ok.model_copy(update={"tokenizer": str(tmp_path / "tokenizer.json")})
+    assert "may only use 'bytes' or 'default'" in (advert_problem(by_path, {}) or "")
+    weights = ok.model_copy(update={"init_from": str(tmp_path)})
+    assert "may not name a local path" in (advert_problem(weights, {}) or "")
+    data = ok.model_copy(update={"data": "/etc/passwd"})
+    assert "may not name a local path" in (advert_problem(data, {}) or "")
 
 
 async def test_an_advert_naming_a_path_is_not_joined(tmp_path: Path) -> None:
