@@ -33,6 +33,7 @@ from atomd.p2p.messages import (
     StopJob,
     parse,
     record_problem,
+    sign_manifest,
 )
 from atomd.p2p.node import SwarmNode
 from atomd.p2p.transfer import checkpoint_file, newest_manifest
@@ -165,7 +166,8 @@ def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
         manifest: StateManifest | None = newest_manifest(root)
         if manifest is None:
             raise NotFoundError(f"no checkpoint of job {job_id} here yet")
-        return manifest.model_dump(mode="json", by_alias=True, exclude_none=True)
+        signed = sign_manifest(manifest, node.identity, node.settings.swarm, job_id)
+        return signed.model_dump(mode="json", by_alias=True, exclude_none=True)
 
     @app.get(paths.JOB_STATE_FILE)
     async def state_file(job_id: str, step: int, name: str, peer: Peer) -> FileResponse:

@@ -80,6 +80,7 @@ class PeerClient:
     ) -> None:
         self._identity = identity
         self._admission = admission
+        self.swarm = admission.swarm
         self._timeout = timeout
         # No redirects: the signature covers one path; another would go unsigned.
         self._client = httpx.AsyncClient(

@@ -268,3 +268,37 @@ class StateManifest(Message):
     plan: dict[str, Any] | None = Field(None, max_length=64)
     # The job spec's tokenizer name (Trainer.save writes it into every checkpoint's meta.json).
     tokenizer: Annotated[str, StringConstraints(max_length=4096, strict=True)] | None = None
+    signer: PeerId | None = None
+    """The donor that signed the step and the files' sizes and sha256 (``sign_manifest``)."""
+    signature: SignatureHex | None = None
+
+
+MANIFEST_VERSION = "atomd-manifest-v1"
+
+
+def manifest_payload(m: StateManifest, swarm: str, job_id: str, signer: str) -> bytes:
+    """What a donor signs of its manifest: the job, the step, and each file's size and sha256
+    (what the joiner checks the downloaded bytes against), the tokenizer's when it has one."""
+    f = m.files
+    fields = [MANIFEST_VERSION, swarm, job_id, signer, str(m.step),
+              str(f.model.bytes), f.model.sha256, str(f.state.bytes), f.state.sha256]  # fmt: skip
+    if f.tokenizer is not None:  # a run with a BPE tokenizer sends its tokenizer.json too
+        fields += [str(f.tokenizer.bytes), f.tokenizer.sha256]
+    return "\n".join(fields).encode()
+
+
+def sign_manifest(m: StateManifest, identity: Identity, swarm: str, job_id: str) -> StateManifest:
+    sig = identity.sign(manifest_payload(m, swarm, job_id, identity.peer_id)).hex()
+    return m.model_copy(update={"signer": identity.peer_id, "signature": sig})
+
+
+def manifest_problem(
+    m: StateManifest, swarm: str, job_id: str, signer: str, public_key: str
+) -> str | None:
+    """Why ``m`` is not the signed word of peer ``signer`` (key ``public_key``), or None."""
+    if m.signer != signer or m.signature is None:
+        return f"the manifest is not signed by the donor {signer} (signer: {m.signer})"
+    payload = manifest_payload(m, swarm, job_id, signer)
+    if not verify_signature(public_key, payload, bytes.fromhex(m.signature)):
+        return f"the manifest's signature is not {signer}'s"
+    return None

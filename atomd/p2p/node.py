@@ -428,8 +428,17 @@ class SwarmNode:
         self, job_id: str, donors: list[str], root: Path, *, max_file_bytes: int | None = None
     ) -> int | None:
         return await fetch_state(
-            self.client, donors, job_id, root, max_file_bytes=max_file_bytes, liars=self._liars
-        )
+            self.client, donors, job_id, root, max_file_bytes=max_file_bytes,
+            liars=self._liars, key_at=self._key_at,
+        )  # fmt: skip
+
+    def _key_at(self, url: str) -> tuple[str, str] | None:
+        """The member at a donor URL: (peer id, public key), for its signed manifest."""
+        url = url.rstrip("/")
+        for m in self.membership.all():
+            if m.url == url and m is not self.membership.me:
+                return m.id, m.public_key
+        return None
 
     # -- which peers train a job (for the delta exchange, ``atomd.sync.exchange``) -------------
 

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -27,7 +27,7 @@ from atomd.errors import AtomdError, CheckpointError, PeerRequestError
 from atomd.logs import get_logger
 from atomd.p2p import paths
 from atomd.p2p.client import PeerClient
-from atomd.p2p.messages import StateManifest, parse
+from atomd.p2p.messages import StateManifest, manifest_problem, parse
 from atomd.train import checkpoint as ckpt
 
 log = get_logger(__name__)
@@ -122,14 +122,30 @@ def _check_sizes(url: str, manifest: StateManifest, root: Path, max_file_bytes: 
         )
 
 
+KeyAt = Callable[[str], tuple[str, str] | None]
+"""A donor URL -> (its peer id, its public key hex), from the membership; None if unknown."""
+
+
 async def _fetch_from(
-    client: PeerClient, url: str, job_id: str, root: Path, max_file_bytes: int | None = None
+    client: PeerClient,
+    url: str,
+    job_id: str,
+    root: Path,
+    max_file_bytes: int | None = None,
+    key_at: KeyAt | None = None,
 ) -> int:
     # The donor may checkpoint its live state for us first (up to 30 s; jobs.LIVE_STATE_...).
     manifest = await client.get(
         url, paths.job_state(job_id), StateManifest, timeout=MANIFEST_TIMEOUT_S
     )
     step = manifest.step
+    if key_at is not None:  # the donor's own word: its signature over the step and the files
+        who = key_at(url)
+        if who is None:
+            raise CheckpointError(f"{url} is no member this daemon knows: not a donor")
+        problem = manifest_problem(manifest, client.swarm, job_id, *who)
+        if problem is not None:
+            raise LyingDonorError(f"{url}: {problem}")
     await asyncio.to_thread(_check_sizes, url, manifest, root, max_file_bytes)
     files = manifest.files.entries()
     tmp = root / f".incoming-step-{step:08d}-{os.getpid()}"
@@ -190,6 +206,7 @@ async def fetch_state(
     max_file_bytes: int | None = None,
     deadline_s: float = DEADLINE_S,
     liars: set[str] | None = None,
+    key_at: KeyAt | None = None,
 ) -> int | None:
     """Fetch the newest checkpoint of ``job_id`` from the first donor that delivers it whole,
     within ``deadline_s`` in all. A file announced larger than ``max_file_bytes`` (what the
@@ -201,7 +218,7 @@ async def fetch_state(
     try:
         async with asyncio.timeout(deadline_s):
             return await _fetch_state(client, donors, job_id, root, rounds, max_file_bytes,
-                                      liars if liars is not None else set())  # fmt: skip
+                                      liars if liars is not None else set(), key_at)  # fmt: skip
     except TimeoutError:
         raise CheckpointError(
             f"the state of job {job_id} did not arrive within {deadline_s:g} s"
@@ -216,6 +233,7 @@ async def _fetch_state(
     rounds: int,
     max_file_bytes: int | None,
     liars: set[str],
+    key_at: KeyAt | None = None,
 ) -> int | None:
     await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
     honest = [u for u in donors if u not in liars]
@@ -228,7 +246,7 @@ async def _fetch_state(
             if url in liars:
                 continue
             try:
-                step = await _fetch_from(client, url, job_id, root, max_file_bytes)
+                step = await _fetch_from(client, url, job_id, root, max_file_bytes, key_at)
             except LyingDonorError as e:
                 liars.add(url)
                 log.warning("state transfer from %s refused: %s; not asking it again", url, e)

@@ -19,7 +19,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from atomd.errors import CheckpointError
 from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
-from atomd.p2p.messages import PeerInfo
+from atomd.p2p.messages import PeerInfo, sign_manifest
 from atomd.p2p.signing import Admission
 from atomd.p2p.transfer import fetch_state, newest_manifest
 from atomd.train import checkpoint as ckpt
@@ -34,10 +34,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+DONORS: dict[str, Identity] = {}  # behaviour -> the donor's identity (signed manifests)
+
+
 def donor_app(root: Path, behaviour: str) -> FastAPI:
     """A donor serving ``root``'s newest checkpoint: honestly, or dying, or lying."""
     app = FastAPI()
-    me = Identity.generate().peer_id
+    ident = DONORS.setdefault(behaviour, Identity.generate())
+    me = ident.peer_id
 
     @app.get("/p2p/v1/info")
     async def info() -> PeerInfo:
@@ -49,6 +53,17 @@ def donor_app(root: Path, behaviour: str) -> FastAPI:
         if found is None or behaviour == "empty":
             return JSONResponse({"error": "not_found", "detail": "none"}, status_code=404)
         m = found.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if behaviour in ("signed", "forged", "resized"):
+            signer = ident if behaviour != "forged" else Identity.generate()
+            signed = sign_manifest(found, signer, "s", job_id)
+            if behaviour == "forged":  # another key's signature under this donor's id
+                signed = signed.model_copy(update={"signer": me})
+            if behaviour == "resized":  # signed, then a size changed on the way
+                files = signed.files.model_copy(
+                    update={"model": signed.files.model.model_copy(update={"bytes": 1})}
+                )
+                signed = signed.model_copy(update={"files": files})
+            m = signed.model_dump(mode="json", by_alias=True, exclude_none=True)
         if behaviour == "huge":  # issue #15: a manifest claimed 10^12-byte files
             m = {**m, "files": {n: {**f, "bytes": 10**12} for n, f in m["files"].items()}}
         if behaviour == "garbage":  # consistent sizes and hashes of bytes that are no checkpoint
@@ -160,3 +175,38 @@ async def test_the_whole_transfer_has_a_deadline(tmp_path: Path, donors: Any) ->
     async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
         with pytest.raises(CheckpointError, match="did not arrive within 1 s"):
             await fetch_state(client, urls, "job1", tmp_path / "j", deadline_s=1.0)
+
+
+async def test_the_donors_manifest_must_be_signed_by_the_donor(tmp_path: Path, donors: Any) -> None:
+    urls = {b: await donors(b) for b in ("ok", "forged", "resized", "signed")}
+    members = {urls[b]: (DONORS[b].peer_id, DONORS[b].public_key_hex) for b in urls}
+    liars: set[str] = set()
+    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+        step = await fetch_state(client, list(urls.values()), "job1", tmp_path / "j",
+                                 liars=liars, key_at=members.get)  # fmt: skip
+    assert step == 7
+    assert liars == {urls["ok"], urls["forged"], urls["resized"]}, "unsigned, forged, altered"
+
+
+def test_the_signed_manifest_covers_the_tokenizer_file() -> None:
+    """A run with a BPE tokenizer sends its tokenizer.json: its size and hash are signed too,
+    so nobody on the path can swap the vocabulary a joiner will decode and train with."""
+    from atomd.p2p.identity import Identity
+    from atomd.p2p.messages import StateManifest, manifest_problem
+
+    entry = {"bytes": 10, "sha256": "a" * 64}
+    m = StateManifest.model_validate({
+        "format_version": 1, "step": 7, "files": {
+            "model.safetensors": entry, "state.safetensors": entry, "tokenizer.json": entry,
+        },
+    })  # fmt: skip
+    me = Identity.generate()
+    signed = sign_manifest(m, me, "s", "job")
+    assert manifest_problem(signed, "s", "job", me.peer_id, me.public_key_hex) is None
+    files = signed.files.model_copy(
+        update={"tokenizer": signed.files.tokenizer.model_copy(update={"sha256": "b" * 64})}  # type: ignore[union-attr]
+    )
+    swapped = signed.model_copy(update={"files": files})
+    assert "signature" in (
+        manifest_problem(swapped, "s", "job", me.peer_id, me.public_key_hex) or ""
+    )
