@@ -2,8 +2,11 @@
 
 Three ``atomd run`` processes start from one seed, a job is started through the REST API of the
 first, the others join it, and every few seconds one line per peer shows its step, loss,
-validation loss and the delta bytes it has sent and received. Ctrl-C stops every daemon
-cleanly (each checkpoints); so does the end of the job.
+validation loss, the cadence of its rounds and the delta bytes it has sent and received. Beside
+them a fourth daemon trains the same job alone (a local job: the same batch and steps, its share
+of this machine, the same validation windows), and at the end the demo prints the swarm's final
+validation loss next to the lone peer's. Ctrl-C stops every daemon cleanly (each checkpoints);
+so does the end of the job.
 """
 
 from __future__ import annotations
@@ -35,22 +38,42 @@ def _bytes(d: DaemonProcess, job_id: str) -> tuple[int, int, int]:
 
 def _line(name: str, d: DaemonProcess, job_id: str) -> tuple[str, dict[str, Any]]:
     job = _get(d, f"/v1/jobs/{job_id}")
-    sent, received, merged = _bytes(d, job_id)
     val = f"{job['val_loss']:.3f}" if job["val_loss"] is not None else "  -  "
     loss = f"{job['loss']:.3f}" if job["loss"] is not None else "  -  "
+    text = f"  {name:<6} {job['state']:<9} step {job['step']:>4}  loss {loss}  val {val}"
+    if job.get("scope") == "swarm":
+        sent, received, merged = _bytes(d, job_id)
+        every = (job.get("sync") or {}).get("every")
+        text += (
+            f"  every {every if every is not None else '-':>3}  sent {sent / 1024:>7.1f} KiB  "
+            f"received {received / 1024:>7.1f} KiB  deltas merged {merged:>3}"
+        )
+    return text, job
+
+
+def _verdict(swarm: list[float | None], alone: float | None) -> str:
+    """The demo's last line: the swarm's final validation loss against the lone peer's."""
+    done = [v for v in swarm if v is not None]
+    if not done or alone is None:
+        return "no final validation loss to compare (stopped early)"
+    mean = sum(done) / len(done)
+    verdict = "the swarm wins" if mean < alone else "the swarm does NOT win"
     return (
-        f"  {name:<6} {job['state']:<9} step {job['step']:>4}  loss {loss}  val {val}  "
-        f"sent {sent / 1024:>7.1f} KiB  received {received / 1024:>7.1f} KiB  "
-        f"deltas merged {merged:>3}",
-        job,
+        f"final validation loss: swarm {mean:.3f} (mean of {len(done)} peers), one peer alone "
+        f"in the same time {alone:.3f}: {verdict} by {alone - mean:+.3f}"
     )
 
 
-def run_swarm_demo(root: Path, *, peers: int = 3, max_steps: int = 600, every: int = 50) -> int:
-    spec = {"preset": "tiny", "micro_batch_size": 16, "max_steps": max_steps,
-            "sync": {"every": every}}  # fmt: skip
+def run_swarm_demo(
+    root: Path, *, peers: int = 3, max_steps: int = 600, every: int | str = "auto"
+) -> int:
+    spec: dict[str, Any] = {"preset": "tiny", "micro_batch_size": 16, "max_steps": max_steps}
+    lone_spec = dict(spec)
+    spec["sync"] = {"every": every}
+    how_often = "as often as it pays" if every == "auto" else f"every {every} steps"
     print(f"atomd demo: {peers} daemons on loopback train the tiny GPT on Shakespeare together,")
-    print(f"each on its own shard, exchanging compressed weight deltas every {every} steps.")
+    print(f"each on its own data, exchanging compressed weight deltas {how_often};")
+    print("a fourth daemon trains the same job alone, for comparison.")
     print(f"Data and logs: {root}   (Ctrl-C stops everything cleanly)\n", flush=True)
     ds: list[DaemonProcess] = []
     interrupted = False
@@ -60,14 +83,17 @@ def run_swarm_demo(root: Path, *, peers: int = 3, max_steps: int = 600, every: i
         interrupted = True
 
     previous = signal.signal(signal.SIGINT, on_sigint)
+    alone: DaemonProcess | None = None
     try:
         ds = start_swarm(root, peers)
+        alone = DaemonProcess(root / "alone", env=ds[0].env).start()
         ids = [peer_id(d) for d in ds]
         wait_until(lambda: all(len(_get(d, "/v1/peers")) == peers for d in ds), timeout=30)
         for i, d in enumerate(ds):
             print(f"  peer{i}: {ids[i][:16]}…  control {d.url}  peer plane {d.peer_url}")
         job = httpx.post(f"{ds[0].url}/v1/jobs", json=spec, timeout=60).json()
         job_id = job["id"]
+        lone = httpx.post(f"{alone.url}/v1/jobs?scope=local", json=lone_spec, timeout=60).json()
         print(f"\nstarted job {job_id} on peer0 (POST {ds[0].url}/v1/jobs); the others join:\n")
         done = False
         while not interrupted and not done:
@@ -80,21 +106,29 @@ def run_swarm_demo(root: Path, *, peers: int = 3, max_steps: int = 600, every: i
                 except httpx.HTTPError:
                     text = f"  peer{i}  (not answering)"
                 lines.append(text)
+            try:
+                text, lone = _line("alone", alone, lone["id"])
+            except httpx.HTTPError:
+                text = "  alone  (not answering)"
+            lines.append(text)
             print(time.strftime("%H:%M:%S"), flush=True)
             print("\n".join(lines), flush=True)
             done = bool(states) and all(s in ("finished", "failed", "stopped") for s in states)
+            done = done and lone.get("state") in ("finished", "failed", "stopped")
         if done:
             print("\nthe job has finished on every peer.")
+            finals = [_get(d, f"/v1/jobs/{job_id}")["val_loss"] for d in ds]
+            print(_verdict(finals, _get(alone, f"/v1/jobs/{lone['id']}")["val_loss"]))
         return 0
     except (httpx.HTTPError, RuntimeError, TimeoutError) as e:
         print(f"demo failed: {e}", file=sys.stderr)
-        for d in ds:
+        for d in [*ds, *([alone] if alone else [])]:
             print(f"--- {d.log_path}\n{d.log()[-2000:]}", file=sys.stderr)
         return 1
     finally:
         if interrupted:
             print("\nCtrl-C: stopping the daemons (each checkpoints first)…", flush=True)
-        for d in ds:
+        for d in [*ds, *([alone] if alone else [])]:
             d.stop()
         signal.signal(signal.SIGINT, previous)
         print("all daemons stopped.")

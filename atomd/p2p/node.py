@@ -44,8 +44,9 @@ class SwarmJobs(Protocol):
         ...
 
     async def stop_from_peer(self, job_id: str, peer_id: str) -> None: ...
-    async def live_state(self, job_id: str) -> bool:
-        """Checkpoint the live state of a job trained here, for a joining peer."""
+    async def live_state(self, job_id: str, at_least: int) -> bool:
+        """Checkpoint the live state of a job trained here for a joining peer, if it is at
+        step ``at_least`` or later (``NotFoundError`` if it is younger)."""
         ...
 
     def job_dir(self, job_id: str) -> Path: ...
@@ -283,8 +284,10 @@ class SwarmNode:
         except PeerRequestError as e:
             log.info("%s%s failed: %s", url, path, e)
 
-    async def fetch_state(self, job_id: str, donors: list[str], root: Path) -> int | None:
-        return await fetch_state(self.client, donors, job_id, root)
+    async def fetch_state(
+        self, job_id: str, donors: list[str], root: Path, at_least: int
+    ) -> int | None:
+        return await fetch_state(self.client, donors, job_id, root, at_least=at_least)
 
     # -- which peers train a job (for the delta exchange, ``atomd.sync.exchange``) -------------
 

@@ -1,9 +1,11 @@
 """State transfer: a peer joining a running job fetches the newest checkpoint from a live peer.
 
 A donor that trains the job first checkpoints its live state at its next step boundary, so the
-joiner starts from the swarm's current model. The donor serves its newest checkpoint as a
-manifest (the checkpoint's ``meta.json``: step, file sizes and sha256) and the files as chunked
-streams. The joiner writes them into a hidden
+joiner starts from the swarm's current model; a swarm younger than the joiner asks for
+(``at_least``: its warm-up, or past the joiner's own checkpoint) has no state to give, and the
+joiner starts from the initial weights instead of waiting for ~6 model sizes on the wire. The
+donor serves its newest checkpoint as a manifest (the checkpoint's ``meta.json``: step, file
+sizes and sha256) and the files as chunked streams. The joiner writes them into a hidden
 ``.incoming-*`` folder, checking sizes and hashes as bytes arrive, writes ``meta.json`` last,
 fsyncs and renames the folder into place. A donor that dies, lies or stalls costs that attempt:
 the temporary folder is removed and the next donor is tried. Nothing half-downloaded is used,
@@ -86,13 +88,17 @@ class _Download:
             raise CheckpointError(f"{self.path.name}: sha256 mismatch (corrupt in transfer)")
 
 
-async def _fetch_from(client: PeerClient, url: str, job_id: str, root: Path) -> int:
-    # The donor may checkpoint its live state for us first (up to 30 s; jobs.LIVE_STATE_...).
-    manifest = await client.get_json(
-        url, f"/p2p/v1/jobs/{job_id}/state", timeout=MANIFEST_TIMEOUT_S
-    )
+async def _fetch_from(client: PeerClient, url: str, job_id: str, root: Path, at_least: int) -> int:
+    # The donor may checkpoint its live state for us first (up to 30 s); it answers 404 when
+    # it has no state from step ``at_least`` on.
+    path = f"/p2p/v1/jobs/{job_id}/state?at_least={at_least}"
+    manifest = await client.get_json(url, path, timeout=MANIFEST_TIMEOUT_S)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int):
         raise CheckpointError(f"malformed state manifest from {url}")
+    if manifest["step"] < at_least:  # a donor that did not honour the query: nothing newer
+        raise PeerRequestError(
+            f"{url} has state at step {manifest['step']}, not from step {at_least} on", status=404
+        )
     if manifest.get("format_version") != ckpt.FORMAT_VERSION:
         raise CheckpointError(
             f"state from {url} has format_version {manifest.get('format_version')!r}, "
@@ -150,18 +156,25 @@ def _fsync_and_publish(tmp: Path, final: Path) -> None:
 
 
 async def fetch_state(
-    client: PeerClient, donors: Sequence[str], job_id: str, root: Path, *, rounds: int = 2
+    client: PeerClient,
+    donors: Sequence[str],
+    job_id: str,
+    root: Path,
+    *,
+    rounds: int = 2,
+    at_least: int = 0,
 ) -> int | None:
     """Fetch the newest checkpoint of ``job_id`` from the first donor that delivers it whole.
 
-    Returns the step fetched, or None when no donor has one (the job starts from its seed).
+    Returns the step fetched, or None when no donor has one from step ``at_least`` on (the job
+    starts from its seed, or from the joiner's own checkpoint).
     """
     await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
     no_state = 0
     for attempt in range(rounds):
         for url in donors:
             try:
-                step = await _fetch_from(client, url, job_id, root)
+                step = await _fetch_from(client, url, job_id, root, at_least)
             except PeerRequestError as e:
                 if e.status == 404:
                     no_state += 1
