@@ -7,19 +7,21 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-local test lint typecheck unit bench clean help
+.PHONY: demo demo-local test lint typecheck unit bench bench-quick clean help
 
 help:
 	@echo "make demo   - set up .venv, run 3 daemons on loopback that train the tiny GPT together"
 	@echo "make demo-local - one process: train the tiny GPT with a progress bar, print a sample"
 	@echo "make test   - set up .venv, run ruff, mypy and the whole test suite"
-	@echo "make bench  - run the benchmarks (JSON to stdout)"
+	@echo "make bench  - run the benchmarks, JSON to stdout (about 80 min on 2 cores)"
+	@echo "make bench-quick - the benchmarks' quick variants (a few minutes)"
 
-$(STAMP): pyproject.toml
+# constraints.txt pins the test tools (ruff, mypy, pytest and its plugins).
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev]" -c constraints.txt
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -32,7 +34,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: $(STAMP)
+# api/ and bench/ install as atomd_api and atomd_bench (pyproject's package-dir); mypy finds
+# them under those names through these links (pyproject's mypy_path).
+IMPORT_NAMES := $(VENV)/import-names
+$(IMPORT_NAMES): | $(STAMP)
+	mkdir -p $(IMPORT_NAMES)
+	ln -sfn $(CURDIR)/api $(IMPORT_NAMES)/atomd_api
+	ln -sfn $(CURDIR)/bench $(IMPORT_NAMES)/atomd_bench
+	ln -sfn $(CURDIR)/migrations $(IMPORT_NAMES)/atomd_migrations
+
+typecheck: $(STAMP) $(IMPORT_NAMES)
 	$(BIN)/mypy
 
 unit: $(STAMP)
@@ -42,7 +53,10 @@ test: lint typecheck
 	$(BIN)/pytest -q -ra
 
 bench: $(STAMP)
-	$(BIN)/python -m bench
+	$(BIN)/python -m atomd_bench
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m atomd_bench --quick
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .pytest_cache .ruff_cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Callable
@@ -10,10 +11,20 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from api import errors
-from api.schemas import (
+from atomd import __version__
+from atomd.config import Settings
+from atomd.db import repo
+from atomd.db.health import DatabaseFile
+from atomd.errors import UnauthorizedError
+from atomd.jobs import JobManager, Scope
+from atomd.p2p.node import SwarmNode
+from atomd.spec import JobSpec
+from atomd.telemetry import Telemetry
+from atomd_api import errors
+from atomd_api.schemas import (
     Health,
     JobPublic,
     PeerPublic,
@@ -22,14 +33,6 @@ from api.schemas import (
     RoundPublic,
     StatusPublic,
 )
-from atomd import __version__
-from atomd.config import Settings
-from atomd.db import repo
-from atomd.errors import UnauthorizedError
-from atomd.jobs import JobManager, Scope
-from atomd.p2p.node import SwarmNode
-from atomd.spec import JobSpec
-from atomd.telemetry import Telemetry
 
 
 @dataclass
@@ -43,6 +46,7 @@ class ControlContext:
     readiness: Callable[[], dict[str, bool]]
     started_at: float
     swarm: SwarmNode | None = None
+    database: DatabaseFile | None = None
 
 
 def _ctx(request: Request) -> ControlContext:
@@ -150,6 +154,18 @@ async def stop_job(
     return _job(await ctx.jobs.stop(job_id, scope))
 
 
+@v1.post(
+    "/jobs/{job_id}/resume",
+    response_model=JobPublic,
+    summary="Continue a stopped or failed job from its newest good checkpoint",
+    responses=errors.responses(404, 409),
+)
+async def resume_job(ctx: Ctx, job_id: str) -> JobPublic:
+    """For example a job that stopped on a full disk, once there is space again. 409 while
+    another job is active, or if this one is active or finished."""
+    return _job(await ctx.jobs.resume(job_id))
+
+
 @v1.get(
     "/jobs/{job_id}/progress",
     response_model=list[ProgressPublic],
@@ -182,10 +198,13 @@ async def get_rounds(
 
 
 def create_control_app(ctx: ControlContext) -> FastAPI:
-    app = FastAPI(
+    # /docs and /redoc serve Swagger UI and ReDoc from files shipped with the package
+    # (fastapi-offline), not from a CDN: they work on a machine with no Internet.
+    app = FastAPIOffline(
         title="atomd control API",
         version=__version__,
         description="Start and stop training jobs, watch progress, check health.",
+        static_url="/docs-assets",
     )
     app.state.ctx = ctx
     errors.install(app)
@@ -199,11 +218,18 @@ def create_control_app(ctx: ControlContext) -> FastAPI:
         response_model=Readiness,
         dependencies=[Depends(require_token)],
         responses={503: {"model": Readiness, "description": "not ready"}, **errors.responses(401)},
-        summary="200 once the database is migrated and the peer server listens",
+        summary="200 once the database is migrated and both servers listen; 503 with the "
+        "reasons when not (a database file deleted or replaced under the daemon, for example)",
     )
     async def readyz(c: Ctx) -> Response:
         checks = c.readiness()
-        body = Readiness(ready=all(checks.values()), checks=checks)
+        reasons: dict[str, str] = {}
+        if c.database is not None:
+            problem = await asyncio.to_thread(c.database.problem)
+            if problem is not None:
+                checks["database"] = False
+                reasons["database"] = problem
+        body = Readiness(ready=all(checks.values()), checks=checks, reasons=reasons)
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 
     @app.get(

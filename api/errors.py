@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from api.schemas import ErrorBody
 from atomd.errors import (
     AtomdError,
     CheckpointError,
@@ -21,6 +23,7 @@ from atomd.errors import (
     UnauthorizedError,
     WireError,
 )
+from atomd_api.schemas import ErrorBody
 
 # Most specific first.
 _STATUS: list[tuple[type[AtomdError], int, str]] = [
@@ -50,7 +53,30 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorBody, "description": "error"} for code in codes}
 
 
+def _json_safe(value: Any) -> Any:
+    """What a request sent, made JSON-encodable: NaN and infinities as strings (a 422 that
+    echoes ``{"lr": NaN}`` back would otherwise fail to encode and become a 500)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def install(app: FastAPI) -> None:
+    async def handle_validation(request: Request, exc: Exception) -> JSONResponse:
+        # FastAPI's own 422 shape (each field and its reason), with what was sent made safe.
+        assert isinstance(exc, RequestValidationError)
+        errors = []
+        for e in exc.errors():
+            safe = {**e, "input": _json_safe(e.get("input"))}
+            if "ctx" in e:
+                safe["ctx"] = _json_safe(e["ctx"])
+            errors.append(safe)
+        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, AtomdError)
         if isinstance(exc, SpecError):
@@ -70,5 +96,6 @@ def install(app: FastAPI) -> None:
         body = ErrorBody(error=kinds.get(exc.status_code, "invalid"), detail=str(exc.detail))
         return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
+    app.add_exception_handler(RequestValidationError, handle_validation)
     app.add_exception_handler(AtomdError, handle)
     app.add_exception_handler(HTTPException, handle_http)

@@ -13,7 +13,6 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
-from api import errors
 from atomd import __version__
 from atomd.errors import NotFoundError, PeerAuthError, WireError
 from atomd.p2p.auth import VerifiedPeer, peer_auth
@@ -21,6 +20,7 @@ from atomd.p2p.node import SwarmNode
 from atomd.p2p.transfer import checkpoint_file, newest_manifest
 from atomd.sync.exchange import DeltaExchange
 from atomd.train.checkpoint import checkpoint_root
+from atomd_api import errors
 
 
 class PeerInfo(BaseModel):

@@ -24,6 +24,9 @@ class Health(BaseModel):
 class Readiness(BaseModel):
     ready: bool
     checks: dict[str, bool]
+    reasons: dict[str, str] = Field(
+        default_factory=dict, description="Why each failing check fails, where known"
+    )
 
 
 class JobPublic(BaseModel):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, cast
 
@@ -27,6 +31,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: rich's panels print boolean flags as `--zeroconf / --no-zeroconf <bool>`.
+    rich_markup_mode=None,
 )
 
 DeviceOpt = Annotated[
@@ -47,8 +53,10 @@ def _spec_from(spec_file: Path | None, overrides: dict[str, Any]) -> Any:
     if spec_file is not None:
         try:
             base = json.loads(spec_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            fail(f"cannot read job spec {spec_file}: {e}")
+        except OSError as e:
+            fail(f"cannot read job spec {spec_file}: {e.strerror or e}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            fail(f"job spec {spec_file} is not valid JSON: {e}")
         if not isinstance(base, dict):
             fail(f"job spec {spec_file} must be a JSON object")
     base.update({k: v for k, v in overrides.items() if v is not None})
@@ -127,21 +135,51 @@ def train(
         "swap_optimizer": swap_optimizer,
     }
     spec = _spec_from(spec_file, overrides)
+    from atomd.engines import build_engine
     from atomd.train.trainer import Trainer
 
-    trainer = Trainer(spec, out, device=device, resume=resume, progress=not quiet)
+    built = build_engine(spec, device)
+    trainer = Trainer(spec, out, built.engine, plan=built.plan, resume=resume, progress=not quiet)
     n_params = trainer.engine.model.num_parameters()
     typer.echo(
         f"training {spec.preset} ({n_params / 1e6:.2f}M parameters) on {spec.data} "
-        f"[{trainer.dataset.train_tokens:,} training tokens] with {trainer.device.type}, "
-        f"{spec.total_steps} steps of {spec.tokens_per_step:,} tokens -> {out}"
+        f"[{trainer.dataset.train_tokens:,} training tokens] with {built.device.type}, "
+        f"{spec.total_steps} steps of {spec.tokens_per_step:,} tokens -> {out} "
+        "(Ctrl-C stops at the next step and checkpoints)"
     )
-    summary = trainer.run()
+    with _stop_on_ctrl_c(trainer.stop_event):
+        summary = trainer.run()
     val = f", val_loss {summary.val_loss:.4f}" if summary.val_loss is not None else ""
     loss = f", loss {summary.loss:.4f}" if summary.loss is not None else ""
     typer.echo(
         f"{summary.state} at step {summary.step}{loss}{val}; checkpoint {summary.checkpoint}"
     )
+    if summary.state == "stopped":
+        typer.echo(f"interrupted; continue with: atomd train --out {out} --resume", err=True)
+        raise typer.Exit(130)
+
+
+@contextlib.contextmanager
+def _stop_on_ctrl_c(stop: threading.Event) -> Iterator[None]:
+    """The first Ctrl-C stops training at the next step boundary (it checkpoints); a second
+    one aborts at once, without a checkpoint."""
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if stop.is_set():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        stop.set()
+        typer.echo(
+            "\nCtrl-C: stopping at the next step boundary and writing a checkpoint "
+            "(Ctrl-C again aborts without one)",
+            err=True,
+        )
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @app.command()
@@ -185,16 +223,14 @@ def _generate_text(
 @app.command()
 def presets() -> None:
     """List the model presets with their shapes and parameter counts."""
-    import torch
-
-    from atomd.model import GPT, PRESETS
+    from atomd.model import PRESETS
+    from atomd.model.config import num_parameters
 
     typer.echo(
         f"{'preset':<10} {'layers':>6} {'width':>6} {'heads':>5} {'context':>7} {'params':>10}"
     )
     for name, cfg in PRESETS.items():
-        with torch.device("meta"):
-            n = GPT(cfg).num_parameters()
+        n = num_parameters(cfg)
         typer.echo(
             f"{name:<10} {cfg.n_layer:>6} {cfg.n_embd:>6} {cfg.n_head:>5} {cfg.block_size:>7} "
             f"{n / 1e6:>9.1f}M"
@@ -225,15 +261,17 @@ def demo(
             run_swarm_demo(out / time.strftime("demo-swarm-%Y%m%d-%H%M%S"), peers=peers,
                            max_steps=max_steps, every=every if every == "auto" else int(every))
         )  # fmt: skip
+    from atomd.engines import build_engine
     from atomd.spec import JobSpec
     from atomd.train.trainer import Trainer
 
     run_dir = out / time.strftime("demo-%Y%m%d-%H%M%S")
     spec = JobSpec(preset="tiny", max_steps=max_steps)
-    trainer = Trainer(spec, run_dir, device=device, progress=True)
+    built = build_engine(spec, device)
+    trainer = Trainer(spec, run_dir, built.engine, plan=built.plan, progress=True)
     typer.secho(
         f"atomd demo: training the tiny GPT ({trainer.engine.model.num_parameters() / 1e6:.2f}M "
-        f"parameters) on Shakespeare's plays, {spec.total_steps} steps on {trainer.device.type}. "
+        f"parameters) on Shakespeare's plays, {spec.total_steps} steps on {built.device.type}. "
         f"Output: {run_dir}",
         bold=True,
     )
@@ -263,25 +301,23 @@ LinkOpt = Annotated[
     str | None,
     typer.Option(
         help="Fix what swapped weights and gradients cross the link in: bf16 or fp32 "
-        "(default: bf16 with the host optimizer on a GPU)."
+        "(default: the planner's, weighing link time against host conversions)."
     ),
 ]
 
 
+def _one_of(flag: str, value: str | None, allowed: tuple[str, ...]) -> str | None:
+    if value is not None and value not in allowed:
+        fail(f"{flag} must be {' or '.join(allowed)}, not {value!r}")
+    return value
+
+
 def _link_choice(value: str | None) -> Link | None:
-    if value is None:
-        return None
-    if value not in ("bf16", "fp32"):
-        fail(f"--link must be bf16 or fp32, not {value!r}")
-    return cast("Link", value)
+    return cast("Link | None", _one_of("--link", value, ("bf16", "fp32")))
 
 
 def _optimizer_choice(value: str | None) -> Optimizer | None:
-    if value is None:
-        return None
-    if value not in ("host", "device"):
-        fail(f"--optimizer must be host or device, not {value!r}")
-    return cast("Optimizer", value)
+    return cast("Optimizer | None", _one_of("--optimizer", value, ("host", "device")))
 
 
 @app.command()
@@ -312,13 +348,31 @@ def plan(
     measure: Annotated[
         bool, typer.Option("--measure", help="Measure this machine's GPU rates (needs CUDA).")
     ] = False,
+    clip: Annotated[
+        bool,
+        typer.Option(
+            "--clip/--no-clip",
+            help="Whether steps clip the gradient norm (the job spec's default, grad_clip 1.0): "
+            "host AdamW steps then wait for the whole backward.",
+        ),
+    ] = True,
+    simulate: Annotated[
+        bool,
+        typer.Option(
+            "--simulate",
+            help="Also run the plan's schedule on a stand-in model on the CPU, record every "
+            "copy, compute and host task it issues, check it and replay it at these rates: "
+            "simulated step time and critical path.",
+        ),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
-    """Plan swapped training: K slots, M micro-batches per visit, resident set, predictions."""
+    """Plan swapped training: K slots, M micro-batches per visit, resident set, predictions,
+    and the tokens per step from which swapping costs nothing."""
     from atomd.errors import PlanError
     from atomd.model.presets import get_preset
     from atomd.swap import hardware
-    from atomd.swap.plan import Shape, make_plan
+    from atomd.swap.plan import Shape, free_from, make_plan
     from atomd.swap.report import format_plan
     from atomd.units import parse_bytes
 
@@ -340,29 +394,43 @@ def plan(
         micro_batch_size=micro_batch_size,
         seq_len=seq_len or cfg.block_size,
         grad_accum=grad_accum,
+        dtype_bytes=2,
+        grad_clip=clip,
     )
+    choices: dict[str, Any] = {
+        "budget_bytes": budget,
+        "hardware": hw,
+        "slots": slots,
+        "micro_batches": micro_batches,
+        "resident_blocks": resident_blocks,
+        "optimizer": _optimizer_choice(optimizer),
+        "graph_blocks": graph_blocks,
+        "link": _link_choice(link),
+    }
     try:
-        result = make_plan(
-            shape,
-            budget_bytes=budget,
-            hardware=hw,
-            slots=slots,
-            micro_batches=micro_batches,
-            resident_blocks=resident_blocks,
-            optimizer=_optimizer_choice(optimizer),
-            graph_blocks=graph_blocks,
-            link=_link_choice(link),
-        )
+        result = make_plan(shape, **choices)
     except PlanError as e:
         fail(str(e))
-    if json_out:
-        typer.echo(json.dumps({"preset": preset, **result.to_dict()}, indent=2))
-    else:
-        typer.echo(format_plan(result, preset=preset))
+    free = free_from(shape, **(choices | {"micro_batches": None}))
+    out: dict[str, Any] = {"preset": preset, **result.to_dict()}
+    out["free_from_tokens_per_step"] = free.tokens_per_step if free else None
+    text = format_plan(result, preset=preset, free=free)
+    if simulate:
+        from atomd.swap.record import check_schedule
+        from atomd.swap.rehearse import rehearse
+        from atomd.swap.report import format_simulation
+
+        recorder, sim = rehearse(result, shape, hw, steps=2)
+        problems = check_schedule(recorder)
+        out["simulation"] = sim.summary() | {"schedule_problems": problems}
+        text += "\n\n" + format_simulation(sim, problems, predicted_s=result.step_s)
+    typer.echo(json.dumps(out, indent=2) if json_out else text)
 
 
 bench_app = typer.Typer(
-    help="Benchmarks: each prints what it measured in one run as JSON.", no_args_is_help=True
+    help="Benchmarks: each prints what it measured in one run as JSON.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(bench_app, name="bench")
 
@@ -414,13 +482,21 @@ def bench_swap(
             "summary: busy and overlap seconds of compute, loads and stores."
         ),
     ] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            help="Record 2 more swapped steps (every copy, compute segment and host task with "
+            "what it waited for), replay them at the measured rates and write both to this "
+            "JSON file; the output gets the simulated step times and critical path."
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
 ) -> None:
     """Train the same steps resident and swapped; print throughput, ratio and parameter diff."""
     if profile is not None and profile.exists() and not profile.is_dir():
         fail(f"--profile {profile}: exists and is not a folder")
     try:
-        from bench.swap import run as run_swap_bench
+        from atomd_bench.swap import run as run_swap_bench
     except ImportError:
         fail("atomd bench needs the bench/ package (a source checkout or `pip install -e .`)")
     result = run_swap_bench(
@@ -441,6 +517,7 @@ def bench_swap(
         grad_clip=grad_clip,
         also_grad_clip=also_grad_clip,
         profile=profile,
+        trace=trace,
     )
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
 
@@ -461,7 +538,7 @@ def bench_sync(
 ) -> None:
     """Simulated 4-peer swarms on the tiny GPT: val loss, bytes per round, anchor divergence."""
     try:
-        from bench.sync import run as run_sync_bench
+        from atomd_bench.sync import run as run_sync_bench
     except ImportError:
         fail("atomd bench needs the bench/ package (a source checkout or `pip install -e .`)")
     try:
@@ -503,7 +580,7 @@ def bench_swarm(
     """Real daemons train together (each in its own network namespace as root): val loss
     against one peer alone and one large-batch process, bytes on the wire, cadence, waits."""
     try:
-        from bench.swarm import run as run_swarm_bench
+        from atomd_bench.swarm import run as run_swarm_bench
     except ImportError:
         fail("atomd bench needs the bench/ package (a source checkout or `pip install -e .`)")
     if network not in ("auto", "netns", "loopback"):
@@ -546,6 +623,6 @@ def main() -> NoReturn:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         sys.exit(2)
     except KeyboardInterrupt:
-        typer.secho("interrupted", err=True)
+        typer.secho("interrupted (Ctrl-C): stopped at once, nothing more was saved", err=True)
         sys.exit(130)
     sys.exit(0)

@@ -6,7 +6,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -27,7 +27,9 @@ JSON = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")
 DEFAULT_URL = "http://127.0.0.1:7070"
 
 job_app = typer.Typer(
-    help="Start, stop and inspect training jobs of a running daemon.", no_args_is_help=True
+    help="Start, stop and inspect training jobs of a running daemon.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 
 
@@ -150,6 +152,13 @@ def run(
     log_level: Annotated[
         str | None, typer.Option(help="DEBUG, INFO, WARNING, ERROR. (env ATOMD_LOG_LEVEL)")
     ] = None,
+    parent_pid: Annotated[
+        int | None,
+        typer.Option(
+            help="Stop (checkpointing) when this process exits; for launchers. "
+            "(env ATOMD_PARENT_PID)"
+        ),
+    ] = None,
 ) -> None:
     """Run the daemon in the foreground (what the systemd unit starts).
 
@@ -174,6 +183,7 @@ def run(
         allowed_keys=allow_key or None,
         auto_join=auto_join,
         zeroconf=zeroconf,
+        parent_pid=parent_pid,
     )
     setup_logging(settings.log_level)
     asyncio.run(Daemon(settings).run())
@@ -206,7 +216,8 @@ def status(url: URL = DEFAULT_URL, token: TOKEN = None, as_json: JSON = False) -
 
     def render(d: dict[str, Any]) -> None:
         t = Table(box=None, show_header=False)
-        for k in ("version", "uptime_s", "swarm", "device", "control", "advertise", "data_dir"):
+        for k in ("version", "peer_id", "public_key", "peers_alive", "uptime_s", "swarm",
+                  "device", "control", "advertise", "data_dir"):  # fmt: skip
             t.add_row(k, _fmt(d[k], 1))
         job = d.get("job")
         t.add_row(
@@ -236,6 +247,24 @@ def peers(url: URL = DEFAULT_URL, token: TOKEN = None, as_json: JSON = False) ->
     _print(data, as_json, render)
 
 
+def _read_spec(path: Path) -> dict[str, Any]:
+    """A JSON job spec from ``path``; a clear error (exit 2) when it cannot be read."""
+    try:
+        body = json.loads(path.read_text())
+    except OSError as e:
+        _fail(f"cannot read job spec {path}: {e.strerror or e}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        _fail(f"job spec {path} is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        _fail(f"job spec {path} must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def _fail(message: str) -> NoReturn:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
 @job_app.command("start")
 def job_start(
     url: URL = DEFAULT_URL,
@@ -253,7 +282,7 @@ def job_start(
     """Start a job. With no options: the tiny model on the bundled corpus."""
     body: dict[str, Any] = {}
     if spec_file is not None:
-        body = json.loads(spec_file.read_text())
+        body = _read_spec(spec_file)
     for item in set_ or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -282,6 +311,16 @@ def job_stop(
     with ControlClient(url, token=token) as c:
         job = c.request("POST", f"/v1/jobs/{job_id}/stop")
     _print(job, as_json, lambda j: typer.echo(f"job {j['id']}: {j['state']}"))
+
+
+@job_app.command("resume")
+def job_resume(
+    job_id: str, url: URL = DEFAULT_URL, token: TOKEN = None, as_json: JSON = False
+) -> None:
+    """Continue a stopped or failed job from its newest good checkpoint."""
+    with ControlClient(url, token=token) as c:
+        job = c.request("POST", f"/v1/jobs/{job_id}/resume")
+    _print(job, as_json, lambda j: typer.echo(f"job {j['id']}: {j['state']} (resuming)"))
 
 
 @job_app.command("list")

@@ -90,6 +90,12 @@ class Settings(BaseSettings):
         None, description="Bearer token for the control API; required off loopback."
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
+    parent_pid: int | None = Field(
+        None,
+        ge=1,
+        description="Stop (the job checkpoints, as on SIGTERM) when this process exits: "
+        "launchers such as `atomd demo` pass their own pid so that no daemon outlives them.",
+    )
 
     @field_validator("seeds", "allowed_keys", mode="before")
     @classmethod
@@ -180,6 +186,23 @@ class Settings(BaseSettings):
         return self.data_dir / "jobs"
 
 
+# Settings whose flag is not the field's name, and those that have no flag at all.
+FLAGS: dict[str, str | None] = {
+    "seeds": "--seed",
+    "allowed_keys": "--allow-key",
+    "gossip_interval": None,
+    "suspect_timeout": None,
+    "control_token": None,
+}
+
+
+def setting_name(field: str) -> str:
+    """How a person sets ``field``: ``--seed / ATOMD_SEEDS``, or only ``ATOMD_GOSSIP_INTERVAL``."""
+    flag = FLAGS.get(field, f"--{field.replace('_', '-')}")
+    env = f"{ENV_PREFIX}{field.upper()}"
+    return f"{flag} / {env}" if flag else env
+
+
 def check_environment(environ: dict[str, str] | None = None) -> None:
     """Refuse unknown ``ATOMD_*`` variables, suggesting the closest known name."""
     environ = dict(os.environ) if environ is None else environ
@@ -204,7 +227,9 @@ def load_settings(**overrides: Any) -> Settings:
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            loc = ".".join(map(str, err["loc"]))
-            name = f"--{loc.replace('_', '-')} / {ENV_PREFIX}{loc.upper()}" if loc else "settings"
+            loc = err["loc"]
+            name = setting_name(str(loc[0])) if loc else "settings"
+            if len(loc) > 1:  # an item of a list: --seed / ATOMD_SEEDS (item 2)
+                name += f" (item {int(loc[1]) + 1})" if isinstance(loc[1], int) else ""
             lines.append(f"  {name}: {err['msg']}")
         raise ConfigError("invalid settings:\n" + "\n".join(lines)) from None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import signal
 import socket
 import time
@@ -19,21 +21,24 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from api.control import ControlContext, create_control_app
-from api.peer import create_peer_app
 from atomd import systemd
 from atomd.config import Settings
 from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
-from atomd.errors import ConfigError
-from atomd.jobs import JobManager
-from atomd.logs import get_logger
+from atomd.db.health import DatabaseFile, refuse_lost_database
+from atomd.errors import AtomdError, ConfigError
+from atomd.jobs import JobManager, load_training_modules
+from atomd.logs import Repeated, get_logger
 from atomd.p2p.identity import Identity
 from atomd.p2p.node import SwarmNode
 from atomd.sync.exchange import DeltaExchange
 from atomd.telemetry import Telemetry
+from atomd_api.control import ControlContext, create_control_app
+from atomd_api.peer import create_peer_app
 
 log = get_logger(__name__)
+
+DATABASE_CHECK_S = 5.0  # how often the database file is checked (a stat and 16 bytes)
 
 
 class _Server(uvicorn.Server):
@@ -62,6 +67,16 @@ def _bind(host_port: tuple[str, int], what: str) -> socket.socket:
     return sock
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _server(app: FastAPI, log_level: str) -> _Server:
     config = uvicorn.Config(
         app,
@@ -69,6 +84,7 @@ def _server(app: FastAPI, log_level: str) -> _Server:
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=5,
+        log_config=None,  # uvicorn's lines go through atomd's one format (atomd.logs)
     )
     return _Server(config)
 
@@ -95,8 +111,10 @@ class Daemon:
         s.jobs_dir.mkdir(parents=True, exist_ok=True)
         control_sock = _bind(s.control_host_port, "control API")
         peer_sock = _bind(s.listen_host_port, "peer plane")
+        refuse_lost_database(s.data_dir, s.db_path)
         await asyncio.to_thread(migrate.upgrade, s.db_path)
         self._db_ready = True
+        database = DatabaseFile(s.db_path)
         identity = Identity.load_or_create(s.data_dir)
         engine = make_engine(s.db_path)
         sessions = make_sessionmaker(engine)
@@ -139,6 +157,7 @@ class Daemon:
                     },
                     started_at=time.monotonic(),
                     swarm=node,
+                    database=database,
                 )
             ),
             s.log_level,
@@ -155,8 +174,11 @@ class Daemon:
                 tg.create_task(control.serve(sockets=[control_sock]), name="control-server")
                 tg.create_task(peer.serve(sockets=[peer_sock]), name="peer-server")
                 watchdog = tg.create_task(self._watchdog(), name="watchdog")
+                parent = tg.create_task(self._watch_parent(s.parent_pid), name="parent")
+                db_watch = tg.create_task(self._watch_database(database), name="database")
                 await self._until_ready(control, peer, jobs)
                 node_task = tg.create_task(node.run(), name="swarm")
+                preload = tg.create_task(self._preload(), name="preload")
                 lan = await self._lan_discovery(node) if s.zeroconf else None
                 await self._shutdown.wait()
                 systemd.stopping()
@@ -173,6 +195,9 @@ class Daemon:
                     await lan.aclose()
                 control.should_exit = peer.should_exit = True
                 watchdog.cancel()
+                parent.cancel()
+                preload.cancel()
+                db_watch.cancel()
                 extend.cancel()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -197,20 +222,57 @@ class Daemon:
         systemd.status("ready")
 
     async def _lan_discovery(self, node: SwarmNode) -> Any:
+        """LAN discovery, or None with the reason logged: the daemon goes on without it (seeds
+        and remembered peers still work) rather than crash and restart-loop under systemd."""
         from atomd.p2p.discovery import LanDiscovery
 
-        return await LanDiscovery.create(
-            swarm=self.settings.swarm,
-            peer_id=node.peer_id,
-            url=self.settings.advertise_url,
-            on_found=node.lan_found,
-        )
+        try:
+            return await LanDiscovery.create(
+                swarm=self.settings.swarm,
+                peer_id=node.peer_id,
+                url=self.settings.advertise_url,
+                on_found=node.lan_found,
+            )
+        except AtomdError as e:
+            log.error("%s; going on without LAN discovery (--zeroconf)", e)
+            return None
 
     async def _extend_stop_timeout(self) -> None:
         """While the job finishes its step and checkpoints, keep systemd from killing us."""
         while True:
             systemd.extend_timeout(30)
             await asyncio.sleep(10)
+
+    async def _preload(self) -> None:
+        """Load torch and the training code once ready, off the loop, so that a job (one
+        started here or one a peer announces) starts training in a second, not after the
+        seconds an import of torch takes on a busy machine. Readiness does not wait for it."""
+        t0 = time.monotonic()
+        await asyncio.to_thread(load_training_modules)
+        log.debug("training code loaded in %.1f s", time.monotonic() - t0)
+
+    async def _watch_database(self, database: DatabaseFile) -> None:
+        """Log, as an error and then at a backoff, a database file that vanished or changed
+        (``/readyz`` fails with the same reason meanwhile)."""
+        repeated = Repeated(log, first=DATABASE_CHECK_S, longest=300.0)
+        while True:
+            await asyncio.sleep(DATABASE_CHECK_S)
+            problem = await asyncio.to_thread(database.problem)
+            if problem is None:
+                repeated.clear("database")
+            else:
+                repeated.log("database", logging.ERROR, "%s", problem)
+
+    async def _watch_parent(self, pid: int | None) -> None:
+        """Shut down when the launcher that started us exits (``--parent-pid``)."""
+        if pid is None:
+            return
+        ours = os.getppid() == pid  # its child: a new parent means it died
+        while True:
+            await asyncio.sleep(1.0)
+            if (os.getppid() != pid) if ours else not _alive(pid):
+                self.request_shutdown(f"its launcher, pid {pid}, has exited")
+                return
 
     async def _watchdog(self) -> None:
         """WATCHDOG=1 at half the systemd timeout, from the loop: a stuck loop stops the pings."""

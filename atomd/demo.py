@@ -19,7 +19,14 @@ from typing import Any
 
 import httpx
 
-from atomd.launch import DaemonProcess, peer_id, start_swarm, wait_until
+from atomd.launch import (
+    READY_TIMEOUT,
+    DaemonProcess,
+    peer_id,
+    start_swarm,
+    stop_all,
+    wait_until,
+)
 
 
 def _get(d: DaemonProcess, path: str) -> Any:
@@ -64,9 +71,24 @@ def _verdict(swarm: list[float | None], alone: float | None) -> str:
     )
 
 
+class _InterruptedError(Exception):
+    """SIGINT or SIGTERM reached the demo: stop the daemons and leave."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise(signum: int, frame: Any) -> None:
+    raise _InterruptedError(signum)
+
+
 def run_swarm_demo(
     root: Path, *, peers: int = 3, max_steps: int = 600, every: int | str = "auto"
 ) -> int:
+    """0 when the job finished or Ctrl-C stopped it, 1 on a failure, 143 on SIGTERM. Every
+    daemon started (the lone one included) is stopped on every way out; if the demo itself is
+    killed, the kernel sends them SIGTERM (see ``atomd.launch``)."""
     spec: dict[str, Any] = {"preset": "tiny", "micro_batch_size": 16, "max_steps": max_steps}
     lone_spec = dict(spec)
     spec["sync"] = {"every": every}
@@ -76,27 +98,34 @@ def run_swarm_demo(
     print("a fourth daemon trains the same job alone, for comparison.")
     print(f"Data and logs: {root}   (Ctrl-C stops everything cleanly)\n", flush=True)
     ds: list[DaemonProcess] = []
-    interrupted = False
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        nonlocal interrupted
-        interrupted = True
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    alone: DaemonProcess | None = None
+    everyone: list[DaemonProcess] = []  # the swarm's daemons and the lone one
+    previous = {sig: signal.signal(sig, _raise) for sig in (signal.SIGINT, signal.SIGTERM)}
+    code = 1
     try:
-        ds = start_swarm(root, peers)
-        alone = DaemonProcess(root / "alone", env=ds[0].env).start()
+        t0 = time.monotonic()
+        start_swarm(root, peers, started=ds)
+        everyone.extend(ds)
+        # The lone daemon: no seed, so it never meets the others; the swarm's share of cores.
+        alone = DaemonProcess(root / "alone", env=ds[0].env)
+        everyone.append(alone)
+        alone.start()
+        wait_until(
+            lambda: all(len(_get(d, "/v1/peers")) == peers for d in ds),
+            timeout=READY_TIMEOUT,
+            what=f"every daemon to list all {peers} peers",
+        )
         ids = [peer_id(d) for d in ds]
-        wait_until(lambda: all(len(_get(d, "/v1/peers")) == peers for d in ds), timeout=30)
+        print(f"{peers} daemons ready in {time.monotonic() - t0:.1f} s:")
         for i, d in enumerate(ds):
             print(f"  peer{i}: {ids[i][:16]}…  control {d.url}  peer plane {d.peer_url}")
-        job = httpx.post(f"{ds[0].url}/v1/jobs", json=spec, timeout=60).json()
+        job = httpx.post(f"{ds[0].url}/v1/jobs", json=spec, timeout=READY_TIMEOUT).json()
         job_id = job["id"]
-        lone = httpx.post(f"{alone.url}/v1/jobs?scope=local", json=lone_spec, timeout=60).json()
+        lone = httpx.post(
+            f"{alone.url}/v1/jobs?scope=local", json=lone_spec, timeout=READY_TIMEOUT
+        ).json()
         print(f"\nstarted job {job_id} on peer0 (POST {ds[0].url}/v1/jobs); the others join:\n")
         done = False
-        while not interrupted and not done:
+        while not done:
             time.sleep(5)
             lines, states = [], []
             for i, d in enumerate(ds):
@@ -115,20 +144,43 @@ def run_swarm_demo(
             print("\n".join(lines), flush=True)
             done = bool(states) and all(s in ("finished", "failed", "stopped") for s in states)
             done = done and lone.get("state") in ("finished", "failed", "stopped")
-        if done:
-            print("\nthe job has finished on every peer.")
-            finals = [_get(d, f"/v1/jobs/{job_id}")["val_loss"] for d in ds]
-            print(_verdict(finals, _get(alone, f"/v1/jobs/{lone['id']}")["val_loss"]))
-        return 0
+        print("\nthe job has finished on every peer.")
+        finals = [_get(d, f"/v1/jobs/{job_id}")["val_loss"] for d in ds]
+        print(_verdict(finals, _get(alone, f"/v1/jobs/{lone['id']}")["val_loss"]))
+        code = 0
+    except _InterruptedError as e:
+        what = "Ctrl-C" if e.signum == signal.SIGINT else str(e)
+        print(f"\n{what}: stopping the daemons (each checkpoints first)…", flush=True)
+        code = 0 if e.signum == signal.SIGINT else 128 + e.signum
     except (httpx.HTTPError, RuntimeError, TimeoutError) as e:
         print(f"demo failed: {e}", file=sys.stderr)
-        for d in [*ds, *([alone] if alone else [])]:
+        for d in everyone or ds:
             print(f"--- {d.log_path}\n{d.log()[-2000:]}", file=sys.stderr)
-        return 1
     finally:
-        if interrupted:
-            print("\nCtrl-C: stopping the daemons (each checkpoints first)…", flush=True)
-        for d in [*ds, *([alone] if alone else [])]:
-            d.stop()
-        signal.signal(signal.SIGINT, previous)
-        print("all daemons stopped.")
+        _stop(everyone or ds)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code
+
+
+def _stop(ds: list[DaemonProcess]) -> None:
+    """Stop every daemon, say what happened to each, and whether any is left."""
+
+    def force(signum: int, frame: Any) -> None:
+        print("\nagain: killing the daemons (SIGKILL)", flush=True)
+        for d in ds:
+            d.kill()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, force)
+    if not ds:
+        print("no daemon was started.")
+        return
+    print(f"stopping {len(ds)} daemon(s) (SIGTERM; a second Ctrl-C kills them):", flush=True)
+    for line in stop_all(ds):
+        print(f"  {line}", flush=True)
+    left = [d for d in ds if d.running()]
+    if left:
+        print(f"still running: {', '.join(f'{d.name} (pid {d.pid})' for d in left)}")
+    else:
+        print(f"all {len(ds)} daemons stopped.")

@@ -18,9 +18,11 @@ run's ``metrics.jsonl`` (truncated to that checkpoint).
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
+import importlib
+import logging
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +40,7 @@ from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
 from atomd.errors import AtomdError, DataError, JobConflictError, NotFoundError, SpecError
 from atomd.logs import get_logger
 from atomd.model import get_preset
+from atomd.model.config import num_parameters
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 from atomd.train.checkpoint import checkpoint_root, list_checkpoints, sha256_file
@@ -49,6 +52,8 @@ if TYPE_CHECKING:  # torch loads when the first job trains, not when the daemon 
 log = get_logger(__name__)
 
 Scope = Literal["local", "swarm"]
+# Job progress goes to the daemon's log at most this often (and at every evaluation).
+PROGRESS_LOG_INTERVAL_S = 30.0
 SHUTDOWN_REASON = "interrupted by daemon shutdown; resumes when the daemon starts"
 # How long a peer that asks for this daemon's live state waits for the trainer to checkpoint
 # at its next step boundary, before it gets the newest checkpoint on disk instead.
@@ -116,6 +121,7 @@ class ActiveJob:
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
     snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
     step: int = 0  # the newest step reported by the trainer
+    logged_at: float = 0.0  # monotonic time of the last progress line in the log
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -132,23 +138,18 @@ def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> Progre
     )
 
 
-@functools.cache
-def _parameters(preset: str) -> int:
-    import torch
-
-    from atomd.model.gpt import GPT
-
-    with torch.device("meta"):  # counts without allocating
-        return GPT(get_preset(preset)).num_parameters()
-
-
 def admit(spec: JobSpec) -> None:
-    """Refuse, with the reason, a job that cannot start here (before anything is queued)."""
+    """Refuse, with the reason, a job that cannot start here (before anything is queued).
+
+    Cheap on purpose (microseconds, no torch): it runs on the request path of ``POST
+    /v1/jobs``. The parameter count follows from the preset's shape in closed form; whatever
+    else can fail (building the model, loading the data) fails on the trainer thread after the
+    201 and is recorded on the job."""
     try:
         check_source(spec.data)
     except DataError as e:
         raise SpecError(str(e), field="data") from None
-    need = _parameters(spec.preset) * TRAIN_BYTES_PER_PARAMETER
+    need = num_parameters(get_preset(spec.preset)) * TRAIN_BYTES_PER_PARAMETER
     have = host_memory_available()
     if have is not None and need > have:
         raise SpecError(
@@ -156,6 +157,20 @@ def admit(spec: JobSpec) -> None:
             f"weights, gradients and AdamW state; this host has {have / 2**30:.1f} GiB available",
             field="preset",
         )
+
+
+TRAINING_MODULES = ("atomd.train.trainer", "atomd.sync.runner")
+
+
+def load_training_modules() -> None:
+    """Import torch and the training code (blocking: call it off the event loop), and what
+    torch loads lazily on first use: building the first AdamW imports torch._dynamo (3 s of
+    a tiny job's 3.5 s start on 2 cores)."""
+    for name in TRAINING_MODULES:
+        importlib.import_module(name)
+    import torch
+
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 def data_seed(peer_id: str, seed: int) -> int:
@@ -281,8 +296,7 @@ class JobManager:
 
     async def start(self, spec: JobSpec, scope: Scope = "swarm") -> JobRecord:
         self._check_free()
-        await asyncio.to_thread(admit, spec)
-        self._check_free()  # the admission ran off the loop: look again
+        admit(spec)  # cheap: a stat() and arithmetic
         job_id = uuid.uuid4().hex
         out_dir = self.job_dir(job_id)
         async with self.sessions() as s, s.begin():
@@ -305,6 +319,26 @@ class JobManager:
             advert = self.advert()
             if advert is not None:
                 self.swarm.announce(advert)
+        return job
+
+    async def resume(self, job_id: str) -> JobRecord:
+        """Continue a stopped or failed job here from its newest good checkpoint (a job that
+        stopped on a full disk, once there is space again)."""
+        job = await self.get(job_id)
+        self._check_free()
+        if job.state not in ("stopped", "failed", "pending"):
+            raise JobConflictError(
+                f"job {job_id} is {job.state}; only a stopped, failed or pending job resumes"
+            )
+        spec = JobSpec.model_validate(job.spec)
+        admit(spec)
+        job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", "")
+        self._launch(
+            ActiveJob(
+                id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True, scope=job.scope,
+                origin=job.origin,
+            )
+        )  # fmt: skip
         return job
 
     async def stop(self, job_id: str, scope: Scope = "local") -> JobRecord:
@@ -353,7 +387,7 @@ class JobManager:
                 spec = spec.model_copy(
                     update={"shard_index": shard_for_peer(self.peer_id, spec.num_shards)}
                 )
-            await asyncio.to_thread(admit, spec)
+            admit(spec)
             if self.active is not None or self._closing.is_set():
                 return
             out_dir = self.job_dir(job_id)
@@ -419,15 +453,18 @@ class JobManager:
 
     def _train_blocking(self, active: ActiveJob, loop: asyncio.AbstractEventLoop) -> TrainSummary:
         """Runs on the trainer thread."""
+        from atomd.engines import build_engine
         from atomd.train.trainer import Trainer
 
         def send(item: _Message) -> None:
             loop.call_soon_threadsafe(active.queue.put_nowait, item)
 
+        built = build_engine(active.spec, self.device)
         trainer = Trainer(
             active.spec,
             active.out_dir,
-            device=self.device,
+            built.engine,
+            plan=built.plan,
             resume=active.resume,
             on_report=send,
             on_checkpoint=lambda path, step: send(_Saved(path, step)),
@@ -446,6 +483,9 @@ class JobManager:
     async def _drive(self, active: ActiveJob) -> None:
         loop = asyncio.get_running_loop()
         try:
+            # torch and the trainer load off the loop (seconds on a busy machine), before
+            # anything below imports them on it.
+            await asyncio.to_thread(load_training_modules)
             if active.scope == "swarm" and self.swarm is not None:
                 if not await self._take_swarm_state(active):
                     return
@@ -524,6 +564,10 @@ class JobManager:
                     await repo.add_checkpoint(
                         s, job_id=active.id, step=item.step, path=str(item.path), sha256=digest
                     )
+                    await repo.advance_job(
+                        s, job_id=active.id, step=item.step,
+                        tokens=item.step * active.spec.tokens_per_step,
+                    )  # fmt: skip
                     self.telemetry.checkpoints.inc()
                 elif isinstance(item, _Started):
                     active.step = item.start_step
@@ -537,6 +581,7 @@ class JobManager:
                     points.append(_point(item))
             if points:
                 await repo.add_progress(s, job_id=active.id, points=points)
+        self._log_progress(active, points)
         for p in points:
             self.telemetry.step.set(p.step)
             self.telemetry.loss.set(p.loss)
@@ -545,6 +590,23 @@ class JobManager:
                 self.telemetry.val_loss.set(p.val_loss)
             self.telemetry.tokens.inc(max(0, p.tokens - active.tokens_seen))
             active.tokens_seen = max(active.tokens_seen, p.tokens)
+
+    def _log_progress(self, active: ActiveJob, points: Sequence[ProgressPoint]) -> None:
+        """One line per job every ``PROGRESS_LOG_INTERVAL_S`` and at each evaluation."""
+        if not points:
+            return
+        now = time.monotonic()
+        last = points[-1]
+        evaluated = [p for p in points if p.val_loss is not None]
+        if not evaluated and now - active.logged_at < PROGRESS_LOG_INTERVAL_S:
+            return
+        active.logged_at = now
+        val = f", val {evaluated[-1].val_loss:.3f}" if evaluated else ""
+        log.info(
+            "job %s: step %d/%d, loss %.3f%s, %s tokens/s",
+            active.id[:12], last.step, active.spec.total_steps, last.loss, val,
+            f"{last.tokens_per_s:,.0f}",
+        )  # fmt: skip
 
     async def _finish(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> None:
         try:
@@ -574,5 +636,6 @@ class JobManager:
             job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
             await repo.add_event(s, kind=kind, job_id=job_id, message=message)
         self.telemetry.job_state.state(state)
-        log.info("job %s: %s%s", job_id, state, f" ({reason})" if reason else "")
+        level = logging.ERROR if state == "failed" else logging.INFO
+        log.log(level, "job %s: %s%s", job_id, state, f" ({reason})" if reason else "")
         return job

@@ -1,20 +1,48 @@
 """Start ``atomd run`` daemons as local subprocesses on free loopback ports.
 
 Used by ``atomd demo``, the benchmarks and the integration tests: real processes, real HTTP.
+
+No daemon outlives its launcher. Each one runs in a session of its own (a Ctrl-C at the
+terminal reaches the launcher, which stops its daemons in order and says so) and is asked by
+the kernel for SIGTERM when the launcher dies, however it dies, SIGKILL included
+(``PR_SET_PDEATHSIG``; the daemon then checkpoints and exits as on any SIGTERM). Deadlines
+come from readiness: a launcher waits for the daemon's own ``/readyz``, for as long as
+``READY_TIMEOUT`` allows, and stops waiting at once if the process exits.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+# Generous bounds: they only matter when something is wrong, and a busy machine (load 20 on
+# 2 cores) takes a minute to start what takes 2 s on a quiet one.
+READY_TIMEOUT = 300.0
+STOP_TIMEOUT = 120.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: SIGTERM this child when the launcher dies (Linux; a no-op elsewhere)."""
+
+    def apply() -> None:
+        if sys.platform.startswith("linux"):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            if os.getppid() != parent:  # the launcher died before the prctl took hold
+                os._exit(1)
+
+    return apply
 
 
 def free_port() -> int:
@@ -43,6 +71,7 @@ class DaemonProcess:
         self.env.update(env or {})
         self.extra_args = extra_args or []
         self.proc: subprocess.Popen[str] | None = None
+        self._terminated_at: float | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
 
     @property
@@ -54,6 +83,7 @@ class DaemonProcess:
             "--listen", f"127.0.0.1:{self.listen_port}",
             "--advertise", self.peer_url,
             "--device", "cpu",
+            "--parent-pid", str(os.getpid()),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -62,36 +92,66 @@ class DaemonProcess:
         token = self.env.get("ATOMD_CONTROL_TOKEN")
         return {"Authorization": f"Bearer {token}"} if token else {}
 
+    @property
+    def name(self) -> str:
+        return self.data_dir.name
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
     def start(self, wait: bool = True) -> DaemonProcess:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        # The launcher thread that forks must outlive the child (PDEATHSIG follows the
+        # thread): every launcher here starts daemons from its main thread.
         with self.log_path.open("a") as log:
             self.proc = subprocess.Popen(
-                self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, text=True
+                self.args,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(os.getpid()),
             )
         if wait:
             self.wait_ready()
         return self
 
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
+    def wait_ready(self, timeout: float | None = None) -> float:
+        """Wait for ``GET /readyz`` to answer 200; return the seconds it took. Raises
+        ``RuntimeError`` at once if the process exits, and past ``timeout`` (default
+        ``READY_TIMEOUT``) naming what it waited for and the last answer."""
+        timeout = READY_TIMEOUT if timeout is None else timeout
+        t0 = time.monotonic()
+        last = "no answer yet"
+        assert self.proc is not None, "start() first"
+        while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(
+                    f"daemon {self.name} (pid {self.proc.pid}) exited with code "
+                    f"{self.proc.returncode} before it was ready; its log "
+                    f"{self.log_path}:\n{self.log()[-4000:]}"
+                )
             try:
-                r = httpx.get(self.url + "/readyz", headers=self.headers, timeout=1)
+                r = httpx.get(self.url + "/readyz", headers=self.headers, timeout=10)
                 if r.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+                    return time.monotonic() - t0
+                last = f"{r.status_code} {r.text[:200]}"
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             time.sleep(0.1)
-        raise RuntimeError(f"daemon not ready in {timeout}s:\n{self.log()}")
+        raise RuntimeError(
+            f"daemon {self.name} (pid {self.proc.pid}) was not ready within {timeout:.0f} s: "
+            f"GET {self.url}/readyz last answered: {last}; its log {self.log_path}:\n"
+            f"{self.log()[-4000:]}"
+        )
 
     def log(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=10, headers=self.headers, **kw)
+        return httpx.Client(**{"base_url": self.url, "timeout": 10, "headers": self.headers, **kw})
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None
@@ -101,20 +161,60 @@ class DaemonProcess:
         assert self.proc is not None
         return self.proc.wait(timeout=timeout)
 
-    def stop(self, timeout: float = 60) -> None:
-        """SIGTERM (the job checkpoints), then SIGKILL if it does not exit in ``timeout``."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def terminate(self) -> None:
+        """SIGTERM, if it runs (the job checkpoints at its next step boundary)."""
+        if self.running() and self._terminated_at is None:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated_at = time.monotonic()
+
+    def kill(self) -> None:
+        if self.running():
+            assert self.proc is not None
+            self.proc.kill()
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> str:
+        """SIGTERM, then SIGKILL if it has not exited within ``timeout``. Returns what happened,
+        in words (``peer1 (pid 123): exited 0 after SIGTERM in 1.2 s``)."""
+        if self.proc is None:
+            return f"{self.name}: never started"
+        who = f"{self.name} (pid {self.proc.pid})"
+        if self.proc.poll() is not None and self._terminated_at is None:
+            return f"{who}: had already {_ended(self.proc.returncode)}"
+        self.terminate()
+        t0 = self._terminated_at or time.monotonic()
         try:
-            self.proc.wait(timeout=timeout)
+            code = self.proc.wait(timeout=max(0.0, timeout - (time.monotonic() - t0)))
+            return f"{who}: {_ended(code)} after SIGTERM in {time.monotonic() - t0:.1f} s"
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=30)
+            return f"{who}: killed (SIGKILL) after {timeout:.0f} s without exiting on SIGTERM"
+        finally:
+            self._terminated_at = None
+
+
+def _ended(code: int) -> str:
+    """A process's exit in words: ``exited 0``, ``ended by SIGTERM``."""
+    if code < 0:
+        return f"ended by {signal.Signals(-code).name}"
+    return f"exited {code}"
+
+
+def stop_all(daemons: list[DaemonProcess], timeout: float = STOP_TIMEOUT) -> list[str]:
+    """SIGTERM every daemon at once, then wait for each (SIGKILL past ``timeout``); one line
+    per daemon saying what happened."""
+    for d in daemons:
+        d.terminate()
+    return [d.stop(timeout) for d in daemons]
 
 
 def wait_until(predicate: Any, *, timeout: float, interval: float = 0.1, what: str = "") -> float:
-    """Poll ``predicate`` until truthy; return the seconds it took (TimeoutError past timeout)."""
+    """Poll ``predicate`` until truthy; return the seconds it took (TimeoutError past timeout,
+    naming ``what`` was awaited)."""
     t0 = time.monotonic()
     while True:
         try:
@@ -140,20 +240,36 @@ def peer_id(d: DaemonProcess) -> str:
     return str(r.json()["peer_id"])
 
 
-def start_swarm(root: Path, n: int, **kw: Any) -> list[DaemonProcess]:
+def start_swarm(
+    root: Path, n: int, *, started: list[DaemonProcess] | None = None, **kw: Any
+) -> list[DaemonProcess]:
     """``n`` daemons, the first the seed of the others, started concurrently, all ready.
+
+    Each is appended to ``started`` (when given) before it is started, so a caller that is
+    interrupted half-way knows what to stop, and stops them itself. Without ``started``, a
+    start that fails here stops every daemon it started before the error goes on.
 
     They share this machine's cores: each gets its share of torch threads, since OpenMP
     threads spinning against each other make every daemon many times slower."""
     threads = max(1, (os.cpu_count() or 1) // n)
     kw["env"] = {"OMP_NUM_THREADS": str(threads), **kw.get("env", {})}
-    seed = DaemonProcess(root / "peer0", **kw).start()
-    rest = [
-        DaemonProcess(root / f"peer{i}", extra_args=["--seed", seed.peer_url], **kw)
-        for i in range(1, n)
-    ]
-    for d in rest:
-        d.start(wait=False)
-    for d in rest:
-        d.wait_ready()
-    return [seed, *rest]
+    ds = [] if started is None else started
+    mine: list[DaemonProcess] = []
+    try:
+        seed = DaemonProcess(root / "peer0", **kw)
+        for d in (seed, *(
+            DaemonProcess(root / f"peer{i}", extra_args=["--seed", seed.peer_url], **kw)
+            for i in range(1, n)
+        )):  # fmt: skip
+            ds.append(d)
+            mine.append(d)
+        seed.start()
+        for d in mine[1:]:
+            d.start(wait=False)
+        for d in mine[1:]:
+            d.wait_ready()
+    except BaseException:
+        if started is None:
+            stop_all(mine)
+        raise
+    return mine

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+from collections.abc import Callable
 
 _FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
@@ -13,14 +15,61 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
+# Loggers that get the one format: ours, and uvicorn's (its servers run inside the daemon).
+_LOGGERS = ("atomd", "uvicorn")
+
+
 def setup_logging(level: str | int | None = None) -> None:
-    """Log to stderr at ``level`` (default: ``$ATOMD_LOG_LEVEL`` or INFO). Idempotent."""
+    """Log to stderr at ``level`` (default: ``$ATOMD_LOG_LEVEL`` or INFO), every line in one
+    timestamped format, uvicorn's included. Idempotent."""
     level = level or os.environ.get("ATOMD_LOG_LEVEL", "INFO")
-    root = logging.getLogger("atomd")
-    root.setLevel(level if isinstance(level, int) else level.upper())
-    if not any(getattr(h, "_atomd", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(_FORMAT))
-        handler._atomd = True  # type: ignore[attr-defined]
-        root.addHandler(handler)
-        root.propagate = False
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    handler._atomd = True  # type: ignore[attr-defined]
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(level if isinstance(level, int) else level.upper())
+        if not any(getattr(h, "_atomd", False) for h in logger.handlers):
+            logger.addHandler(handler)
+            logger.propagate = False
+
+
+class Repeated:
+    """Log a condition that persists once, then again only at a growing interval (``first``
+    seconds, doubling up to ``longest``), saying how often it recurred in between; ``clear``
+    when it ends, so that its next occurrence is logged at once.
+
+    ``log("no-peers", logging.INFO, "no seeds ...")`` called every 2 s logs at 0 s, 2 s, 6 s,
+    14 s, ... and every ``longest`` seconds after that."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        first: float = 2.0,
+        longest: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.first = first
+        self.longest = longest
+        self.clock = clock
+        self._state: dict[str, tuple[float, float, int]] = {}  # key -> (next at, gap, skipped)
+
+    def log(self, key: str, level: int, msg: str, *args: object) -> bool:
+        """Log unless ``key`` was logged too recently; True if it was logged."""
+        now = self.clock()
+        state = self._state.get(key)
+        if state is not None and now < state[0]:
+            self._state[key] = (state[0], state[1], state[2] + 1)
+            return False
+        gap = self.first if state is None else min(state[1] * 2, self.longest)
+        suffix = ""
+        if state is not None and state[2]:
+            suffix = f" (seen {state[2]} more time(s) in the last {state[1]:.0f} s)"
+        self.logger.log(level, msg + suffix, *args)
+        self._state[key] = (now + gap, gap, 0)
+        return True
+
+    def clear(self, key: str) -> None:
+        self._state.pop(key, None)

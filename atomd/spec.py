@@ -20,6 +20,11 @@ from pydantic import (
 from atomd.model.presets import PRESETS
 from atomd.units import parse_bytes
 
+# Upper bounds: far beyond any real job, small enough that arithmetic on them stays exact.
+MAX_STEPS = 10**9
+MAX_TOKENS = 10**15
+MAX_SHARDS = 1_000_000
+
 # Peak learning rates: GPT-3 Table 2.1 for its family, GPT-2 small's, and a tuned one for tiny.
 DEFAULT_LR: dict[str, float] = {
     "tiny": 3e-3,
@@ -36,7 +41,9 @@ class _Spec(BaseModel):
     a boolean is (pydantic would read ``false`` as 0 and ``1`` as true:
     ``{"swap_graph_blocks": false}`` is a mistake)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities are refused (a weight decay of Infinity trained to NaN at step 2, and
+    # the stored spec was no longer JSON); every integer has an upper bound (max_steps 10**400).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -63,7 +70,7 @@ SPARSE_FRACTION: dict[str, float] = {"topk": 0.01, "rice2": 0.025}
 class SyncSpec(_Spec):
     """How peers of a swarm job exchange progress: compressed weight deltas every H steps."""
 
-    every: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+    every: Annotated[int, Field(ge=1, le=MAX_STEPS)] | Literal["auto"] = Field(
         "auto",
         description="H: inner steps between rounds (delta exchanges), or 'auto': rounds as "
         "often as their traffic and work hide behind the compute between them, at a pace the "
@@ -109,7 +116,7 @@ class SyncSpec(_Spec):
         "waits in the error feedback); with 'feedback': the residual's decay per round.",
     )
     max_staleness: int = Field(
-        4, ge=0, description="Rounds a delta may lag behind before it is refused."
+        4, ge=0, le=1_000_000, description="Rounds a delta may lag behind before it is refused."
     )
     zstd: bool = Field(True, description="zstd on top of the codec where it shrinks the bytes.")
     final_wait_s: float = Field(
@@ -147,7 +154,10 @@ class JobSpec(_Spec):
         description="'shakespeare' (bundled), a .txt file, a text folder, or uint16 .bin tokens.",
     )
     seq_len: int | None = Field(
-        None, ge=8, description="Tokens per sequence; default: the preset's context length."
+        None,
+        ge=8,
+        le=1 << 20,
+        description="Tokens per sequence; default: the preset's context length.",
     )
     micro_batch_size: int = Field(32, ge=1, le=4096, description="Sequences per micro-batch.")
     grad_accum: int = Field(1, ge=1, le=1024, description="Micro-batches per optimizer step.")
@@ -155,14 +165,22 @@ class JobSpec(_Spec):
         None, gt=0, le=1.0, description="Peak learning rate; default: the preset's."
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
-    warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (matrices only).")
+    warmup_steps: int = Field(50, ge=0, le=MAX_STEPS, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.1, ge=0, le=1, description="AdamW weight decay (matrices only).")
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
-    grad_clip: float = Field(1.0, ge=0, description="Clip the gradient norm to this; 0 disables.")
-    max_steps: int | None = Field(600, ge=1, description="Stop after this many optimizer steps.")
-    max_tokens: int | None = Field(None, ge=1, description="Stop after this many tokens.")
-    eval_interval: int = Field(100, ge=1, description="Validate every this many steps.")
+    grad_clip: float = Field(
+        1.0, ge=0, le=1e6, description="Clip the gradient norm to this; 0 disables."
+    )
+    max_steps: int | None = Field(
+        600, ge=1, le=MAX_STEPS, description="Stop after this many optimizer steps."
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="Stop after this many tokens."
+    )
+    eval_interval: int = Field(
+        100, ge=1, le=MAX_STEPS, description="Validate every this many steps."
+    )
     eval_batches: int = Field(
         20,
         ge=1,
@@ -170,13 +188,19 @@ class JobSpec(_Spec):
         description="Validation batches of 16 fixed windows each: the same windows whatever "
         "the batch size, so every run's validation loss compares with every other's.",
     )
-    log_interval: int = Field(10, ge=1, description="Write a metrics row every this many steps.")
-    checkpoint_interval: int = Field(200, ge=1, description="Checkpoint every this many steps.")
-    keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk.")
-    seed: int = Field(0, ge=0, description="Seed for initialization and data sampling.")
+    log_interval: int = Field(
+        10, ge=1, le=MAX_STEPS, description="Write a metrics row every this many steps."
+    )
+    checkpoint_interval: int = Field(
+        200, ge=1, le=MAX_STEPS, description="Checkpoint every this many steps."
+    )
+    keep_checkpoints: int = Field(3, ge=1, le=1000, description="Checkpoints kept on disk.")
+    seed: int = Field(
+        0, ge=0, le=2**63 - 1, description="Seed for initialization and data sampling."
+    )
     val_fraction: float = Field(0.05, gt=0, lt=1, description="Tail of the data held out.")
-    shard_index: int = Field(0, ge=0, description="This peer's data shard.")
-    num_shards: int = Field(1, ge=1, description="Number of data shards.")
+    shard_index: int = Field(0, ge=0, le=MAX_SHARDS, description="This peer's data shard.")
+    num_shards: int = Field(1, ge=1, le=MAX_SHARDS, description="Number of data shards.")
     sync: SyncSpec = Field(
         default_factory=SyncSpec, description="Delta exchange with the swarm's other peers."
     )
@@ -194,27 +218,34 @@ class JobSpec(_Spec):
     gpu_mem: int | None = Field(
         None,
         ge=1,
+        le=1 << 50,
         description="Device-memory budget for training, in bytes or a string such as '24GiB' or "
         "'8GB'; default: the device's total memory.",
     )
     swap_slots: int | None = Field(
-        None, ge=2, description="Layer slots on the device (K >= 2); default: the planner's."
+        None,
+        ge=2,
+        le=1024,
+        description="Layer slots on the device (K >= 2); default: the planner's.",
     )
     swap_micro_batches: int | None = Field(
         None,
         ge=1,
+        le=1024,
         description="Micro-batches that pass through a layer per load (M); must divide "
         "grad_accum; default: the planner's.",
     )
     swap_resident_blocks: int | None = Field(
         None,
         ge=0,
+        le=10_000,
         description="Transformer blocks kept on the device besides embedding and head; "
         "default: the planner's.",
     )
     swap_graph_blocks: int | None = Field(
         None,
         ge=0,
+        le=10_000,
         description="The last blocks that keep their forward graph until backward instead of "
         "recomputing it (faster, more device memory); default: as many as the budget has room for.",
     )

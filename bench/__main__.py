@@ -1,39 +1,83 @@
-"""``python -m bench [NAME ...]``: run benchmarks and print their JSON, one object per line.
+"""``python -m atomd_bench [--quick] [NAME ...]`` (this ``bench/`` folder): run benchmarks and
+print their JSON, one object per line on stdout; what runs and how long it takes goes to stderr
+first. ``python -m atomd_bench swarm [OPTIONS]`` runs the real-daemon swarm benchmark with its
+own options (``--help``).
 
-``python -m bench swarm [OPTIONS]`` runs the swarm benchmark with its own options
-(``--help``)."""
+The durations are those measured on a quiet 2-core machine without a GPU (``make bench``:
+about 80 min in all, most of it the sync convergence runs; ``make bench-quick``: a few minutes).
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from bench import healthz, membership, swap, swarm, sync, train_tiny
 
-BENCHES: dict[str, Callable[[], dict[str, Any]]] = {
-    "train_tiny": train_tiny.run,
-    "healthz": healthz.run,
-    "swap": swap.run,
-    "membership": membership.run,
-    "sync": sync.run,
-    "swarm": swarm.run,
+@dataclass(frozen=True)
+class Bench:
+    """A benchmark: how to run it, how long it takes, and its quick variant."""
+
+    module: str
+    takes: str
+    quick_takes: str
+    quick: dict[str, Any] = field(default_factory=dict)
+
+    def runner(self) -> Callable[..., dict[str, Any]]:
+        import importlib
+
+        run: Callable[..., dict[str, Any]] = importlib.import_module(self.module).run
+        return run
+
+
+BENCHES: dict[str, Bench] = {
+    "train_tiny": Bench("atomd_bench.train_tiny", "~2.5 min", "~20 s", {"max_steps": 60}),
+    "healthz": Bench("atomd_bench.healthz", "~1 min", "~30 s", {"requests": 100}),
+    "latency": Bench("atomd_bench.latency", "~4 min", "~1.5 min", {"quick": True}),
+    "swap": Bench("atomd_bench.swap", "~1 min", "~30 s", {"steps": 1}),
+    "membership": Bench("atomd_bench.membership", "~1 min", "~40 s", {"n": 4}),
+    "sync": Bench("atomd_bench.sync", "~70 min", "~1 min", {"quick": True}),
+    "swarm": Bench("atomd_bench.swarm", "~2 h", "~15 min", {"quick": True}),
 }
+
+
+def _swarm_main(argv: list[str]) -> None:
+    from atomd_bench.swarm import main as swarm_main
+
+    swarm_main(argv)
+
+
 # Benchmarks that take their own command-line options after their name.
-WITH_OPTIONS: dict[str, Callable[[list[str]], None]] = {"swarm": swarm.main}
+WITH_OPTIONS: dict[str, Callable[[list[str]], None]] = {"swarm": _swarm_main}
 
 
 def main(argv: list[str]) -> None:
     if argv and argv[0] in WITH_OPTIONS and len(argv) > 1:
         WITH_OPTIONS[argv[0]](argv[1:])
         return
-    names = argv or list(BENCHES)
+    quick = "--quick" in argv
+    names = [a for a in argv if a != "--quick"] or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         raise SystemExit(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHES)}")
+    plan = ", ".join(
+        f"{n} ({BENCHES[n].quick_takes if quick else BENCHES[n].takes})" for n in names
+    )
+    variant = "quick variants" if quick else "full runs; `make bench-quick` runs quick ones"
+    print(f"bench: {plan} ({variant}); times measured on 2 cores", file=sys.stderr, flush=True)
     for name in names:
-        print(json.dumps({"bench": name, **BENCHES[name]()}), flush=True)
+        b = BENCHES[name]
+        print(f"bench: {name} starts (~{(b.quick_takes if quick else b.takes).lstrip('~')})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        t0 = time.monotonic()
+        result = b.runner()(**(b.quick if quick else {}))
+        took = time.monotonic() - t0
+        print(json.dumps({"bench": name, "quick": quick, "took_s": round(took, 1), **result}),
+              flush=True)  # fmt: skip
+        print(f"bench: {name} done in {took:.0f} s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 Not product code: each variant replaces ``TopKCodec``'s encode/decode in this process (and in
 the spawned bench worker, which imports this module as its main) and runs one swarm::
 
-    VARIANT=blocks B=4 FRACTION=0.04 python -m bench.codec_variants   # blocks of B entries
-    VARIANT=small CHUNK=64 K=1 DCT=0 python -m bench.codec_variants   # uint8 indices
-    VARIANT=shared FRACTION=0.031 QBITS=8 python -m bench.codec_variants  # same entries everywhere
+    VARIANT=blocks B=4 FRACTION=0.04 python -m atomd_bench.codec_variants  # blocks of B entries
+    VARIANT=small CHUNK=64 K=1 DCT=0 python -m atomd_bench.codec_variants  # uint8 indices
+    VARIANT=shared FRACTION=0.031 QBITS=8 python -m atomd_bench.codec_variants  # same entries
 
 - ``blocks``: the flat tensor in chunks of ~4096, blocks of ``B`` consecutive entries, the
   ``FRACTION`` of blocks with the largest L2 norm kept, 4-bit values, one fp32 scale per chunk.
@@ -230,7 +230,7 @@ install()  # at import, so the bench's spawned worker (which imports this module
 
 
 def main() -> None:
-    from bench.sync import RunSpec, run
+    from atomd_bench.sync import RunSpec, run
 
     every = int(os.environ.get("H", "2"))
     # The variants were measured with the plain outer step (momentum 0).

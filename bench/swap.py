@@ -4,7 +4,7 @@ batches from the same seed, resident (skipped, and said so, when it cannot fit) 
 Prints throughput of both, their ratio, how far the two runs' parameters ended apart, the
 swapped run's peak device memory and bytes loaded per step, and the planner's prediction.
 With a profile folder, a few more swapped steps run under torch.profiler, untimed by the
-throughput figures: the trace lands there and its summary (``bench.profile``) in the JSON.
+throughput figures: the trace lands there and its summary (``atomd_bench.profile``) in the JSON.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from atomd.data.dataset import Batch, load_dataset
 from atomd.devices import resolve_device
+from atomd.engines import optim_config
 from atomd.logs import get_logger
 from atomd.model.gpt import GPT, GPTConfig
 from atomd.model.presets import get_preset
@@ -26,11 +27,14 @@ from atomd.spec import JobSpec, lr_at
 from atomd.swap import hardware
 from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
-from atomd.swap.factory import device_budget, plan_for, shape_for
 from atomd.swap.plan import Link, Optimizer, make_plan, resident_peak_bytes
+from atomd.swap.planning import device_budget, plan_for, shape_for
+from atomd.swap.record import check_schedule
+from atomd.swap.trace import Costs, simulate
+from atomd.swap.trace import write as write_trace
 from atomd.train.engine import ResidentEngine, StepEngine
 from atomd.units import format_bytes
-from bench.profile import read_trace, summarize, write_gz
+from atomd_bench.profile import read_trace, summarize, write_gz
 
 log = get_logger("atomd.bench.swap")
 
@@ -130,7 +134,7 @@ def _resident(
 ) -> tuple[float, float, ResidentEngine]:
     """(seconds, last loss, engine) of resident training, all blocks recomputed or none."""
     t0 = time.perf_counter()
-    engine = ResidentEngine(_model(cfg, dev), spec, dev, recompute=recompute)
+    engine = ResidentEngine(_model(cfg, dev), optim_config(spec), dev, recompute=recompute)
     log.info("resident engine (recompute %s) built in %.1f s", recompute, time.perf_counter() - t0)
     seconds, loss = _train(engine, batches, lrs, dev)
     return seconds, loss, engine
@@ -155,6 +159,7 @@ def run(
     also_grad_clip: list[float] | None = None,
     profile: Path | None = None,
     profile_steps: int = 2,
+    trace: Path | None = None,
 ) -> dict[str, Any]:
     """See the module docstring. ``also_grad_clip``: the same swapped engine trains the same
     steps again with each of these clipping thresholds (0: none), timed and predicted apart."""
@@ -240,7 +245,7 @@ def run(
             plan_spec = spec.model_copy(update={"gpu_mem": whole - baseline})
     plan = plan_for(plan_spec, dev, hw)
     t0 = time.perf_counter()
-    swapped = SwapEngine(_model(cfg, dev), spec, dev, plan)
+    swapped = SwapEngine(_model(cfg, dev), optim_config(spec), dev, plan)
     log.info("swap engine built in %.1f s", time.perf_counter() - t0)
     _free(dev)  # the device copy of the swapped blocks the model was initialized in
     if dev.type == "cuda":
@@ -269,8 +274,9 @@ def run(
     recompute_tps = out.get("resident_recompute_tokens_per_s")
     variants = []
     for clip in also_grad_clip or []:  # the same engine, another clipping threshold
-        swapped.spec = spec.model_copy(update={"grad_clip": clip})
-        shape = shape_for(swapped.spec, dev)
+        clipped = spec.model_copy(update={"grad_clip": clip})
+        swapped.optim = optim_config(clipped)
+        shape = shape_for(clipped, dev)
         v_seconds, _ = _train(swapped, batches, lrs, dev)
         v_tps = tokens / v_seconds
         predicted = make_plan(
@@ -296,7 +302,17 @@ def run(
                 "predicted_bound": predicted.bottleneck,
             }
         )
-    swapped.spec = spec
+    swapped.optim = optim_config(spec)
+    if trace is not None:  # 2 more steps recorded, replayed at the measured rates
+        with swapped.recording() as recorder:
+            for batches_, lr in zip(batches[1:3], lrs[1:3], strict=True):
+                swapped.train_step(batches_, lr)
+        swapped.settle()
+        costs = Costs(shape_for(spec, dev), plan, hw)
+        sim = simulate(recorder.events, costs)
+        write_trace(trace, recorder, sim, costs)
+        out["trace"] = {"file": str(trace), **sim.summary(last=6)}
+        out["trace"]["schedule_problems"] = check_schedule(recorder)
     if profile is not None:  # after the comparison: these steps move the parameters on
         out["profile"] = _profile(
             swapped, batches[1 : 1 + profile_steps], lrs[1 : 1 + profile_steps], dev, profile

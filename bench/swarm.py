@@ -50,8 +50,8 @@ from typing import Any
 
 import httpx
 
-from bench import netns
-from bench.sync import BATCH, LR, PEERS, PRESET, SEED, STEPS, VAL_BATCHES, WARMUP
+from atomd_bench import netns
+from atomd_bench.sync import BATCH, LR, PEERS, PRESET, SEED, STEPS, VAL_BATCHES, WARMUP
 
 POLL_S = 2.0
 HTTP_TIMEOUT_S = 10.0
@@ -663,11 +663,13 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m bench swarm [--quick] [--peers N] [--scenarios a,b] [--every auto|N]
+    """``python -m atomd_bench swarm [--quick] [--peers N] [--scenarios a,b] [--every auto|N]
     [--steps N] [--network auto|netns|loopback] [--no-references] [--out FILE]``."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m bench swarm", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m atomd_bench swarm", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--peers", type=int)
     ap.add_argument("--scenarios")

@@ -53,6 +53,7 @@ from typing import Any, Literal
 import torch
 
 from atomd.data.dataset import Batch, TokenDataset, load_dataset
+from atomd.engines import optim_config
 from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
 from atomd.p2p.identity import Identity
@@ -158,7 +159,7 @@ def _job_spec(batch_size: int, budget: Budget) -> JobSpec:
 
 def _build(spec: JobSpec) -> ResidentEngine:
     torch.manual_seed(spec.seed)  # every peer starts from the same weights
-    return ResidentEngine(GPT(get_preset(spec.preset)), spec, torch.device("cpu"))
+    return ResidentEngine(GPT(get_preset(spec.preset)), optim_config(spec), torch.device("cpu"))
 
 
 def _frame_bytes(out: Outgoing, identity: Identity) -> int:
@@ -564,7 +565,7 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m bench.sync [--quick] [--runs a,b]``: JSON to stdout."""
+    """``python -m atomd_bench.sync [--quick] [--runs a,b]``: JSON to stdout."""
     args = list(sys.argv[1:] if argv is None else argv)
     quick = "--quick" in args
     names: list[str] | None = None

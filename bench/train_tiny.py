@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from atomd.engines import build_engine
 from atomd.spec import JobSpec
 from atomd.train.metrics import read_metrics
 from atomd.train.trainer import Trainer
@@ -20,7 +21,8 @@ def run(max_steps: int = 600) -> dict[str, Any]:
     spec = JobSpec(preset="tiny", max_steps=max_steps)
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
-        trainer = Trainer(spec, Path(d), device="cpu")
+        built = build_engine(spec, "cpu")
+        trainer = Trainer(spec, Path(d), built.engine, plan=built.plan)
         summary = trainer.run()
         wall = time.perf_counter() - t0
         rows = read_metrics(Path(d) / "metrics.jsonl")

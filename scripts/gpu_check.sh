@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The swap engine's checks on a CUDA machine, as one prepared run (issue #5): tests/gpu, then
+# The swap engine's checks on a CUDA machine, as one prepared run (issue #16): tests/gpu, then
 # `atomd bench swap` on the issue's three configurations. Everything lands in $OUT (or the
 # folder given): nvidia-smi.txt, pytest-gpu.log, bench-*.json, bench-*.log.
 #
@@ -12,7 +12,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-runs/gpu-check}}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+# From a source tree without `pip install -e .`: the folders api/, bench/, migrations/ install
+# as atomd_api, atomd_bench, atomd_migrations (pyproject's package-dir); links give them those
+# names here.
+names=$(mktemp -d)
+for d in api bench migrations; do ln -sfn "$PWD/$d" "$names/atomd_$d"; done
+export PYTHONUNBUFFERED=1 PYTHONPATH=".:$names${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
 if ! $py -c "import pydantic, zstandard" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from atomd.engines import build_engine
 from atomd.spec import JobSpec
+from atomd.swap.hardware import Hardware
+from atomd.train.trainer import Trainer
 
 # Tests are small; two threads match CI and keep runs reproducible.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -36,3 +40,23 @@ def text_file(tmp_path: Any) -> Any:
     lines = [f"line {i % 17}: the quick brown fox jumps over the lazy dog.\n" for i in range(3000)]
     p.write_text("".join(lines))
     return p
+
+
+def trainer_for(spec: JobSpec, out: Path, device: str = "cpu", **kwargs: Any) -> Trainer:
+    """A Trainer with the engine the job spec asks for, as the CLI and the daemon build it."""
+    built = build_engine(spec, device)
+    return Trainer(spec, out, built.engine, plan=built.plan, **kwargs)
+
+
+# The rates measured on the lent H200 (bench/results-swap-h200-2026-11-30b.json, rounded):
+# what the planner and the schedule tests plan for.
+H200_RATES = Hardware(
+    h2d_bytes_per_s=55e9,
+    d2h_bytes_per_s=55e9,
+    flops_per_s=7.8e14,
+    host_adam_params_per_s=4.2e9,
+    host_narrow_per_s=8.4e9,
+    host_widen_per_s=1.05e10,
+    host_add_per_s=7.5e9,
+    source="measured on the lent H200, 2026-11-30 (rounded)",
+)

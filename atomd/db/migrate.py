@@ -1,8 +1,8 @@
 """Schema migrations, run from code: ``upgrade``, ``downgrade``, ``current_revision``.
 
 Blocking; the daemon calls them through ``asyncio.to_thread``. The Alembic environment is the
-top-level ``migrations`` package, found with ``importlib.resources`` in a checkout and when
-installed, so no ``alembic.ini`` is needed.
+``migrations/`` folder (the package ``atomd_migrations`` once installed), found beside the
+``atomd`` package, so no ``alembic.ini`` is needed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
+import atomd
 from atomd.db.engine import make_sync_engine
 from atomd.errors import AtomdError
 from atomd.logs import get_logger
@@ -25,9 +26,13 @@ log = get_logger(__name__)
 
 
 def migrations_dir() -> Path:
-    """The folder holding ``env.py`` and ``versions/``."""
-    root = files("migrations")
-    path = Path(str(root))
+    """The folder holding ``env.py`` and ``versions/``: beside the ``atomd`` package (in a
+    checkout and in site-packages alike), found by path rather than by the import name
+    ``atomd_migrations`` (in a checkout the folder is ``migrations/``)."""
+    root = Path(atomd.__file__).resolve().parent.parent
+    beside = [root / name for name in ("atomd_migrations", "migrations")]
+    found = [p for p in beside if (p / "env.py").is_file()]
+    path = found[0] if found else Path(str(files("atomd_migrations")))
     if not (path / "env.py").is_file():
         raise AtomdError(f"the migrations package at {path} has no env.py; reinstall atomd")
     return path

@@ -161,6 +161,17 @@ async def set_job_state(
     return JobRecord.model_validate(job)
 
 
+async def advance_job(s: AsyncSession, *, job_id: str, step: int, tokens: int) -> JobRecord:
+    """The job has reached ``step`` (a checkpoint was written there): its record's step and
+    tokens move up to it, never back (a stopped job's step is its last checkpoint's)."""
+    job = await _job(s, job_id)
+    if step > job.step:
+        job.step, job.tokens = step, tokens
+        job.updated_at = utcnow()
+        await s.flush()
+    return JobRecord.model_validate(job)
+
+
 async def set_job_plan(s: AsyncSession, *, job_id: str, plan: dict[str, Any]) -> JobRecord:
     """Record the swap plan a job runs with."""
     job = await _job(s, job_id)

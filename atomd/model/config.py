@@ -42,3 +42,16 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GPTConfig:
         return cls(**data)
+
+
+def num_parameters(cfg: GPTConfig) -> int:
+    """Unique parameters of ``GPT(cfg)`` in closed form (a tied weight counts once): what the
+    daemon needs to admit a job without importing torch. A test checks it against the model.
+
+    Per block, width C: attention qkv 3C² + proj C², MLP fc 4C² + proj 4C² (12C²), with biases
+    3C + C + 4C + C, and two LayerNorms of C weights (+ C biases each)."""
+    c, bias = cfg.n_embd, cfg.bias
+    block = 12 * c * c + (9 * c if bias else 0) + 2 * c * (2 if bias else 1)
+    embed = (cfg.vocab_size + cfg.block_size) * c  # token + position embeddings
+    head = c * (2 if bias else 1) + (0 if cfg.tie_embeddings else cfg.vocab_size * c)
+    return embed + cfg.n_layer * block + head

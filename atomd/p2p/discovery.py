@@ -13,6 +13,7 @@ nothing here blocks it. Off by default (``--zeroconf`` / ``ATOMD_ZEROCONF``).
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -163,6 +164,19 @@ class FoundPeers:
         self._by_name.pop(name, None)
 
 
+def _refused(e: OSError) -> str:
+    """An OSError of interface listing or mDNS sockets, explained: a sandbox (systemd's
+    RestrictAddressFamilies=, seccomp) that refuses a socket family shows up as EAFNOSUPPORT or
+    EPERM."""
+    msg = f"LAN discovery could not start: {e.strerror or e}"
+    if e.errno in (errno.EAFNOSUPPORT, errno.EPERM, errno.EACCES):
+        msg += (
+            " (listing network interfaces needs AF_NETLINK sockets and mDNS needs UDP: under "
+            "systemd, RestrictAddressFamilies= must allow AF_NETLINK, as deploy/atomd.service does)"
+        )
+    return msg
+
+
 class LanDiscovery:
     """This daemon's mDNS advert plus a browser for the adverts of its swarm.
 
@@ -207,7 +221,10 @@ class LanDiscovery:
         properties = encode_txt(advert)
         parts = urlsplit(url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        addresses = await _addresses_to_announce(parts.hostname or "", interfaces)
+        try:
+            addresses = await _addresses_to_announce(parts.hostname or "", interfaces)
+        except OSError as e:
+            raise AtomdError(_refused(e)) from e
         label = instance_name(peer_id)
         try:
             info = AsyncServiceInfo(
@@ -220,7 +237,9 @@ class LanDiscovery:
             )
             # Attaches to the running loop: sockets are read by this loop, no thread.
             aiozc = AsyncZeroconf(interfaces=interfaces)
-        except (OSError, BadTypeInNameException) as e:
+        except OSError as e:
+            raise AtomdError(_refused(e)) from e
+        except BadTypeInNameException as e:
             raise AtomdError(f"LAN discovery could not start: {e}") from e
         discovery = cls(
             aiozc=aiozc,

@@ -217,6 +217,7 @@ class Swim:
         self.m = membership
         self.transport = transport
         self.config = config
+        self.join_errors: dict[str, str] = {}  # url -> why the last join through it failed
         self._order: list[str] = []
         self.extra: Callable[[], dict[str, Any]] = dict
         """Extra fields every message carries (the daemon adds its active job)."""
@@ -330,7 +331,9 @@ class Swim:
             await asyncio.sleep(max(0.0, self.config.period - (time.monotonic() - started)))
 
     async def join(self, urls: list[str]) -> bool:
-        """Join through the first of ``urls`` that answers; True if one did."""
+        """Join through the first of ``urls`` that answers; True if one did. Why each of the
+        others failed is in ``join_errors`` (url -> reason) until the next call."""
+        self.join_errors = {}
         for url in urls:
             if url.rstrip("/") == self.m.me.url:
                 continue
@@ -340,7 +343,8 @@ class Swim:
                 for raw in reply.get("members", []):
                     self.m.apply(Update.from_json(raw))
             except Exception as e:
-                log.info("could not join through %s: %s", url, e)
+                self.join_errors[url] = str(e) or type(e).__name__
+                log.debug("could not join through %s: %s", url, e)
                 continue
             log.info("joined the swarm through %s: %d members", url, len(self.m.members) + 1)
             return True

@@ -12,6 +12,7 @@ the small ``SwarmJobs`` interface.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from atomd.config import Settings
 from atomd.db import repo
 from atomd.errors import PeerAuthError, PeerRequestError
-from atomd.logs import get_logger
+from atomd.logs import Repeated, get_logger
 from atomd.p2p.auth import Admission, PeerClient, RequestVerifier
 from atomd.p2p.identity import Identity
 from atomd.p2p.membership import Member, Membership, PeerState, Swim, SwimConfig, Update
@@ -120,6 +121,7 @@ class SwarmNode:
             ),
         )
         self.swim.extra = self._extra
+        self._repeated = Repeated(log)  # "alone", "join": logged once, then at a backoff
         self.swim.on_extra = self._on_message
         self._changes: asyncio.Queue[tuple[Update, PeerState | None]] = asyncio.Queue()
         self._tg: asyncio.TaskGroup | None = None
@@ -169,11 +171,19 @@ class SwarmNode:
     async def _join_once(self) -> bool:
         candidates = await self._candidates()
         if not candidates:
-            log.info("no seeds and no known peers: starting a swarm of one")
+            self._repeated.log(
+                "alone", logging.INFO, "no seeds and no known peers: a swarm of one for now"
+            )
             return False
+        self._repeated.clear("alone")
         if await self.swim.join(candidates):
+            self._repeated.clear("join")
+            for url, why in self.swim.join_errors.items():  # tried before the one that answered
+                log.info("could not join through %s: %s", url, why)
             return True
-        log.warning("no seed or known peer answered (%s); retrying", ", ".join(candidates))
+        reasons = "; ".join(f"{u}: {why}" for u, why in self.swim.join_errors.items())
+        self._repeated.log("join", logging.WARNING, "could not join the swarm (%s); retrying",
+                           reasons or ", ".join(candidates))  # fmt: skip
         return False
 
     async def _rejoin_when_alone(self) -> None:

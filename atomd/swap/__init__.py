@@ -5,8 +5,13 @@
 - ``engine``: ``SwapEngine``, a ``StepEngine`` (atomd.train.engine) that wraps a GPT without
   changing it; ``slots``: device slots and the walk through one wave; ``schedule``: which slot
   each layer visit uses and when its load is issued; ``streams``: CUDA streams and events,
-  no-ops on the CPU; ``hostopt``: per-layer AdamW on the host, on a worker thread.
-- ``factory``: ``make_engine(model, spec, device)``, resident or swapped per the job spec.
+  no-ops on the CPU; ``host``: a swapped layer's host buffers (fp32 masters, the bf16 copy a
+  slot loads, gradient staging); ``hostopt``: per-layer AdamW and gradient sums on the host,
+  on a worker thread.
+- ``record``: the work a step issues, written down; ``trace``: replayed in time with given
+  rates (critical path); ``rehearse``: a plan's schedule run on a stand-in model on the CPU.
+- ``planning``: a job's shape, device and host budgets, and its plan (``atomd.engines``,
+  above both ``train`` and ``swap``, builds the resident or swapped engine from it).
 - ``report``: the plan as a table; ``compare``: how far two runs' parameters are apart.
 
 This ``__init__`` imports nothing heavy, so ``atomd.spec`` and the CLI can import submodules

@@ -47,8 +47,9 @@ through a layer before the next layer is needed (layer-major), so one load serve
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -61,15 +62,20 @@ from atomd.data.dataset import Batch
 from atomd.errors import CheckpointError, SwapError
 from atomd.logs import get_logger
 from atomd.model.gpt import GPT, lm_loss
-from atomd.spec import JobSpec
 from atomd.swap.host import HostLayer, slot_buffers
 from atomd.swap.hostopt import HostOptimizer
 from atomd.swap.plan import SwapPlan
+from atomd.swap.record import Recorder
 from atomd.swap.schedule import training_visits
 from atomd.swap.slots import Slot, SwapStats, Wave, nbytes
 from atomd.swap.streams import DONE, Marker, Streams, label
 from atomd.train.engine import autocast, load_model_tensors, model_tensors, window_mean
-from atomd.train.optim import build_adamw, optimizer_state_by_param, optimizer_tensors
+from atomd.train.optim import (
+    OptimConfig,
+    build_adamw,
+    optimizer_state_by_param,
+    optimizer_tensors,
+)
 from atomd.units import format_bytes
 
 log = get_logger(__name__)
@@ -98,10 +104,16 @@ class Graph:
     outs: list[Tensor]
 
 
+def _slot_of(slot: Slot | None) -> dict[str, int]:
+    return {} if slot is None else {"slot": slot.index}
+
+
 class SwapEngine:
     """A ``StepEngine`` that streams blocks through K device slots (see the module docstring)."""
 
-    def __init__(self, model: GPT, spec: JobSpec, device: torch.device, plan: SwapPlan) -> None:
+    def __init__(
+        self, model: GPT, optim: OptimConfig, device: torch.device, plan: SwapPlan
+    ) -> None:
         cfg = model.config
         if cfg.dropout:
             raise SwapError("the swap engine recomputes layers in backward and needs dropout 0")
@@ -109,7 +121,7 @@ class SwapEngine:
             raise SwapError(
                 f"plan for {plan.n_layer} blocks does not fit a {cfg.n_layer}-block model"
             )
-        self.model, self.spec, self.device, self.plan = model, spec, device, plan
+        self.model, self.optim, self.device, self.plan = model, optim, device, plan
         self.streams = Streams(device)
         self.layers: list[nn.Module] = model.layers()
         n = len(self.layers)
@@ -120,7 +132,9 @@ class SwapEngine:
         for i in self.resident:  # Module.to moves each Parameter in place: the tie survives
             self.layers[i].to(device)
         self.resident_opt = build_adamw(
-            nn.ModuleList(self.layers[i] for i in self.resident), spec, fused=True if cuda else None
+            nn.ModuleList(self.layers[i] for i in self.resident),
+            optim,
+            fused=True if cuda else None,
         )
         self.device_opt = plan.optimizer == "device"
         self.link = torch.bfloat16 if plan.link == "bf16" else torch.float32
@@ -152,16 +166,17 @@ class SwapEngine:
         layout = self.hosts[self.swapped[0]].slot_layout()
         if any(self.hosts[i].slot_layout() != layout for i in self.swapped):
             raise SwapError("swapped layers must all have the same parameter shapes")
-        self.slots = []
+        self.slots: list[Slot] = []
         for _ in range(plan.slots):
             weights, grads, flat_w, flat_g = slot_buffers(layout, len(self._names), device)
             moments = [torch.empty_like(g) for g in 2 * grads] if self.device_opt else []
-            self.slots.append(Slot(weights, grads, flat_w, flat_g, moments))
-        self.host_opt = HostOptimizer({i: self.layers[i] for i in self.swapped}, self.hosts, spec)
+            self.slots.append(Slot(weights, grads, flat_w, flat_g, moments, len(self.slots)))
+        self.host_opt = HostOptimizer({i: self.layers[i] for i in self.swapped}, self.hosts, optim)
         # With the optimizer on the device: layer -> (lr, clipping coefficient) of the step its
         # next load applies, and the marker of its last copy back to the host.
         self._due: dict[int, tuple[float, Tensor | None]] = {}
         self._written: dict[int, Marker] = {}
+        self._coef: Marker = DONE  # the clipping coefficient the due steps use is computed
         if self.device_opt:
             self.host_opt.init_state(pin=cuda)
         # The link copies follow the masters after each step; after ``settle`` the caller may
@@ -177,7 +192,6 @@ class SwapEngine:
         spillable = set(range(1, n - 2)) - self._graphs  # a kept graph holds its own input
         self._spilled_layers = spillable if plan.spill else set()
         self.stats = SwapStats()
-        self.reason = "swap on"  # why this run swaps, for plan.json (set by make_engine)
         log.info(
             "swap engine: %d swapped blocks, %d slots, M=%d, resident: embedding, head and %d "
             "blocks, spill %s, optimizer on the %s",
@@ -200,13 +214,16 @@ class SwapEngine:
             self.host_opt.wait(layer)  # its update must be in the host master before we copy it
         due = self._due.pop(layer, None)
         st.wait(st.load, slot.used, slot.saved, self._written.get(layer, DONE))
-        if due is not None:  # the step overwrites the slot's gradient buffer and reads .grad
-            st.wait(st.load, slot.stored, self._grad_stored.get(layer, DONE))
         with st.on(st.load), torch.no_grad(), label(f"atomd.load.{layer}"):
             for w, g in zip(slot.flat_weights, self.hosts[layer].groups, strict=True):
                 w.copy_(g.src, non_blocking=True)
+            st.work(st.load, "weights", layer, slot=slot.index)
             if due is not None:
+                # After the weights: the step overwrites the slot's gradient buffer (stored
+                # out?), reads the layer's .grad (stored?) and the clipping coefficient.
+                st.wait(st.load, slot.stored, self._grad_stored.get(layer, DONE), self._coef)
                 self._device_step(layer, slot, *due)
+                st.work(st.load, "device_step", layer, slot=slot.index)
         slot.loaded, slot.layer = st.mark(st.load), layer
         self.stats.layer_loads += 1
         self.stats.bytes_loaded += nbytes(slot.flat_weights)
@@ -266,6 +283,7 @@ class SwapEngine:
                 p.copy_(slot.weights[j], non_blocking=True)
                 opt.state[p]["exp_avg"].copy_(slot.moments[j], non_blocking=True)
                 opt.state[p]["exp_avg_sq"].copy_(slot.moments[n + j], non_blocking=True)
+            st.work(st.store, "device_state", layer, slot=slot.index)
         slot.saved = self._written[layer] = st.mark(st.store)
         self.stats.bytes_stored += nbytes(slot.weights) + nbytes(slot.moments)
 
@@ -281,6 +299,7 @@ class SwapEngine:
         with st.on(st.store), torch.no_grad(), label(f"atomd.store.{layer}"):
             for acc, g in zip(slot.flat_grads, host.groups, strict=True):
                 g.staging.copy_(acc, non_blocking=True)  # a bf16 link rounds here, once
+            st.work(st.store, "grads", layer, slot=slot.index)
         slot.stored = self._grad_stored[layer] = st.mark(st.store)
         self.stats.bytes_stored += nbytes([g.staging for g in host.groups])
         return slot.stored
@@ -299,6 +318,7 @@ class SwapEngine:
                 buf.copy_(a, non_blocking=True)
                 st.hand_over(a, st.store)
                 hosts.append(buf)
+            st.work(st.store, "spill", layer, m=len(acts))
         self.stats.bytes_stored += nbytes(acts)
         return hosts, st.mark(st.store)
 
@@ -308,6 +328,7 @@ class SwapEngine:
         st.wait(st.load, ready)
         with st.on(st.load):
             devs = [h.to(self.device, non_blocking=True) for h in hosts]
+            st.work(st.load, "spill", layer, m=len(devs))
         for d in devs:
             st.hand_over(d, st.compute)
         self._spill_free[layer] = st.mark(st.load)
@@ -460,7 +481,8 @@ class SwapEngine:
         self._refresh_if_written()
         self.model.train()
         self.stats = SwapStats()
-        clip = self.spec.grad_clip > 0
+        st = self.streams
+        clip = self.optim.grad_clip > 0
         total = torch.zeros((), device=self.device)
         norms: list[Tensor] = []
         waves = g_total // m
@@ -483,14 +505,15 @@ class SwapEngine:
             resident_grads = [p.grad for p in resident_params if p.grad is not None]
             norms.extend(torch._foreach_norm(resident_grads))
             total_norm = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]))
-            coef = torch.clamp(self.spec.grad_clip / (total_norm + 1e-6), max=1.0)
+            coef = torch.clamp(self.optim.grad_clip / (total_norm + 1e-6), max=1.0)
             torch._foreach_mul_(resident_grads, coef)
         if self.device_opt:  # each layer's step comes with its next load
             if coef is not None:  # computed on the compute stream, read on the load stream
-                self.streams.wait(self.streams.load, self.streams.mark(self.streams.compute))
-                self.streams.hand_over(coef, self.streams.load)
+                self._coef = st.mark(st.compute)
+                st.hand_over(coef, st.load)
             self._due.update((layer, (lr, coef)) for layer in self.swapped)
         elif coef is not None:
+            st.host_reads(st.compute, "clip")
             with label("atomd.clip_coef_to_host"):
                 coef_host = float(coef)  # waits for the compute stream, as the loss below does
             for layer in self.swapped:  # forward order: the next step needs these first
@@ -499,8 +522,12 @@ class SwapEngine:
             grp["lr"] = lr
         self.resident_opt.step()
         self.resident_opt.zero_grad(set_to_none=True)
+        st.work(st.compute, "optimizer", -1)
         for slot in self.slots:
             slot.layer = None  # stale: the host masters change
+        st.host_reads(st.compute, "loss")
+        if st.recorder is not None:
+            st.recorder.end_step()
         with label("atomd.loss_to_host"):
             return float(total)
 
@@ -517,7 +544,7 @@ class SwapEngine:
     ) -> None:
         st, n = self.streams, len(self.layers)
         single = first and last  # one wave per step: no sum of waves on the host
-        clip = self.spec.grad_clip > 0
+        clip = self.optim.grad_clip > 0
         xs = [b.x.to(self.device, non_blocking=True) for b in batches]
         ys = [b.y.to(self.device, non_blocking=True) for b in batches]
         wave = self._wave(training_visits(self.swapped))
@@ -537,6 +564,8 @@ class SwapEngine:
                 else:
                     with torch.no_grad():
                         acts = self._forward(i, acts, slot.weights if slot else None)
+            kind = "embed" if i == 0 else "fwd"
+            st.work(st.compute, kind, i, m=len(acts), kept=i in graphs, **_slot_of(slot))
             if slot is not None:
                 slot.used = st.mark(st.compute)
                 wave.done()
@@ -564,6 +593,8 @@ class SwapEngine:
                     grad_outs = self._backward_layer(
                         i, inputs, grad_outs, ys, None, None, first, g_total, total
                     )
+                kind = "head" if i == n - 1 else "embed_bwd" if i == 0 else "bwd"
+                st.work(st.compute, kind, i, m=len(batches), kept=isinstance(inputs, Graph))
             else:
                 st.wait(st.compute, slot.loaded, slot.stored)
                 with label(f"atomd.bwd.{i}"):
@@ -571,6 +602,8 @@ class SwapEngine:
                     grad_outs = self._backward_layer(
                         i, inputs, grad_outs, ys, slot.weights, slot.grads, True, g_total, total
                     )
+                kept = isinstance(inputs, Graph)
+                st.work(st.compute, "bwd", i, m=len(batches), kept=kept, slot=slot.index)
                 if clip and single:  # the slot holds the layer's whole gradient
                     norms.extend(torch._foreach_norm(slot.grads))
                 slot.used = st.mark(st.compute)
@@ -618,6 +651,16 @@ class SwapEngine:
         return window_mean(losses, batches)
 
     # -- state ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[Recorder]:
+        """Record the work the engine issues meanwhile (``atomd.swap.trace``)."""
+        recorder = Recorder()
+        self.streams.recorder = self.host_opt.recorder = recorder
+        try:
+            yield recorder
+        finally:
+            self.streams.recorder = self.host_opt.recorder = None
 
     def _refresh_if_written(self) -> None:
         """After ``settle`` the masters may have been written (sync, a checkpoint load): the

@@ -25,25 +25,27 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor, nn
 
-from atomd.spec import JobSpec
 from atomd.swap.host import HostLayer
+from atomd.swap.record import Recorder, Work
 from atomd.swap.streams import Marker
-from atomd.train.optim import build_adamw
+from atomd.train.optim import OptimConfig, build_adamw
 
 
 class HostOptimizer:
     """Per-layer host AdamW steps and gradient sums, with at most one pending task per layer."""
 
     def __init__(
-        self, layers: dict[int, nn.Module], hosts: dict[int, HostLayer], spec: JobSpec
+        self, layers: dict[int, nn.Module], hosts: dict[int, HostLayer], optim: OptimConfig
     ) -> None:
         # fused=True: torch's fused AdamW kernel also runs on CPU tensors (torch >= 2.4).
-        self.optimizers = {i: build_adamw(m, spec, fused=True) for i, m in layers.items()}
+        self.optimizers = {i: build_adamw(m, optim, fused=True) for i, m in layers.items()}
         self.hosts = hosts
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomd-host-adamw")
         self._pending: dict[int, Future[None]] = {}
         self._scratch = torch.empty(0)  # fp32 .grad of the layer being stepped (bf16 link)
         self._norms: dict[int, list[Tensor]] = {}
+        self.recorder: Recorder | None = None  # set while the engine records its schedule
+        self._recorded: dict[int, Work] = {}
         self.init_state(pin=False)
 
     def init_state(self, *, pin: bool) -> None:
@@ -61,8 +63,18 @@ class HostOptimizer:
                         elif pin and not t.is_pinned():
                             state[key] = t.pin_memory()
 
-    def _submit(self, layer: int, fn: Callable[[], None]) -> None:
+    def _submit(
+        self,
+        layer: int,
+        fn: Callable[[], None],
+        kind: str,
+        ready: Marker | None = None,
+        **what: bool,
+    ) -> None:
         self.wait(layer)
+        if self.recorder is not None:
+            self.recorder.wait("host", [ready.at] if ready is not None else [])
+            self._recorded[layer] = self.recorder.work("host", kind, layer, dict(what))
         self._pending[layer] = self._pool.submit(fn)
 
     def submit(
@@ -103,7 +115,15 @@ class HostOptimizer:
             host.release_grads()
             host.refresh()
 
-        self._submit(layer, run)
+        self._submit(
+            layer,
+            run,
+            "step" if lr is not None else "sum",
+            ready,
+            accumulate=accumulate,
+            norms=norms,
+            step=lr is not None,
+        )
 
     def norms_of(self, layer: int) -> list[Tensor]:
         """The per-parameter gradient norms a ``norms`` task took (waits for it)."""
@@ -112,12 +132,14 @@ class HostOptimizer:
 
     def refresh(self, layer: int) -> None:
         """Refresh ``layer``'s link copy from its masters (they were written from outside)."""
-        self._submit(layer, self.hosts[layer].refresh)
+        self._submit(layer, self.hosts[layer].refresh, "refresh")
 
     def wait(self, layer: int) -> None:
         """Block until ``layer``'s pending task (if any) is done; re-raises its error."""
         fut = self._pending.pop(layer, None)
         if fut is not None:
+            if self.recorder is not None:
+                self.recorder.block(self._recorded.pop(layer, None), f"host task of {layer}")
             fut.result()
 
     def drain(self) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -269,7 +269,7 @@ def _count_loads(swapped: int, slots: int, waves: int) -> int:
     return count_loads(list(range(swapped)), slots, waves)[1]
 
 
-def _flops(shape: Shape, sizes: LayerSizes) -> tuple[float, float]:
+def flops(shape: Shape, sizes: LayerSizes) -> tuple[float, float]:
     """Forward FLOPs of one micro-batch: (one block, the head)."""
     cfg = shape.cfg
     b, t = shape.micro_batch_size, shape.seq_len
@@ -316,7 +316,7 @@ def _evaluate(
     if device_opt:  # per swapped block and step: gradient and moments in, master and moments out
         bytes_loaded += q * step_bytes
         bytes_stored += q * step_bytes
-    f_block, f_head = _flops(shape, sizes)
+    f_block, f_head = flops(shape, sizes)
     rate = hw.flops_per_s * MODEL_FLOPS_FRACTION
     # A block recomputes its forward in backward (forward + recompute + 2x backward) unless it
     # kept its graph.
@@ -523,3 +523,24 @@ def make_plan(
         near,
         key=lambda p: (p.micro_batches, p.spill, p.link != "fp32", p.peak_device_bytes, p.slots),
     )
+
+
+FREE_SLACK = 1.05
+"""A plan whose step is within 5% of its compute counts as swapping for free."""
+
+
+def free_from(shape: Shape, *, max_grad_accum: int = 4096, **choices: Any) -> SwapPlan | None:
+    """The plan at the fewest tokens per step (grad_accum doubled from the shape's) whose
+    transfers and host optimizer hide behind its compute (step within ``FREE_SLACK`` of
+    compute), with the same budget and choices; None when none does up to
+    ``max_grad_accum`` micro-batches."""
+    g = shape.grad_accum or 1
+    while g <= max_grad_accum:
+        try:
+            plan = make_plan(replace(shape, grad_accum=g), **choices)
+        except PlanError:
+            return None
+        if plan.step_s <= FREE_SLACK * plan.compute_s:
+            return plan
+        g *= 2
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from atomd.swap.plan import SwapPlan
+from atomd.swap.trace import Simulation
 from atomd.units import format_bytes
 
 _MEMORY_LABELS = {
@@ -31,7 +32,7 @@ _LINK = {
 }
 
 
-def format_plan(plan: SwapPlan, *, preset: str) -> str:
+def format_plan(plan: SwapPlan, *, preset: str, free: SwapPlan | None = None) -> str:
     """The plan in three short tables: choices, device memory, time per optimizer step."""
     hw = plan.hardware
     overlap, duplex = hw.get("copy_compute_overlap", 1.0), hw.get("duplex", 1.0)
@@ -87,4 +88,42 @@ def format_plan(plan: SwapPlan, *, preset: str) -> str:
         f"  {'predicted throughput':<36}{plan.tokens_per_s:,.0f} tokens/s "
         f"({plan.resident_step_s / plan.step_s:.2f} x resident training's compute-bound rate)",
     ]
+    if free is not None and free.tokens_per_step == plan.tokens_per_step:
+        rows.append(f"  {'swapping is free':<36}at this batch: the step is its compute")
+    elif free is not None:
+        rows.append(
+            f"  {'swapping is free from':<36}{free.tokens_per_step:,} tokens per step "
+            f"(grad_accum {free.grad_accum}, M={free.micro_batches}: transfers and host "
+            f"AdamW hide behind compute, {free.tokens_per_s:,.0f} tokens/s)"
+        )
+    else:
+        rows.append(f"  {'swapping is free':<36}not within 4096 micro-batches per step")
+    return "\n".join(rows)
+
+
+def format_simulation(sim: Simulation, problems: list[str], *, predicted_s: float) -> str:
+    """``atomd plan --simulate``: the recorded schedule replayed at the plan's rates."""
+    summary = sim.summary(last=8)
+    steps = ", ".join(f"{s:.3f}" for s in summary["step_s"])
+    rows = [
+        "simulated (the plan's schedule recorded on a stand-in model, replayed at these rates)",
+        f"  {'steps (s)':<36}{steps}  (planner: {predicted_s:.3f})",
+        "  busy (s): " + ", ".join(f"{k} {v:.3f}" for k, v in summary["busy_s"].items()),
+        "  critical path (s): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in summary["critical_path_s_by_lane"].items()),
+        "  its last links:",
+    ]
+    for link in summary["critical_path_tail"]:
+        rows.append(
+            f"    {link['start']:>9.4f} {link['finish']:>9.4f}  {link['work']}"
+            f" (held by: {link['held_by']})"
+        )
+    rows.append(
+        "  schedule check: "
+        + (
+            "loads wait only for their slot's compute, stores never for loads"
+            if not problems
+            else f"{len(problems)} problem(s): " + "; ".join(problems[:3])
+        )
+    )
     return "\n".join(rows)

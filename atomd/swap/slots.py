@@ -24,6 +24,8 @@ class Slot:
     flat_grads: list[Tensor] = field(default_factory=list)
     moments: list[Tensor] = field(default_factory=list)
     """With the optimizer on the device: AdamW's exp_avg then exp_avg_sq, one per weight."""
+    index: int = 0
+    """Which of the engine's slots (for the recorded schedule)."""
     layer: int | None = None
     """The layer whose current weights the slot holds (None: empty, or stale after a step)."""
     loaded: Marker = DONE

@@ -12,6 +12,7 @@ newest good one is used instead.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -69,6 +70,13 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC or EDQUOT, raised by Python (OSError) or by safetensors (its message)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return f"os error {errno.ENOSPC})" in str(e) or "No space left on device" in str(e)
+
+
 def checkpoint_root(out_dir: Path) -> Path:
     return out_dir / "checkpoints"
 
@@ -118,9 +126,17 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final}: {e}") from e
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # the older checkpoints are untouched
+        good = [p for p in list_checkpoints(root) if p != final]
+        last = f"step {int(good[0].name[len(_PREFIX) :])} ({good[0]})" if good else "none"
+        if _disk_full(e):
+            raise CheckpointError(
+                f"no space left on device writing {final}; the last good checkpoint is {last}"
+            ) from e
+        raise CheckpointError(
+            f"could not write checkpoint {final}: {e}; the last good checkpoint is {last}"
+        ) from e
     for old in list_checkpoints(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -17,8 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from atomd.data.dataset import Batch
 from atomd.model.gpt import GPT, lm_loss
-from atomd.spec import JobSpec
-from atomd.train.optim import build_adamw, load_optimizer_tensors, optimizer_tensors
+from atomd.train.optim import OptimConfig, build_adamw, load_optimizer_tensors, optimizer_tensors
 
 
 class StepEngine(Protocol):
@@ -87,14 +86,14 @@ class ResidentEngine:
     reference a swapped run that recomputes is measured against."""
 
     def __init__(
-        self, model: GPT, spec: JobSpec, device: torch.device, *, recompute: bool = False
+        self, model: GPT, optim: OptimConfig, device: torch.device, *, recompute: bool = False
     ) -> None:
         self.model = model.to(device)
         self.device = device
-        self.spec = spec
+        self.optim = optim
         self.recompute = recompute
         self.optimizer = build_adamw(
-            self.model, spec, fused=True if device.type == "cuda" else None
+            self.model, optim, fused=True if device.type == "cuda" else None
         )
 
     def _to_device(self, b: Batch) -> tuple[Tensor, Tensor]:
@@ -112,8 +111,8 @@ class ResidentEngine:
                 loss = lm_loss(logits, y) / len(batches)
             loss.backward()
             total += loss.detach()
-        if self.spec.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
+        if self.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(total)

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from atomd.errors import CheckpointError
-from atomd.spec import JobSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """What the step engines read of a job's optimization settings (``engines.optim_config``
+    makes one from a ``JobSpec``)."""
+
+    lr: float
+    """The base learning rate (each step passes its scheduled one)."""
+    betas: tuple[float, float]
+    weight_decay: float
+    """AdamW's decoupled weight decay, on matrices only."""
+    grad_clip: float
+    """Clip the gradients' global norm to this (0: no clipping)."""
 
 
 def named_unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -17,15 +31,17 @@ def named_unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(model.named_parameters())
 
 
-def build_adamw(model: nn.Module, spec: JobSpec, *, fused: bool | None = None) -> torch.optim.AdamW:
+def build_adamw(
+    model: nn.Module, cfg: OptimConfig, *, fused: bool | None = None
+) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not on biases, LayerNorms)."""
     decay = [p for _, p in named_unique_parameters(model) if p.dim() >= 2]
     no_decay = [p for _, p in named_unique_parameters(model) if p.dim() < 2]
     groups: list[dict[str, Any]] = [
-        {"params": decay, "weight_decay": spec.weight_decay},
+        {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    kwargs: dict[str, Any] = {"lr": spec.effective_lr, "betas": (spec.beta1, spec.beta2)}
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": cfg.betas}
     if fused is not None:
         kwargs["fused"] = fused
     return torch.optim.AdamW(groups, **kwargs)

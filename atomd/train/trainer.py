@@ -12,7 +12,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -23,13 +23,11 @@ from tqdm import tqdm
 
 from atomd import __version__
 from atomd.data.dataset import VAL_BATCH, TokenDataset, load_dataset
-from atomd.devices import resolve_device
 from atomd.errors import CheckpointError, ConfigError, TrainingError
 from atomd.logs import get_logger
 from atomd.model.gpt import GPT, GPTConfig
 from atomd.model.presets import get_preset
 from atomd.spec import JobSpec, lr_at
-from atomd.swap.factory import engine_plan, make_engine
 from atomd.train import checkpoint as ckpt
 from atomd.train.engine import StepEngine
 from atomd.train.metrics import MetricsLog, StepReport
@@ -118,20 +116,18 @@ def _settle(
         pass
 
 
-def build_model(cfg: GPTConfig, seed: int) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(cfg)
-
-
 class Trainer:
-    """Trains one model on one process (the ResidentEngine unless another engine is given)."""
+    """Trains one model on one process with the step engine it is handed (resident or
+    swapped: ``atomd.engines.build_engine``) and that engine's ``plan`` (what plan.json and
+    every checkpoint record)."""
 
     def __init__(
         self,
         spec: JobSpec,
         out_dir: Path,
+        engine: StepEngine,
         *,
-        device: str = "auto",
+        plan: Mapping[str, Any],
         resume: bool = False,
         progress: bool = False,
         on_report: Callable[[StepReport], None] | None = None,
@@ -145,7 +141,6 @@ class Trainer:
     ) -> None:
         self.spec = spec
         self.out_dir = out_dir
-        self.device = resolve_device(device)
         self.progress = progress
         self.on_report = on_report
         self.on_checkpoint = on_checkpoint
@@ -178,11 +173,9 @@ class Trainer:
         )
         if self.model_config.vocab_size < 256:
             raise ConfigError("the byte-level data needs a vocabulary of at least 256")
-        self.engine: StepEngine = make_engine(
-            build_model(self.model_config, spec.seed), spec, self.device
-        )
+        self.engine = engine
         # Resident or swapped, and the swap plan: recorded with the run and every checkpoint.
-        self.plan = engine_plan(self.engine, spec, self.device)
+        self.plan = dict(plan)
         if plugin is not None:
             plugin.attach(self.engine)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from atomd.data.dataset import Batch
+from atomd.engines import optim_config
 from atomd.model.gpt import GPT, GPTConfig
 from atomd.model.presets import get_preset
 from atomd.spec import JobSpec
@@ -18,8 +19,9 @@ from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
 from atomd.swap.plan import Link, Optimizer, Shape, SwapPlan, make_plan
 from atomd.train.engine import ResidentEngine
-from atomd.train.trainer import Trainer, model_from_checkpoint
-from tests.conftest import fast_spec
+from atomd.train.optim import OptimConfig
+from atomd.train.trainer import model_from_checkpoint
+from tests.conftest import fast_spec, trainer_for
 
 CUDA = torch.device("cuda")
 CFG = GPTConfig(n_layer=6, n_head=4, n_embd=256, vocab_size=256, block_size=128)
@@ -47,8 +49,10 @@ def _batches(step: int, count: int = G, vocab: int = CFG.vocab_size) -> list[Bat
     return out
 
 
-def _spec(clip: float) -> JobSpec:
-    return JobSpec(preset="tiny", micro_batch_size=B, seq_len=T, grad_accum=G, grad_clip=clip)
+def _spec(clip: float) -> OptimConfig:
+    return optim_config(
+        JobSpec(preset="tiny", micro_batch_size=B, seq_len=T, grad_accum=G, grad_clip=clip)
+    )
 
 
 def _plan(
@@ -168,9 +172,9 @@ def test_checkpoints_move_between_swapped_and_resident_on_cuda(
 ) -> None:
     common = {"data": str(text_file), "max_steps": 4, "micro_batch_size": 8}
     swapped = tmp_path / "swapped"
-    Trainer(fast_spec(swap="on", **common), swapped, device="cuda").run()
+    trainer_for(fast_spec(swap="on", **common), swapped, device="cuda").run()
     more = fast_spec(swap="off", **(common | {"max_steps": 6}))
-    summary = Trainer(more, swapped, device="cuda", resume=True).run()
+    summary = trainer_for(more, swapped, device="cuda", resume=True).run()
     assert summary.state == "finished" and summary.loss is not None and summary.loss < 5.0
     model, _ = model_from_checkpoint(swapped, torch.device("cpu"))
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from atomd.launch import DaemonProcess
+from atomd.launch import DaemonProcess, stop_all
 
 # A spec that trains the tiny model quickly on the CPU (steps of 128 tokens).
 FAST_JOB: dict[str, Any] = {
@@ -35,11 +35,12 @@ def daemons(tmp_path: Path) -> Iterator[Any]:
         return d
 
     yield make
-    for d in started:
-        d.stop()
+    stop_all(started)
 
 
-def wait_for(predicate: Any, timeout: float = 60, interval: float = 0.1, what: str = "") -> Any:
+def wait_for(predicate: Any, timeout: float = 300, interval: float = 0.1, what: str = "") -> Any:
+    """Poll ``predicate`` until truthy. The bound is generous: it only matters on a failure, and
+    a busy machine is many times slower than a quiet one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import netns
-from bench.swarm import Scenario, Task, run_scenario
+from atomd_bench import netns
+from atomd_bench.swarm import Scenario, Task, run_scenario
 
 needs_netns = pytest.mark.skipif(
     netns.namespaces_available() is not None,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ COMMANDS = ["train", "sample", "presets", "demo", "version"]
 
 
 def run(
-    *args: str, cwd: Path | None = None, timeout: float = 240
+    *args: str, cwd: Path | None = None, timeout: float = 900
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ATOMD_LOG_LEVEL": "INFO"}
     return subprocess.run(
@@ -28,6 +30,7 @@ def test_help_everywhere(command: str | None) -> None:
     proc = run(*([command] if command else []), "--help")
     assert proc.returncode == 0, proc.stderr
     assert "Usage" in proc.stdout
+    assert "<bool>" not in proc.stdout  # a flag takes no value
     if command is None:
         for c in COMMANDS:
             assert c in proc.stdout
@@ -89,6 +92,38 @@ def test_bad_spec_is_explained(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "micro_batch_size" in proc.stderr
 
 
+@pytest.mark.parametrize("command", [["train", "--out", "o"], ["job", "start"]])
+def test_missing_spec_file_is_named(tmp_path: Path, command: list[str]) -> None:
+    missing = tmp_path / "missing.json"
+    proc = run(*command, "--spec", str(missing), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"cannot read job spec {missing}: No such file or directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_stops_training_at_a_checkpoint_and_says_how_to_resume(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    p = subprocess.Popen(
+        [*ATOMD, "train", "--out", str(out), "--max-steps", "100000", "--quiet",
+         "--micro-batch-size", "2", "--seq-len", "16", "--checkpoint-interval", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 130, stderr
+    assert "Ctrl-C: stopping at the next step boundary" in stderr
+    assert f"continue with: atomd train --out {out} --resume" in stderr
+    assert "stopped at step" in stdout and "Traceback" not in stderr
+    assert list((out / "checkpoints").glob("step-*"))
+
+
 def test_missing_data_and_checkpoint_are_clear_errors(tmp_path: Path) -> None:
     proc = run("train", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and "not found" in proc.stderr
@@ -99,10 +134,11 @@ def test_missing_data_and_checkpoint_are_clear_errors(tmp_path: Path) -> None:
 def test_swarm_demo_runs_to_the_end(tmp_path: Path) -> None:
     """What `make demo` runs, on a small budget: daemons start, train together, stop cleanly."""
     proc = run("demo", "--out", str(tmp_path), "--peers", "2", "--max-steps", "24",
-               "--every", "8", timeout=300)  # fmt: skip
+               "--every", "8", timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "the job has finished on every peer" in proc.stdout
-    assert "all daemons stopped" in proc.stdout
+    assert "all 3 daemons stopped." in proc.stdout  # the two peers and the lone one
+    assert proc.stdout.count(" after SIGTERM in ") == 3  # each daemon, and how it ended
     last = [line for line in proc.stdout.splitlines() if "deltas merged" in line][-2:]
     assert all("finished" in line for line in last)
     assert any("deltas merged   0" not in line for line in last)  # deltas were merged
@@ -111,3 +147,12 @@ def test_swarm_demo_runs_to_the_end(tmp_path: Path) -> None:
     assert alone and "finished" in alone[-1] and "step   24" in alone[-1]
     verdict = [line for line in proc.stdout.splitlines() if "final validation loss" in line]
     assert len(verdict) == 1 and "one peer alone in the same time" in verdict[0]
+
+
+def test_migrate_from_a_folder_with_its_own_migrations_package(tmp_path: Path) -> None:
+    """Another project's ``migrations/`` in the working directory is not ours."""
+    (tmp_path / "migrations").mkdir()
+    (tmp_path / "migrations" / "__init__.py").write_text("raise SystemExit('the wrong one')\n")
+    proc = run("migrate", "--data-dir", str(tmp_path / "data"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "revision 0002" in proc.stdout

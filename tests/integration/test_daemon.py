@@ -208,6 +208,8 @@ def test_cli_clients_talk_to_the_daemon(daemons: Any) -> None:
         wait_for(lambda: _job(c, jid)["step"] >= 2, what="steps")
     r = _atomd("status", *url)
     assert r.returncode == 0 and jid in r.stdout
+    status = json.loads(_atomd("status", *url, "--json").stdout)
+    assert status["peer_id"] in r.stdout and status["public_key"] in r.stdout  # as the README says
     r = _atomd("job", "list", *url)
     assert r.returncode == 0 and jid in r.stdout and "running" in r.stdout
     r = _atomd("job", "show", jid, *url)

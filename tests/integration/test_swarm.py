@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from atomd.launch import DaemonProcess, peer_id, peer_view, start_swarm, wait_until
+from atomd.launch import DaemonProcess, peer_id, peer_view, start_swarm, stop_all, wait_until
 from tests.integration.conftest import FAST_JOB
 
 
@@ -23,17 +23,13 @@ def _all_see(daemons: list[DaemonProcess], pid: str, state: str) -> bool:
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Any:
-    started: list[list[DaemonProcess]] = []
+    started: list[DaemonProcess] = []
 
     def make(n: int, **kw: Any) -> list[DaemonProcess]:
-        ds = start_swarm(tmp_path, n, **kw)
-        started.append(ds)
-        return ds
+        return start_swarm(tmp_path, n, started=started, **kw)
 
     yield make
-    for ds in started:
-        for d in ds:
-            d.stop()
+    stop_all(started)
 
 
 def test_membership_of_eight_daemons(swarm: Any, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -12,12 +13,12 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from api.control import ControlContext, create_control_app
 from atomd.config import Settings
 from atomd.db import migrate
 from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.jobs import JobManager
 from atomd.telemetry import Telemetry
+from atomd_api.control import ControlContext, create_control_app
 
 FAST = {"seq_len": 16, "micro_batch_size": 2, "eval_batches": 1, "log_interval": 1}
 Factory = Callable[..., Any]
@@ -70,7 +71,7 @@ async def test_health_and_readiness(make_client: Factory) -> None:
     assert (await c.get("/healthz")).json() == {"status": "ok"}
     r = await c.get("/readyz")
     assert r.status_code == 503
-    assert r.json() == {"ready": False, "checks": {"database": True, "peer": False}}
+    assert r.json() == {"ready": False, "checks": {"database": True, "peer": False}, "reasons": {}}
 
 
 async def test_errors_have_one_shape(make_client: Factory) -> None:
@@ -85,6 +86,28 @@ async def test_errors_have_one_shape(make_client: Factory) -> None:
     r = await c.post("/v1/jobs", json={"preset": "gpt5", "lr": -1})
     assert r.status_code == 422
     assert {e["loc"][-1] for e in r.json()["detail"]} == {"preset", "lr"}
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b'{"lr": NaN}', "lr"),
+        (b'{"weight_decay": Infinity}', "weight_decay"),
+        (b'{"grad_clip": -Infinity}', "grad_clip"),
+        (b'{"sync": {"outer_lr": NaN}}', "outer_lr"),
+        (b'{"max_steps": 1' + b"0" * 400 + b"}", "max_steps"),
+        (b'{"seed": 18446744073709551616}', "seed"),
+        (b'{"weight_decay": 1e300}', "weight_decay"),
+    ],
+)
+async def test_non_finite_and_absurd_numbers_are_422_never_500(
+    make_client: Factory, body: bytes, field: str
+) -> None:
+    c = await make_client()
+    r = await c.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert [e["loc"][-1] for e in r.json()["detail"]] == [field]
+    assert not (await c.get("/v1/jobs")).json()
 
 
 async def test_refuses_jobs_that_cannot_run_here(make_client: Factory, tmp_path: Path) -> None:
@@ -139,3 +162,16 @@ async def test_job_runs_records_progress_and_stops(make_client: Factory) -> None
     assert state == "stopped"
     status = (await c.get("/v1/status")).json()
     assert status["job"] is None and status["device"] == "cpu"
+
+
+async def test_docs_work_offline(make_client: Factory) -> None:
+    """/docs and /redoc load every script and style from this daemon, none from a CDN."""
+    c = await make_client()
+    for page in ("/docs", "/redoc"):
+        r = await c.get(page)
+        assert r.status_code == 200
+        assets = re.findall(r'(?:src|href)="([^"]+)"', r.text)
+        assert assets and not [a for a in assets if "://" in a], assets
+        for a in assets:
+            got = await c.get(a)
+            assert got.status_code == 200 and len(got.content) > 100, a

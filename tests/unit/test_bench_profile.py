@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bench.profile import kind_of, summarize
+from atomd_bench.profile import kind_of, summarize
 
 
 def _ev(name: str, cat: str, start_us: float, dur_us: float) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from atomd.cli import app
-from bench.sync import Budget, RunSpec, default_runs, resolve_runs, run
+from atomd_bench.sync import Budget, RunSpec, default_runs, resolve_runs, run
 
 TINY = Budget(steps=12, peers=2, seq_len=32, batch_scale=0.25, every_scale=0.1, val_batches=2)
 

@@ -97,3 +97,34 @@ def test_resolve_accepts_run_or_checkpoint_folder(tmp_path: Path) -> None:
     path = _save(tmp_path / "checkpoints", 2)
     assert ckpt.resolve_checkpoint_dir(tmp_path) == tmp_path / "checkpoints"
     assert ckpt.resolve_checkpoint_dir(path) == path
+
+
+@pytest.mark.parametrize("where", ["python", "safetensors"])
+def test_full_disk_names_the_path_and_the_last_good_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    import errno
+    import os
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    _save(tmp_path, 5, 1.0)
+    _save(tmp_path, 10, 2.0)
+
+    def full(*args: object, **kwargs: object) -> None:
+        if where == "python":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")  # fmt: skip
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(CheckpointError) as e:
+        _save(tmp_path, 15, 3.0)
+    assert str(e.value) == (
+        f"no space left on device writing {tmp_path / 'step-00000015'}; the last good "
+        f"checkpoint is step 10 ({tmp_path / 'step-00000010'})"
+    )
+    assert [p.name for p in tmp_path.iterdir()] != [] and not list(tmp_path.glob(".tmp*"))
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000010", "step-00000005"]
+    assert ckpt.load_latest(tmp_path).step == 10  # type: ignore[union-attr]

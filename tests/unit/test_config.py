@@ -80,3 +80,19 @@ def test_host_port_and_derived_paths(tmp_path: Path) -> None:
     assert s.db_path == tmp_path / "atomd.db" and s.jobs_dir == tmp_path / "jobs"
     assert s.advertise_url == "http://127.0.0.1:9000"
     assert Settings(advertise="http://me:1/").advertise_url == "http://me:1"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"seeds": ["ftp://x"]}, "--seed / ATOMD_SEEDS:"),
+        ({"allowed_keys": ["zz"]}, "--allow-key / ATOMD_ALLOWED_KEYS:"),
+        ({"gossip_interval": 0}, "  ATOMD_GOSSIP_INTERVAL:"),
+        ({"control": "nope"}, "--control / ATOMD_CONTROL:"),
+    ],
+)
+def test_errors_name_the_flag_a_person_types(overrides: dict[str, object], named: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(**overrides)
+    assert named in str(e.value)
+    assert "--seeds" not in str(e.value) and "--allowed-keys" not in str(e.value)

@@ -129,7 +129,8 @@ def test_unit_runs_unprivileged_and_hardened(unit: Unit) -> None:
         # Deliberately off: CUDA needs /dev/nvidia*, torch's JITs need W+X memory.
         "PrivateDevices": "no",
         "MemoryDenyWriteExecute": "no",
-        "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+        # AF_NETLINK: getifaddrs(3), which --zeroconf needs to list the interfaces.
+        "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
     }
     actual = {key: service.get(key, [""])[-1] for key in expected}
     assert actual == expected

@@ -121,3 +121,24 @@ def test_found_peers_reports_a_new_url_and_a_return_after_removal() -> None:
     peers.forget("b")
     assert peers.admit("b", _advert(PEER_B, url="http://10.0.0.2:7072")) is None
     peers.forget("unknown")  # forgetting a name never seen is harmless
+
+
+async def test_a_refused_socket_family_is_reported_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under systemd without AF_NETLINK, getifaddrs fails with EAFNOSUPPORT: the error says
+    so (and the daemon goes on without LAN discovery) instead of an OSError escaping."""
+    import errno
+    import os
+
+    from atomd.errors import AtomdError
+    from atomd.p2p import discovery
+
+    def refused() -> None:
+        raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
+
+    monkeypatch.setattr(discovery.ifaddr, "get_adapters", refused)
+    with pytest.raises(AtomdError, match="RestrictAddressFamilies= must allow AF_NETLINK"):
+        await discovery.LanDiscovery.create(
+            swarm="s", peer_id="ab" * 16, url="http://some-host:7071", on_found=lambda *a: None
+        )

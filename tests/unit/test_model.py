@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from atomd.model import GPT, GPTConfig, get_preset, lm_loss
+from atomd.model.config import num_parameters
 from atomd.model.presets import PAPER_PARAMETERS, PRESETS
 from atomd.model.sample import generate
 
@@ -13,6 +14,19 @@ def test_preset_parameter_count_matches_paper(name: str) -> None:
     with torch.device("meta"):  # no memory is spent, even for 13B
         n = GPT(get_preset(name)).num_parameters()
     assert abs(n - PAPER_PARAMETERS[name]) / PAPER_PARAMETERS[name] < 0.03, n
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        *PRESETS.values(),
+        GPTConfig(n_layer=2, n_head=2, n_embd=64, bias=False),
+        GPTConfig(n_layer=3, n_head=2, n_embd=32, tie_embeddings=False, block_size=16),
+    ],
+)
+def test_closed_form_parameter_count_matches_the_model(cfg: GPTConfig) -> None:
+    with torch.device("meta"):
+        assert num_parameters(cfg) == GPT(cfg).num_parameters()
 
 
 def test_tiny_is_about_one_million_parameters() -> None:

@@ -24,7 +24,6 @@ from fastapi.responses import StreamingResponse
 from pydantic import SecretStr
 from starlette.datastructures import Headers
 
-from api import errors
 from atomd.config import Settings
 from atomd.errors import ConfigError, PeerAuthError, PeerRequestError
 from atomd.p2p.auth import (
@@ -44,6 +43,7 @@ from atomd.p2p.auth import (
     sign_request,
 )
 from atomd.p2p.identity import Identity, peer_id_from_public_key, verify_signature
+from atomd_api import errors
 
 NOW = 1_700_000_000.0
 PATH = "/p2p/v1/ping?round=3"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from atomd.data.dataset import load_dataset
+from atomd.engines import optim_config
 from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
 from atomd.swap.compare import max_rel_param_diff
@@ -20,8 +21,8 @@ from atomd.swap.hardware import assumed
 from atomd.swap.plan import Optimizer, Shape, make_plan
 from atomd.train.engine import ResidentEngine
 from atomd.train.metrics import StepReport
-from atomd.train.trainer import Trainer, model_from_checkpoint
-from tests.conftest import fast_spec
+from atomd.train.trainer import model_from_checkpoint
+from tests.conftest import fast_spec, trainer_for
 
 TOL = 1e-5  # as in test_swap_engine: fp32 summation order only (see there)
 
@@ -46,9 +47,9 @@ def _split_run(out: Path, spec_first: object, spec_second: object, stop_at: int)
         if r.step == stop_at:
             stop.set()
 
-    first = Trainer(spec_first, out, device="cpu", on_report=stopper, stop_event=stop)  # type: ignore[arg-type]
+    first = trainer_for(spec_first, out, device="cpu", on_report=stopper, stop_event=stop)  # type: ignore[arg-type]
     assert first.run().step == stop_at
-    second = Trainer(spec_second, out, device="cpu", resume=True)  # type: ignore[arg-type]
+    second = trainer_for(spec_second, out, device="cpu", resume=True)  # type: ignore[arg-type]
     assert second.start_step == stop_at
     assert second.run().state == "finished"
 
@@ -67,7 +68,7 @@ def test_checkpoints_move_between_swapped_and_resident(
 ) -> None:
     common = {"data": str(text_file), "max_steps": 6, "grad_accum": 2, "checkpoint_interval": 100}
     straight = tmp_path / "straight"
-    Trainer(fast_spec(swap="off", **common), straight, device="cpu").run()
+    trainer_for(fast_spec(swap="off", **common), straight, device="cpu").run()
     split = tmp_path / "split"
     common["swap_optimizer"] = optimizer
     _split_run(split, fast_spec(swap=first, **common), fast_spec(swap=second, **common), 3)
@@ -79,7 +80,7 @@ def test_checkpoints_move_between_swapped_and_resident(
 
 def test_the_plan_is_stored_with_the_run(tmp_path: Path, text_file: Path) -> None:
     spec = fast_spec(data=str(text_file), max_steps=2, grad_accum=2, swap="on", swap_slots=3)
-    trainer = Trainer(spec, tmp_path, device="cpu")
+    trainer = trainer_for(spec, tmp_path, device="cpu")
     assert isinstance(trainer.engine, SwapEngine)
     trainer.run()
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -91,7 +92,9 @@ def test_the_plan_is_stored_with_the_run(tmp_path: Path, text_file: Path) -> Non
 def test_auto_and_off_stay_resident_on_the_cpu(tmp_path: Path, text_file: Path) -> None:
     for mode in ("auto", "off"):
         out = tmp_path / mode
-        trainer = Trainer(fast_spec(data=str(text_file), max_steps=1, swap=mode), out, device="cpu")
+        trainer = trainer_for(
+            fast_spec(data=str(text_file), max_steps=1, swap=mode), out, device="cpu"
+        )
         assert isinstance(trainer.engine, ResidentEngine)
         plan = json.loads((out / "plan.json").read_text())
         assert plan["engine"] == "ResidentEngine" and mode in plan["reason"]
@@ -117,7 +120,7 @@ def test_planner_predicts_the_bytes_the_engine_moves(
         optimizer=optimizer,
     )
     spec = fast_spec(data=str(text_file), grad_accum=4)
-    engine = SwapEngine(GPT(cfg), spec, torch.device("cpu"), plan)
+    engine = SwapEngine(GPT(cfg), optim_config(spec), torch.device("cpu"), plan)
     try:
         data = load_dataset(str(text_file), seq_len=32)
         batches = [data.train_batch(seed=0, step=0, micro=m, batch_size=4) for m in range(4)]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from atomd.data.dataset import Batch
+from atomd.engines import optim_config
 from atomd.model.gpt import GPT, GPTConfig
 from atomd.spec import JobSpec
 from atomd.swap.compare import max_rel_param_diff
@@ -16,6 +17,7 @@ from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
 from atomd.swap.plan import Optimizer, Shape, SwapPlan, make_plan
 from atomd.train.engine import ResidentEngine, model_tensors
+from atomd.train.optim import OptimConfig
 
 CPU = torch.device("cpu")
 # Smaller than the tiny preset (4 blocks of width 32) so that the whole matrix runs in seconds.
@@ -41,8 +43,10 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _spec(grad_clip: float) -> JobSpec:
-    return JobSpec(preset="tiny", micro_batch_size=B, seq_len=T, grad_accum=G, grad_clip=grad_clip)
+def _spec(grad_clip: float) -> OptimConfig:
+    return optim_config(
+        JobSpec(preset="tiny", micro_batch_size=B, seq_len=T, grad_accum=G, grad_clip=grad_clip)
+    )
 
 
 def _batches(step: int, count: int = G) -> list[Batch]:

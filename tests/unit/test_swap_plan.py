@@ -25,6 +25,7 @@ from atomd.swap.plan import (
 from atomd.swap.report import format_plan
 from atomd.swap.schedule import schedule_slots, training_visits
 from atomd.units import format_bytes, parse_bytes
+from tests.conftest import H200_RATES
 
 GiB = 2**30
 
@@ -417,13 +418,4 @@ def test_the_link_follows_the_bottleneck() -> None:
     slow_link = replace(assumed(), h2d_bytes_per_s=4e9, d2h_bytes_per_s=4e9, flops_per_s=8e14)
     slow_link = replace(slow_link, host_adam_params_per_s=2e10)
     assert make_plan(shape, hardware=slow_link, **fixed).link == "bf16"
-    h200 = replace(
-        assumed(),
-        h2d_bytes_per_s=55e9,
-        d2h_bytes_per_s=55e9,
-        flops_per_s=7.8e14,
-        host_adam_params_per_s=4.2e9,
-        host_narrow_per_s=8e9,
-        host_widen_per_s=1e10,
-    )
-    assert make_plan(shape, hardware=h200, **fixed).link == "fp32"
+    assert make_plan(shape, hardware=H200_RATES, **fixed).link == "fp32"

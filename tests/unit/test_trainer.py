@@ -9,13 +9,13 @@ import torch
 
 from atomd.errors import ConfigError, TrainingError
 from atomd.train.metrics import StepReport, read_metrics
-from atomd.train.trainer import Trainer, model_from_checkpoint
-from tests.conftest import fast_spec
+from atomd.train.trainer import model_from_checkpoint
+from tests.conftest import fast_spec, trainer_for
 
 
 def test_training_lowers_the_loss_and_writes_metrics(tmp_path: Path, text_file: Path) -> None:
     spec = fast_spec(data=str(text_file), max_steps=30, lr=3e-3, eval_interval=10)
-    summary = Trainer(spec, tmp_path, device="cpu").run()
+    summary = trainer_for(spec, tmp_path, device="cpu").run()
     assert summary.state == "finished" and summary.step == 30
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 31))
@@ -40,7 +40,7 @@ def test_resume_continues_exactly(tmp_path: Path, text_file: Path, grad_accum: i
         data=str(text_file), max_steps=14, grad_accum=grad_accum, checkpoint_interval=100
     )
     straight = tmp_path / "straight"
-    Trainer(spec, straight, device="cpu").run()
+    trainer_for(spec, straight, device="cpu").run()
 
     stop = threading.Event()
 
@@ -49,9 +49,9 @@ def test_resume_continues_exactly(tmp_path: Path, text_file: Path, grad_accum: i
             stop.set()
 
     split = tmp_path / "split"
-    first = Trainer(spec, split, device="cpu", on_report=stop_at_8, stop_event=stop).run()
+    first = trainer_for(spec, split, device="cpu", on_report=stop_at_8, stop_event=stop).run()
     assert first.state == "stopped" and first.step == 8  # stopped at a step boundary, saved
-    resumed = Trainer(spec, split, device="cpu", resume=True)
+    resumed = trainer_for(spec, split, device="cpu", resume=True)
     assert resumed.start_step == 8
     second = resumed.run()
     assert second.state == "finished" and second.step == 14
@@ -66,12 +66,12 @@ def test_resume_after_a_crash_drops_rows_past_the_checkpoint(
     tmp_path: Path, text_file: Path
 ) -> None:
     spec = fast_spec(data=str(text_file), max_steps=10, checkpoint_interval=4)
-    Trainer(spec, tmp_path, device="cpu").run()
+    trainer_for(spec, tmp_path, device="cpu").run()
     # Simulate a crash after step 10's rows but with only step 8 safely on disk.
     for p in (tmp_path / "checkpoints").iterdir():
         if p.name == "step-00000010":
             (p / "meta.json").unlink()
-    t = Trainer(spec, tmp_path, device="cpu", resume=True)
+    t = trainer_for(spec, tmp_path, device="cpu", resume=True)
     assert t.start_step == 8
     assert max(r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")) == 8
     t.run()
@@ -81,17 +81,17 @@ def test_resume_after_a_crash_drops_rows_past_the_checkpoint(
 
 def test_existing_run_is_not_overwritten(tmp_path: Path, text_file: Path) -> None:
     spec = fast_spec(data=str(text_file), max_steps=2)
-    Trainer(spec, tmp_path, device="cpu").run()
+    trainer_for(spec, tmp_path, device="cpu").run()
     with pytest.raises(ConfigError, match="--resume"):
-        Trainer(spec, tmp_path, device="cpu")
+        trainer_for(spec, tmp_path, device="cpu")
 
 
 def test_resume_with_another_model_is_refused(tmp_path: Path, text_file: Path) -> None:
     from atomd.errors import CheckpointError
 
-    Trainer(fast_spec(data=str(text_file), max_steps=2), tmp_path, device="cpu").run()
+    trainer_for(fast_spec(data=str(text_file), max_steps=2), tmp_path, device="cpu").run()
     with pytest.raises(CheckpointError, match="holds a"):
-        Trainer(
+        trainer_for(
             fast_spec(data=str(text_file), preset="small", seq_len=32),
             tmp_path,
             device="cpu",
@@ -101,7 +101,7 @@ def test_resume_with_another_model_is_refused(tmp_path: Path, text_file: Path) -
 
 def test_nan_loss_stops_without_poisoning_the_checkpoint(tmp_path: Path, text_file: Path) -> None:
     spec = fast_spec(data=str(text_file), max_steps=10, checkpoint_interval=3)
-    t = Trainer(spec, tmp_path, device="cpu")
+    t = trainer_for(spec, tmp_path, device="cpu")
     real_step = t.engine.train_step
     calls = {"n": 0}
 
@@ -121,7 +121,7 @@ def test_validation_loss_does_not_depend_on_the_batch_size(tmp_path: Path, text_
     losses = []
     for micro in (3, 16):
         spec = fast_spec(data=str(text_file), micro_batch_size=micro, eval_batches=2)
-        t = Trainer(spec, tmp_path / f"b{micro}", device="cpu")
+        t = trainer_for(spec, tmp_path / f"b{micro}")
         assert sum(b.x.shape[0] for b in t.val_batches) == 2 * 16
         losses.append(t.engine.evaluate(t.val_batches))
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
@@ -143,7 +143,7 @@ def test_a_snapshot_of_the_live_state_is_written_at_the_next_step(
         if r.step == 5:
             asked.append(snapshots.ask())
 
-    trainer = Trainer(spec, tmp_path, device="cpu", on_report=ask_at_5, snapshots=snapshots)
+    trainer = trainer_for(spec, tmp_path, on_report=ask_at_5, snapshots=snapshots)
     trainer.run()
     step = asked[0].result(timeout=0)
     assert 5 <= step < 40  # the step it was at, not the end

@@ -1,20 +1,16 @@
-"""Choosing the step engine for a job: resident or swapped, per ``spec.swap`` and the plan."""
+"""A job's swap plan: its shape, device and host budgets, and the plan the engine runs."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
 from atomd.logs import get_logger
-from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
 from atomd.spec import JobSpec
 from atomd.swap import hardware
-from atomd.swap.plan import Shape, SwapPlan, make_plan, resident_peak_bytes
-from atomd.train.engine import ResidentEngine, StepEngine
-from atomd.units import format_bytes
+from atomd.swap.plan import Shape, SwapPlan, make_plan
 
 log = get_logger(__name__)
 
@@ -37,23 +33,6 @@ def device_budget(spec: JobSpec, device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def decide(spec: JobSpec, device: torch.device) -> tuple[bool, str]:
-    """Whether to swap, and why (recorded in plan.json)."""
-    if spec.swap == "off":
-        return False, "swap off"
-    if spec.swap == "on":
-        return True, "swap on"
-    if device.type != "cuda":
-        return False, "swap auto: the device is the CPU, whose memory already holds the model"
-    need = resident_peak_bytes(shape_for(spec, device))
-    budget = device_budget(spec, device)
-    verdict = "does not fit" if need > budget else "fits"
-    return need > budget, (
-        f"swap auto: resident training needs about {format_bytes(need)}, "
-        f"which {verdict} the {format_bytes(budget)} budget"
-    )
 
 
 HOST_FRACTION = 0.9
@@ -86,36 +65,3 @@ def plan_for(spec: JobSpec, device: torch.device, hw: hardware.Hardware | None =
         link=None if spec.swap_link == "auto" else spec.swap_link,
         host_budget_bytes=host_budget(),
     )
-
-
-def make_engine(model: GPT, spec: JobSpec, device: torch.device) -> StepEngine:
-    """``ResidentEngine`` or ``SwapEngine`` for ``spec.swap`` (auto: swap only when resident
-    training does not fit the device-memory budget)."""
-    from atomd.swap.engine import SwapEngine
-
-    swap, reason = decide(spec, device)
-    if not swap:
-        log.info("resident training (%s)", reason)
-        return ResidentEngine(model, spec, device)
-    plan = plan_for(spec, device)
-    log.info(
-        "swapped training (%s): K=%d, M=%d, optimizer on the %s, predicted %.3g s/step, peak %s",
-        reason,
-        plan.slots,
-        plan.micro_batches,
-        plan.optimizer,
-        plan.step_s,
-        format_bytes(plan.peak_device_bytes),
-    )
-    engine = SwapEngine(model, spec, device, plan)
-    engine.reason = reason
-    return engine
-
-
-def engine_plan(engine: StepEngine, spec: JobSpec, device: torch.device) -> dict[str, Any]:
-    """What ``plan.json`` and checkpoint meta record about the engine a run uses."""
-    from atomd.swap.engine import SwapEngine
-
-    if isinstance(engine, SwapEngine):
-        return {"engine": "swap", "reason": engine.reason, **engine.plan.to_dict()}
-    return {"engine": type(engine).__name__, "reason": decide(spec, device)[1]}

@@ -1,0 +1,60 @@
+"""Is the database file still the one the daemon opened? SQLite keeps writing to a file that
+was deleted or replaced under it, so nobody would notice until a restart found the history
+gone. The daemon checks the file (stat and header, microseconds) for ``/readyz`` and every few
+seconds, and never re-creates a missing database on its own."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from atomd.errors import ConfigError
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+class DatabaseFile:
+    """The database file as opened at start; ``problem()`` says what is wrong with it now."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        st = os.stat(path)
+        self._identity = (st.st_dev, st.st_ino)
+
+    def problem(self) -> str | None:
+        """None while the file is there, the same file, and readable as SQLite (blocking)."""
+        try:
+            st = os.stat(self.path)
+            with self.path.open("rb") as f:
+                header = f.read(len(SQLITE_HEADER))
+        except FileNotFoundError:
+            return (
+                f"the database {self.path} has disappeared (deleted or moved while the daemon "
+                "ran); records written now are lost at the next restart: restore the file and "
+                "restart the daemon"
+            )
+        except OSError as e:
+            return f"the database {self.path} cannot be read: {e.strerror or e}"
+        if (st.st_dev, st.st_ino) != self._identity:
+            return f"the database {self.path} was replaced by another file while the daemon ran"
+        if header != SQLITE_HEADER:
+            return f"the database {self.path} is no longer an SQLite file (header {header!r})"
+        return None
+
+
+def refuse_lost_database(data_dir: Path, db_path: Path) -> None:
+    """Refuse to start on a data folder that has been used but whose database is missing:
+    starting would silently make an empty one and forget every job."""
+    if db_path.exists():
+        return
+    used = [p.name for p in (data_dir / "identity.key", data_dir / "jobs") if _nonempty(p)]
+    if used:
+        raise ConfigError(
+            f"the database {db_path} is missing, but {data_dir} has been used "
+            f"({' and '.join(used)} exist): restore the database file, or create an empty one "
+            f"deliberately with `atomd migrate --data-dir {data_dir}` (the job history is lost)"
+        )
+
+
+def _nonempty(p: Path) -> bool:
+    return p.is_file() or (p.is_dir() and any(p.iterdir()))
