@@ -3,7 +3,7 @@
 Three ``atomd run`` processes start from one seed, a job is started through the REST API of the
 first, the others join it, and every few seconds one line per peer shows its step, loss,
 validation loss, the cadence of its rounds and the delta bytes it has sent and received. Beside
-them a fourth daemon trains the same job alone (a local job: the same batch and steps, its share
+them one more daemon trains the same job alone (a local job: the same batch and steps, its share
 of this machine, the same validation windows), and at the end the demo prints the swarm's final
 validation loss next to the lone peer's. Ctrl-C stops every daemon cleanly (each checkpoints);
 so does the end of the job.
@@ -95,7 +95,7 @@ def run_swarm_demo(
     how_often = "as often as it pays" if every == "auto" else f"every {every} steps"
     print(f"atomd demo: {peers} daemons on loopback train the tiny GPT on Shakespeare together,")
     print(f"each on its own data, exchanging compressed weight deltas {how_often};")
-    print("a fourth daemon trains the same job alone, for comparison.")
+    print("one more daemon trains the same job alone, for comparison.")
     print(f"Data and logs: {root}   (Ctrl-C stops everything cleanly)\n", flush=True)
     ds: list[DaemonProcess] = []
     everyone: list[DaemonProcess] = []  # the swarm's daemons and the lone one

@@ -143,7 +143,7 @@ def test_swarm_demo_runs_to_the_end(tmp_path: Path) -> None:
     assert all("finished" in line for line in last)
     assert any("deltas merged   0" not in line for line in last)  # deltas were merged
     # The lone peer trained beside them, and the verdict compares their final losses.
-    alone = [line for line in proc.stdout.splitlines() if line.strip().startswith("alone")]
+    alone = [line for line in proc.stdout.splitlines() if line.startswith("  alone  ")]
     assert alone and "finished" in alone[-1] and "step   24" in alone[-1]
     verdict = [line for line in proc.stdout.splitlines() if "final validation loss" in line]
     assert len(verdict) == 1 and "one peer alone in the same time" in verdict[0]
