@@ -67,7 +67,7 @@ def _verdict(swarm: list[float | None], alone: float | None) -> str:
     verdict = "the swarm wins" if mean < alone else "the swarm does NOT win"
     return (
         f"final validation loss: swarm {mean:.3f} (mean of {len(done)} peers), one peer alone "
-        f"in the same time {alone:.3f}: {verdict} by {alone - mean:+.3f}"
+        f"(the same steps, side by side) {alone:.3f}: {verdict} by {alone - mean:+.3f}"
     )
 
 
