@@ -18,13 +18,17 @@ from atomd import __version__
 from atomd.config import Settings
 from atomd.db import repo
 from atomd.db.health import DatabaseFile
-from atomd.errors import UnauthorizedError
+from atomd.errors import NotFoundError, UnauthorizedError
 from atomd.jobs import JobManager, Scope
 from atomd.p2p.node import SwarmNode
+from atomd.rejections import Rejections
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 from atomd_api import errors
+from atomd_api.gate import ControlGate
 from atomd_api.schemas import (
+    BanIn,
+    BanPublic,
     Health,
     JobPublic,
     PeerPublic,
@@ -47,6 +51,7 @@ class ControlContext:
     started_at: float
     swarm: SwarmNode | None = None
     database: DatabaseFile | None = None
+    rejections: Rejections | None = None  # refused requests (the gate's rate limit and counts)
 
 
 def _ctx(request: Request) -> ControlContext:
@@ -107,6 +112,53 @@ async def get_peers(ctx: Ctx) -> list[PeerPublic]:
     async with ctx.sessions() as s:
         peers = await repo.list_peers(s)
     return [PeerPublic.model_validate(p, from_attributes=True) for p in peers]
+
+
+def _node(ctx: ControlContext) -> SwarmNode:
+    if ctx.swarm is None:
+        raise NotFoundError("this daemon runs without a swarm (no peer plane): nothing to ban")
+    return ctx.swarm
+
+
+@v1.get("/bans", response_model=list[BanPublic], summary="Keys banned by the operator")
+async def list_bans(ctx: Ctx) -> list[BanPublic]:
+    async with ctx.sessions() as s:
+        bans = await repo.list_bans(s)
+    return [BanPublic.model_validate(b, from_attributes=True) for b in bans]
+
+
+@v1.post(
+    "/bans",
+    status_code=201,
+    response_model=BanPublic,
+    summary="Ban a peer's key",
+    responses=errors.responses(400, 404),
+)
+async def ban(ctx: Ctx, body: BanIn) -> BanPublic:
+    """Refused on the peer plane (403), its deltas out of every merge, never a state donor,
+    until unbanned; persisted across restarts."""
+    node = _node(ctx)
+    await node.ban(body.public_key, body.reason)
+    async with ctx.sessions() as s:
+        bans = {b.public_key: b for b in await repo.list_bans(s)}
+    return BanPublic.model_validate(bans[body.public_key], from_attributes=True)
+
+
+@v1.delete(
+    "/bans/{public_key}",
+    status_code=204,
+    summary="Lift a ban (and a quarantine of that key)",
+    responses=errors.responses(404),
+)
+async def unban(ctx: Ctx, public_key: str) -> Response:
+    node = _node(ctx)
+    key = public_key.lower()
+    was_quarantined = any(
+        p["public_key"] == key and p["excluded"] == "quarantined" for p in node.peers()
+    )
+    if not await node.unban(key) and not was_quarantined:
+        raise NotFoundError(f"key {public_key[:64]!r} is neither banned nor quarantined here")
+    return Response(status_code=204)
 
 
 @v1.post(
@@ -246,4 +298,6 @@ def create_control_app(ctx: ControlContext) -> FastAPI:
         return Response(c.telemetry.render(), media_type="text/plain; version=0.0.4")
 
     app.include_router(v1)
+    rejections = ctx.rejections or (ctx.swarm.rejections if ctx.swarm else Rejections())
+    app.add_middleware(ControlGate, settings=ctx.settings, rejections=rejections)
     return app

@@ -17,9 +17,12 @@ from atomd.errors import (
     ConfigError,
     DataError,
     JobConflictError,
+    MessageError,
     NotFoundError,
     PeerAuthError,
+    RateLimitedError,
     SpecError,
+    TooLargeError,
     UnauthorizedError,
     WireError,
 )
@@ -31,6 +34,9 @@ _STATUS: list[tuple[type[AtomdError], int, str]] = [
     (JobConflictError, 409, "conflict"),
     (UnauthorizedError, 401, "unauthorized"),
     (ConfigError, 422, "invalid"),
+    (MessageError, 422, "invalid"),
+    (TooLargeError, 413, "too_large"),
+    (RateLimitedError, 429, "rate_limited"),
     (DataError, 422, "invalid"),
     (CheckpointError, 409, "conflict"),
 ]
@@ -86,13 +92,22 @@ def install(app: FastAPI) -> None:
         code, kind = status_of(exc)
         scheme = "Atomd-Signature" if isinstance(exc, PeerAuthError) else "Bearer"
         headers = {"WWW-Authenticate": scheme} if code == 401 else None
+        if isinstance(exc, RateLimitedError):
+            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
         body = ErrorBody(error=kind, detail=str(exc)).model_dump()
         return JSONResponse(body, status_code=code, headers=headers)
 
     async def handle_http(request: Request, exc: Exception) -> JSONResponse:
         # Framework errors (unparsable body, unknown route, wrong method) in the same shape.
         assert isinstance(exc, HTTPException)
-        kinds = {400: "invalid", 401: "unauthorized", 404: "not_found", 405: "invalid"}
+        kinds = {
+            400: "invalid",
+            401: "unauthorized",
+            404: "not_found",
+            405: "invalid",
+            413: "too_large",
+            429: "rate_limited",
+        }
         body = ErrorBody(error=kinds.get(exc.status_code, "invalid"), detail=str(exc.detail))
         return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
 

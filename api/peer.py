@@ -1,151 +1,173 @@
-"""The peer plane: what other daemons call, under ``/p2p/v1/``.
+"""The peer plane: what other daemons call, under ``/p2p/v1/`` (``atomd.p2p.paths``).
 
-Every route but ``/info`` takes only requests signed by an admitted peer (``atomd.p2p.auth``);
-a refusal is answered 401/403 with the reason, recorded as an event, and changes nothing.
-The body's sender must be the peer that signed the request.
+Every route but ``/info`` takes only requests signed by an admitted peer for this daemon
+(``atomd.p2p.signing``, ``api.peer_auth``), with a body no larger than the route takes
+(``MAX_MESSAGE_BYTES`` for a message, the job's largest frame for a delta); a refusal is
+answered 401/403/413 with the reason, counted, and changes nothing. Bodies are the typed
+messages of ``atomd.p2p.messages`` (422 naming the field when one does not fit), and a
+message's sender must be the peer that signed the request.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the real `Peer` dependency
 # type, which is built inside create_peer_app (string annotations resolve only from globals).
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import FileResponse
-from pydantic import BaseModel
 
 from atomd import __version__
-from atomd.errors import NotFoundError, PeerAuthError, WireError
-from atomd.p2p.auth import VerifiedPeer, peer_auth
+from atomd.errors import AtomdError, NotFoundError, PeerAuthError
+from atomd.p2p import paths
+from atomd.p2p.messages import (
+    Ack,
+    Announce,
+    DeltaAccepted,
+    Gossip,
+    JoinReply,
+    M,
+    MemberRecord,
+    PeerInfo,
+    PingReq,
+    PingReqReply,
+    StateManifest,
+    StopJob,
+    parse,
+    record_problem,
+)
 from atomd.p2p.node import SwarmNode
 from atomd.p2p.transfer import checkpoint_file, newest_manifest
 from atomd.sync.exchange import DeltaExchange
 from atomd.train.checkpoint import checkpoint_root
 from atomd_api import errors
+from atomd_api.peer_auth import SignedRequest, peer_auth
+
+MAX_MESSAGE_BYTES = 256 << 10
+"""The largest membership or job message accepted (a ping with 64 updates is about 30 KiB)."""
 
 
-class PeerInfo(BaseModel):
-    swarm: str
-    version: str
-    id: str
-    url: str
-
-
-def _sender(msg: Any, peer: VerifiedPeer) -> None:
-    """The gossip's "from" must be the signer: nobody speaks for another peer."""
-    sender = msg.get("from") if isinstance(msg, dict) else None
-    if not isinstance(sender, dict) or sender.get("id") != peer.peer_id:
+def _check_sender(sender: MemberRecord, signed: SignedRequest, swarm: str) -> None:
+    """The message's "from" must be the signer's own signed record: nobody speaks for
+    another peer."""
+    peer = signed.peer
+    if sender.id != peer.peer_id:
         raise PeerAuthError(
-            f"message sent as {sender.get('id') if isinstance(sender, dict) else None!r} "
-            f"but signed by {peer.peer_id!r}",
-            status=401,
+            f"message sent as {sender.id!r} but signed by {peer.peer_id!r}", status=401
         )
-    if sender.get("public_key") != peer.public_key_hex:
+    if sender.public_key != peer.public_key_hex:
         raise PeerAuthError("message public key does not match the signing key", status=401)
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise HTTPException(400, "body is not JSON") from None
-    if not isinstance(body, dict):
-        raise HTTPException(400, "body must be a JSON object")
-    return body
+    problem = record_problem(sender, swarm)
+    if problem is not None:
+        raise PeerAuthError(f"the sender's own record: {problem}", status=401)
 
 
 def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
-    app = FastAPI(title="atomd peer plane", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="atomd peer plane",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     errors.install(app)
 
-    async def on_reject(request: Request, error: PeerAuthError) -> None:
+    async def on_reject(request: Request, error: AtomdError) -> None:
         client = request.client.host if request.client else "?"
         await node.record_rejection(request.url.path, client, error)
 
-    Peer = Annotated[VerifiedPeer, Depends(peer_auth(node.verifier, on_reject))]
+    def limit(request: Request) -> int:
+        if request.method != "POST":
+            return 0
+        job_id = request.path_params.get("job_id")
+        if job_id is not None and request.url.path.endswith("/deltas"):
+            return exchange.max_frame_bytes(str(job_id))
+        return MAX_MESSAGE_BYTES
 
-    async def message(request: Request, peer: VerifiedPeer) -> dict[str, Any]:
-        body = await _json(request)
-        try:
-            _sender(body, peer)
-        except PeerAuthError as e:
-            await on_reject(request, e)
-            raise
-        return body
+    Peer = Annotated[
+        SignedRequest,
+        Depends(
+            peer_auth(
+                node.verifier,
+                limit=limit,
+                on_reject=on_reject,
+                retry_after=node.rejections.retry_after,
+            )
+        ),
+    ]
 
-    @app.get("/p2p/v1/info", response_model=PeerInfo)
+    async def message(request: Request, signed: SignedRequest, model: type[M]) -> M:
+        msg = parse(model, signed.body)
+        sender = getattr(msg, "sender", None)
+        if isinstance(sender, MemberRecord):
+            try:
+                _check_sender(sender, signed, node.settings.swarm)
+            except PeerAuthError as e:
+                await on_reject(request, e)
+                raise
+        return msg
+
+    @app.get(paths.INFO, response_model=PeerInfo)
     async def info() -> PeerInfo:
         return PeerInfo(
-            swarm=node.settings.swarm, version=__version__, id=node.peer_id,
+            swarm=node.settings.swarm, version=__version__[:64], id=node.peer_id,
             url=node.membership.me.url,
         )  # fmt: skip
 
-    @app.post("/p2p/v1/ping")
-    async def ping(request: Request, peer: Peer) -> dict[str, Any]:
-        return node.swim.handle_ping(await message(request, peer))
+    @app.post(paths.PING)
+    async def ping(request: Request, peer: Peer) -> Gossip:
+        return node.swim.handle_ping(await message(request, peer, Gossip))
 
-    @app.post("/p2p/v1/ping-req")
-    async def ping_req(request: Request, peer: Peer) -> dict[str, Any]:
-        return await node.swim.handle_ping_req(await message(request, peer))
+    @app.post(paths.PING_REQ)
+    async def ping_req(request: Request, peer: Peer) -> PingReqReply:
+        return await node.swim.handle_ping_req(await message(request, peer, PingReq))
 
-    @app.post("/p2p/v1/join")
-    async def join(request: Request, peer: Peer) -> dict[str, Any]:
-        return node.swim.handle_join(await message(request, peer))
+    @app.post(paths.JOIN)
+    async def join(request: Request, peer: Peer) -> JoinReply:
+        return node.swim.handle_join(await message(request, peer, Gossip))
 
-    @app.post("/p2p/v1/leave")
-    async def leave(request: Request, peer: Peer) -> dict[str, Any]:
-        node.swim.handle_leave(await message(request, peer))
-        return {}
+    @app.post(paths.LEAVE)
+    async def leave(request: Request, peer: Peer) -> Ack:
+        node.swim.handle_leave(await message(request, peer, Gossip))
+        return Ack()
 
-    @app.post("/p2p/v1/jobs/announce")
-    async def announce(request: Request, peer: Peer) -> dict[str, Any]:
-        node.swim.receive(await message(request, peer))  # carries the job: may join it
-        return {}
+    @app.post(paths.ANNOUNCE)
+    async def announce(request: Request, peer: Peer) -> Ack:
+        node.swim.receive(await message(request, peer, Announce))  # carries the job: may join
+        return Ack()
 
-    @app.post("/p2p/v1/jobs/{job_id}/stop")
-    async def stop(job_id: str, request: Request, peer: Peer) -> dict[str, Any]:
-        await message(request, peer)
-        await node.jobs.stop_from_peer(job_id, peer.peer_id)
-        return {}
+    @app.post(paths.JOB_STOP)
+    async def stop(job_id: str, request: Request, peer: Peer) -> Ack:
+        await message(request, peer, StopJob)
+        await node.jobs.stop_from_peer(job_id, peer.peer.peer_id)
+        return Ack()
 
-    async def size_guard(job_id: str, request: Request) -> None:
-        """Refuse an oversized delta before its body is read (memory stays bounded)."""
-        limit = exchange.max_frame_bytes(job_id)
-        if limit == 0:
+    async def training(job_id: str) -> None:
+        """Runs before the body is read: a job not trained here takes no frame."""
+        if exchange.max_frame_bytes(job_id) == 0:
             raise NotFoundError(f"not training job {job_id} here")
-        length = request.headers.get("content-length")
-        if length is None or not length.isdigit():
-            raise HTTPException(411, "a delta upload needs a Content-Length")
-        if int(length) > limit:
-            raise WireError("oversize", f"{length} bytes; this job's frames are at most {limit}")
 
-    @app.post(
-        "/p2p/v1/jobs/{job_id}/deltas",
-        status_code=202,
-        dependencies=[Depends(size_guard)],  # runs before the body is read for `peer`
-    )
-    async def delta(job_id: str, request: Request, peer: Peer) -> dict[str, Any]:
+    @app.post(paths.JOB_DELTAS, status_code=202, dependencies=[Depends(training)])
+    async def delta(job_id: str, peer: Peer) -> DeltaAccepted:
         """A signed delta frame for the next round boundary; checked whole before queueing."""
-        size = await exchange.receive(job_id, await request.body(), peer.peer_id)
-        return {"accepted": True, "bytes": size}
+        size = await exchange.receive(job_id, peer.body, peer.peer.peer_id)
+        return DeltaAccepted(accepted=True, bytes=size)
 
     def _root(job_id: str) -> Any:
-        if not job_id.isalnum():
-            raise NotFoundError(f"no job {job_id!r}")
+        if len(job_id) != 32 or not job_id.isalnum():
+            raise NotFoundError(f"no job {job_id[:40]!r}")
         return checkpoint_root(node.jobs.job_dir(job_id))
 
-    @app.get("/p2p/v1/jobs/{job_id}/state")
-    async def state_manifest(job_id: str, peer: Peer, at_least: int = 0) -> dict[str, Any]:
-        """The newest checkpoint from step ``at_least`` on: of the live state when the job
-        trains here (written at the trainer's next step boundary for this request), else the
-        newest on disk; 404 when there is none that new."""
+    @app.get(paths.JOB_STATE)
+    async def state_manifest(job_id: str, peer: Peer) -> Any:
+        """The newest checkpoint: of the live state when the job trains here (written at the
+        trainer's next step boundary for this request), else the newest on disk."""
         root = _root(job_id)
-        await node.jobs.live_state(job_id, at_least)
-        manifest = newest_manifest(root)
-        if manifest is None or int(manifest.get("step", -1)) < at_least:
-            raise NotFoundError(f"no checkpoint of job {job_id} from step {at_least} on here")
-        return manifest
+        await node.jobs.live_state(job_id)
+        manifest: StateManifest | None = newest_manifest(root)
+        if manifest is None:
+            raise NotFoundError(f"no checkpoint of job {job_id} here yet")
+        return manifest.model_dump(mode="json", by_alias=True, exclude_none=True)
 
-    @app.get("/p2p/v1/jobs/{job_id}/state/{step}/{name}")
+    @app.get(paths.JOB_STATE_FILE)
     async def state_file(job_id: str, step: int, name: str, peer: Peer) -> FileResponse:
         path = checkpoint_file(_root(job_id), step, name)
         if path is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 JobState = Literal["pending", "running", "stopping", "stopped", "finished", "failed"]
 
@@ -13,7 +13,9 @@ JobState = Literal["pending", "running", "stopping", "stopped", "finished", "fai
 class ErrorBody(BaseModel):
     """Every error: a machine-readable kind and a sentence for people."""
 
-    error: str = Field(description="not_found, conflict, unauthorized, forbidden, invalid")
+    error: str = Field(
+        description="not_found, conflict, unauthorized, forbidden, invalid, too_large, rate_limited"
+    )
     detail: str
 
 
@@ -88,6 +90,27 @@ class PeerPublic(BaseModel):
     last_seen_at: datetime
     rtt_ms: float | None = Field(None, description="Round-trip time of the last direct ping")
     is_self: bool = Field(False, description="This daemon")
+    public_key: str | None = Field(None, description="Its Ed25519 key (hex): what a ban names")
+    excluded: Literal["banned", "quarantined"] | None = Field(
+        None, description="Deltas and state not taken from it: banned by the operator, or "
+        "quarantined after repeated refused contributions",
+    )  # fmt: skip
+    excluded_reason: str | None = None
+
+
+class BanPublic(BaseModel):
+    public_key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    reason: str
+    created_at: datetime
+
+
+class BanIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    public_key: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="The peer's Ed25519 key, 64 lowercase hex"
+    )
+    reason: str = Field("banned by the operator", max_length=500)
 
 
 class StatusPublic(BaseModel):

@@ -237,11 +237,14 @@ def peers(url: URL = DEFAULT_URL, token: TOKEN = None, as_json: JSON = False) ->
         data = c.request("GET", "/v1/peers")
 
     def render(rows: list[dict[str, Any]]) -> None:
-        t = Table("id", "url", "state", "last seen", "rtt ms", box=None)
+        t = Table("id", "url", "state", "last seen", "rtt ms", "excluded", box=None)
         for p in rows:
+            excluded = p.get("excluded")
+            why = f"{excluded}: {p.get('excluded_reason') or ''}" if excluded else ""
             t.add_row(
-                p["id"][:16], p["url"], p["state"], p["last_seen_at"][:19], _fmt(p["rtt_ms"], 1)
-            )
+                p["id"][:16], p["url"], p["state"], p["last_seen_at"][:19], _fmt(p["rtt_ms"], 1),
+                why,
+            )  # fmt: skip
         _console().print(t)
 
     _print(data, as_json, render)
@@ -263,6 +266,33 @@ def _read_spec(path: Path) -> dict[str, Any]:
 def _fail(message: str) -> NoReturn:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+def ban(
+    public_key: Annotated[str, typer.Argument(help="The peer's Ed25519 key (64 hex).")],
+    reason: Annotated[str, typer.Option(help="Recorded with the ban.")] = "banned by the operator",
+    url: URL = DEFAULT_URL,
+    token: TOKEN = None,
+    as_json: JSON = False,
+) -> None:
+    """Ban a peer's key: refused on the peer plane, its deltas never merged, never a state
+    donor; persisted until `atomd unban`. `atomd peers --json` shows each peer's key."""
+    with ControlClient(url, token=token) as c:
+        data = c.request(
+            "POST", "/v1/bans", json={"public_key": public_key.lower(), "reason": reason}
+        )
+    _print(data, as_json, lambda b: typer.echo(f"banned {b['public_key']}: {b['reason']}"))
+
+
+def unban(
+    public_key: Annotated[str, typer.Argument(help="The peer's Ed25519 key (64 hex).")],
+    url: URL = DEFAULT_URL,
+    token: TOKEN = None,
+) -> None:
+    """Lift a ban, or end the quarantine of a peer with that key."""
+    with ControlClient(url, token=token) as c:
+        c.request("DELETE", f"/v1/bans/{public_key.lower()}")
+    typer.echo(f"unbanned {public_key.lower()}")
 
 
 @job_app.command("start")
@@ -365,4 +395,6 @@ def register(app: typer.Typer) -> None:
     app.command()(migrate)
     app.command()(status)
     app.command()(peers)
+    app.command()(ban)
+    app.command()(unban)
     app.add_typer(job_app, name="job")

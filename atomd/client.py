@@ -40,6 +40,8 @@ class ControlClient:
             raise ClientError(f"atomd at {self.url} did not answer in time") from None
         if r.status_code >= 400:
             raise ClientError(f"{method} {path} -> {r.status_code}: {_detail(r)}")
+        if r.status_code == 204 or not r.content:
+            return None
         return r.json()
 
 

@@ -89,6 +89,21 @@ class Settings(BaseSettings):
     control_token: SecretStr | None = Field(
         None, description="Bearer token for the control API; required off loopback."
     )
+    control_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Host names the control API answers to (comma-separated), besides the "
+        "loopback names and its own bind address: a request with another Host header is "
+        "refused (DNS rebinding).",
+    )
+    events_keep: int = Field(
+        100_000, ge=100, le=100_000_000,
+        description="Events (audit log rows) kept; older ones are deleted every minute.",
+    )  # fmt: skip
+    data_names: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="Datasets this daemon's operator registered by name (NAME=PATH, "
+        "comma-separated): what a swarm job's `data` may name besides the bundled corpus.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
     parent_pid: int | None = Field(
         None,
@@ -97,11 +112,31 @@ class Settings(BaseSettings):
         "launchers such as `atomd demo` pass their own pid so that no daemon outlives them.",
     )
 
-    @field_validator("seeds", "allowed_keys", mode="before")
+    @field_validator("seeds", "allowed_keys", "control_hosts", mode="before")
     @classmethod
     def _split_seeds(cls, v: Any) -> Any:
         if isinstance(v, str):
             return [s.strip() for s in v.split(",") if s.strip()]
+        return v
+
+    @field_validator("control_hosts")
+    @classmethod
+    def _lower_hosts(cls, v: list[str]) -> list[str]:
+        return [h.lower().strip("[]") for h in v]
+
+    @field_validator("data_names", mode="before")
+    @classmethod
+    def _split_names(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            out: dict[str, str] = {}
+            for item in (x.strip() for x in v.split(",")):
+                if not item:
+                    continue
+                name, sep, path = item.partition("=")
+                if not sep or not name.strip() or not path.strip():
+                    raise ValueError(f"{item!r}: expected NAME=PATH")
+                out[name.strip()] = path.strip()
+            return out
         return v
 
     @field_validator("log_level", mode="before")
@@ -163,6 +198,15 @@ class Settings(BaseSettings):
     @property
     def control_host_port(self) -> tuple[str, int]:
         return split_host_port(self.control)
+
+    @property
+    def allowed_control_hosts(self) -> frozenset[str]:
+        """Host names (lower case, no port, no brackets) the control API answers to."""
+        host, _ = split_host_port(self.control)
+        names = {"localhost", "127.0.0.1", "::1", *self.control_hosts}
+        if host not in ("0.0.0.0", "::", ""):
+            names.add(host.lower().strip("[]"))
+        return frozenset(names)
 
     @property
     def listen_host_port(self) -> tuple[str, int]:

@@ -141,7 +141,9 @@ class Daemon:
             telemetry=self.telemetry,
         )
         exchange.jobs = jobs
+        node.on_excluded = exchange.drop_sender  # a quarantined member's waiting deltas go
         jobs.swarm = node
+        jobs.data_names = dict(s.data_names)
         jobs.exchange = exchange
         control = _server(
             create_control_app(

@@ -51,6 +51,23 @@ class PeerAuthError(AtomdError):
         self.status = status
 
 
+class MessageError(AtomdError):
+    """A peer-plane message that does not fit its model (a field missing, out of range, of the
+    wrong type, or unknown); the message names the field and the reason."""
+
+
+class TooLargeError(AtomdError):
+    """A request body over its route's limit; refused before (or while) it is read."""
+
+
+class RateLimitedError(AtomdError):
+    """Too many refused requests from one source: it must wait ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class PeerRequestError(AtomdError):
     """A request to another daemon's peer plane failed: unreachable, timed out or non-2xx.
 
@@ -66,7 +83,7 @@ class WireError(AtomdError):
 
     ``reason`` is a short machine code for records and metrics: oversize, truncated, bad_hash,
     bad_signature, unknown_sender, stale, replayed, wrong_shape, non_finite, malformed,
-    wrong_job or unsupported_version. The message says what was expected."""
+    wrong_job, wrong_codec or unsupported_version. The message says what was expected."""
 
     def __init__(self, reason: str, message: str = "") -> None:
         super().__init__(f"{reason}: {message}" if message else reason)

@@ -18,13 +18,14 @@ run's ``metrics.jsonl`` (truncated to that checkpoint).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -33,13 +34,28 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from atomd.data.sources import check_source, shard_for_peer
+from atomd.data.sources import (
+    BUNDLED,
+    check_source,
+    check_tokenizer_name,
+    exists,
+    expand_path,
+    shard_for_peer,
+)
+from atomd.data.sources import BYTES as BYTES_TOKENIZER
+from atomd.data.sources import DEFAULT as DEFAULT_TOKENIZER
 from atomd.db import repo
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
 from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
-from atomd.errors import AtomdError, DataError, JobConflictError, NotFoundError, SpecError
+from atomd.errors import (
+    AtomdError,
+    ConfigError,
+    DataError,
+    JobConflictError,
+    NotFoundError,
+    SpecError,
+)
 from atomd.logs import get_logger
-from atomd.model import get_preset
 from atomd.model.config import num_parameters
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
@@ -67,7 +83,7 @@ class SwarmLink(Protocol):
     def announce(self, advert: dict[str, Any]) -> None: ...
     def broadcast_stop(self, job_id: str) -> None: ...
     async def fetch_state(
-        self, job_id: str, donors: list[str], root: Path, at_least: int
+        self, job_id: str, donors: list[str], root: Path, *, max_file_bytes: int | None = None
     ) -> int | None: ...
     def job_donors(self, job_id: str) -> list[str]: ...
 
@@ -119,9 +135,8 @@ class ActiveJob:
     tokens_seen: int = 0
     plugin: RoundPlugin | None = None  # the delta exchange (swarm jobs)
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
-    snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
-    step: int = 0  # the newest step reported by the trainer
     logged_at: float = 0.0  # monotonic time of the last progress line in the log
+    snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -138,6 +153,53 @@ def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> Progre
     )
 
 
+def advert_data_problem(data: str, names: Mapping[str, str]) -> str | None:
+    """Why a job another peer announced may not train on ``data`` here, or None: a swarm job
+    names the bundled corpus or a dataset this daemon's operator registered by name
+    (``ATOMD_DATA_NAMES``), never a path (a peer would otherwise make this daemon train on,
+    and send deltas of, whatever local file the advert names)."""
+    if data == BUNDLED or data in names:
+        return None
+    known = ", ".join(sorted([BUNDLED, *names]))
+    return (
+        f"its data {data[:200]!r} is neither the bundled corpus nor a dataset registered here "
+        f"by name ({known}; ATOMD_DATA_NAMES): a job from the swarm may not name a local path"
+    )
+
+
+def advert_problem(spec: JobSpec, names: Mapping[str, str]) -> str | None:
+    """Why this daemon may not join a job another peer announced, or None: no field of the
+    advert may make it read a local file (its data, tokenizer, or initial weights)."""
+    problem = advert_data_problem(spec.data, names)
+    if problem is not None:
+        return problem
+    if spec.tokenizer not in (BYTES_TOKENIZER, DEFAULT_TOKENIZER):
+        return (
+            f"its tokenizer {spec.tokenizer[:200]!r} is a path: a job from the swarm may only "
+            f"use {BYTES_TOKENIZER!r} or {DEFAULT_TOKENIZER!r}"
+        )
+    if spec.init_from is not None:
+        return (
+            f"it starts from init_from {spec.init_from[:200]!r}: a job from the swarm may not "
+            f"name a local path (a joiner starts from the swarm's state)"
+        )
+    return None
+
+
+def local_data(spec: JobSpec, names: Mapping[str, str]) -> JobSpec:
+    """``spec`` with a registered dataset name replaced by its local path."""
+    if spec.data in names:
+        return spec.model_copy(update={"data": names[spec.data]})
+    return spec
+
+
+def state_file_bound(spec: JobSpec) -> int:
+    """The most bytes a checkpoint file of ``spec``'s model can hold: fp32 weights, AdamW's two
+    moments and the sync state (anchor, momentum, error feedback, pending rounds), with room
+    to spare; a donor announcing more is lying (issue #15: a manifest claimed 10^12 bytes)."""
+    return num_parameters(spec.model_shape) * 4 * 16 + (64 << 20)
+
+
 def admit(spec: JobSpec) -> None:
     """Refuse, with the reason, a job that cannot start here (before anything is queued).
 
@@ -149,7 +211,13 @@ def admit(spec: JobSpec) -> None:
         check_source(spec.data)
     except DataError as e:
         raise SpecError(str(e), field="data") from None
-    need = num_parameters(get_preset(spec.preset)) * TRAIN_BYTES_PER_PARAMETER
+    try:
+        check_tokenizer_name(spec.tokenizer)
+    except ConfigError as e:
+        raise SpecError(str(e), field="tokenizer") from None
+    if spec.init_from is not None and not exists(expand_path(spec.init_from)):
+        raise SpecError(f"init_from {spec.init_from!r} does not exist", field="init_from")
+    need = num_parameters(spec.model_shape) * TRAIN_BYTES_PER_PARAMETER
     have = host_memory_available()
     if have is not None and need > have:
         raise SpecError(
@@ -196,6 +264,7 @@ class JobManager:
         self.telemetry = telemetry
         self.device = device
         self.peer_id = peer_id
+        self.data_names: dict[str, str] = {}  # registered datasets: name -> local path
         self.swarm: SwarmLink | None = None
         self.exchange: DeltaLink | None = None
         self.active: ActiveJob | None = None
@@ -255,20 +324,14 @@ class JobManager:
         a = self.active
         return a is not None and a.id == job_id and a.scope == "swarm" and not a.stop_event.is_set()
 
-    async def live_state(self, job_id: str, at_least: int = 0) -> bool:
+    async def live_state(self, job_id: str) -> bool:
         """Checkpoint the live state of ``job_id`` at the trainer's next step boundary, for a
         peer joining the job (so it starts from the swarm's current model, not from the last
         checkpoint on disk). True once written; False when this daemon does not train the job
-        or the trainer did not get there within ``LIVE_STATE_TIMEOUT_S``. ``NotFoundError``
-        when the job trains here but is not yet at step ``at_least`` (the joiner is better off
-        starting from the initial weights than waiting for a state transfer)."""
+        or the trainer did not get there within ``LIVE_STATE_TIMEOUT_S``."""
         a = self.active
         if a is None or a.id != job_id or a.snapshots is None or a.stop_event.is_set():
             return False
-        if a.step < at_least:
-            raise NotFoundError(
-                f"job {job_id} is at step {a.step} here; no state from step {at_least} on yet"
-            )
         fut = a.snapshots.ask()
         try:
             step = await asyncio.wait_for(asyncio.wrap_future(fut), LIVE_STATE_TIMEOUT_S)
@@ -296,7 +359,7 @@ class JobManager:
 
     async def start(self, spec: JobSpec, scope: Scope = "swarm") -> JobRecord:
         self._check_free()
-        admit(spec)  # cheap: a stat() and arithmetic
+        admit(local_data(spec, self.data_names))  # cheap: a stat() and arithmetic
         job_id = uuid.uuid4().hex
         out_dir = self.job_dir(job_id)
         async with self.sessions() as s, s.begin():
@@ -331,7 +394,7 @@ class JobManager:
                 f"job {job_id} is {job.state}; only a stopped, failed or pending job resumes"
             )
         spec = JobSpec.model_validate(job.spec)
-        admit(spec)
+        admit(local_data(spec, self.data_names))
         job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", "")
         self._launch(
             ActiveJob(
@@ -383,11 +446,18 @@ class JobManager:
                 if await repo.get_job(s, job_id=job_id) is not None:
                     return  # we had it: stopped, finished or failed here; do not rejoin
             spec = JobSpec.model_validate(advert.get("spec", {}))
+            problem = advert_problem(spec, self.data_names)
+            if problem is not None:
+                log.warning("not joining the swarm's job %s: %s", job_id, problem)
+                async with self.sessions() as s, s.begin():
+                    await repo.add_event(s, kind="job.refused", job_id=job_id,
+                                         message=f"not joined: {problem}")  # fmt: skip
+                return
             if spec.num_shards > 1:
                 spec = spec.model_copy(
                     update={"shard_index": shard_for_peer(self.peer_id, spec.num_shards)}
                 )
-            admit(spec)
+            admit(local_data(spec, self.data_names))
             if self.active is not None or self._closing.is_set():
                 return
             out_dir = self.job_dir(job_id)
@@ -459,9 +529,10 @@ class JobManager:
         def send(item: _Message) -> None:
             loop.call_soon_threadsafe(active.queue.put_nowait, item)
 
-        built = build_engine(active.spec, self.device)
+        spec = local_data(active.spec, self.data_names)
+        built = build_engine(spec, self.device)
         trainer = Trainer(
-            active.spec,
+            spec,
             active.out_dir,
             built.engine,
             plan=built.plan,
@@ -508,10 +579,8 @@ class JobManager:
                 await self._record(active, items)
             await self._finish(active, fut)
         finally:
-            self.active = None
-            if active.plugin is not None and self.exchange is not None:
-                self.exchange.release(active.id)
-            if not self._closing.is_set():
+            self._release(active)
+            if self.active is None and not self._closing.is_set():
                 self.telemetry.job_state.state("none")
 
     async def _take_swarm_state(self, active: ActiveJob) -> bool:
@@ -531,16 +600,18 @@ class JobManager:
         root = checkpoint_root(active.out_dir)
         own = await asyncio.to_thread(list_checkpoints, root)
         own_step = int(own[0].name.split("-")[1]) if own else 0
-        # A state transfer costs ~6 model sizes (weights, AdamW moments, sync state): not worth
-        # it for a swarm still in its warm-up, where the initial weights are as good a start.
-        at_least = max(own_step + 1, active.spec.warmup_steps)
         try:
-            step = await self.swarm.fetch_state(active.id, donors, root, at_least)
+            step = await self.swarm.fetch_state(
+                active.id, donors, root, max_file_bytes=state_file_bound(active.spec)
+            )
         except AtomdError as e:
             if own:  # our own checkpoint still serves: resume from it
                 log.warning("job %s: %s; resuming from our own checkpoint", active.id, e)
                 return True
-            await self._set_state(active.id, "failed", str(e), "job.failed", str(e))
+            await self._set_state(
+                active.id, "failed", str(e), "job.failed", str(e),
+                functools.partial(self._release, active),
+            )  # fmt: skip
             return False
         if step is not None and step >= own_step:
             active.adopt_step = step
@@ -570,14 +641,12 @@ class JobManager:
                     )  # fmt: skip
                     self.telemetry.checkpoints.inc()
                 elif isinstance(item, _Started):
-                    active.step = item.start_step
                     active.tokens_seen = item.start_step * active.spec.tokens_per_step
                     if not active.stop_event.is_set():
                         await repo.set_job_state(s, job_id=active.id, state="running")
                         await repo.add_event(s, kind="job.running", job_id=active.id, message="")
                         self.telemetry.job_state.state("running")
                 else:
-                    active.step = max(active.step, item.step)
                     points.append(_point(item))
             if points:
                 await repo.add_progress(s, job_id=active.id, points=points)
@@ -608,33 +677,56 @@ class JobManager:
             f"{last.tokens_per_s:,.0f}",
         )  # fmt: skip
 
+    def _release(self, active: ActiveJob) -> None:
+        """The daemon is free for another job: called as the job's last state is committed,
+        with no await in between, so a client that reads that state can start the next job."""
+        if self.active is not active:
+            return
+        self.active = None
+        if active.plugin is not None and self.exchange is not None:
+            self.exchange.release(active.id)
+
     async def _finish(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> None:
+        release = functools.partial(self._release, active)
         try:
             summary = fut.result()
         except AtomdError as e:
-            await self._set_state(active.id, "failed", str(e), "job.failed", str(e))
+            await self._set_state(active.id, "failed", str(e), "job.failed", str(e), release)
             return
         except Exception as e:  # a bug, not bad input: keep the traceback in the log
             log.exception("job %s crashed", active.id)
             reason = f"{type(e).__name__}: {e}"
-            await self._set_state(active.id, "failed", reason, "job.failed", reason)
+            await self._set_state(active.id, "failed", reason, "job.failed", reason, release)
             return
         at = f"step {summary.step}"
         if summary.state == "finished":
-            await self._set_state(active.id, "finished", None, "job.finished", at)
+            await self._set_state(active.id, "finished", None, "job.finished", at, release)
         elif active.stop_reason is not None:
-            await self._set_state(active.id, "stopped", active.stop_reason, "job.stopped", at)
+            await self._set_state(
+                active.id, "stopped", active.stop_reason, "job.stopped", at, release
+            )
         else:
             await self._set_state(
-                active.id, "pending", SHUTDOWN_REASON, "job.interrupted", f"checkpointed at {at}"
-            )
+                active.id, "pending", SHUTDOWN_REASON, "job.interrupted",
+                f"checkpointed at {at}", release,
+            )  # fmt: skip
 
     async def _set_state(
-        self, job_id: str, state: JobState, reason: str | None, kind: str, message: str
+        self,
+        job_id: str,
+        state: JobState,
+        reason: str | None,
+        kind: str,
+        message: str,
+        committed: Callable[[], None] | None = None,
     ) -> JobRecord:
-        async with self.sessions() as s, s.begin():
-            job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
-            await repo.add_event(s, kind=kind, job_id=job_id, message=message)
+        """Record a job's state and its event; ``committed`` runs right after the commit."""
+        async with self.sessions() as s:
+            async with s.begin():
+                job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
+                await repo.add_event(s, kind=kind, job_id=job_id, message=message)
+            if committed is not None:
+                committed()
         self.telemetry.job_state.state(state)
         level = logging.ERROR if state == "failed" else logging.INFO
         log.log(level, "job %s: %s%s", job_id, state, f" ({reason})" if reason else "")

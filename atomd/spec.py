@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Annotated, Literal, get_args
 
@@ -17,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from atomd.model.config import GPTConfig
 from atomd.model.presets import PRESETS
 from atomd.units import parse_bytes
 
@@ -261,12 +263,63 @@ class JobSpec(_Spec):
         description="The last blocks that keep their forward graph until backward instead of "
         "recomputing it (faster, more device memory); default: as many as the budget has room for.",
     )
-    swap_optimizer: Literal["auto", "host", "device"] = Field(
+    swap_optimizer: Literal["auto", "host", "device", "split"] = Field(
         "auto",
         description="Where swapped layers' AdamW runs: 'host' (fused, on a worker thread, "
         "overlapping the backward), 'device' (applied when the layer is next loaded, its moments "
-        "travelling with it: for a slow host CPU, at 16 B/parameter of slot memory instead of 8) "
-        "or 'auto' (the planner's choice).",
+        "travelling with it: for a slow host CPU, at 16 B/parameter of slot memory instead of 8), "
+        "'split' (the first swapped layers on the device, the rest on the host: with gradient "
+        "clipping the host's steps then have the next forward through the device-stepped "
+        "layers to catch up) or 'auto' (the planner's choice).",
+    )
+    swap_device_steps: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="With swap_optimizer 'split': how many swapped layers step on the device; "
+        "default: the planner's.",
+    )
+    tokenizer: str = Field(
+        "bytes",
+        description="'bytes' (256 symbols, works on any text), 'default' (the byte-level BPE of "
+        "4,096 tokens fitted on the bundled corpus, shipped with atomd) or the path of a "
+        "tokenizer.json (`atomd tokenizer train`), or of a folder holding one. Its vocabulary "
+        "must fit the model's (vocab_size).",
+    )
+    vocab_size: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 20,
+        description="The model's vocabulary; default: the preset's (256 for tiny, 50,257 for "
+        "the GPT-2/GPT-3 presets). Set it to the tokenizer's size (4096 for 'default').",
+    )
+    text_field: str = Field(
+        "text",
+        min_length=1,
+        max_length=200,
+        description="The field (JSON lines) or column (Parquet, a saved datasets folder) that "
+        "holds each document's text.",
+    )
+    data_sha256: str | None = Field(
+        None,
+        pattern="^[0-9a-f]{64}$",
+        description="The sha256 of the tokenized data (`atomd data prepare` prints it): every "
+        "peer checks its own tokens against it and refuses to train the job when they differ "
+        "(another copy of the data, or another tokenizer).",
+    )
+    init_from: str | None = Field(
+        None,
+        description="Start from the weights of this checkpoint (a run's folder, its "
+        "checkpoints/ folder or one checkpoint, e.g. one `atomd import` made) instead of a "
+        "random initialization; its shape must be the preset's (with vocab_size). Optimizer "
+        "state starts fresh. Ignored when resuming.",
+    )
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto",
+        description="Compute precision of the forward and backward (weights and AdamW stay "
+        "fp32): 'bf16' autocast, 'fp16' autocast with dynamic loss scaling (skipped steps are "
+        "recorded in metrics.jsonl), 'fp32', or 'auto': bf16 where the device supports it, "
+        "else fp16 on CUDA, fp32 on the CPU.",
     )
     swap_link: Literal["auto", "bf16", "fp32"] = Field(
         "auto",
@@ -293,6 +346,8 @@ class JobSpec(_Spec):
     def _consistent(self) -> JobSpec:
         if self.max_steps is None and self.max_tokens is None:
             raise ValueError("give a stop condition: max_steps or max_tokens")
+        if self.vocab_size is not None and self.vocab_size < 256 and self.tokenizer == "bytes":
+            raise ValueError(f"vocab_size {self.vocab_size} cannot hold the 256 byte values")
         block = PRESETS[self.preset].block_size
         if self.seq_len is not None and self.seq_len > block:
             raise ValueError(f"seq_len {self.seq_len} exceeds preset {self.preset!r}'s {block}")
@@ -305,14 +360,27 @@ class JobSpec(_Spec):
                 f"swap_micro_batches {self.swap_micro_batches} must divide "
                 f"grad_accum {self.grad_accum}"
             )
+        if self.swap_device_steps is not None and self.swap_optimizer in ("host", "device"):
+            raise ValueError(
+                f"swap_device_steps goes with swap_optimizer 'split' (or 'auto'), "
+                f"not {self.swap_optimizer!r}"
+            )
         n_layer = PRESETS[self.preset].n_layer
-        for name in ("swap_resident_blocks", "swap_graph_blocks"):
+        for name in ("swap_resident_blocks", "swap_graph_blocks", "swap_device_steps"):
             blocks = getattr(self, name)
             if blocks is not None and blocks > n_layer:
                 raise ValueError(
                     f"{name} {blocks} exceeds the {n_layer} blocks of preset {self.preset!r}"
                 )
         return self
+
+    @property
+    def model_shape(self) -> GPTConfig:
+        """The preset's shape, with ``vocab_size`` when the spec sets it."""
+        cfg = PRESETS[self.preset]
+        if self.vocab_size is not None and self.vocab_size != cfg.vocab_size:
+            cfg = dataclasses.replace(cfg, vocab_size=self.vocab_size)
+        return cfg
 
     @property
     def effective_seq_len(self) -> int:

@@ -95,11 +95,12 @@ def _condition(root: Path, *, hogs: int, creations: int, probes: int) -> dict[st
                 healthz.append(dt)
                 time.sleep(0.02)
             steps = _job(t, jid)["step"]
-        create = []
+        create: list[float] = []
         with creator.client(timeout=120) as c:
             for _ in range(creations):
                 dt, r = _timed(c, "POST", "/v1/jobs?scope=local", json=SPEC)
-                r.raise_for_status()
+                if r.status_code != 201:
+                    raise RuntimeError(f"job creation {len(create) + 1}: {r.status_code} {r.text}")
                 create.append(dt)
                 cid = r.json()["id"]
                 c.post(f"/v1/jobs/{cid}/stop")

@@ -152,6 +152,7 @@ def run(
     resident_blocks: int | None = 0,
     gpu_mem: str | None = None,
     optimizer: Optimizer | None = None,
+    device_steps: int | None = None,
     graph_blocks: int | None = None,
     link: Link | None = None,
     resident: bool = True,
@@ -160,10 +161,13 @@ def run(
     profile: Path | None = None,
     profile_steps: int = 2,
     trace: Path | None = None,
+    host_threads: int | None = None,
 ) -> dict[str, Any]:
     """See the module docstring. ``also_grad_clip``: the same swapped engine trains the same
     steps again with each of these clipping thresholds (0: none), timed and predicted apart."""
     dev = resolve_device(device)
+    if host_threads is not None:  # the host optimizer's intra-op threads (and every CPU op's)
+        torch.set_num_threads(host_threads)
     spec = JobSpec(
         preset=preset,
         seq_len=seq_len,
@@ -176,6 +180,7 @@ def run(
         swap_micro_batches=micro_batches,
         swap_resident_blocks=resident_blocks,
         swap_optimizer=optimizer or "auto",
+        swap_device_steps=device_steps,
         swap_graph_blocks=graph_blocks,
         swap_link=link or "auto",
         **({} if grad_clip is None else {"grad_clip": grad_clip}),
@@ -288,6 +293,7 @@ def run(
             resident_blocks=plan.resident_blocks,
             spill=plan.spill,
             optimizer=plan.optimizer,
+            device_steps=plan.device_steps,
             graph_blocks=plan.graph_blocks,
             link=plan.link,
         )
@@ -340,6 +346,7 @@ def run(
                 "resident_blocks": plan.resident_blocks,
                 "spill": plan.spill,
                 "optimizer": plan.optimizer,
+                "device_steps": plan.steps_on_device,
                 "graph_blocks": plan.graph_blocks,
                 "link": plan.link,
                 "host_bytes": plan.host_bytes,

@@ -73,9 +73,13 @@ fi
 # Every bench trains the spec's clipping (1.0) and then, on the same engine, without clipping
 # (--also-grad-clip 0: the host AdamW then runs during the backward).
 # gpt3-xl: 32k tokens per optimizer step, 4 micro-batches of 8k tokens (the issue's ratio
-# target): the planner's choice, then the host optimizer over the bf16 link, profiled.
-bench xl 110 "${xl[@]}" --also-grad-clip 0
-bench xl-host 130 "${xl[@]}" --optimizer host --also-grad-clip 0 --profile "$out/prof-xl-host"
+# target): the planner's choice (the split optimizer over an fp32 link at the H200's rates,
+# predicted 0.94 of resident with clipping), recorded and replayed at the measured rates; then
+# the host optimizer alone with 14 of the 16 host threads (the worker ran 1.5x slower beside
+# the issuing thread than alone on 2026-11-30), profiled.
+bench xl 110 "${xl[@]}" --also-grad-clip 0 --trace "$out/trace-xl.json"
+bench xl-host14 120 "${xl[@]}" --optimizer host --host-threads 14 --also-grad-clip 0 \
+    --profile "$out/prof-xl-host"
 # Consumer-card budgets: 32k tokens per step as 16 micro-batches of 2k; references: resident
 # training with every block recomputed (as the swapped run) and plain.
 small=(--micro-batch-size 1 --seq-len 2048 --grad-accum 16 --steps 2 --device cuda)

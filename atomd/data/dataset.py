@@ -1,9 +1,10 @@
 """Token datasets: sources, the train/validation split, per-peer shards and batch sampling.
 
-A dataset is one stream of uint16 tokens. The last ``val_fraction`` of it is the validation
-split. The training part is cut into chunks of ``chunk_tokens`` tokens and dealt to
-``num_shards`` shards, either ``interleaved`` (chunk i goes to shard i mod n, so each shard is a
-fair sample of the text) or ``contiguous`` (shard k holds the k-th contiguous 1/n).
+A dataset is one stream of tokens (uint16; uint32 for vocabularies over 65,536). The last
+``val_fraction`` of it is the validation split. The training part is cut into chunks of
+``chunk_tokens`` tokens and dealt to ``num_shards`` shards, either ``interleaved`` (chunk i
+goes to shard i mod n, so each shard is a fair sample of the text) or ``contiguous`` (shard k
+holds the k-th contiguous 1/n).
 
 Sampling is *stateless*: the batch for a step is a pure function of (seed, shard, step, micro
 index), so a resumed run sees exactly the batches it would have seen, and the "data position" a
@@ -11,9 +12,16 @@ checkpoint needs is the step counter.
 
 Sources (the ``data`` string):
 - ``shakespeare`` (default): the bundled corpus of Shakespeare's plays.
-- a ``.txt`` file or a folder of ``.txt``/``.md`` files (read in sorted order), byte-tokenized.
+- a ``.txt`` file or a folder of ``.txt``/``.md`` files (read in sorted order), tokenized by
+  the job's tokenizer (bytes by default).
 - a ``.bin`` file of uint16 tokens (nanoGPT's format), or a folder holding ``train.bin`` and
   optionally ``val.bin`` (then ``val.bin`` is the validation split).
+- documents: a JSON lines file (``.jsonl``), Parquet file(s), or a folder a ``datasets``
+  ``save_to_disk`` wrote (its train split), read through a memory-mapped token cache
+  (``atomd.data.readers``).
+
+Every dataset has a content hash, the sha256 of its token stream (``TokenDataset.sha256``): a job
+spec's ``data_sha256`` pins it, and a peer whose tokens differ refuses to train the job.
 """
 
 from __future__ import annotations
@@ -26,12 +34,12 @@ from typing import Literal
 
 import numpy as np
 import torch
-from numpy.typing import NDArray
 from torch import Tensor
 
+from atomd.data.readers import document_source, token_cache, tokens_sha256
 from atomd.data.sources import BUNDLED, check_source, shard_for_peer
-from atomd.data.tokenizer import ByteTokenizer
-from atomd.errors import DataError
+from atomd.data.tokenizer import ByteTokenizer, TokenArray, Tokenizer
+from atomd.errors import ConfigError, DataError
 
 __all__ = [
     "BUNDLED",
@@ -65,36 +73,57 @@ def bundled_text() -> bytes:
     return lzma.decompress(blob)
 
 
-def _read_text_tokens(paths: list[Path]) -> NDArray[np.uint16]:
-    tok = ByteTokenizer()
+def _read_text_tokens(paths: list[Path], tok: Tokenizer) -> TokenArray:
     parts = [tok.encode_array(p.read_bytes()) for p in paths]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+    out: TokenArray = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+    return out
 
 
-def _read_bin(path: Path) -> NDArray[np.uint16]:
+def _read_bin(path: Path) -> TokenArray:
     size = path.stat().st_size
     if size % 2:
         raise DataError(f"{path}: size {size} is odd; a .bin file holds uint16 tokens")
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
-def _load_source(data: str) -> tuple[NDArray[np.uint16], NDArray[np.uint16] | None]:
-    """Token stream(s) of a source: (all or train, explicit validation or None)."""
+def load_source(
+    data: str, tok: Tokenizer, text_field: str = "text"
+) -> tuple[TokenArray, TokenArray | None, str | None]:
+    """Token stream(s) of a source: (all or train, explicit validation or None, the content
+    hash when the token cache knows it)."""
     if data == BUNDLED:
-        return ByteTokenizer().encode_array(bundled_text()), None
+        return tok.encode_array(bundled_text()), None, None
     check_source(data)
     path = Path(data).expanduser()
+    docs = document_source(path)
+    if docs is not None:
+        cache = token_cache(docs, tok, text_field)
+        return cache.array(), None, cache.sha256
     if path.is_dir():
         if (path / "train.bin").is_file():
             val = path / "val.bin"
-            return _read_bin(path / "train.bin"), (_read_bin(val) if val.is_file() else None)
+            train = _read_bin(path / "train.bin")
+            return train, (_read_bin(val) if val.is_file() else None), None
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES)
         if not files:
-            raise DataError(f"folder {path} holds no .txt/.md files and no train.bin")
-        return _read_text_tokens(files), None
+            raise DataError(
+                f"folder {path} holds no .txt/.md files, no train.bin, no .jsonl or .parquet "
+                "files and no saved dataset"
+            )
+        return _read_text_tokens(files, tok), None, None
     if path.suffix == ".bin":
-        return _read_bin(path), None
-    return _read_text_tokens([path]), None
+        return _read_bin(path), None, None
+    return _read_text_tokens([path], tok), None, None
+
+
+def check_vocab(tokens: TokenArray, vocab_size: int, *, what: str, fix: str = "") -> None:
+    """Refuse token ids the model's embedding has no row for (an IndexError deep in training
+    otherwise), naming the largest."""
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise ConfigError(
+            f"{what} holds token id {int(tokens.max()):,}, but the model's vocabulary has "
+            f"{vocab_size:,} entries (ids 0..{vocab_size - 1:,}){fix}"
+        )
 
 
 class TokenDataset:
@@ -102,8 +131,8 @@ class TokenDataset:
 
     def __init__(
         self,
-        train: NDArray[np.uint16],
-        val: NDArray[np.uint16],
+        train: TokenArray,
+        val: TokenArray,
         *,
         seq_len: int,
         shard_index: int = 0,
@@ -111,12 +140,14 @@ class TokenDataset:
         shard_mode: ShardMode = "interleaved",
         chunk_tokens: int = 16384,
         name: str = "",
+        sha256: str | None = None,
     ) -> None:
         if not 0 <= shard_index < num_shards:
             raise DataError(f"shard_index {shard_index} out of range for {num_shards} shards")
         if chunk_tokens <= seq_len:
             raise DataError(f"chunk_tokens ({chunk_tokens}) must exceed seq_len ({seq_len})")
         self.name = name
+        self._sha256 = sha256
         self.seq_len = seq_len
         self.train = train
         self.val = val
@@ -145,11 +176,18 @@ class TokenDataset:
         self._offsets = torch.cumsum(self._counts, 0) - self._counts
 
     @property
+    def sha256(self) -> str:
+        """The content hash of the whole token stream (training then validation tokens)."""
+        if self._sha256 is None:
+            self._sha256 = tokens_sha256(self.train, self.val)
+        return self._sha256
+
+    @property
     def train_tokens(self) -> int:
         """Tokens in this peer's training shard."""
         return sum(b - a for a, b in self.ranges)
 
-    def _windows(self, data: NDArray[np.uint16], starts: list[int]) -> Batch:
+    def _windows(self, data: TokenArray, starts: list[int]) -> Batch:
         rows = np.stack(
             [np.asarray(data[s : s + self.seq_len + 1], dtype=np.int64) for s in starts]
         )
@@ -202,14 +240,26 @@ def load_dataset(
     num_shards: int = 1,
     shard_mode: ShardMode = "interleaved",
     chunk_tokens: int = 16384,
+    tokenizer: Tokenizer | None = None,
+    vocab_size: int | None = None,
+    text_field: str = "text",
 ) -> TokenDataset:
-    """Load a source, split off validation (its last ``val_fraction``) and pick one shard."""
+    """Load a source (text through ``tokenizer``, bytes by default), split off validation (its
+    last ``val_fraction``) and pick one shard. With ``vocab_size``, every token id is checked
+    against it (``ConfigError`` naming the largest id otherwise)."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    tokens, val = _load_source(data)
+    tokens, val, sha256 = load_source(data, tokenizer or ByteTokenizer(), text_field)
+    if vocab_size is not None:
+        fix = "; set the job's vocab_size to at least the largest id + 1, or use other data"
+        check_vocab(tokens, vocab_size, what=f"data {data!r}", fix=fix)
+        if val is not None:
+            check_vocab(val, vocab_size, what=f"data {data!r} (val.bin)", fix=fix)
     if val is None:
         cut = int(len(tokens) * (1.0 - val_fraction))
         tokens, val = tokens[:cut], tokens[cut:]
+    else:
+        sha256 = None  # a hash of train and val together, computed when asked for
     return TokenDataset(
         tokens,
         val,
@@ -219,4 +269,5 @@ def load_dataset(
         shard_mode=shard_mode,
         chunk_tokens=chunk_tokens,
         name=data,
+        sha256=sha256,
     )

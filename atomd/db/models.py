@@ -210,3 +210,13 @@ class Event(Base):
     peer_id: Mapped[str | None] = mapped_column(String(128))
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any] | None]
+
+
+class PeerBan(Base):
+    """A key the operator banned: refused on the peer plane, out of every merge and transfer."""
+
+    __tablename__ = "peer_bans"
+
+    public_key: Mapped[str] = mapped_column(String(64), primary_key=True)  # hex
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -33,6 +33,7 @@ from atomd.db.models import (
     Job,
     Node,
     Peer,
+    PeerBan,
     Progress,
     SyncRound,
     utcnow,
@@ -40,6 +41,7 @@ from atomd.db.models import (
 from atomd.db.schemas import (
     ACTIVE_JOB_STATES,
     TERMINAL_JOB_STATES,
+    BanRecord,
     CheckpointRecord,
     EventRecord,
     JobRecord,
@@ -300,6 +302,15 @@ async def add_event(
     await s.flush()
 
 
+async def prune_events(s: AsyncSession, *, keep: int) -> int:
+    """Delete all but the newest ``keep`` events; how many were deleted."""
+    newest = await s.scalar(select(func.max(Event.id)))
+    if newest is None or newest <= keep:
+        return 0
+    result = await s.execute(delete(Event).where(Event.id <= newest - keep))
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
 async def list_events(
     s: AsyncSession, *, limit: int = 100, kind: str | None = None
 ) -> list[EventRecord]:
@@ -380,6 +391,8 @@ async def upsert_peer(
     """Insert or update a peer. ``first_seen_at`` is set on insert, ``last_seen_at`` always;
     a ``None`` public key or round-trip time keeps the one already known."""
     _check("peer state", state, PEER_STATES)
+    if not 0 <= incarnation < 2**63:  # SQLite's INTEGER; the peer plane keeps them below 2^62
+        raise ValueError(f"incarnation {incarnation} does not fit a 64-bit integer")
     now = utcnow()
     stmt = sqlite_insert(Peer).values(
         id=peer_id,
@@ -411,3 +424,31 @@ async def upsert_peer(
 async def list_peers(s: AsyncSession) -> list[PeerRecord]:
     """Every peer ever seen, by id."""
     return [PeerRecord.model_validate(p) for p in await s.scalars(select(Peer).order_by(Peer.id))]
+
+
+# -- bans --------------------------------------------------------------------------------------
+
+
+async def add_ban(s: AsyncSession, *, public_key: str, reason: str) -> BanRecord:
+    """Ban a key (lowercase hex); banning it again replaces the reason."""
+    stmt = sqlite_insert(PeerBan).values(public_key=public_key, reason=reason, created_at=utcnow())
+    await s.execute(
+        stmt.on_conflict_do_update(index_elements=[PeerBan.public_key], set_={"reason": reason})
+    )
+    await s.flush()
+    ban = await s.get(PeerBan, public_key, populate_existing=True)
+    assert ban is not None
+    return BanRecord.model_validate(ban)
+
+
+async def remove_ban(s: AsyncSession, *, public_key: str) -> bool:
+    """Lift a ban; False if the key was not banned."""
+    result = await s.execute(delete(PeerBan).where(PeerBan.public_key == public_key))
+    return bool(getattr(result, "rowcount", 0))
+
+
+async def list_bans(s: AsyncSession) -> list[BanRecord]:
+    return [
+        BanRecord.model_validate(b)
+        for b in await s.scalars(select(PeerBan).order_by(PeerBan.created_at))
+    ]

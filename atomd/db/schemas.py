@@ -41,6 +41,14 @@ class PeerRecord(_Record):
     rtt_ms: float | None
 
 
+class BanRecord(_Record):
+    """A key banned by the operator."""
+
+    public_key: str
+    reason: str
+    created_at: AwareDatetime
+
+
 class JobRecord(_Record):
     """A job; ``step``, ``tokens``, ``loss`` and ``val_loss`` are from its newest progress."""
 

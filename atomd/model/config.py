@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+ACTIVATIONS = ("gelu", "gelu_tanh")
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -26,6 +28,9 @@ class GPTConfig:
     """Biases in Linear and LayerNorm layers (GPT-2 style)."""
     tie_embeddings: bool = True
     """Share the token embedding with the output projection."""
+    activation: str = "gelu"
+    """The MLP's activation: ``gelu`` (exact) or ``gelu_tanh`` (GPT-2's tanh approximation,
+    what checkpoints imported from GPT-2 use)."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
@@ -33,6 +38,10 @@ class GPTConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 

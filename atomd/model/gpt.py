@@ -49,9 +49,10 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.drop(self.proj(F.gelu(self.fc(x))))
+        out: Tensor = self.drop(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
         return out
 
 

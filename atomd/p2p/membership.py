@@ -10,6 +10,14 @@ raising its incarnation. A daemon that stops says *left* to everyone directly.
 
 Incarnations start from the wall clock in milliseconds, so a restarted daemon (same id) always
 outranks what the swarm remembers of its previous life.
+
+Claims about a member come from that member (issue #15): its ``alive`` and ``left`` records,
+with their URL and incarnation, are signed by its own key and checked on receipt
+(``atomd.p2p.messages.record_problem``); a peer id is the hash of its key, so the key cannot
+change either. ``suspect`` and ``dead`` are each daemon's own verdicts, reached by its own
+probes; heard from others (unsigned gossip) they only make this daemon probe that member soon
+(``on_hearsay``), and they tell the member itself to refute. Nobody can declare another member
+dead or left, nor move it to another URL.
 """
 
 from __future__ import annotations
@@ -19,47 +27,29 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from atomd.logs import get_logger
+from atomd.p2p.identity import Identity
+from atomd.p2p.messages import (
+    MAX_MEMBERS,
+    Gossip,
+    JobAdvert,
+    JoinReply,
+    MemberRecord,
+    MemberState,
+    PingReq,
+    PingReqReply,
+    record_problem,
+    sign_record,
+)
 
 log = get_logger(__name__)
 
-PeerState = Literal["alive", "suspect", "dead", "left"]
+PeerState = MemberState
+Update = MemberRecord  # one piece of gossip: what a member is, as of an incarnation
 _RANK: dict[str, int] = {"alive": 0, "suspect": 1, "dead": 2, "left": 3}
-
-
-@dataclass(frozen=True)
-class Update:
-    """One piece of gossip: what a member is, as of an incarnation."""
-
-    id: str
-    url: str
-    public_key: str
-    state: PeerState
-    incarnation: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "url": self.url,
-            "public_key": self.public_key,
-            "state": self.state,
-            "incarnation": self.incarnation,
-        }
-
-    @classmethod
-    def from_json(cls, d: Any) -> Update:
-        if not isinstance(d, dict) or d.get("state") not in _RANK:
-            raise ValueError(f"malformed membership update: {d!r}")
-        return cls(
-            id=str(d["id"]),
-            url=str(d["url"]),
-            public_key=str(d["public_key"]),
-            state=d["state"],
-            incarnation=int(d["incarnation"]),
-        )
 
 
 @dataclass
@@ -73,9 +63,23 @@ class Member:
     last_seen: float = field(default_factory=time.time)  # wall clock of last direct contact
     state_since: float = field(default_factory=time.monotonic)
     rtt_ms: float | None = None
+    signed: Update | None = None  # its newest signed (alive or left) record
 
     def update(self) -> Update:
-        return Update(self.id, self.url, self.public_key, self.state, self.incarnation)
+        """What we say of it: its own signed record while that is what we believe, otherwise
+        our verdict (unsigned, at its incarnation)."""
+        s = self.signed
+        if s is not None and (s.state, s.incarnation, s.url) == (
+            self.state, self.incarnation, self.url
+        ):  # fmt: skip
+            return s
+        return Update(
+            id=self.id,
+            url=self.url,
+            public_key=self.public_key,
+            state=self.state,
+            incarnation=self.incarnation,
+        )
 
 
 def supersedes(new: Update, old: Member) -> bool:
@@ -93,13 +97,39 @@ class Membership:
         self,
         me: Update,
         *,
+        identity: Identity | None = None,
+        swarm: str = "default",
         on_change: Callable[[Member, PeerState | None], None] | None = None,
+        on_hearsay: Callable[[str], None] | None = None,
     ) -> None:
+        """``identity`` signs this daemon's own records (without one they go unsigned, and
+        other members will not believe them: tests of the merge rules only)."""
         self.me = Member(me.id, me.url, me.public_key, "alive", me.incarnation)
+        self.identity = identity
+        self.swarm = swarm
         self.members: dict[str, Member] = {}
         self.on_change = on_change
+        self.on_hearsay = on_hearsay
+        self.refused = 0  # records not believed (bad id, missing or wrong signature)
         self._gossip: dict[str, tuple[Update, int]] = {}  # id -> (update, sends left)
+        self._sign_me()
         self._enqueue(self.me.update())
+
+    def _sign_me(self) -> None:
+        """Sign this daemon's record as it now is (after any change of its state or
+        incarnation)."""
+        if self.identity is None:
+            return
+        me = self.me
+        record = Update(id=me.id, url=me.url, public_key=me.public_key, state=me.state,
+                        incarnation=me.incarnation)  # fmt: skip
+        me.signed = sign_record(record, self.identity, self.swarm)
+
+    def leaving(self) -> Update:
+        """Mark this daemon as leaving; its signed *left* record."""
+        self.me.state = "left"
+        self._sign_me()
+        return self.me.update()
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -138,16 +168,34 @@ class Membership:
 
     def apply(self, u: Update, *, direct: bool = False) -> bool:
         """Merge one update; True if it changed what we know. ``direct``: it came from the
-        member itself (it is alive and reachable now)."""
+        member itself (it is alive and reachable now).
+
+        A record that is not the member's own word (``record_problem``) is refused; a
+        suspicion or death heard from others changes nothing here but asks for a probe."""
         if u.id == self.me.id:
             if u.state in ("suspect", "dead") and u.incarnation >= self.me.incarnation:
                 self.refute(u.incarnation)
             return False
+        problem = record_problem(u, self.swarm)
+        if problem is not None:
+            self.refused += 1
+            log.debug("gossip refused: %s", problem)
+            return False
         known = self.members.get(u.id)
+        if u.state in ("suspect", "dead"):  # hearsay: only the member's own records count
+            live = known is not None and known.state in ("alive", "suspect")
+            if (
+                live
+                and known is not None
+                and u.incarnation >= known.incarnation
+                and self.on_hearsay
+            ):
+                self.on_hearsay(u.id)
+            return False
         if known is None:
-            if u.state in ("dead", "left") and not direct:
-                return False  # hearsay about a stranger who is gone: nothing to add
-            member = Member(u.id, u.url, u.public_key, u.state, u.incarnation)
+            if u.state == "left" and not direct:
+                return False  # a stranger who is gone: nothing to add
+            member = Member(u.id, u.url, u.public_key, u.state, u.incarnation, signed=u)
             self.members[u.id] = member
             self._enqueue(u)
             self._changed(member, None)
@@ -157,7 +205,8 @@ class Membership:
         if not supersedes(u, known):
             return False
         before = known.state
-        known.url, known.public_key = u.url, u.public_key or known.public_key
+        known.signed = u
+        known.url = u.url
         known.incarnation = u.incarnation
         if u.state != before:
             known.state = u.state
@@ -170,15 +219,22 @@ class Membership:
     def refute(self, incarnation: int) -> None:
         """Someone suspects us: outrank that with a higher incarnation, alive."""
         self.me.incarnation = max(self.me.incarnation, incarnation) + 1
+        self._sign_me()
         self._enqueue(self.me.update())
         log.info("refuting a suspicion: incarnation %d", self.me.incarnation)
 
     def mark(self, peer_id: str, state: PeerState) -> bool:
-        """Our own verdict about another member, at its current incarnation."""
+        """Our own verdict about another member (suspect or dead, from our own probes), at its
+        current incarnation; gossiped unsigned, as an opinion."""
         m = self.members.get(peer_id)
-        if m is None or m.state == state:
+        if m is None or m.state == state or _RANK[state] < _RANK[m.state]:
             return False
-        return self.apply(replace(m.update(), state=state))
+        before = m.state
+        m.state = state
+        m.state_since = time.monotonic()
+        self._enqueue(m.update())
+        self._changed(m, before)
+        return True
 
     def _changed(self, m: Member, before: PeerState | None) -> None:
         log.info("peer %s (%s): %s -> %s", m.id[:12], m.url, before or "new", m.state)
@@ -188,14 +244,17 @@ class Membership:
 
 class Transport(Protocol):
     """How ``Swim`` reaches other members (signed HTTP in the daemon, in-memory in tests).
-    Every call raises on failure or timeout."""
+    ``target`` is the peer id expected at ``url`` (None: whoever answers there). Every call
+    raises on failure or timeout."""
 
-    async def ping(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]: ...
+    async def ping(self, url: str, target: str, msg: Gossip, timeout: float) -> Gossip: ...
     async def ping_req(
-        self, url: str, payload: dict[str, Any], timeout: float
-    ) -> dict[str, Any]: ...
-    async def join(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]: ...
-    async def leave(self, url: str, payload: dict[str, Any], timeout: float) -> None: ...
+        self, url: str, target: str, msg: PingReq, timeout: float
+    ) -> PingReqReply: ...
+    async def join(
+        self, url: str, target: str | None, msg: Gossip, timeout: float
+    ) -> JoinReply: ...
+    async def leave(self, url: str, target: str, msg: Gossip, timeout: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -219,57 +278,61 @@ class Swim:
         self.config = config
         self.join_errors: dict[str, str] = {}  # url -> why the last join through it failed
         self._order: list[str] = []
-        self.extra: Callable[[], dict[str, Any]] = dict
-        """Extra fields every message carries (the daemon adds its active job)."""
-        self.on_extra: Callable[[str, dict[str, Any]], None] = lambda _peer, _extra: None
+        self._urgent: dict[str, None] = {}  # members others suspect: probed first (ordered set)
+        if self.m.on_hearsay is None:
+            self.m.on_hearsay = self.probe_soon
+        self.advert: Callable[[], JobAdvert | None] = lambda: None
+        """The job every message carries (the daemon's swarm job)."""
+        self.on_message: Callable[[str, Gossip], None] = lambda _peer, _msg: None
         """Called with (sender id, message) for every message received."""
 
     # -- messages ----------------------------------------------------------------------------
 
-    def _message(self) -> dict[str, Any]:
-        return {
-            "from": self.m.me.update().to_json(),
-            "updates": [u.to_json() for u in self.m.gossip()],
-            **self.extra(),
-        }
+    def message(self) -> Gossip:
+        return Gossip(sender=self.m.me.update(), updates=self.m.gossip(), job=self.advert())
 
-    def receive(self, msg: dict[str, Any]) -> str:
+    def receive(self, msg: Gossip) -> str:
         """Merge a message's sender and gossip; return the sender id."""
-        sender = Update.from_json(msg.get("from"))
-        self.m.apply(sender, direct=True)
-        for raw in msg.get("updates", [])[:256]:
-            self.m.apply(Update.from_json(raw))
-        self.on_extra(sender.id, msg)
-        return sender.id
+        self.m.apply(msg.sender, direct=True)
+        for u in msg.updates:
+            self.m.apply(u)
+        self.on_message(msg.sender.id, msg)
+        return msg.sender.id
 
     # -- incoming ----------------------------------------------------------------------------
 
-    def handle_ping(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def handle_ping(self, msg: Gossip) -> Gossip:
         self.receive(msg)
-        return self._message()
+        return self.message()
 
-    async def handle_ping_req(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def handle_ping_req(self, msg: PingReq) -> PingReqReply:
         self.receive(msg)
-        target = self.m.get(str(msg.get("target", "")))
+        target = self.m.get(msg.target)
         ok = False
         if target is not None and target is not self.m.me:
             ok = await self._ping(target, self.config.ping_timeout)
-        return {**self._message(), "ok": ok}
+        m = self.message()
+        return PingReqReply(sender=m.sender, updates=m.updates, job=m.job, ok=ok)
 
-    def handle_join(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def handle_join(self, msg: Gossip) -> JoinReply:
         self.receive(msg)
-        return {**self._message(), "members": [u.to_json() for u in self.m.snapshot()]}
+        m = self.message()
+        members = self.m.snapshot()[:MAX_MEMBERS]
+        return JoinReply(sender=m.sender, updates=m.updates, job=m.job, members=members)
 
-    def handle_leave(self, msg: dict[str, Any]) -> None:
-        sender = Update.from_json(msg.get("from"))
-        self.m.apply(replace(sender, state="left"), direct=True)
+    def handle_leave(self, msg: Gossip) -> None:
+        """The member's own signed *left* record (anything else is ignored)."""
+        if msg.sender.state == "left":
+            self.m.apply(msg.sender, direct=True)
 
     # -- outgoing ----------------------------------------------------------------------------
 
     async def _ping(self, target: Member, timeout: float) -> bool:
         t0 = time.perf_counter()
         try:
-            reply = await self.transport.ping(target.url, self._message(), timeout)
+            reply = await self.transport.ping(target.url, target.id, self.message(), timeout)
+            if reply.sender.id != target.id:
+                raise ValueError(f"{reply.sender.id} answered for {target.id}")
             self.receive(reply)
         except Exception as e:  # any failure to get a valid answer is a missed ping
             log.debug("ping %s failed: %s", target.id[:12], e)
@@ -280,15 +343,29 @@ class Swim:
 
     async def _ping_req(self, via: Member, target: Member) -> bool:
         try:
-            payload = {**self._message(), "target": target.id}
-            reply = await self.transport.ping_req(via.url, payload, self.config.indirect_timeout)
+            m = self.message()
+            msg = PingReq(sender=m.sender, updates=m.updates, job=m.job, target=target.id)
+            reply = await self.transport.ping_req(
+                via.url, via.id, msg, self.config.indirect_timeout
+            )
             self.receive(reply)
-            return bool(reply.get("ok"))
+            return reply.ok
         except Exception as e:
             log.debug("ping-req via %s failed: %s", via.id[:12], e)
             return False
 
+    def probe_soon(self, peer_id: str) -> None:
+        """Someone says ``peer_id`` is suspect or dead: see for ourselves at the next period."""
+        if peer_id in self.m.members:  # bounded by the members we know
+            self._urgent[peer_id] = None
+
     def _next_target(self) -> Member | None:
+        while self._urgent:
+            pid = next(iter(self._urgent))
+            del self._urgent[pid]
+            m = self.m.get(pid)
+            if m is not None and m is not self.m.me and m.state in ("alive", "suspect"):
+                return m
         candidates = {m.id for m in self.m.others("alive", "suspect")}
         self._order = [i for i in self._order if i in candidates]
         if not self._order:
@@ -338,10 +415,12 @@ class Swim:
             if url.rstrip("/") == self.m.me.url:
                 continue
             try:
-                reply = await self.transport.join(url, self._message(), self.config.join_timeout)
+                reply = await self.transport.join(
+                    url, None, self.message(), self.config.join_timeout
+                )
                 self.receive(reply)
-                for raw in reply.get("members", []):
-                    self.m.apply(Update.from_json(raw))
+                for u in reply.members:
+                    self.m.apply(u)
             except Exception as e:
                 self.join_errors[url] = str(e) or type(e).__name__
                 log.debug("could not join through %s: %s", url, e)
@@ -352,14 +431,13 @@ class Swim:
 
     async def leave(self) -> None:
         """Tell every live member we are leaving (best effort, bounded in time)."""
-        self.m.me.state = "left"
+        left = self.m.leaving()
         targets = self.m.others("alive", "suspect")
-        msg = self._message()
-        msg["from"] = replace(self.m.me.update(), state="left").to_json()
+        msg = self.message().model_copy(update={"sender": left})
 
         async def one(m: Member) -> None:
             try:
-                await self.transport.leave(m.url, msg, self.config.leave_timeout)
+                await self.transport.leave(m.url, m.id, msg, self.config.leave_timeout)
             except Exception as e:
                 log.debug("leave to %s failed: %s", m.id[:12], e)
 

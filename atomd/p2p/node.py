@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,15 +23,32 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.config import Settings
 from atomd.db import repo
-from atomd.errors import PeerAuthError, PeerRequestError
+from atomd.errors import AtomdError, PeerAuthError, PeerRequestError
 from atomd.logs import Repeated, get_logger
-from atomd.p2p.auth import Admission, PeerClient, RequestVerifier
+from atomd.p2p import paths
+from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
 from atomd.p2p.membership import Member, Membership, PeerState, Swim, SwimConfig, Update
+from atomd.p2p.messages import (
+    Ack,
+    Announce,
+    Gossip,
+    JobAdvert,
+    JoinReply,
+    PingReq,
+    PingReqReply,
+    StopJob,
+)
+from atomd.p2p.quarantine import Quarantine, Verdict
+from atomd.p2p.signing import Admission, RequestVerifier
 from atomd.p2p.transfer import fetch_state
+from atomd.rejections import Rejections
 from atomd.telemetry import Telemetry
 
 log = get_logger(__name__)
+
+SEND_TIMEOUT_S = 3.0  # a job announcement or stop to one peer
+REJECTIONS_FLUSH_S = 60.0
 
 
 class SwarmJobs(Protocol):
@@ -45,40 +63,42 @@ class SwarmJobs(Protocol):
         ...
 
     async def stop_from_peer(self, job_id: str, peer_id: str) -> None: ...
-    async def live_state(self, job_id: str, at_least: int) -> bool:
-        """Checkpoint the live state of a job trained here for a joining peer, if it is at
-        step ``at_least`` or later (``NotFoundError`` if it is younger)."""
+    async def live_state(self, job_id: str) -> bool:
+        """Checkpoint the live state of a job trained here, for a joining peer."""
         ...
 
     def job_dir(self, job_id: str) -> Path: ...
 
 
 class HttpTransport:
-    """SWIM's messages as signed JSON POSTs to ``/p2p/v1/...``."""
+    """SWIM's messages as signed JSON POSTs to the peer plane."""
 
     def __init__(self, client: PeerClient) -> None:
         self.client = client
 
-    async def _post(self, url: str, path: str, payload: dict[str, Any], timeout: float) -> Any:
-        reply = await self.client.post_json(url, path, payload, timeout=timeout)
-        if not isinstance(reply, dict):
-            raise PeerRequestError(f"{url}{path}: expected a JSON object")
-        return reply
+    async def ping(self, url: str, target: str, msg: Gossip, timeout: float) -> Gossip:
+        return await self.client.post(url, paths.PING, msg, Gossip, target=target, timeout=timeout)
 
-    async def ping(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        reply: dict[str, Any] = await self._post(url, "/p2p/v1/ping", payload, timeout)
-        return reply
+    async def ping_req(self, url: str, target: str, msg: PingReq, timeout: float) -> PingReqReply:
+        return await self.client.post(
+            url, paths.PING_REQ, msg, PingReqReply, target=target, timeout=timeout
+        )
 
-    async def ping_req(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        reply: dict[str, Any] = await self._post(url, "/p2p/v1/ping-req", payload, timeout)
-        return reply
+    async def join(self, url: str, target: str | None, msg: Gossip, timeout: float) -> JoinReply:
+        return await self.client.post(
+            url, paths.JOIN, msg, JoinReply, target=target, timeout=timeout
+        )
 
-    async def join(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        reply: dict[str, Any] = await self._post(url, "/p2p/v1/join", payload, timeout)
-        return reply
+    async def leave(self, url: str, target: str, msg: Gossip, timeout: float) -> None:
+        await self.client.post(url, paths.LEAVE, msg, Ack, target=target, timeout=timeout)
 
-    async def leave(self, url: str, payload: dict[str, Any], timeout: float) -> None:
-        await self._post(url, "/p2p/v1/leave", payload, timeout)
+
+async def _logged(coro: Coroutine[Any, Any, None], name: str) -> None:
+    """Run a background task of the node; a failure is logged, never ends the daemon."""
+    try:
+        await coro
+    except Exception:
+        log.exception("task %s failed", name)
 
 
 class SwarmNode:
@@ -99,8 +119,12 @@ class SwarmNode:
         self.telemetry = telemetry
         self.jobs = jobs
         self.admission = Admission.from_settings(settings)
-        self.client = PeerClient(identity, self.admission, timeout=5.0)
-        self.verifier = RequestVerifier(self.admission)
+        self.client = PeerClient(identity, self.admission)
+        self.quarantine = Quarantine(key_of=self._key_of)
+        self.rejections = Rejections()  # refused requests of both planes, counted
+        self.verifier = RequestVerifier(
+            self.admission, self_id=identity.peer_id, blocked=self._banned_reason
+        )
         me = Update(
             id=identity.peer_id,
             url=settings.advertise_url,
@@ -109,7 +133,9 @@ class SwarmNode:
             # Wall-clock milliseconds: a restart always outranks our previous life.
             incarnation=int(time.time() * 1000),
         )
-        self.membership = Membership(me, on_change=self._on_change)
+        self.membership = Membership(
+            me, identity=identity, swarm=settings.swarm, on_change=self._on_change
+        )
         self.swim = Swim(
             self.membership,
             HttpTransport(self.client),
@@ -120,28 +146,94 @@ class SwarmNode:
                 indirect_timeout=max(0.75, min(3.0, 3 * settings.gossip_interval)),
             ),
         )
-        self.swim.extra = self._extra
+        self.swim.advert = self._advert
         self._repeated = Repeated(log)  # "alone", "join": logged once, then at a backoff
-        self.swim.on_extra = self._on_message
+        self.swim.on_message = self._on_message
         self._changes: asyncio.Queue[tuple[Update, PeerState | None]] = asyncio.Queue()
         self._tg: asyncio.TaskGroup | None = None
         self._lan: list[str] = []
         # job id -> peer id -> when we last heard that peer train it (monotonic seconds)
         self._job_peers: dict[str, dict[str, float]] = {}
+        self._liars: set[str] = set()  # donor URLs whose state transfer lied: not asked again
+        self.on_excluded: Callable[[str], None] = lambda _peer_id: None
+        """Called with a peer id quarantined or banned (the exchange drops its waiting deltas)."""
 
     @property
     def peer_id(self) -> str:
         return self.identity.peer_id
+
+    # -- quarantine and bans ------------------------------------------------------------------
+
+    def _key_of(self, peer_id: str) -> str | None:
+        m = self.membership.get(peer_id)
+        return m.public_key if m is not None else None
+
+    def _banned_reason(self, public_key: str) -> str | None:
+        if not self.quarantine.is_banned_key(public_key):
+            return None
+        return "its key is banned by this daemon's operator (atomd unban to lift it)"
+
+    async def load_bans(self) -> None:
+        """The operator's bans, from the database (at start)."""
+        async with self.sessions() as s:
+            bans = await repo.list_bans(s)
+        self.quarantine.set_bans({b.public_key: b.reason for b in bans})
+
+    async def ban(self, public_key: str, reason: str) -> None:
+        """Ban a key (persisted): refused on the peer plane, out of every merge and transfer."""
+        async with self.sessions() as s, s.begin():
+            await repo.add_ban(s, public_key=public_key, reason=reason)
+            await repo.add_event(s, kind="peer.banned", message=f"key {public_key}: {reason}")
+        self.quarantine.ban(public_key, reason)
+        for m in self.membership.all():
+            if m.public_key == public_key:
+                self.on_excluded(m.id)
+
+    async def unban(self, public_key: str) -> bool:
+        """Lift a ban (and a quarantine of that key); False if the key was not banned."""
+        async with self.sessions() as s, s.begin():
+            found = await repo.remove_ban(s, public_key=public_key)
+            await repo.add_event(s, kind="peer.unbanned", message=f"key {public_key}")
+        self.quarantine.unban(public_key)
+        return found
+
+    def verdict(self, peer_id: str) -> Verdict | None:
+        """Why this daemon takes nothing from ``peer_id`` now (banned, quarantined), or None."""
+        return self.quarantine.verdict(peer_id)
+
+    def excluded(self, peer_id: str) -> bool:
+        """Whether deltas and state are no longer taken from ``peer_id`` (quarantined, banned)."""
+        return self.quarantine.excluded(peer_id)
+
+    def exclusion(self, peer_id: str) -> str | None:
+        """Why deltas are no longer taken from ``peer_id``, in words, or None."""
+        v = self.quarantine.verdict(peer_id)
+        return None if v is None else f"{v.kind} here: {v.reason}"
+
+    async def judge(self, sender: str, strike: bool, reason: str | None) -> None:
+        """One judged contribution of ``sender``; quarantine it (recorded) when its strikes
+        reach the limit."""
+        if sender == self.peer_id:
+            return
+        verdict = self.quarantine.judged(sender, strike, reason)
+        if verdict is None:
+            return
+        log.warning("peer %s quarantined: %s", sender, verdict.reason)
+        self.on_excluded(sender)
+        async with self.sessions() as s, s.begin():
+            await repo.add_event(s, kind="peer.quarantined", peer_id=sender, message=verdict.reason)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Join, then probe and record until cancelled."""
         try:
+            await self.load_bans()
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 tg.create_task(self._record_changes(), name="peers-recorder")
                 tg.create_task(self._refresh_last_seen(), name="peers-last-seen")
+                tg.create_task(self._flush_rejections(), name="rejections")
                 await self._join_once()
                 tg.create_task(self.swim.run(), name="swim")
                 tg.create_task(self._rejoin_when_alone(), name="rejoin")
@@ -150,8 +242,13 @@ class SwarmNode:
             await self.client.aclose()
 
     async def leave(self) -> None:
-        """Say *left* to every live peer (bounded: about one second)."""
+        """Say *left* to every live peer (bounded: about one second); record what was refused
+        since the last minute's count."""
         await self.swim.leave()
+        try:
+            await self.flush_rejections()
+        except Exception:
+            log.exception("could not record refused requests")
 
     def lan_found(self, peer_id: str, url: str) -> None:
         """A peer of our swarm seen on the LAN (zeroconf): a join candidate."""
@@ -202,13 +299,19 @@ class SwarmNode:
     async def _record_changes(self) -> None:
         while True:
             u, before = await self._changes.get()
-            m = self.membership.get(u.id)
-            async with self.sessions() as s, s.begin():
-                await repo.upsert_peer(
+            try:
+                await self._record_change(u, before)
+            except Exception:  # a record that cannot be written must not end the daemon
+                log.exception("could not record peer %s: %s -> %s", u.id, before, u.state)
+
+    async def _record_change(self, u: Update, before: PeerState | None) -> None:
+        m = self.membership.get(u.id)
+        async with self.sessions() as s, s.begin():
+            await repo.upsert_peer(
                     s, peer_id=u.id, url=u.url, public_key=u.public_key, state=u.state,
                     incarnation=u.incarnation, rtt_ms=m.rtt_ms if m else None,
                 )  # fmt: skip
-                await repo.add_event(
+            await repo.add_event(
                     s, kind=f"peer.{u.state}", peer_id=u.id,
                     message=f"{before or 'new'} -> {u.state} ({u.url})",
                 )  # fmt: skip
@@ -227,17 +330,35 @@ class SwarmNode:
                         incarnation=m.incarnation, rtt_ms=m.rtt_ms,
                     )  # fmt: skip
 
-    async def record_rejection(self, path: str, client: str, error: PeerAuthError) -> None:
+    async def record_rejection(self, path: str, client: str, error: AtomdError) -> None:
+        """Count a refused peer-plane request (aggregated: ``atomd.rejections``)."""
+        status = error.status if isinstance(error, PeerAuthError) else 413
+        self.rejections.refused("peer", client, status, f"{path[:100]}: {error}")
+
+    async def _flush_rejections(self) -> None:
+        """Once a minute: one event for the requests refused since, and the events table cut
+        to ``events_keep`` rows."""
+        while True:
+            await asyncio.sleep(REJECTIONS_FLUSH_S)
+            try:
+                await self.flush_rejections()
+            except Exception:  # the records must not end the daemon
+                log.exception("could not record refused requests")
+
+    async def flush_rejections(self) -> None:
+        summary = self.rejections.flush()
         async with self.sessions() as s, s.begin():
-            await repo.add_event(
-                s, kind="auth.rejected", message=f"{error.status} {path} from {client}: {error}"
-            )
+            if summary is not None:
+                message, data = summary
+                await repo.add_event(s, kind="auth.rejected", message=message, data=data)
+            await repo.prune_events(s, keep=self.settings.events_keep)
 
     def peers(self) -> list[dict[str, Any]]:
         """Every member we know, this daemon first, for ``GET /v1/peers``."""
         out = []
         for m in self.membership.all():
             me = m is self.membership.me
+            verdict = None if me else self.quarantine.verdict(m.id)
             out.append(
                 {
                     "id": m.id,
@@ -248,56 +369,67 @@ class SwarmNode:
                     "last_seen_at": datetime.fromtimestamp(time.time() if me else m.last_seen, UTC),
                     "rtt_ms": None if m.rtt_ms is None else round(m.rtt_ms, 3),
                     "is_self": me,
+                    "public_key": m.public_key,
+                    "excluded": None if verdict is None else verdict.kind,
+                    "excluded_reason": None if verdict is None else verdict.reason,
                 }
             )
         return out
 
     # -- jobs across the swarm ----------------------------------------------------------------
 
-    def _extra(self) -> dict[str, Any]:
+    def _advert(self) -> JobAdvert | None:
         advert = self.jobs.advert()
-        return {"job": advert} if advert else {}
+        return JobAdvert.model_validate(advert) if advert else None
 
-    def _on_message(self, sender: str, msg: dict[str, Any]) -> None:
-        advert = msg.get("job")
-        if isinstance(advert, dict) and isinstance(advert.get("id"), str):
-            self._job_peers.setdefault(advert["id"], {})[sender] = time.monotonic()
-        if isinstance(advert, dict) and self.settings.auto_join:
+    def _on_message(self, sender: str, msg: Gossip) -> None:
+        advert = msg.job
+        if advert is None:
+            return
+        self._job_peers.setdefault(advert.id, {})[sender] = time.monotonic()
+        if self.settings.auto_join and not self.quarantine.excluded(sender):
             member = self.membership.get(sender)
             donors = [member.url] if member is not None else []
             # Other members that train the same job are donors too, should this one fail.
-            self.jobs.offer(advert, donors + self._donors_besides(sender))
+            offer = advert.model_dump(mode="json")
+            self.jobs.offer(offer, donors + self._donors_besides(sender))
 
     def _donors_besides(self, sender: str) -> list[str]:
-        return [m.url for m in self.membership.others("alive") if m.id != sender]
+        return [
+            m.url
+            for m in self.membership.others("alive")
+            if m.id != sender and not self.quarantine.excluded(m.id)
+        ]
 
-    def _spawn(self, coro: Any, name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         if self._tg is None:
             coro.close()
             return
-        self._tg.create_task(coro, name=name)
+        self._tg.create_task(_logged(coro, name), name=name)
 
     def announce(self, advert: dict[str, Any]) -> None:
         """Tell every live peer about a new swarm job now (gossip would in a few periods)."""
-        msg = {"from": self.membership.me.update().to_json(), "job": advert}
+        msg = Announce(sender=self.membership.me.update(), job=JobAdvert.model_validate(advert))
         for m in self.membership.others("alive"):
-            self._spawn(self._send(m.url, "/p2p/v1/jobs/announce", msg), f"announce-{m.id[:8]}")
+            self._spawn(self._send(m, paths.ANNOUNCE, msg), f"announce-{m.id[:8]}")
 
     def broadcast_stop(self, job_id: str) -> None:
-        msg = {"from": self.membership.me.update().to_json()}
+        msg = StopJob(sender=self.membership.me.update())
         for m in self.membership.others("alive", "suspect"):
-            self._spawn(self._send(m.url, f"/p2p/v1/jobs/{job_id}/stop", msg), f"stop-{m.id[:8]}")
+            self._spawn(self._send(m, paths.job_stop(job_id), msg), f"stop-{m.id[:8]}")
 
-    async def _send(self, url: str, path: str, msg: dict[str, Any]) -> None:
+    async def _send(self, m: Member, path: str, msg: Announce | StopJob) -> None:
         try:
-            await self.client.post_json(url, path, msg, timeout=3.0)
+            await self.client.post(m.url, path, msg, Ack, target=m.id, timeout=SEND_TIMEOUT_S)
         except PeerRequestError as e:
-            log.info("%s%s failed: %s", url, path, e)
+            log.info("%s%s failed: %s", m.url, path, e)
 
     async def fetch_state(
-        self, job_id: str, donors: list[str], root: Path, at_least: int
+        self, job_id: str, donors: list[str], root: Path, *, max_file_bytes: int | None = None
     ) -> int | None:
-        return await fetch_state(self.client, donors, job_id, root, at_least=at_least)
+        return await fetch_state(
+            self.client, donors, job_id, root, max_file_bytes=max_file_bytes, liars=self._liars
+        )
 
     # -- which peers train a job (for the delta exchange, ``atomd.sync.exchange``) -------------
 
@@ -310,7 +442,9 @@ class SwarmNode:
         for pid, at in tuple(heard.items()):  # the trainer thread calls this too
             m = self.membership.get(pid)
             fresh = now - at <= window
-            if fresh and m is not None and m is not self.membership.me and m.state == "alive":
+            live = m is not None and m is not self.membership.me and m.state == "alive"
+            # A quarantined or banned member is neither sent deltas nor asked for state.
+            if fresh and live and m is not None and not self.quarantine.excluded(pid):
                 out.append(m)
         return out
 

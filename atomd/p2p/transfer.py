@@ -1,11 +1,9 @@
 """State transfer: a peer joining a running job fetches the newest checkpoint from a live peer.
 
 A donor that trains the job first checkpoints its live state at its next step boundary, so the
-joiner starts from the swarm's current model; a swarm younger than the joiner asks for
-(``at_least``: its warm-up, or past the joiner's own checkpoint) has no state to give, and the
-joiner starts from the initial weights instead of waiting for ~6 model sizes on the wire. The
-donor serves its newest checkpoint as a manifest (the checkpoint's ``meta.json``: step, file
-sizes and sha256) and the files as chunked streams. The joiner writes them into a hidden
+joiner starts from the swarm's current model. The donor serves its newest checkpoint as a
+manifest (the checkpoint's ``meta.json``: step, file sizes and sha256) and the files as chunked
+streams. The joiner writes them into a hidden
 ``.incoming-*`` folder, checking sizes and hashes as bytes arrive, writes ``meta.json`` last,
 fsyncs and renames the folder into place. A donor that dies, lies or stalls costs that attempt:
 the temporary folder is removed and the next donor is tried. Nothing half-downloaded is used,
@@ -21,38 +19,44 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 from safetensors import SafetensorError, safe_open
 
 from atomd.errors import AtomdError, CheckpointError, PeerRequestError
 from atomd.logs import get_logger
-from atomd.p2p.auth import PeerClient
+from atomd.p2p import paths
+from atomd.p2p.client import PeerClient
+from atomd.p2p.messages import StateManifest, parse
 from atomd.train import checkpoint as ckpt
 
 log = get_logger(__name__)
 
 TRANSFER_FILES = (ckpt.MODEL_FILE, ckpt.STATE_FILE)
+# Sent too when the manifest lists them (checkpoints of runs with a tokenizer).
+OPTIONAL_FILES = (ckpt.TOKENIZER_FILE,)
 MANIFEST_TIMEOUT_S = 45.0
 _CHUNK = 1 << 20
+DEADLINE_S = 900.0  # the whole transfer, every donor tried included
+DISK_MARGIN = 64 << 20  # free bytes left on the disk after a transfer
+MAX_TOKENIZER_BYTES = 64 << 20  # a BPE vocabulary of ~10^6 entries is ~50 MB of JSON
 
 
-def newest_manifest(root: Path) -> dict[str, Any] | None:
+def newest_manifest(root: Path) -> StateManifest | None:
     """The newest complete checkpoint's meta.json under ``root`` (None if there is none)."""
     for path in ckpt.list_checkpoints(root):
         try:
-            meta = json.loads((path / ckpt.META_FILE).read_text())
-        except (OSError, json.JSONDecodeError):
+            meta = parse(StateManifest, (path / ckpt.META_FILE).read_bytes())
+        except (OSError, AtomdError):
             continue
-        if isinstance(meta, dict) and all((path / name).is_file() for name in TRANSFER_FILES):
+        if all((path / name).is_file() for name in TRANSFER_FILES):
             return meta
     return None
 
 
 def checkpoint_file(root: Path, step: int, name: str) -> Path | None:
     """The path of one transferable file of checkpoint ``step``, if it still exists."""
-    if name not in TRANSFER_FILES:
+    if name not in TRANSFER_FILES + OPTIONAL_FILES:
         return None
     path = root / f"step-{step:08d}" / name
     return path if path.is_file() else None
@@ -70,7 +74,7 @@ class _Download:
     def write(self, chunk: bytes) -> None:
         self.size += len(chunk)
         if self.size > self.expect_bytes:
-            raise CheckpointError(
+            raise LyingDonorError(
                 f"{self.path.name}: donor sent more than the {self.expect_bytes} bytes it announced"
             )
         self.hash.update(chunk)
@@ -85,47 +89,68 @@ class _Download:
                 f"{self.path.name}: got {self.size} bytes, expected {self.expect_bytes} (truncated)"
             )
         if self.hash.hexdigest() != self.expect_sha256:
-            raise CheckpointError(f"{self.path.name}: sha256 mismatch (corrupt in transfer)")
+            raise LyingDonorError(f"{self.path.name}: sha256 mismatch (corrupt in transfer)")
 
 
-async def _fetch_from(client: PeerClient, url: str, job_id: str, root: Path, at_least: int) -> int:
-    # The donor may checkpoint its live state for us first (up to 30 s); it answers 404 when
-    # it has no state from step ``at_least`` on.
-    path = f"/p2p/v1/jobs/{job_id}/state?at_least={at_least}"
-    manifest = await client.get_json(url, path, timeout=MANIFEST_TIMEOUT_S)
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int):
-        raise CheckpointError(f"malformed state manifest from {url}")
-    if manifest["step"] < at_least:  # a donor that did not honour the query: nothing newer
-        raise PeerRequestError(
-            f"{url} has state at step {manifest['step']}, not from step {at_least} on", status=404
+class LyingDonorError(CheckpointError):
+    """A donor announced what it did not send (sizes, hashes) or more than the job's model can
+    be: it is not asked again."""
+
+
+def _check_sizes(url: str, manifest: StateManifest, root: Path, max_file_bytes: int | None) -> None:
+    """Sizes the job's model implies, and room on the disk, before a byte is downloaded."""
+    files = manifest.files.entries()
+    tokenizer = manifest.files.tokenizer
+    if tokenizer is not None and tokenizer.bytes > MAX_TOKENIZER_BYTES:
+        raise LyingDonorError(
+            f"{url} announces a tokenizer.json of {tokenizer.bytes} bytes; "
+            f"at most {MAX_TOKENIZER_BYTES} are accepted"
         )
-    if manifest.get("format_version") != ckpt.FORMAT_VERSION:
+    if max_file_bytes is not None:
+        for name, f in files.items():
+            if f.bytes > max_file_bytes:
+                raise LyingDonorError(
+                    f"{url} announces {name} of {f.bytes} bytes; this job's model makes it at "
+                    f"most {max_file_bytes}"
+                )
+    need = sum(f.bytes for f in files.values()) + DISK_MARGIN
+    free = shutil.disk_usage(root).free
+    if need > free:
         raise CheckpointError(
-            f"state from {url} has format_version {manifest.get('format_version')!r}, "
-            f"expected {ckpt.FORMAT_VERSION}"
+            f"the state from {url} needs {need / 2**20:.0f} MiB on the disk of {root}; "
+            f"{free / 2**20:.0f} MiB are free"
         )
-    step: int = manifest["step"]
-    files = manifest.get("files", {})
+
+
+async def _fetch_from(
+    client: PeerClient, url: str, job_id: str, root: Path, max_file_bytes: int | None = None
+) -> int:
+    # The donor may checkpoint its live state for us first (up to 30 s; jobs.LIVE_STATE_...).
+    manifest = await client.get(
+        url, paths.job_state(job_id), StateManifest, timeout=MANIFEST_TIMEOUT_S
+    )
+    step = manifest.step
+    await asyncio.to_thread(_check_sizes, url, manifest, root, max_file_bytes)
+    files = manifest.files.entries()
     tmp = root / f".incoming-step-{step:08d}-{os.getpid()}"
     await asyncio.to_thread(shutil.rmtree, tmp, True)
     await asyncio.to_thread(tmp.mkdir, parents=True)
     try:
-        for name in TRANSFER_FILES:
-            want = files.get(name)
-            if not isinstance(want, dict):
-                raise CheckpointError(f"manifest from {url} does not list {name}")
-            dl = await asyncio.to_thread(
-                _Download, tmp / name, int(want["bytes"]), str(want["sha256"])
-            )
+        for name, want in files.items():
+            dl = await asyncio.to_thread(_Download, tmp / name, want.bytes, want.sha256)
             try:
-                path = f"/p2p/v1/jobs/{job_id}/state/{step}/{name}"
+                path = paths.job_state_file(job_id, step, name)
                 async with client.stream("GET", url, path, timeout=30) as resp:
                     async for chunk in resp.aiter_bytes(_CHUNK):
                         await asyncio.to_thread(dl.write, chunk)
                 await asyncio.to_thread(dl.finish)
             finally:
                 dl.file.close()
-        meta = json.dumps(manifest, indent=2, sort_keys=True)
+        meta = json.dumps(
+            manifest.model_dump(mode="json", by_alias=True, exclude_none=True),
+            indent=2,
+            sort_keys=True,
+        )
         await asyncio.to_thread((tmp / ckpt.META_FILE).write_text, meta)
         await asyncio.to_thread(_fsync_and_publish, tmp, root / f"step-{step:08d}")
     except BaseException:
@@ -144,7 +169,7 @@ def _fsync_and_publish(tmp: Path, final: Path) -> None:
             with safe_open(str(tmp / name), framework="pt"):
                 pass
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{name} from the donor is not a safetensors file: {e}") from e
+            raise LyingDonorError(f"{name} from the donor is not a safetensors file: {e}") from e
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -162,19 +187,52 @@ async def fetch_state(
     root: Path,
     *,
     rounds: int = 2,
-    at_least: int = 0,
+    max_file_bytes: int | None = None,
+    deadline_s: float = DEADLINE_S,
+    liars: set[str] | None = None,
 ) -> int | None:
-    """Fetch the newest checkpoint of ``job_id`` from the first donor that delivers it whole.
+    """Fetch the newest checkpoint of ``job_id`` from the first donor that delivers it whole,
+    within ``deadline_s`` in all. A file announced larger than ``max_file_bytes`` (what the
+    job's model implies) or than the free disk is not downloaded; a donor that lies (sizes,
+    hashes) is added to ``liars`` and not asked again.
 
-    Returns the step fetched, or None when no donor has one from step ``at_least`` on (the job
-    starts from its seed, or from the joiner's own checkpoint).
+    Returns the step fetched, or None when no donor has one (the job starts from its seed).
     """
+    try:
+        async with asyncio.timeout(deadline_s):
+            return await _fetch_state(client, donors, job_id, root, rounds, max_file_bytes,
+                                      liars if liars is not None else set())  # fmt: skip
+    except TimeoutError:
+        raise CheckpointError(
+            f"the state of job {job_id} did not arrive within {deadline_s:g} s"
+        ) from None
+
+
+async def _fetch_state(
+    client: PeerClient,
+    donors: Sequence[str],
+    job_id: str,
+    root: Path,
+    rounds: int,
+    max_file_bytes: int | None,
+    liars: set[str],
+) -> int | None:
     await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
+    honest = [u for u in donors if u not in liars]
+    if not honest and donors:
+        raise CheckpointError(f"every donor of job {job_id} lied before: {', '.join(donors)}")
+    donors = honest
     no_state = 0
     for attempt in range(rounds):
         for url in donors:
+            if url in liars:
+                continue
             try:
-                step = await _fetch_from(client, url, job_id, root, at_least)
+                step = await _fetch_from(client, url, job_id, root, max_file_bytes)
+            except LyingDonorError as e:
+                liars.add(url)
+                log.warning("state transfer from %s refused: %s; not asking it again", url, e)
+                continue
             except PeerRequestError as e:
                 if e.status == 404:
                     no_state += 1

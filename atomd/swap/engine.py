@@ -48,10 +48,11 @@ through a layer before the next layer is needed (layer-major), so one load serve
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -69,7 +70,14 @@ from atomd.swap.record import Recorder
 from atomd.swap.schedule import training_visits
 from atomd.swap.slots import Slot, SwapStats, Wave, nbytes
 from atomd.swap.streams import DONE, Marker, Streams, label
-from atomd.train.engine import autocast, load_model_tensors, model_tensors, window_mean
+from atomd.train.engine import (
+    LossScale,
+    Precision,
+    autocast,
+    load_model_tensors,
+    model_tensors,
+    window_mean,
+)
 from atomd.train.optim import (
     OptimConfig,
     build_adamw,
@@ -112,9 +120,22 @@ class SwapEngine:
     """A ``StepEngine`` that streams blocks through K device slots (see the module docstring)."""
 
     def __init__(
-        self, model: GPT, optim: OptimConfig, device: torch.device, plan: SwapPlan
+        self,
+        model: GPT,
+        optim: OptimConfig,
+        device: torch.device,
+        plan: SwapPlan,
+        *,
+        precision: Precision | None = None,
     ) -> None:
         cfg = model.config
+        # None: bf16 autocast on CUDA, fp32 on the CPU. fp16 scales the loss (LossScale): the
+        # steps then wait for the whole backward, whose gradient norm says whether one
+        # overflowed (skip the step, halve the scale), as with gradient clipping.
+        self.precision = precision
+        self.scale = LossScale(enabled=precision == "fp16")
+        if self.scale.enabled and plan.link != "fp32":
+            raise SwapError("fp16 compute needs the fp32 link (bf16 copies are bf16's)")
         if cfg.dropout:
             raise SwapError("the swap engine recomputes layers in backward and needs dropout 0")
         if plan.n_layer != cfg.n_layer or plan.swapped_blocks < 2:
@@ -136,7 +157,10 @@ class SwapEngine:
             optim,
             fused=True if cuda else None,
         )
-        self.device_opt = plan.optimizer == "device"
+        # The swapped layers whose AdamW step runs on the device ('device': all; 'split': the
+        # first ones, needed first by the next forward); the others step on the host.
+        self.on_device = set(self.swapped[: plan.steps_on_device])
+        self.device_opt = bool(self.on_device)  # slots then carry fp32 weights and moments
         self.link = torch.bfloat16 if plan.link == "bf16" else torch.float32
         if self.device_opt and self.link != torch.float32:
             raise SwapError("the device optimizer steps fp32 masters: it needs an fp32 link")
@@ -150,7 +174,7 @@ class SwapEngine:
                 link=self.link,
                 pin=cuda,
                 accumulate=plan.waves > 1,
-                keep_grad=self.device_opt,
+                keep_grad=i in self.on_device,
             )
             self.host_params[i] = params
         host = [t for h in self.hosts.values() for t in h.host_tensors()]
@@ -177,8 +201,7 @@ class SwapEngine:
         self._due: dict[int, tuple[float, Tensor | None]] = {}
         self._written: dict[int, Marker] = {}
         self._coef: Marker = DONE  # the clipping coefficient the due steps use is computed
-        if self.device_opt:
-            self.host_opt.init_state(pin=cuda)
+        self.host_opt.init_state(pinned=self.on_device if cuda else set())
         # The link copies follow the masters after each step; after ``settle`` the caller may
         # write the masters, so the next step or evaluation refreshes them first.
         self._refresh_links = False
@@ -340,7 +363,7 @@ class SwapEngine:
     def _run(self, i: int, weights: Sequence[Tensor] | None, fn: Callable[[nn.Module], _T]) -> _T:
         """``fn(layer i)`` under autocast, the layer's parameters being ``weights`` (a slot's
         tensors, or autograd leaves made from them) unless None (a resident layer)."""
-        with autocast(self.device):
+        with self._autocast():
             if weights is None:
                 return fn(self.layers[i])
             params = {f"block.{n}": w for n, w in zip(self._names, weights, strict=True)}
@@ -380,7 +403,7 @@ class SwapEngine:
         with (
             torch.enable_grad(),
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-            autocast(self.device),
+            self._autocast(),
         ):
             outs = self._forward(i, xs, leaves if slot is not None else None)
         self._graph_bytes[i] = held
@@ -420,7 +443,7 @@ class SwapEngine:
                     if i == len(self.layers) - 1:  # the head: the loss, scaled as resident
                         loss = lm_loss(out, targets[mi]) / g_total
                         total.add_(loss.detach())
-                        grads = torch.autograd.grad(loss, [x, *leaves])
+                        grads = torch.autograd.grad(self.scale.scale(loss), [x, *leaves])
                     else:
                         wrt = [x, *leaves] if floating else leaves
                         grads = torch.autograd.grad(out, wrt, grad_outs[mi])
@@ -482,7 +505,7 @@ class SwapEngine:
         self.model.train()
         self.stats = SwapStats()
         st = self.streams
-        clip = self.optim.grad_clip > 0
+        clip = self._deferred()
         total = torch.zeros((), device=self.device)
         norms: list[Tensor] = []
         waves = g_total // m
@@ -492,7 +515,7 @@ class SwapEngine:
                 g_total=g_total,
                 first=w == 0,
                 last=w == waves - 1,
-                lr=None if clip or self.device_opt else lr,
+                lr=None if clip else lr,
                 norms=norms,
                 total=total,
             )
@@ -501,26 +524,24 @@ class SwapEngine:
         if clip and waves > 1:  # the swapped layers' whole gradients exist on the host only
             host_norms = [n for layer in self.swapped for n in self.host_opt.norms_of(layer)]
             norms.extend(torch.stack(host_norms).to(self.device).unbind())
+        skip = False
         if clip:  # as torch.nn.utils.clip_grad_norm_: norm of per-parameter norms
             resident_grads = [p.grad for p in resident_params if p.grad is not None]
             norms.extend(torch._foreach_norm(resident_grads))
             total_norm = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]))
-            coef = torch.clamp(self.optim.grad_clip / (total_norm + 1e-6), max=1.0)
+            if self.scale.enabled:  # the gradients are scaled: unscale through the coefficient
+                s = self.scale.value
+                skip = not self.scale.update(math.isfinite(float(total_norm)))
+                total_norm = total_norm / s
+            if self.optim.grad_clip > 0:
+                coef = torch.clamp(self.optim.grad_clip / (total_norm + 1e-6), max=1.0)
+            else:
+                coef = torch.ones((), device=self.device)
+            if self.scale.enabled:
+                coef = coef / s
             torch._foreach_mul_(resident_grads, coef)
-        if self.device_opt:  # each layer's step comes with its next load
-            if coef is not None:  # computed on the compute stream, read on the load stream
-                self._coef = st.mark(st.compute)
-                st.hand_over(coef, st.load)
-            self._due.update((layer, (lr, coef)) for layer in self.swapped)
-        elif coef is not None:
-            st.host_reads(st.compute, "clip")
-            with label("atomd.clip_coef_to_host"):
-                coef_host = float(coef)  # waits for the compute stream, as the loss below does
-            for layer in self.swapped:  # forward order: the next step needs these first
-                self.host_opt.submit(layer, self._grad_stored[layer], lr=lr, clip=coef_host)
-        for grp in self.resident_opt.param_groups:
-            grp["lr"] = lr
-        self.resident_opt.step()
+        if not skip:  # (skip: an fp16 overflow; no layer steps, the masters stay as they are)
+            self._step_all(lr, coef)
         self.resident_opt.zero_grad(set_to_none=True)
         st.work(st.compute, "optimizer", -1)
         for slot in self.slots:
@@ -544,7 +565,7 @@ class SwapEngine:
     ) -> None:
         st, n = self.streams, len(self.layers)
         single = first and last  # one wave per step: no sum of waves on the host
-        clip = self.optim.grad_clip > 0
+        clip = self._deferred()
         xs = [b.x.to(self.device, non_blocking=True) for b in batches]
         ys = [b.y.to(self.device, non_blocking=True) for b in batches]
         wave = self._wave(training_visits(self.swapped))
@@ -608,18 +629,54 @@ class SwapEngine:
                     norms.extend(torch._foreach_norm(slot.grads))
                 slot.used = st.mark(st.compute)
                 stored = self._store_grads(i, slot)
-                if not single or (last and lr is not None):
+                step_lr = lr if last and i not in self.on_device else None
+                if not single or step_lr is not None:
                     self.host_opt.submit(
                         i,
                         stored,
                         accumulate=not single,
                         first=first,
                         norms=last and clip,
-                        lr=lr if last else None,
+                        lr=step_lr,
                     )
                 wave.done()
             del inputs
             self._note_held(saved, grad_outs)
+
+    def _step_all(self, lr: float, coef: Tensor | None) -> None:
+        """Every layer's AdamW step of this step: on the device with the next load, on the
+        host worker, and the resident layers' here."""
+        st = self.streams
+        if self.on_device:  # each of these layers' step comes with its next load
+            if coef is not None:  # computed on the compute stream, read on the load stream
+                self._coef = st.mark(st.compute)
+                st.hand_over(coef, st.load)
+            self._due.update((layer, (lr, coef)) for layer in self.on_device)
+        on_host = [layer for layer in self.swapped if layer not in self.on_device]
+        if coef is not None and on_host:
+            st.host_reads(st.compute, "clip")
+            with label("atomd.clip_coef_to_host"):
+                coef_host = float(coef)  # waits for the compute stream, as the loss below does
+            for layer in on_host:  # forward order: the next step needs these first
+                self.host_opt.submit(layer, self._grad_stored[layer], lr=lr, clip=coef_host)
+        for grp in self.resident_opt.param_groups:
+            grp["lr"] = lr
+        self.resident_opt.step()
+
+    def _deferred(self) -> bool:
+        """Whether the steps wait for the whole backward's gradient norm: to clip, or to see
+        whether an fp16 gradient overflowed."""
+        return self.optim.grad_clip > 0 or self.scale.enabled
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        # Looked up at call time (tests patch the module's autocast).
+        if self.precision is None:
+            return autocast(self.device)
+        return autocast(self.device, self.precision)
+
+    def precision_stats(self) -> dict[str, Any] | None:
+        """fp16's loss scale and the steps skipped so far (None for other precisions)."""
+        return self.scale.stats()
 
     def _note_held(self, saved: dict[int, list[Tensor]], current: list[Tensor]) -> None:
         held = sum(nbytes(ts) for ts in saved.values()) + nbytes(current)
@@ -701,12 +758,14 @@ class SwapEngine:
         out: dict[str, Tensor] = {}
         for opt in self._optimizers():
             out.update(optimizer_tensors(opt, self.model))
+        out.update(self.scale.tensors())
         return out
 
     def load_tensors(self, model: dict[str, Tensor], optimizer: dict[str, Tensor]) -> None:
         """Load ``model_tensors``/``optimizer_tensors`` of a swapped or a resident run."""
         self.settle()
         load_model_tensors(self.model, model)
+        self.scale.load(optimizer)
         for slot in self.slots:
             slot.layer = None
         params = dict(self.model.named_parameters())
@@ -727,7 +786,7 @@ class SwapEngine:
                     state[key] = t.to(p.device, torch.float32, copy=True)
             opt.state[p] = state
         # A state the checkpoint lacks starts as AdamW's first step would make it.
-        self.host_opt.init_state(pin=self.device_opt and self.streams.cuda)
+        self.host_opt.init_state(pinned=self.on_device if self.streams.cuda else set())
 
     def device_state_bytes(self) -> int:
         """Bytes the engine keeps on the device between steps: slots and resident layers'

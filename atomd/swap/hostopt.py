@@ -46,12 +46,14 @@ class HostOptimizer:
         self._norms: dict[int, list[Tensor]] = {}
         self.recorder: Recorder | None = None  # set while the engine records its schedule
         self._recorded: dict[int, Work] = {}
-        self.init_state(pin=False)
+        self.init_state(pinned=set())
 
-    def init_state(self, *, pin: bool) -> None:
+    def init_state(self, *, pinned: set[int]) -> None:
         """Give every parameter the AdamW state its first step would create (zeros, step 0);
-        ``pin``: moments in pinned memory (the device optimizer copies them)."""
-        for opt in self.optimizers.values():
+        the moments of the ``pinned`` layers in pinned memory (stepped on the device: their
+        moments are copied)."""
+        for layer, opt in self.optimizers.items():
+            pin = layer in pinned
             for group in opt.param_groups:
                 for p in group["params"]:
                     state = opt.state[p]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
@@ -44,13 +45,15 @@ RESERVE_BYTES = 256 * 2**20
 ACT_BYTES = 4  # the residual stream (saved layer inputs, their gradients) is fp32
 MAX_SLOTS = 8
 FREE_M = (1, 2, 4, 8, 16, 32, 64)  # M candidates when the gradient accumulation is free
+SPLITS = (0.125, 0.25, 0.375, 0.5, 0.75)
+"""The 'split' optimizer's candidate shares of swapped blocks stepped on the device."""
 NEAR_BEST = 1.03  # plans within 3% of the best time per token count as equally fast
 GRAPH_HEADROOM = 0.05
 MODEL_FLOPS_FRACTION = 0.5
 """A whole model's step (attention, norms, elementwise work, launch gaps) runs at about this
 fraction of a large square matmul's rate: resident gpt3-xl on an H200 reached 0.53 of the
 measured 778 TFLOP/s (bench/results-swap-h200-2026-11-30.json)."""
-Optimizer = Literal["host", "device"]
+Optimizer = Literal["host", "device", "split"]
 Link = Literal["bf16", "fp32"]
 
 
@@ -111,6 +114,10 @@ class SwapPlan:
     backward) or 'device' (the step is applied when the layer is next loaded: its gradient and
     moments travel with its weights, the updated master and moments go back on the store
     stream; exact, clipping included, since the global norm is known by then)."""
+    device_steps: int | None = None
+    """With the 'split' optimizer: how many swapped blocks (the first ones, needed first by
+    the next forward) take their step on the device; the others step on the host. None:
+    all ('device') or none ('host'), as plans recorded before the split recorded it."""
     link: Link = "fp32"
     """What swapped weights and gradients travel in: 'bf16' (the matrices as bf16 copies of
     their fp32 masters, gradients rounded to bf16 once per wave; CUDA with the host optimizer)
@@ -147,6 +154,13 @@ class SwapPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def steps_on_device(self) -> int:
+        """Swapped blocks (the first ones) whose AdamW step runs on the device."""
+        if self.device_steps is not None:
+            return self.device_steps
+        return self.swapped_blocks if self.optimizer == "device" else 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SwapPlan:
@@ -196,7 +210,7 @@ def _memory(
     saved_layers = min(cfg.n_layer + 1, 4) if spill else cfg.n_layer + 1 - graphs
     return {
         "resident_state": 16 * (sizes.embed + sizes.head + r * sizes.block),
-        "slots": k * 16 * sizes.block if optimizer == "device" else _slots_bytes(sizes, link, k),
+        "slots": k * 16 * sizes.block if optimizer != "host" else _slots_bytes(sizes, link, k),
         "saved_inputs": saved_layers * m * btc * ACT_BYTES,
         "kept_graphs": graphs * _graph_bytes(shape, sizes, m),
         "flowing": 2 * m * btc * ACT_BYTES,
@@ -291,9 +305,12 @@ def _evaluate(
     optimizer: Optimizer,
     graphs: int | None,
     link: Link = "fp32",
+    device_steps: int | None = None,
 ) -> SwapPlan:
     cfg, sizes = shape.cfg, LayerSizes.of(shape.cfg)
     q = cfg.n_layer - r
+    # Blocks stepped on the device: all, none, or (split) the first device_steps.
+    n_dev = {"device": q, "host": 0}.get(optimizer, min(q, device_steps or 0))
     waves = g // m
     btc = shape.micro_batch_size * shape.seq_len * cfg.n_embd
     if graphs is None:  # as many as fit: each saves compute and costs nothing but memory
@@ -311,11 +328,9 @@ def _evaluate(
     spill_bytes = waves * spilled_layers * m * btc * ACT_BYTES
     bytes_loaded = loads * w_bytes + spill_bytes
     bytes_stored = waves * q * w_bytes + spill_bytes  # gradients out, inputs out
-    device_opt = optimizer == "device"
     step_bytes = 12 * sizes.block  # device optimizer: fp32 gradient and moments in; master, out
-    if device_opt:  # per swapped block and step: gradient and moments in, master and moments out
-        bytes_loaded += q * step_bytes
-        bytes_stored += q * step_bytes
+    bytes_loaded += n_dev * step_bytes  # per block stepped on the device
+    bytes_stored += n_dev * step_bytes
     f_block, f_head = flops(shape, sizes)
     rate = hw.flops_per_s * MODEL_FLOPS_FRACTION
     # A block recomputes its forward in backward (forward + recompute + 2x backward) unless it
@@ -326,7 +341,7 @@ def _evaluate(
     store_s = bytes_stored / hw.d2h_bytes_per_s
     # On the device AdamW reads and writes ~28 B per parameter in device memory: next to the
     # link's 24 B per parameter of transfers it is left out.
-    host_opt_s = 0.0 if device_opt else q * host_worker_s(sizes, hw, link, waves, shape.grad_clip)
+    host_opt_s = (q - n_dev) * host_worker_s(sizes, hw, link, waves, shape.grad_clip)
     # The first swapped layer is stepped last in backward and needed first in forward; the
     # embedding and resident blocks' forward of the first micro-batches hides part of it.
     ahead_s = m * (r * f_block) / rate
@@ -350,11 +365,38 @@ def _evaluate(
     forward_s = m * cfg.n_layer * f_block / rate
     backward_s = m * ((cfg.n_layer * 3 - graphs) * f_block + 3 * f_head) / rate
     phases: list[float] = []
+
+    def front_loaded_forward() -> float:
+        """The first forward when layers step on the device: their steps' bytes come with
+        the first n_dev loads, one layer of prefetch ahead, so a layer takes the longer of
+        its compute and its own transfers (not the phase's totals: the device-stepped layers'
+        transfers cannot spread over the others' compute)."""
+        c = m * f_block / rate
+        per_spill = spill_wave / cfg.n_layer
+
+        def layer(loaded: float, stored: float) -> tuple[float, str]:
+            ld, st = loaded / hw.h2d_bytes_per_s, (stored + per_spill) / hw.d2h_bytes_per_s
+            link = max(ld, st) + (1.0 - hw.duplex) * min(ld, st)
+            took = max(c, link) + (1.0 - hw.copy_compute_overlap) * min(c, link)
+            return took, "compute" if c >= link else "load" if ld >= st else "store"
+
+        total = r * c  # resident blocks: compute only
+        for count, loaded, stored in (
+            (n_dev, w_bytes + step_bytes, step_bytes),
+            (q - n_dev, w_bytes, 0.0),
+        ):
+            took, busiest = layer(loaded, stored)
+            total += count * took
+            bound_by[busiest] = bound_by.get(busiest, 0.0) + count * took
+        bound_by["compute"] = bound_by.get("compute", 0.0) + r * c
+        return total
+
     for w in range(waves):
         loaded, stored = (q if w == 0 else q - kept) * w_bytes, spill_wave  # weights, inputs
-        if w == 0 and device_opt:  # each layer's step comes with its first load
-            loaded, stored = loaded + q * step_bytes, stored + q * step_bytes
-        phases.append(phase(forward_s, loaded, stored))
+        if w == 0 and n_dev:  # a device-stepped layer's step comes with its first load
+            phases.append(front_loaded_forward())
+        else:
+            phases.append(phase(forward_s, loaded, stored))
         loaded = (q - kept) * w_bytes + spill_wave
         phases.append(phase(backward_s, loaded, q * w_bytes))
     # Before the first swapped layer's forward: its load (on the device: with its step's
@@ -364,16 +406,23 @@ def _evaluate(
     # waits for its layer's: the first forward ends a layer after the last step. Without, a
     # layer's step is queued as its gradient completes, in backward order, so the first
     # swapped layer, needed first, is stepped last: the last backward hides the steps.
+    # Split: the first n_dev layers step on the device (the first is then filled as with the
+    # device optimizer) and the host's steps, of the later layers, have the forward through
+    # the device-stepped ones to catch up.
     load_first = w_bytes / hw.h2d_bytes_per_s
-    if device_opt:
+    if n_dev == q:
         fill_s, host_s = max(0.0, 4 * load_first - ahead_s), 0.0
     elif shape.grad_clip:
-        fill_s = max(0.0, host_opt_s / q + load_first - ahead_s)
+        fill_s = (
+            max(0.0, 4 * load_first - ahead_s)
+            if n_dev
+            else max(0.0, host_opt_s / (q - n_dev) + load_first - ahead_s)
+        )
         one_layer = m * f_block / rate + load_first
         host_s = max(0.0, host_opt_s + one_layer - phases[0] - fill_s)
     else:
         late = max(0.0, host_opt_s - phases[-1])
-        fill_s = max(0.0, load_first - ahead_s) if late == 0 else 0.0
+        fill_s = max(0.0, (4 if n_dev else 1) * load_first - ahead_s) if late == 0 else 0.0
         host_s = max(0.0, late + load_first - ahead_s) if late > 0 else 0.0
     bound_by["load"] = bound_by.get("load", 0.0) + fill_s
     if host_s:
@@ -391,6 +440,7 @@ def _evaluate(
         spill=spill,
         graph_blocks=graphs,
         optimizer=optimizer,
+        device_steps=n_dev if optimizer == "split" else None,
         link=link,
         micro_batch_size=shape.micro_batch_size,
         seq_len=shape.seq_len,
@@ -432,12 +482,16 @@ def make_plan(
     graph_blocks: int | None = None,
     link: Link | None = None,
     host_budget_bytes: int | None = None,
+    device_steps: int | None = None,
 ) -> SwapPlan:
     """The fastest plan per token that fits ``budget_bytes``; ``PlanError`` when none does.
 
     Among plans within 3% of the best time per token it takes the smallest M, then no spill,
     then the fp32 link, then the least device memory (so the host optimizer unless the
-    device's is clearly faster).
+    device's is clearly faster). The 'split' optimizer steps the first swapped blocks on the
+    device (their steps ride on the next forward's loads, when the host is still busy with the
+    others: with clipping all host steps wait for the whole backward) and the rest on the host;
+    ``device_steps`` fixes how many.
     Each plan keeps the graphs of as many blocks as its memory leaves room for.
     ``slots``, ``micro_batches``, ``resident_blocks``, ``spill``, ``optimizer``,
     ``graph_blocks`` and ``link`` fix a choice. With the host optimizer and a step that computes
@@ -474,22 +528,35 @@ def make_plan(
     smallest: SwapPlan | None = None
     too_big_for_host: SwapPlan | None = None
     spills = [spill] if spill is not None else [False, True]
-    opts: list[Optimizer] = [optimizer] if optimizer is not None else ["host", "device"]
-    if link == "bf16" and optimizer == "device":
+    opts: list[Optimizer] = [optimizer] if optimizer is not None else ["host", "device", "split"]
+    if link == "bf16" and optimizer in ("device", "split"):
         raise PlanError("the device optimizer steps fp32 masters: it needs an fp32 link")
-    opts = [o for o in opts if not (link == "bf16" and o == "device")]
+    if device_steps is not None and optimizer not in (None, "split"):
+        raise PlanError("device_steps goes with the 'split' optimizer")
+    opts = [o for o in opts if not (link == "bf16" and o != "host")]
 
     def links_of(o: Optimizer) -> list[Link]:
         if link is not None:
             return [link]
         return ["fp32", "bf16"] if o == "host" and shape.dtype_bytes == 2 else ["fp32"]
 
+    def splits(q: int) -> Sequence[int | None]:
+        if device_steps is not None:
+            if not 0 < device_steps < q:
+                raise PlanError(f"device_steps must be in 1..{q - 1}, got {device_steps}")
+            return [device_steps]
+        return sorted({max(1, min(q - 1, round(q * f))) for f in SPLITS})
+
     for k, m, r, s, o in itertools.product(ks, ms, rs, spills, opts):
-        if k > cfg.n_layer - r:
+        q = cfg.n_layer - r
+        if k > q:
             continue  # more slots than swapped blocks
         g_m = g if g is not None else m
-        for lk in links_of(o):
-            p = _evaluate(shape, hardware, budget_bytes, k, m, g_m, r, s, o, graph_blocks, lk)
+        candidates = [
+            (lk, n) for lk in links_of(o) for n in (splits(q) if o == "split" else [None])
+        ]
+        for lk, n in candidates:
+            p = _evaluate(shape, hardware, budget_bytes, k, m, g_m, r, s, o, graph_blocks, lk, n)
             if host_budget_bytes is not None and p.host_bytes > host_budget_bytes:
                 too_big_for_host = p
                 continue

@@ -7,7 +7,6 @@ import os
 import torch
 
 from atomd.logs import get_logger
-from atomd.model.presets import get_preset
 from atomd.spec import JobSpec
 from atomd.swap import hardware
 from atomd.swap.plan import Shape, SwapPlan, make_plan
@@ -17,7 +16,7 @@ log = get_logger(__name__)
 
 def shape_for(spec: JobSpec, device: torch.device) -> Shape:
     return Shape(
-        cfg=get_preset(spec.preset),
+        cfg=spec.model_shape,
         micro_batch_size=spec.micro_batch_size,
         seq_len=spec.effective_seq_len,
         grad_accum=spec.grad_accum,
@@ -63,5 +62,6 @@ def plan_for(spec: JobSpec, device: torch.device, hw: hardware.Hardware | None =
         optimizer=None if spec.swap_optimizer == "auto" else spec.swap_optimizer,
         graph_blocks=spec.swap_graph_blocks,
         link=None if spec.swap_link == "auto" else spec.swap_link,
+        device_steps=spec.swap_device_steps,
         host_budget_bytes=host_budget(),
     )

@@ -24,8 +24,9 @@ def _gb(n: float) -> str:
 _OPTIMIZER = {
     "host": "host (fused AdamW on a worker thread)",
     "device": "device (AdamW as the layer is next loaded)",
+    "split": "split: the first {n} layers on the device, the rest on the host",
 }
-_STORED = {"host": "gradients", "device": "grads, state"}
+_STORED = {"host": "gradients", "device": "grads, state", "split": "grads, state"}
 _LINK = {
     "bf16": "bf16 matrices (copies of the fp32 masters), fp32 vectors",
     "fp32": "fp32 weights and gradients",
@@ -61,7 +62,8 @@ def format_plan(plan: SwapPlan, *, preset: str, free: SwapPlan | None = None) ->
         f"  {'saved layer inputs':<36}{'spilled to host memory' if plan.spill else 'on device'}",
         f"  {'blocks not recomputed':<36}{plan.graph_blocks} of {plan.n_layer} "
         "(forward graph kept until backward)",
-        f"  {'optimizer of swapped layers':<36}{_OPTIMIZER[plan.optimizer]}",
+        f"  {'optimizer of swapped layers':<36}"
+        + _OPTIMIZER[plan.optimizer].format(n=plan.steps_on_device),
         f"  {'over the link':<36}{_LINK[plan.link]}",
         "",
         f"  {'device memory':<36}{'predicted':>12}",

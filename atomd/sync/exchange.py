@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.db import repo
-from atomd.errors import NotFoundError, PeerRequestError, WireError
+from atomd.errors import NotFoundError, PeerAuthError, PeerRequestError, WireError
 from atomd.logs import get_logger
-from atomd.p2p.auth import PeerClient
+from atomd.p2p import paths
+from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
+from atomd.p2p.messages import DeltaAccepted
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 
@@ -47,6 +49,9 @@ UPLOAD_TIMEOUT_S = 30.0  # one frame to one peer
 UPLOAD_ATTEMPTS = 2
 RETRY_DELAY_S = 0.5
 FEED_CHUNK = 1 << 20  # bytes handed to the decoder at a time
+# Refusals of a signed frame that count against its sender (quarantine): what no honest peer
+# of the job sends. Staleness, replays and clocks do not count.
+STRIKING_WIRE_ERRORS = frozenset({"wrong_codec", "wrong_shape", "non_finite"})
 
 
 class PeerRef(Protocol):
@@ -67,6 +72,16 @@ class JobPeers(Protocol):
 
     def public_key(self, peer_id: str) -> str | None:
         """The Ed25519 public key (hex) of a known peer, None if unknown."""
+        ...
+
+    def exclusion(self, peer_id: str) -> str | None:
+        """Why this daemon takes no delta from ``peer_id`` now (quarantined or banned: see
+        ``atomd.p2p.quarantine``), or None."""
+        ...
+
+    async def judge(self, sender: str, strike: bool, reason: str | None) -> None:
+        """One judged contribution of ``sender`` (``strike``: refused or clipped hard, or a
+        frame no honest peer sends); enough strikes quarantine it."""
         ...
 
 
@@ -162,8 +177,14 @@ class DeltaExchange:
                 self._record_merge(job, merge), "absorbed"
             ),
         )
+        plugin.excluded = lambda sender: self.peers.exclusion(sender) is not None
         self.plugins[job_id] = plugin
         return plugin
+
+    def drop_sender(self, peer_id: str) -> None:
+        """``peer_id`` was quarantined or banned: forget its deltas waiting in every inbox."""
+        for plugin in self.plugins.values():
+            plugin.inbox.drop_sender(peer_id)
 
     def _training(self, job_id: str, base_version: int) -> list[PeerRef]:
         """The peers of ``job_id`` in its round on ``base_version``: live, and not done with the
@@ -195,15 +216,16 @@ class DeltaExchange:
         tell the plugin how long the frame took to reach them (its cadence's traffic time)."""
         await self._record_merge(out.job_id, out.merge)
         targets = self._training(out.job_id, out.outgoing.base_version)
-        path = f"/p2p/v1/jobs/{out.job_id}/deltas"
+        path = paths.job_deltas(out.job_id)
         arrived: list[float] = []  # time.monotonic() of each accepted upload
 
         async def one(peer: PeerRef) -> str | None:
             for attempt in range(UPLOAD_ATTEMPTS):
                 try:
                     await self.client.post_bytes(
-                        peer.url, path, out.frame, timeout=UPLOAD_TIMEOUT_S
-                    )
+                        peer.url, path, out.frame, DeltaAccepted, target=peer.id,
+                        timeout=UPLOAD_TIMEOUT_S,
+                    )  # fmt: skip
                     arrived.append(time.monotonic())
                     return None
                 except PeerRequestError as e:
@@ -232,16 +254,25 @@ class DeltaExchange:
                 self.telemetry.bytes_sent.inc(len(out.frame))
 
     async def _record_merge(self, job_id: str, merge: MergeReport) -> None:
-        """Record what a merge did with the deltas it was given (applied, or why not)."""
+        """Record what a merge did with the deltas it was given (applied, clipped, or why
+        not), and count the strikes against their senders."""
 
-        def row(sender: str, rnd: int, staleness: int | None, reason: str | None) -> _Row:
+        def row(
+            sender: str, rnd: int, staleness: int | None, applied: bool, reason: str | None
+        ) -> _Row:
             size, every = self._received.pop((job_id, sender, rnd), (0, None))
-            return _Row(rnd, "received", sender, size, staleness, reason is None, reason, every)
+            return _Row(rnd, "received", sender, size, staleness, applied, reason, every)
 
-        rows = [row(a.sender, a.round, a.staleness, None) for a in merge.applied] + [
-            row(r.sender, r.round, None, r.reason) for r in merge.refused
+        rows = [row(a.sender, a.round, a.staleness, True, a.note) for a in merge.applied] + [
+            row(r.sender, r.round, None, False, r.reason) for r in merge.refused
         ]
         await self._record(job_id, rows, ratio_of=self._model_bytes(job_id))
+        for a in merge.applied:
+            if a.sender != self.identity.peer_id:
+                await self.peers.judge(a.sender, a.strike, a.note)
+        for r in merge.refused:
+            if r.strike:
+                await self.peers.judge(r.sender, True, r.reason)
 
     async def _record(self, job_id: str, rows: Sequence[_Row], *, ratio_of: int) -> None:
         """The one place a delta sent or received is written down (``sync_rounds``, metrics).
@@ -276,11 +307,16 @@ class DeltaExchange:
         ``WireError`` (recorded) or ``NotFoundError``. Nothing reaches the model unless every
         check passed."""
         from atomd.sync.state import Contribution
-        from atomd.sync.wire import FrameDecoder, ReplayGuard, decode_tensors
+        from atomd.sync.wire import FrameDecoder, ReplayGuard, check_codec, decode_tensors
 
         plugin = self.plugins.get(job_id)
         if plugin is None or plugin.state is None or not (self.jobs and self.jobs.trains(job_id)):
             raise NotFoundError(f"not training job {job_id} here")
+        why = self.peers.exclusion(signer)
+        if why is not None:  # refused before anything is decoded; counted, not recorded a row
+            self.telemetry.rounds.labels("received", "false").inc()
+            raise PeerAuthError(f"peer {signer} is {why}", status=403)
+        codec = plugin.spec.codec
         if self._replay_guard is None:
             self._replay_guard = ReplayGuard()
         decoder = FrameDecoder(
@@ -297,6 +333,7 @@ class DeltaExchange:
             frame = decoder.finish()
             if frame.sender != signer:
                 raise WireError("bad_signature", f"frame of {frame.sender} sent by {signer}")
+            check_codec(frame, codec)
             return frame, decode_tensors(frame, plugin.expected_shapes)
 
         try:
@@ -305,6 +342,8 @@ class DeltaExchange:
             await self._record(
                 job_id, [_Row(-1, "received", signer, len(body), None, False, str(e))], ratio_of=0
             )
+            if e.reason in STRIKING_WIRE_ERRORS:  # signed by a member: no honest peer sends it
+                await self.peers.judge(signer, True, str(e))
             raise
         every = frame.cadence.every if frame.cadence is not None else None
         self._received[(job_id, frame.sender, frame.round)] = (frame.wire_bytes, every)
@@ -313,5 +352,8 @@ class DeltaExchange:
         if frame.final:
             self._finished.setdefault(job_id, {})[frame.sender] = frame.base_version
         self.telemetry.bytes_received.inc(frame.wire_bytes)
-        plugin.inbox.put(Contribution(frame.sender, frame.round, frame.base_version, tensors))
+        if not plugin.inbox.put(
+            Contribution(frame.sender, frame.round, frame.base_version, tensors)
+        ):
+            log.warning("inbox of job %s full: a delta from %s dropped", job_id, signer)
         return frame.wire_bytes

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,12 +22,14 @@ from atomd.logs import get_logger
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec
 from atomd.sync.cadence import Cadence
+from atomd.sync.guard import LossGuard
 from atomd.sync.state import Contribution, MergeReport, Outgoing, SyncState
 from atomd.sync.wire import encode_frame
 
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from atomd.data.dataset import Batch
     from atomd.train.engine import StepEngine
 
 log = get_logger(__name__)
@@ -56,24 +58,51 @@ class RoundOut:
 
 
 class Inbox:
-    """Decoded deltas waiting for the next round boundary (loop puts, trainer takes)."""
+    """Decoded deltas waiting for the next round boundary (loop puts, trainer takes).
 
-    def __init__(self, limit: int = 64) -> None:
-        self._items: collections.deque[Contribution] = collections.deque(maxlen=limit)
+    Bounded per sender: at most ``per_sender`` deltas of one sender wait (its oldest goes when
+    it sends more), and at most ``max_senders`` senders have deltas waiting (a new sender's
+    delta is refused when all are taken), so one member sending many frames cannot push out
+    the other peers' deltas. An honest peer sends one delta per round."""
+
+    def __init__(self, per_sender: int = 4, max_senders: int = 256) -> None:
+        if per_sender < 1 or max_senders < 1:
+            raise ValueError("per_sender and max_senders must be >= 1")
+        self.per_sender = per_sender
+        self.max_senders = max_senders
+        self._items: dict[str, collections.deque[Contribution]] = {}
         self._lock = threading.Lock()
+        self.dropped = 0  # deltas pushed out or refused by the bounds
 
-    def put(self, c: Contribution) -> None:
+    def put(self, c: Contribution) -> bool:
+        """Queue ``c``; False if refused (too many senders waiting)."""
         with self._lock:
-            self._items.append(c)
+            q = self._items.get(c.sender)
+            if q is None:
+                if len(self._items) >= self.max_senders:
+                    self.dropped += 1
+                    return False
+                q = self._items[c.sender] = collections.deque(maxlen=self.per_sender)
+            if len(q) == q.maxlen:
+                self.dropped += 1
+            q.append(c)
+            return True
 
     def take(self) -> list[Contribution]:
         with self._lock:
-            items = list(self._items)
+            items = [c for q in self._items.values() for c in q]
             self._items.clear()
         return items
 
+    def drop_sender(self, sender: str) -> int:
+        """Forget what ``sender`` has waiting (it was quarantined); how many deltas that was."""
+        with self._lock:
+            q = self._items.pop(sender, None)
+        return len(q) if q else 0
+
     def __len__(self) -> int:
-        return len(self._items)
+        with self._lock:
+            return sum(len(q) for q in self._items.values())
 
 
 class SyncPlugin:
@@ -102,6 +131,9 @@ class SyncPlugin:
         self.inbox = Inbox()
         self.state: SyncState | None = None
         self.engine: StepEngine | None = None
+        self.guard: LossGuard | None = None
+        self.excluded: Callable[[str], bool] = lambda _sender: False
+        """Senders whose deltas leave every merge (quarantined or banned; set by the node)."""
         self.cadence = Cadence(None if spec.every == "auto" else spec.every)
         self.busy_s = 0.0  # trainer-thread time in sync work (closing rounds, merging deltas)
         self.wait_s = 0.0  # trainer-thread time blocked waiting for other peers' deltas
@@ -117,6 +149,18 @@ class SyncPlugin:
         engine.settle()
         params = {n: p for n, p in engine.model.named_parameters()}
         self.state = SyncState(params, self.spec, peer_id=self.identity.peer_id)
+
+    def guard_with(self, probe_batches: Sequence[Batch]) -> None:
+        """Guard every merge with the replica's loss on ``probe_batches`` (forward only): a
+        merge after which it jumps is rolled back and its culprit refused (``LossGuard``),
+        before the next step and before any checkpoint is written from the replica."""
+        if self.state is None or self.engine is None or self.state.screen is None:
+            return
+        engine, batches = self.engine, list(probe_batches)
+        self.guard = LossGuard(self.state, lambda: engine.evaluate(batches))
+
+    def _inbox(self) -> list[Contribution]:
+        return [c for c in self.inbox.take() if not self.excluded(c.sender)]
 
     def _settle(self) -> None:
         """Before the live parameters are read or moved: the engine's updates must be in them
@@ -231,15 +275,20 @@ class SyncPlugin:
         if self.state is None or not len(self.inbox):
             return
         self._settle()
-        merge = self.state.absorb(self.inbox.take())
+        inbox = self._inbox()
+        merge = self.guard.absorb(inbox) if self.guard else self.state.absorb(inbox)
         if self.absorbed is not None and (merge.applied or merge.refused):
             self.absorbed(self.job_id, merge)
 
     def _boundary(self, step: int, *, final: bool = False) -> None:
         assert self.state is not None
         self._settle()
-        inbox = self.inbox.take()
-        out = self.state.round_boundary(inbox, n_peers=max(1, self.n_peers(self.state.version)))
+        inbox = self._inbox()
+        n_peers = max(1, self.n_peers(self.state.version))
+        if self.guard is not None:
+            out = self.guard.round_boundary(inbox, n_peers=n_peers)
+        else:
+            out = self.state.round_boundary(inbox, n_peers=n_peers)
         # Steps this round lasted (at least 1: a consolidation round repeats the last step).
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
         view = self.cadence.view()

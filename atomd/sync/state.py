@@ -43,12 +43,17 @@ from atomd.logs import get_logger
 from atomd.spec import SyncSpec
 from atomd.sync.codecs import Encoded, ErrorFeedback, make_codec
 from atomd.sync.outer import NesterovOuter, staleness_weight
+from atomd.sync.robust import DeltaStats, RobustRule, Screen, lower_median
 
 log = get_logger(__name__)
 
 _ANCHOR, _MOMENTUM, _EF = "anchor.", "outer.momentum.", "ef."
 _PENDING, _PENDING_COUNT = "pending.", "pending_count."
 _VERSION, _ROUND, _AVERAGING = "sync.version", "sync.round", "sync.averaging"
+# A round claimed further ahead than this counts for nothing in ``rounds_behind``: no honest
+# peer runs that far ahead of a live swarm (a joiner takes the donor's version).
+MAX_CLAIM_AHEAD = 64
+DEFAULT_RULE = RobustRule()
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class AppliedDelta:
     round: int
     staleness: int
     weight: float
+    note: str | None = None  # what the robust merge clipped, if anything
+    strike: bool = False  # clipped so hard that it counts against the sender
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,17 @@ class RefusedDelta:
     sender: str
     round: int
     reason: str
+    strike: bool = False  # counts against the sender: it sent what no honest peer sends
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A delta merged into a pending round, as merged (clipped), for ``SyncState.retract``."""
+
+    contribution: Contribution
+    tensors: dict[str, Tensor]
+    weight: float
+    stats: DeltaStats | None  # as the robust rule's reference holds it (None: no rule)
 
 
 @dataclass
@@ -102,16 +120,26 @@ class MergeReport:
     version: int
     applied: list[AppliedDelta] = field(default_factory=list)
     refused: list[RefusedDelta] = field(default_factory=list)
+    taken: list[Taken] = field(default_factory=list)  # what ``applied`` merged, retractable
 
 
 class SyncState:
     """Anchor, outer-optimizer state and error feedback of one peer for one job."""
 
-    def __init__(self, params: Mapping[str, Tensor], spec: SyncSpec, *, peer_id: str = "") -> None:
+    def __init__(
+        self,
+        params: Mapping[str, Tensor],
+        spec: SyncSpec,
+        *,
+        peer_id: str = "",
+        robust: RobustRule | None = DEFAULT_RULE,
+    ) -> None:
         """``params``: the replica's live parameter tensors (any device, any float dtype).
 
         The anchor is a CPU fp32 copy of them; the replica is written back to in place.
-        ``peer_id`` is the id receivers see as ``Contribution.sender``.
+        ``peer_id`` is the id receivers see as ``Contribution.sender``. ``robust``: the rule
+        that bounds received deltas (``atomd.sync.robust``); None merges them as they come
+        (for experiments that measure what the rule buys).
         """
         bad = [n for n, p in params.items() if not p.is_floating_point()]
         if bad:
@@ -137,7 +165,12 @@ class SyncState:
         self._pending_count: dict[int, int] = {}
         self._n_peers = 1  # as of the last merge: how rounds already committed are scaled
         self._seen: set[tuple[str, int]] = set()  # (sender, base_version) merged recently
-        self._refused_ahead = -1  # the newest base version refused as too far ahead
+        # Received deltas of rounds this peer has not closed: judged once its own delta of
+        # that round is known (they touch nothing before: only closed rounds move the replica).
+        self._held: list[Contribution] = []
+        # sender -> the newest base version it sent (accepted or refused as ahead)
+        self._claims: dict[str, int] = {}
+        self.screen = Screen(robust) if robust is not None else None
         # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
         self._sent: dict[str, Tensor] | None = None
         self._kept: dict[str, Tensor] = {}
@@ -151,34 +184,47 @@ class SyncState:
         return max(0, self.version - c.base_version)
 
     def refusal(self, c: Contribution) -> str | None:
-        """Why a received delta cannot be merged now, or None when it can. A delta refused as
-        too far ahead is remembered: ``rounds_behind`` counts it, so this peer catches up."""
+        """Why a received delta cannot be merged now, or None when it can (its form and its
+        round; its size is the robust rule's: ``_judge``)."""
+        return self._refusal(c)[0]
+
+    def _refusal(self, c: Contribution) -> tuple[str | None, bool]:
+        """(why refused or None, whether that is a strike against the sender)."""
         s = self.version - c.base_version
         if s > self.spec.max_staleness:
             return (
                 f"stale: base version {c.base_version} lags {s} rounds behind version "
                 f"{self.version}; at most {self.spec.max_staleness} allowed"
-            )
+            ), False
         ahead = max(1, self.spec.max_staleness)  # the next round's deltas are the normal spread
         if -s > ahead:  # each round waiting here holds a model-sized sum
-            self._refused_ahead = max(self._refused_ahead, c.base_version)
             return (
                 f"ahead: base version {c.base_version} is {-s} rounds ahead of version "
                 f"{self.version}; at most {ahead} allowed"
-            )
-        if (c.sender, c.base_version) in self._seen:
-            return f"duplicate: a delta from {c.sender} on base version {c.base_version} was merged"
+            ), False
+        held = any(h.sender == c.sender and h.base_version == c.base_version for h in self._held)
+        if held or (c.sender, c.base_version) in self._seen:
+            return (
+                f"duplicate: a delta from {c.sender} on base version {c.base_version} was merged"
+            ), False
         missing = sorted(set(self.anchor) - set(c.tensors))
         extra = sorted(set(c.tensors) - set(self.anchor))
         if missing or extra:
-            return f"tensors do not fit the model: missing {missing[:5]}, unexpected {extra[:5]}"
+            return f"tensors do not fit: missing {missing[:5]}, unexpected {extra[:5]}", True
         for name, t in c.tensors.items():
             want = self.anchor[name].shape
             if t.shape != want:
-                return f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(want)}"
+                return f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(want)}", True
+            if not t.is_floating_point():
+                return f"tensor {name} has dtype {t.dtype}, expected a float", True
             if not bool(torch.isfinite(t).all()):
-                return f"tensor {name} holds NaN or Inf"
-        return None
+                return f"tensor {name} holds NaN or Inf", True
+        return None, False
+
+    def _note_claim(self, c: Contribution) -> None:
+        """Remember the newest round each sender claims (for ``rounds_behind``)."""
+        if c.base_version > self._claims.get(c.sender, -1):
+            self._claims[c.sender] = c.base_version
 
     def round_boundary(self, inbox: Sequence[Contribution], *, n_peers: int) -> Outgoing:
         """Close this peer's round: compress its delta, merge it with ``inbox``, step the anchor.
@@ -242,7 +288,10 @@ class SyncState:
         report = MergeReport(version=self.version)
         self._add_pending(self.version, own, 1.0)
         self._seen.add((self.peer_id, self.version))
-        self._take(inbox, report)
+        if self.screen is not None:  # the reference of this round's deltas is known now
+            self.screen.record_own(self.version, own)
+        held, self._held = self._held, []
+        self._take([*held, *inbox], report)
         # Commit every earlier round, and this one once all its deltas are in.
         due = sorted(
             b
@@ -264,6 +313,7 @@ class SyncState:
         self._kept = {}
         floor = self.version - self.spec.max_staleness
         self._seen = {key for key in self._seen if key[1] >= floor}
+        self._claims = {p: b for p, b in self._claims.items() if b >= floor}
         self.last_merge = report
         return report
 
@@ -281,44 +331,96 @@ class SyncState:
             return report
         before = dict(self._pending_count)
         taken = self._take(inbox, report)
-        # Closed rounds whose estimate changed, with their scale before and after (the scale of
-        # a round that had no delta yet is 0). The outer gradient holds -s * S; with S' = S + A
-        # (A: the deltas just taken) it changes by S' * (s_old - s_new) - s_old * A.
-        changed = {
-            b: (self._scale(b, before[b]) if before.get(b) else 0.0, self._scale(b, k))
-            for b, k in self._pending_count.items()
-            if b < self.version and k != before.get(b, 0)
-        }
-        if changed:
-            for name, p in self.params.items():
-                dg = torch.zeros_like(self.anchor[name])  # change of the estimated outer gradient
-                for b, (s_old, s_new) in changed.items():
-                    dg.add_(self._pending[b][name], alpha=s_old - s_new)
-                    for w, c in taken[b]:
-                        dg.add_(c.tensors[name].reshape(dg.shape), alpha=-s_old * w)
-                p.add_(self.outer.peek_shift(dg).to(p.device, p.dtype).reshape(p.shape))
+        added = {b: [(t.weight, t.tensors) for t in ts] for b, ts in taken.items()}
+        self._shift_replica(before, added)
         self.last_merge = report
         return report
 
-    def _take(
-        self, inbox: Sequence[Contribution], report: MergeReport
-    ) -> dict[int, list[tuple[float, Contribution]]]:
-        """Add every acceptable delta of ``inbox`` to its pending round; record the rest.
+    @torch.no_grad()
+    def retract(self, taken: Sequence[Taken]) -> None:
+        """Take merged deltas out again, as if they had never come: the rounds they joined must
+        not be committed yet (rounds before ``version``: the loss guard's rollback, right after
+        the merge). The replica moves back by as much as its start point does."""
+        before = dict(self._pending_count)
+        removed: dict[int, list[tuple[float, Mapping[str, Tensor]]]] = {}
+        for t in taken:
+            b = t.contribution.base_version
+            if b >= self.version or b not in self._pending:
+                raise ValueError(f"round {b} is not a closed, uncommitted round here")
+            acc = self._pending[b]
+            for name, x in t.tensors.items():
+                acc[name].sub_(x.to("cpu", torch.float32).reshape(acc[name].shape), alpha=t.weight)
+            self._pending_count[b] -= 1
+            self._seen.discard((t.contribution.sender, b))
+            if self.screen is not None and t.stats is not None:
+                self.screen.forget(b, t.stats)
+            removed.setdefault(b, []).append((-t.weight, t.tensors))
+        self._shift_replica(before, removed)
+        for b in [b for b, k in self._pending_count.items() if k <= 0]:
+            del self._pending[b], self._pending_count[b]
 
-        Returns the deltas taken, with their weights, by round."""
-        taken: dict[int, list[tuple[float, Contribution]]] = {}
+    def _shift_replica(
+        self,
+        before: Mapping[int, int],
+        added: Mapping[int, Sequence[tuple[float, Mapping[str, Tensor]]]],
+    ) -> None:
+        """Move the replica by as much as the start point moved when ``added`` (weight, tensors)
+        joined (negative weight: left) the pending rounds, whose counts were ``before``.
+
+        Closed rounds whose estimate changed, with their scale before and after (the scale of a
+        round without deltas is 0). The outer gradient holds -s * S; with S' = S + A (A: the
+        deltas added) it changes by S' * (s_old - s_new) - s_old * A."""
+        changed = {
+            b: (
+                self._scale(b, before[b]) if before.get(b) else 0.0,
+                self._scale(b, k) if k > 0 else 0.0,
+            )
+            for b, k in self._pending_count.items()
+            if b < self.version and k != before.get(b, 0)
+        }
+        if not changed:
+            return
+        for name, p in self.params.items():
+            dg = torch.zeros_like(self.anchor[name])  # change of the estimated outer gradient
+            for b, (s_old, s_new) in changed.items():
+                dg.add_(self._pending[b][name], alpha=s_old - s_new)
+                for w, tensors in added.get(b, ()):
+                    dg.add_(tensors[name].reshape(dg.shape), alpha=-s_old * w)
+            p.add_(self.outer.peek_shift(dg).to(p.device, p.dtype).reshape(p.shape))
+
+    def _take(self, inbox: Sequence[Contribution], report: MergeReport) -> dict[int, list[Taken]]:
+        """Add every acceptable delta of ``inbox`` to its pending round, bounded by the robust
+        rule; hold those of rounds this peer has not closed; record the rest.
+
+        Returns the deltas taken, as merged, by round."""
+        taken: dict[int, list[Taken]] = {}
         for c in inbox:
-            reason = self.refusal(c)
+            reason, strike = self._refusal(c)
+            if reason is None or reason.startswith("ahead"):
+                self._note_claim(c)
+            tensors, note, stats = dict(c.tensors), None, None
+            if reason is None and self.screen is not None:
+                if not self.screen.knows(c.base_version) and c.base_version >= self.version:
+                    self._held.append(c)  # judged when this peer closes that round
+                    continue
+                judged = self.screen.judge(c.base_version, c.tensors)
+                if judged.tensors is None:
+                    reason, strike = judged.reason or "refused", judged.strike
+                else:  # a hard clip is a strike too: merged, bounded, and counted against it
+                    tensors, note, strike = judged.tensors, judged.reason, judged.strike
+                    stats = judged.stats
             if reason is not None:
-                report.refused.append(RefusedDelta(c.sender, c.round, reason))
+                report.refused.append(RefusedDelta(c.sender, c.round, reason, strike))
                 log.info("delta from %s (round %d) refused: %s", c.sender, c.round, reason)
                 continue
             s = self.staleness(c)
             w = staleness_weight(s)
-            self._add_pending(c.base_version, c.tensors, w)
+            self._add_pending(c.base_version, tensors, w)
             self._seen.add((c.sender, c.base_version))
-            report.applied.append(AppliedDelta(c.sender, c.round, s, w))
-            taken.setdefault(c.base_version, []).append((w, c))
+            report.applied.append(AppliedDelta(c.sender, c.round, s, w, note, strike))
+            t = Taken(c, tensors, w, stats)
+            report.taken.append(t)
+            taken.setdefault(c.base_version, []).append(t)
         return taken
 
     def _add_pending(self, base_version: int, tensors: Mapping[str, Tensor], w: float) -> None:
@@ -368,15 +470,21 @@ class SyncState:
         self.averaging = True
 
     def rounds_behind(self) -> int:
-        """Rounds other peers have closed that this one has not: 0 when none of the deltas in
-        (or refused as too far ahead) is of this peer's current round or later, 1 when one is
-        of the current round, 2 when one is of the next (a round behind the fastest), ..."""
-        newest = max([*self._pending, self._refused_ahead], default=-1)
-        return max(0, newest - self.version + 1)
+        """Rounds the swarm has closed that this one has not, from the newest round each
+        sender has claimed (accepted, or refused as too far ahead): 0 when the median claim is
+        older than this peer's current round, 1 when it is the current round, 2 when the next
+        (a round behind), ... The median (the lower one), so that one member's claim cannot set
+        the pace; claims more than ``MAX_CLAIM_AHEAD`` rounds ahead count for nothing."""
+        claims = [b for b in self._claims.values() if b - self.version <= MAX_CLAIM_AHEAD]
+        if not claims:
+            return 0
+        return max(0, int(lower_median([float(b) for b in claims])) - self.version + 1)
 
     def deltas_in(self, base_version: int) -> int:
-        """Deltas (own included) this peer holds of round ``base_version`` not yet committed."""
-        return self._pending_count.get(base_version, 0)
+        """Deltas (own included) this peer holds of round ``base_version`` not yet committed
+        (those waiting to be judged included)."""
+        held = sum(1 for c in self._held if c.base_version == base_version)
+        return self._pending_count.get(base_version, 0) + held
 
     def start_point(self) -> dict[str, Tensor]:
         """Where the replica restarts: where the anchor will be once the pending rounds commit.
@@ -471,4 +579,5 @@ class SyncState:
         if _AVERAGING in d and int(d[_AVERAGING]):  # restarted in the middle of consolidation
             self.average_from_now()
         self._seen = set()
-        self._refused_ahead = -1
+        self._held = []
+        self._claims = {}

@@ -515,7 +515,7 @@ def _validate(obj: dict[str, Any]) -> _Header:
     for key in ("job_id", "sender", "codec"):
         _expect(isinstance(obj[key], str), key, "a string", obj[key])
     for key in ("round", "base_version", "payload_bytes"):
-        _expect(_is_count(obj[key]), key, "an int >= 0", obj[key])
+        _expect(_is_count(obj[key]), key, f"an int in [0, {MAX_COUNT}]", obj[key])
     created_at = obj["created_at"]
     # An int is fine too, but not one too large for a float (math.isfinite would raise).
     _expect(
@@ -615,8 +615,11 @@ def _expect(ok: bool, what: str, expected: str, got: Any) -> None:
         raise WireError("malformed", f"header {what} must be {expected}, got {shown}")
 
 
+MAX_COUNT = 2**62 - 1  # rounds, versions, sizes: SQLite's 64-bit integers always hold them
+
+
 def _is_count(value: Any) -> bool:
-    return type(value) is int and value >= 0
+    return type(value) is int and 0 <= value <= MAX_COUNT
 
 
 def _is_hex(value: Any, length: int) -> bool:
@@ -625,3 +628,16 @@ def _is_hex(value: Any, length: int) -> bool:
         and len(value) == length
         and all(c in "0123456789abcdef" for c in value)
     )
+
+
+def check_codec(frame: DeltaFrame, codec: str) -> None:
+    """Every tensor of ``frame`` must be in the job's ``codec``: a member may not send, say,
+    dense fp32 values in a top-k job (it would carry what the job's codec cannot).
+    ``WireError("wrong_codec")`` otherwise."""
+    bad = [(name, enc.codec) for name, enc in frame.tensors.items() if enc.codec != codec]
+    if bad:
+        shown = ", ".join(f"{n}: {c}" for n, c in bad[:3])
+        raise WireError(
+            "wrong_codec",
+            f"this job's deltas are {codec}; {len(bad)} tensor(s) of the frame are not ({shown})",
+        )

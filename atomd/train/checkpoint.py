@@ -35,6 +35,7 @@ FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
 META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer (atomd.data.tokenizer)
 _PREFIX = "step-"
 
 
@@ -100,8 +101,10 @@ def save_checkpoint(
     state: dict[str, Tensor],
     meta: dict[str, Any],
     keep: int = 3,
+    extra: dict[str, bytes] | None = None,
 ) -> Path:
-    """Write a checkpoint atomically and prune old ones, keeping ``keep`` good ones."""
+    """Write a checkpoint atomically and prune old ones, keeping ``keep`` good ones.
+    ``extra`` files (``tokenizer.json``) are written beside the tensors and hashed too."""
     from safetensors.torch import save_file  # torch loads only where tensors are written
 
     root.mkdir(parents=True, exist_ok=True)
@@ -117,6 +120,11 @@ def save_checkpoint(
             save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
             _fsync_file(path)
             hashes[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        for name, blob in (extra or {}).items():
+            path = tmp / name
+            path.write_bytes(blob)
+            _fsync_file(path)
+            hashes[name] = {"sha256": sha256_file(path), "bytes": len(blob)}
         full_meta = {**meta, "format_version": FORMAT_VERSION, "step": step, "files": hashes}
         meta_path = tmp / META_FILE
         meta_path.write_text(json.dumps(full_meta, indent=2, sort_keys=True))
@@ -157,9 +165,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
         got = meta.get("format_version") if isinstance(meta, dict) else None
         raise CheckpointError(f"{path}: format_version {got!r}, expected {FORMAT_VERSION}")
     loaded: dict[str, dict[str, Tensor]] = {}
-    for name in (MODEL_FILE, STATE_FILE):
+    listed = meta.get("files", {})
+    extras = [n for n in listed if n not in (MODEL_FILE, STATE_FILE)]
+    for name in (MODEL_FILE, STATE_FILE, *extras):
         f = path / name
-        want = meta.get("files", {}).get(name)
+        want = listed.get(name)
         if want is None:
             raise CheckpointError(f"{path}: {META_FILE} does not list {name}")
         if not f.is_file():
@@ -172,6 +182,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
             raise CheckpointError(
                 f"{path}: {name} sha256 {digest[:12]}…, expected {want['sha256'][:12]}…"
             )
+        if name in extras:
+            continue
         try:
             loaded[name] = load_file(str(f))
         except (SafetensorError, OSError) as e:

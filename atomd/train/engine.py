@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from atomd.data.dataset import Batch
+from atomd.errors import ConfigError
 from atomd.model.gpt import GPT, lm_loss
 from atomd.train.optim import OptimConfig, build_adamw, load_optimizer_tensors, optimizer_tensors
 
@@ -36,11 +37,85 @@ class StepEngine(Protocol):
         ...
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """bf16 autocast on CUDA; full fp32 on the CPU (exact, and what the tests compare)."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+Precision = Literal["bf16", "fp16", "fp32"]
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_precision(precision: str, device: torch.device) -> Precision:
+    """A job spec's ``precision`` on this device: ``auto`` is bf16 where the device supports
+    it, else fp16 on CUDA, fp32 on the CPU. bf16 asked of a CUDA device without it is an
+    error (GPUs before Ampere: use fp16)."""
+    cuda = device.type == "cuda"
+    bf16_ok = not cuda or torch.cuda.is_bf16_supported(including_emulation=False)
+    if precision == "auto":
+        if not cuda:
+            return "fp32"
+        return "bf16" if bf16_ok else "fp16"
+    if precision == "bf16" and not bf16_ok:
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(f"{name} has no bf16; use precision fp16 (with loss scaling) or fp32")
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"precision must be auto, bf16, fp16 or fp32, not {precision!r}")
+    return precision  # type: ignore[return-value]
+
+
+class LossScale:
+    """fp16's dynamic loss scale for engines that step without ``torch.optim`` bookkeeping
+    (the swapping engine), with ``torch.amp.GradScaler``'s defaults: start at 2^16; an
+    overflowing step is skipped and halves the scale; 2,000 clean steps in a row double it."""
+
+    def __init__(self, *, enabled: bool, init: float = 2.0**16, interval: int = 2000) -> None:
+        self.enabled = enabled
+        self.value = init
+        self.interval = interval
+        self.clean = 0  # clean steps since the last change
+        self.skipped = 0
+
+    def scale(self, loss: Tensor) -> Tensor:
+        return loss * self.value if self.enabled else loss
+
+    def update(self, finite: bool) -> bool:
+        """After a step's backward: whether to step (the gradients were finite)."""
+        if not finite:
+            self.value /= 2
+            self.clean = 0
+            self.skipped += 1
+            return False
+        self.clean += 1
+        if self.clean >= self.interval:
+            self.value *= 2
+            self.clean = 0
+        return True
+
+    def stats(self) -> dict[str, Any] | None:
+        return {"loss_scale": self.value, "skipped_steps": self.skipped} if self.enabled else None
+
+    def tensors(self) -> dict[str, Tensor]:
+        if not self.enabled:
+            return {}
+        return {
+            "amp.scale": torch.tensor(self.value, dtype=torch.float64),
+            "amp.growth_tracker": torch.tensor(self.clean),
+            "amp.skipped_steps": torch.tensor(self.skipped),
+        }
+
+    def load(self, tensors: dict[str, Tensor]) -> None:
+        if self.enabled and "amp.scale" in tensors:
+            self.value = float(tensors["amp.scale"])
+            self.clean = int(tensors["amp.growth_tracker"])
+            self.skipped = int(tensors["amp.skipped_steps"])
+
+
+def autocast(
+    device: torch.device, precision: Precision | None = None
+) -> contextlib.AbstractContextManager[object]:
+    """The compute precision's autocast region. ``None``: bf16 autocast on CUDA, full fp32
+    on the CPU (exact, and what the tests compare)."""
+    if precision is None:
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=_DTYPES[precision])
 
 
 def window_mean(losses: Sequence[Tensor], batches: Sequence[Batch]) -> float:
@@ -86,15 +161,40 @@ class ResidentEngine:
     reference a swapped run that recomputes is measured against."""
 
     def __init__(
-        self, model: GPT, optim: OptimConfig, device: torch.device, *, recompute: bool = False
+        self,
+        model: GPT,
+        optim: OptimConfig,
+        device: torch.device,
+        *,
+        recompute: bool = False,
+        precision: Precision | None = None,
     ) -> None:
         self.model = model.to(device)
         self.device = device
         self.optim = optim
         self.recompute = recompute
+        self.precision = precision
+        """None: bf16 autocast on CUDA, fp32 on the CPU; fp16 adds dynamic loss scaling."""
         self.optimizer = build_adamw(
             self.model, optim, fused=True if device.type == "cuda" else None
         )
+        # fp16's narrow range: the loss is scaled up before backward so that small gradients
+        # do not flush to zero; a step whose gradients overflow is skipped and the scale
+        # halved, and after 2000 clean steps the scale doubles (torch's defaults).
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        self.skipped_steps = 0
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        # Looked up at call time (tests patch the module's autocast).
+        if self.precision is None:
+            return autocast(self.device)
+        return autocast(self.device, self.precision)
+
+    def precision_stats(self) -> dict[str, Any] | None:
+        """fp16's loss scale and the steps skipped so far (None for other precisions)."""
+        if not self.scaler.is_enabled():
+            return None
+        return {"loss_scale": float(self.scaler.get_scale()), "skipped_steps": self.skipped_steps}
 
     def _to_device(self, b: Batch) -> tuple[Tensor, Tensor]:
         return b.x.to(self.device, non_blocking=True), b.y.to(self.device, non_blocking=True)
@@ -104,16 +204,26 @@ class ResidentEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
+        scaling = self.scaler.is_enabled()
         for b in batches:
             x, y = self._to_device(b)
-            with autocast(self.device):
+            with self._autocast():
                 logits = self._logits(x)
                 loss = lm_loss(logits, y) / len(batches)
-            loss.backward()
+            (self.scaler.scale(loss) if scaling else loss).backward()
             total += loss.detach()
+        if scaling:
+            self.scaler.unscale_(self.optimizer)  # and notes whether any gradient overflowed
         if self.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
-        self.optimizer.step()
+        if scaling:
+            before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skipped when a gradient is inf or NaN
+            self.scaler.update()
+            if self.scaler.get_scale() < before:  # the scale backs off only after a skip
+                self.skipped_steps += 1
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(total)
 
@@ -134,7 +244,7 @@ class ResidentEngine:
         losses = []
         for b in batches:
             x, y = self._to_device(b)
-            with autocast(self.device):
+            with self._autocast():
                 logits, _ = self.model(x)
             losses.append(lm_loss(logits, y))
         return window_mean(losses, batches)
@@ -143,11 +253,23 @@ class ResidentEngine:
         return model_tensors(self.model)
 
     def optimizer_tensors(self) -> dict[str, Tensor]:
-        return optimizer_tensors(self.optimizer, self.model)
+        out = optimizer_tensors(self.optimizer, self.model)
+        if self.scaler.is_enabled():  # resume continues with the same scale
+            state = self.scaler.state_dict()
+            out["amp.scale"] = torch.tensor(float(state["scale"]), dtype=torch.float64)
+            out["amp.growth_tracker"] = torch.tensor(int(state["_growth_tracker"]))
+            out["amp.skipped_steps"] = torch.tensor(self.skipped_steps)
+        return out
 
     def load_tensors(self, model: dict[str, Tensor], optimizer: dict[str, Tensor]) -> None:
         load_model_tensors(self.model, model)
         load_optimizer_tensors(self.optimizer, self.model, optimizer)
+        if self.scaler.is_enabled() and "amp.scale" in optimizer:
+            state = self.scaler.state_dict()
+            state["scale"] = float(optimizer["amp.scale"])
+            state["_growth_tracker"] = int(optimizer["amp.growth_tracker"])
+            self.scaler.load_state_dict(state)
+            self.skipped_steps = int(optimizer["amp.skipped_steps"])
 
     def settle(self) -> None:
         """Nothing is in flight: ``train_step`` returns after its optimizer step."""

@@ -21,12 +21,14 @@ class StepReport:
     val_loss: float | None
     elapsed_s: float
     sync: dict[str, Any] | None = None  # swarm jobs: the delta exchange's figures (cadence...)
+    precision: dict[str, Any] | None = None  # fp16: loss_scale, skipped_steps (so far)
 
     def to_row(self) -> dict[str, Any]:
         row = asdict(self)
         for key in ("val_loss", "sync"):
             if row[key] is None:
                 del row[key]
+        row.update(row.pop("precision") or {})  # loss_scale, skipped_steps at the top level
         return row
 
 

@@ -23,14 +23,15 @@ from tqdm import tqdm
 
 from atomd import __version__
 from atomd.data.dataset import VAL_BATCH, TokenDataset, load_dataset
+from atomd.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_json
 from atomd.errors import CheckpointError, ConfigError, TrainingError
 from atomd.logs import get_logger
 from atomd.model.gpt import GPT, GPTConfig
-from atomd.model.presets import get_preset
 from atomd.spec import JobSpec, lr_at
 from atomd.train import checkpoint as ckpt
 from atomd.train.engine import StepEngine
 from atomd.train.metrics import MetricsLog, StepReport
+from atomd.train.tracking import Trackers
 
 log = get_logger(__name__)
 
@@ -47,6 +48,10 @@ class RoundPlugin(Protocol):
     def stats(self) -> dict[str, Any]:
         """What to report with each logged step (the cadence in force, time in sync)."""
         ...
+
+
+PROBE_BATCH = 8  # sequences in the loss guard's probe batch (atomd.sync.guard)
+PROBE_SEED = 99  # not the validation batches' seed
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,19 @@ class Trainer:
         self.stop_event = stop_event or threading.Event()
         self.ckpt_root = ckpt.checkpoint_root(out_dir)
         self.metrics = MetricsLog(out_dir / "metrics.jsonl")
-        self.model_config = get_preset(spec.preset)
+        # The engine's model: the preset's shape (with the spec's vocab_size), and for a model
+        # started from an import (init_from) that checkpoint's activation.
+        self.model_config = engine.model.config
+        self.tokenizer = load_tokenizer(spec.tokenizer)
+        vocab = self.model_config.vocab_size
+        if self.tokenizer.vocab_size > vocab:
+            raise ConfigError(
+                f"tokenizer {spec.tokenizer!r} has {self.tokenizer.vocab_size:,} tokens, but the "
+                f"model's vocabulary has {vocab:,} (preset {spec.preset!r}"
+                + (f", vocab_size {spec.vocab_size}" if spec.vocab_size else "")
+                + f"): set the job's vocab_size to {self.tokenizer.vocab_size}"
+            )
+        self._tokenizer_json = self.tokenizer.to_json().encode("utf-8")
 
         existing = ckpt.list_checkpoints(self.ckpt_root)
         if existing and not resume:
@@ -170,9 +187,16 @@ class Trainer:
             shard_index=spec.shard_index,
             num_shards=spec.num_shards,
             shard_mode=spec.shard_mode,
+            tokenizer=self.tokenizer,
+            vocab_size=vocab,
+            text_field=spec.text_field,
         )
-        if self.model_config.vocab_size < 256:
-            raise ConfigError("the byte-level data needs a vocabulary of at least 256")
+        if spec.data_sha256 is not None and self.dataset.sha256 != spec.data_sha256:
+            raise ConfigError(
+                f"data {spec.data!r} tokenized here (tokenizer {spec.tokenizer!r}) has sha256 "
+                f"{self.dataset.sha256}, the job's data_sha256 is {spec.data_sha256}: this "
+                "peer's copy of the data or its tokenizer differs, so it does not train the job"
+            )
         self.engine = engine
         # Resident or swapped, and the swap plan: recorded with the run and every checkpoint.
         self.plan = dict(plan)
@@ -188,6 +212,9 @@ class Trainer:
         self.val_batches = self.dataset.val_batches(
             count=spec.eval_batches, batch_size=min(spec.micro_batch_size, VAL_BATCH)
         )
+        guard_with = getattr(plugin, "guard_with", None)
+        if guard_with is not None:  # the swarm's merges are checked on a fixed batch's loss
+            guard_with(self.dataset.val_batches(count=1, batch_size=PROBE_BATCH, seed=PROBE_SEED))
 
     def _resume(self) -> None:
         found = ckpt.load_latest(self.ckpt_root)
@@ -219,6 +246,7 @@ class Trainer:
             "data_position": {"step": step, "shard_index": self.spec.shard_index},
             "tokens": step * self.spec.tokens_per_step,
             "plan": self.plan,
+            "tokenizer": self.spec.tokenizer,
         }
         state = {**self.engine.optimizer_tensors(), **ckpt.rng_state()}
         if self.plugin is not None:
@@ -230,11 +258,17 @@ class Trainer:
             state=state,
             meta=meta,
             keep=self.spec.keep_checkpoints,
+            extra={ckpt.TOKENIZER_FILE: self._tokenizer_json},
         )
         self.last_checkpoint = path
         if self.on_checkpoint is not None:
             self.on_checkpoint(path, step)
         return path
+
+    def _precision_stats(self) -> dict[str, Any] | None:
+        stats = getattr(self.engine, "precision_stats", None)
+        out: dict[str, Any] | None = stats() if callable(stats) else None
+        return out
 
     def _checkpoint_now(self, step: int) -> int:
         """A checkpoint of this very step (written unless it exists already)."""
@@ -252,6 +286,7 @@ class Trainer:
         )
         t_start = time.perf_counter()
         window_tokens, window_time = 0, 0.0
+        trackers = Trackers(self.out_dir, start_step=self.start_step, config=self.spec.model_dump())
         try:
             while step < total and not self.stop_event.is_set():
                 lr = lr_at(spec, step)
@@ -291,9 +326,12 @@ class Trainer:
                         val_loss=val_loss,
                         elapsed_s=time.perf_counter() - t_start,
                         sync=self.plugin.stats() if self.plugin is not None else None,
+                        precision=self._precision_stats(),
                     )
                     window_tokens, window_time = 0, 0.0
-                    self.metrics.write(report.to_row())
+                    row = report.to_row()
+                    self.metrics.write(row)
+                    trackers.write(row)
                     if self.on_report is not None:
                         self.on_report(report)
                     post = {"loss": f"{loss:.3f}", "tok/s": f"{report.tokens_per_s:,.0f}"}
@@ -307,6 +345,7 @@ class Trainer:
                     self.snapshots.serve(functools.partial(self._checkpoint_now, step))
         finally:
             bar.close()
+            trackers.close()
             if self.snapshots is not None:
                 self.snapshots.close()
         if self.last_checkpoint is None or ckpt.list_checkpoints(self.ckpt_root)[:1] != [
@@ -323,6 +362,14 @@ class Trainer:
             val_loss=final_val,
             checkpoint=self.last_checkpoint,
         )
+
+
+def tokenizer_of(found: ckpt.Checkpoint) -> Tokenizer:
+    """The tokenizer a checkpoint carries (bytes for those written before tokenizers)."""
+    path = found.path / ckpt.TOKENIZER_FILE
+    if not path.is_file():
+        return ByteTokenizer()
+    return tokenizer_from_json(path.read_text(encoding="utf-8"), name=str(path))
 
 
 def model_from_checkpoint(path: Path, device: torch.device) -> tuple[GPT, ckpt.Checkpoint]:

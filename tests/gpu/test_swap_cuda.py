@@ -64,6 +64,7 @@ def _plan(
     graphs: int = 0,
     link: Link | None = None,
 ) -> SwapPlan:
+    device_steps = 2 if optimizer == "split" else None
     return make_plan(
         Shape(cfg=cfg, micro_batch_size=B, seq_len=T, grad_accum=G, dtype_bytes=2),
         budget_bytes=2**40,
@@ -75,6 +76,7 @@ def _plan(
         optimizer=optimizer,
         graph_blocks=graphs,
         link=link,
+        device_steps=device_steps,
     )
 
 
@@ -106,17 +108,20 @@ def resident(request: pytest.FixtureRequest) -> tuple[float, list[float], dict[s
 
 @pytest.mark.parametrize(
     ("k", "m", "spill", "optimizer", "graphs", "link"),
-    [  # the host optimizer's link is bf16 unless named (the planner's choice on CUDA)
+    [  # link None: the planner's choice
         (2, 1, False, "host", 0, None),  # four waves of one micro-batch
         (2, 2, False, "host", 0, None),  # two waves of two: host sums of bf16 wave gradients
         (2, 4, True, "host", 0, None),
         (3, 4, False, "host", 0, None),
         (3, 4, False, "host", 0, "fp32"),
         (2, 2, False, "host", 0, "fp32"),
+        (2, 2, False, "host", 0, "bf16"),  # host sums of bf16 wave gradients, whatever the rates
         (2, 1, False, "device", 0, None),
         (3, 4, True, "device", 0, None),
         (2, 4, False, "host", 3, None),
         (2, 4, True, "device", 6, None),
+        (2, 4, False, "split", 3, None),  # 2 layers stepped on the device, 4 on the host
+        (3, 2, False, "split", 0, None),
     ],
 )
 def test_swapped_matches_resident_on_cuda(
@@ -131,7 +136,12 @@ def test_swapped_matches_resident_on_cuda(
 ) -> None:
     clip, losses, ref = resident
     plan = _plan(CFG, k, m, spill, optimizer, graphs, link)
-    assert plan.link == (link or ("bf16" if optimizer == "host" else "fp32"))
+    if link is not None:
+        assert plan.link == link
+    elif optimizer == "device":
+        assert plan.link == "fp32"  # nothing crosses the link narrowed when the device steps
+    else:  # the planner weighs the host's conversions against the link at the machine's rates
+        assert plan.link in ("bf16", "fp32")
     engine = SwapEngine(_model(), _spec(clip), CUDA, plan)
     try:
         got = [engine.train_step(_batches(s), LR) for s in range(STEPS)]

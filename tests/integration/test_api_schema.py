@@ -36,7 +36,10 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 
 @pytest.fixture(scope="module")
 def api_schema(daemon: DaemonProcess) -> Any:
-    return schemathesis.openapi.from_url(daemon.url + "/openapi.json")
+    # The schema needs the token too when one is set (issue #15).
+    return schemathesis.openapi.from_url(
+        daemon.url + "/openapi.json", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
 
 
 def _keep_jobs_cheap(body: Any) -> None:

@@ -79,6 +79,9 @@ def test_job_lifecycle_over_rest(daemons: Any) -> None:
         ckpt = Path(final["out_dir"]) / "checkpoints" / f"step-{final['step']:08d}"
         assert (ckpt / "meta.json").exists()  # stopped at a step boundary, checkpointed
         assert (Path(final["out_dir"]) / "metrics.jsonl").exists()
+        assert (ckpt / "tokenizer.json").exists()  # every checkpoint carries its tokenizer
+        # Daemon jobs write TensorBoard events as atomd train does.
+        assert list((Path(final["out_dir"]) / "tensorboard").glob("events.out.tfevents.*"))
         assert c.get(f"/v1/jobs/{jid}/rounds").json() == []
 
         # A short job runs to the end.
@@ -89,6 +92,15 @@ def test_job_lifecycle_over_rest(daemons: Any) -> None:
         )
         assert done["step"] == 8 and done["finished_at"] and done["val_loss"] is not None
         assert [j["id"] for j in c.get("/v1/jobs").json()] == [done["id"], jid]
+
+        # A peer whose tokens hash differently from the spec's data_sha256 refuses the job.
+        r = c.post("/v1/jobs", json={**FAST_JOB, "data_sha256": "0" * 64})
+        assert r.status_code == 201, r.text
+        refused = wait_for(
+            lambda: _job(c, r.json()["id"])["state"] == "failed" and _job(c, r.json()["id"])
+        )
+        assert f"the job's data_sha256 is {'0' * 64}" in refused["reason"]
+        assert "this peer's copy of the data or its tokenizer differs" in refused["reason"]
 
 
 def test_sigterm_checkpoints_exits_zero_and_resumes(daemons: Any) -> None:
@@ -187,7 +199,7 @@ def test_bad_settings_stop_the_start_with_a_clear_message(tmp_path: Path) -> Non
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
 
 
-def test_cli_clients_talk_to_the_daemon(daemons: Any) -> None:
+def test_cli_clients_talk_to_the_daemon(daemons: Any, tmp_path: Path) -> None:
     d: DaemonProcess = daemons().start()
     url = ["--url", d.url]
     r = _atomd(
@@ -216,6 +228,9 @@ def test_cli_clients_talk_to_the_daemon(daemons: Any) -> None:
     assert r.returncode == 0 and "tokens/s" in r.stdout
     r = _atomd("job", "stop", jid, *url)
     assert r.returncode == 0 and "stopping" in r.stdout
+    r = _atomd("plot", jid, *url, "--out", str(tmp_path / "loss.png"))  # a job's curves by id
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
     r = _atomd("job", "show", "nope", *url)
     assert r.returncode == 2 and "404" in r.stderr
     r = _atomd("status", "--url", "http://127.0.0.1:9")

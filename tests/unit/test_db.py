@@ -24,7 +24,9 @@ from atomd.db.models import Base
 from atomd.db.schemas import ProgressPoint
 from atomd.errors import ConfigError, NotFoundError
 
-TABLES = {"node", "peers", "jobs", "progress", "sync_rounds", "checkpoints", "events"}
+TABLES = {
+    "node", "peers", "peer_bans", "jobs", "progress", "sync_rounds", "checkpoints", "events"
+}  # fmt: skip
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 Sessions = async_sessionmaker[AsyncSession]
@@ -400,6 +402,35 @@ async def test_peers_upsert(sessions: Sessions) -> None:
         peers = await repo.list_peers(s)
     assert peers[1] == b2
     _assert_utc(peers[1].first_seen_at, peers[1].last_seen_at)
+
+
+async def test_events_are_pruned_to_the_retention_limit(sessions: Sessions) -> None:
+    async with sessions() as s, s.begin():
+        for i in range(30):
+            await repo.add_event(s, kind="auth.rejected", message=f"e{i}")
+    async with sessions() as s, s.begin():
+        assert await repo.prune_events(s, keep=10) == 20
+        assert await repo.prune_events(s, keep=10) == 0
+    async with sessions() as s:
+        kept = await repo.list_events(s, limit=100)
+    assert sorted(e.message for e in kept) == sorted(f"e{i}" for i in range(20, 30))
+
+
+async def test_bans_persist_replace_and_lift(sessions: Sessions) -> None:
+    key = "ab" * 32
+    async with sessions() as s, s.begin():
+        await repo.add_ban(s, public_key=key, reason="poisoned deltas")
+        again = await repo.add_ban(s, public_key=key, reason="still poisoning")
+    assert again.reason == "still poisoning"
+    async with sessions() as s:
+        bans = await repo.list_bans(s)
+    assert [(b.public_key, b.reason) for b in bans] == [(key, "still poisoning")]
+    _assert_utc(bans[0].created_at)
+    async with sessions() as s, s.begin():
+        assert await repo.remove_ban(s, public_key=key)
+        assert not await repo.remove_ban(s, public_key=key)
+    async with sessions() as s:
+        assert await repo.list_bans(s) == []
 
 
 async def test_delete_job_cascades(sessions: Sessions) -> None:

@@ -8,31 +8,63 @@ from typing import Any
 
 import pytest
 
+from atomd.errors import MessageError
+from atomd.p2p.identity import Identity
 from atomd.p2p.membership import Member, Membership, Swim, SwimConfig, Update, supersedes
+from atomd.p2p.messages import (
+    MAX_COUNTER,
+    Gossip,
+    JoinReply,
+    PingReq,
+    PingReqReply,
+    parse,
+    record_problem,
+    sign_record,
+)
 
 FAST = SwimConfig(
     period=0.02, ping_timeout=0.05, indirect_timeout=0.08, suspect_timeout=0.3, join_timeout=0.2
 )
 
 
-def upd(i: str, state: str = "alive", inc: int = 1) -> Update:
-    return Update(i, f"mem://{i}", "k" + i, state, inc)  # type: ignore[arg-type]
+IDS: dict[str, Identity] = {}
+
+
+def ident(name: str) -> Identity:
+    """One identity per test name ("a", "me", "n3"), made once."""
+    return IDS.setdefault(name, Identity.generate())
+
+
+def pid(name: str) -> str:
+    return ident(name).peer_id
+
+
+def url(name: str) -> str:
+    return f"http://{name}.mem"
+
+
+def upd(name: str, state: str = "alive", inc: int = 1, signed: bool = True) -> Update:
+    """A record of member ``name``; its own alive/left records are signed by its key."""
+    i = ident(name)
+    u = Update(id=i.peer_id, url=url(name), public_key=i.public_key_hex, state=state,  # type: ignore[arg-type]
+               incarnation=inc)  # fmt: skip
+    return sign_record(u, i, "default") if signed and state in ("alive", "left") else u
 
 
 def test_ordering_of_updates() -> None:
-    m = Member("a", "u", "k", "suspect", 5)
+    m = Member(pid("a"), "u", "k", "suspect", 5)
     assert supersedes(upd("a", "alive", 6), m)  # refutation: higher incarnation
     assert not supersedes(upd("a", "alive", 5), m)  # same incarnation: suspicion stands
     assert supersedes(upd("a", "dead", 5), m)
     assert not supersedes(upd("a", "dead", 4), m)
-    assert supersedes(upd("a", "left", 5), Member("a", "u", "k", "dead", 5))
+    assert supersedes(upd("a", "left", 5), Member(pid("a"), "u", "k", "dead", 5))
 
 
 def test_suspicion_of_self_is_refuted() -> None:
     ms = Membership(upd("me", inc=10))
     ms.apply(upd("me", "suspect", 10))
     assert ms.me.incarnation == 11 and ms.me.state == "alive"
-    assert any(u.id == "me" and u.incarnation == 11 for u in ms.gossip())
+    assert any(u.id == pid("me") and u.incarnation == 11 for u in ms.gossip())
     ms.apply(upd("me", "dead", 3))  # stale: ignored
     assert ms.me.incarnation == 11
 
@@ -41,11 +73,12 @@ def test_hearsay_about_gone_strangers_adds_nothing_and_changes_are_reported() ->
     seen: list[tuple[str, str | None, str]] = []
     ms = Membership(upd("me"), on_change=lambda m, before: seen.append((m.id, before, m.state)))
     assert not ms.apply(upd("x", "dead"))
-    assert ms.get("x") is None
+    assert ms.get(pid("x")) is None
     assert ms.apply(upd("y"))
-    assert ms.mark("y", "suspect") and ms.mark("y", "dead")
-    assert not ms.mark("y", "dead")
-    assert seen == [("y", None, "alive"), ("y", "alive", "suspect"), ("y", "suspect", "dead")]
+    assert ms.mark(pid("y"), "suspect") and ms.mark(pid("y"), "dead")
+    assert not ms.mark(pid("y"), "dead")
+    y = pid("y")
+    assert seen == [(y, None, "alive"), (y, "alive", "suspect"), (y, "suspect", "dead")]
 
 
 def test_gossip_is_retransmitted_a_bounded_number_of_times() -> None:
@@ -53,8 +86,13 @@ def test_gossip_is_retransmitted_a_bounded_number_of_times() -> None:
     ms.apply(upd("a"))
     counts = 0
     for _ in range(100):
-        counts += sum(1 for u in ms.gossip() if u.id == "a")
+        counts += sum(1 for u in ms.gossip() if u.id == pid("a"))
     assert 3 <= counts <= 20
+
+
+def wire(msg: Gossip, model: type[Any]) -> Any:
+    """What the receiver parses: the message through its JSON form, as over HTTP."""
+    return parse(model, msg.to_bytes())
 
 
 class Net:
@@ -65,30 +103,35 @@ class Net:
         self.down: set[str] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
-    def _node(self, url: str) -> Swim:
-        name = url.removeprefix("mem://")
+    def _node(self, address: str) -> Swim:
+        name = address.removeprefix("http://").removesuffix(".mem")
         if name in self.down or name not in self.nodes:
             raise ConnectionError(f"{name} unreachable")
         return self.nodes[name]
 
-    async def ping(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def ping(self, address: str, target: str, msg: Gossip, timeout: float) -> Gossip:
         await asyncio.sleep(0)
-        return self._node(url).handle_ping(payload)
+        return self._node(address).handle_ping(wire(msg, Gossip))
 
-    async def ping_req(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        return await asyncio.wait_for(self._node(url).handle_ping_req(payload), timeout)
+    async def ping_req(
+        self, address: str, target: str, msg: PingReq, timeout: float
+    ) -> PingReqReply:
+        node = self._node(address)
+        return await asyncio.wait_for(node.handle_ping_req(wire(msg, PingReq)), timeout)
 
-    async def join(self, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        return self._node(url).handle_join(payload)
+    async def join(
+        self, address: str, target: str | None, msg: Gossip, timeout: float
+    ) -> JoinReply:
+        return self._node(address).handle_join(wire(msg, Gossip))
 
-    async def leave(self, url: str, payload: dict[str, Any], timeout: float) -> None:
-        self._node(url).handle_leave(payload)
+    async def leave(self, address: str, target: str, msg: Gossip, timeout: float) -> None:
+        self._node(address).handle_leave(wire(msg, Gossip))
 
     async def start(self, name: str, seeds: list[str], inc: int = 1) -> Swim:
-        swim = Swim(Membership(upd(name, inc=inc)), self, FAST)
+        swim = Swim(Membership(upd(name, inc=inc), identity=ident(name)), self, FAST)
         self.nodes[name] = swim
         self.down.discard(name)
-        await swim.join([f"mem://{s}" for s in seeds])
+        await swim.join([url(s) for s in seeds])
         self.tasks[name] = asyncio.create_task(swim.run())
         return swim
 
@@ -103,7 +146,9 @@ class Net:
 
 
 def states(swim: Swim) -> dict[str, str]:
-    return {m.id: m.state for m in swim.m.all()}
+    """Member states by test name."""
+    names = {ident(n).peer_id: n for n in IDS}
+    return {names[m.id]: m.state for m in swim.m.all()}
 
 
 async def until(cond: Any, timeout: float = 5.0) -> float:
@@ -141,7 +186,7 @@ async def test_false_suspicion_is_refuted(net: Net) -> None:
         await net.start(name, seeds)
     await until(lambda: all(len(net.nodes[n].m.others()) == 2 for n in "abc"))
     inc = net.nodes["c"].m.me.incarnation
-    net.nodes["a"].m.mark("c", "suspect")  # a wrongly suspects c
+    net.nodes["a"].m.mark(pid("c"), "suspect")  # a wrongly suspects c
     await until(lambda: net.nodes["c"].m.me.incarnation > inc)
     await until(lambda: all(states(net.nodes[n])["c"] == "alive" for n in "ab"))
 
@@ -163,11 +208,109 @@ async def test_join_skips_dead_seeds(net: Net) -> None:
     b = await net.start("b", ["gone", "a"])
     assert "a" in states(b)
     lone = Swim(Membership(upd("z")), net, FAST)
-    assert not await lone.join(["mem://gone"])
+    assert not await lone.join([url("gone")])
 
 
-def test_malformed_updates_are_refused() -> None:
-    with pytest.raises(ValueError, match="malformed"):
-        Update.from_json({"id": "x", "state": "zombie"})
-    with pytest.raises(ValueError, match="malformed"):
-        Update.from_json("nope")
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("state", "zombie", "state: Input should be"),
+        ("incarnation", MAX_COUNTER + 1, "incarnation: Input should be less than"),
+        ("incarnation", 2**63, "incarnation: Input should be less than"),
+        ("incarnation", -1, "incarnation: Input should be greater"),
+        ("incarnation", "5", "incarnation: Input should be a valid integer"),
+        ("incarnation", True, "incarnation: Input should be a valid integer"),
+        ("id", "x", "id: String should match"),
+        ("url", "http://user:pw@host:1", "url: Value error, a peer URL holds no credentials"),
+        ("url", "file:///etc/passwd", "url: Value error, expected http"),
+        ("url", "http://h/" + "a" * 300, "url: Value error, expected a printable ASCII URL"),
+        ("public_key", "AB" * 32, "public_key: String should match"),
+        ("extra", 1, "extra: Extra inputs are not permitted"),
+    ],
+)
+def test_malformed_records_are_refused(field: str, value: Any, why: str) -> None:
+    good = upd("a").model_dump(mode="json")
+    record = {**good, field: value}
+    with pytest.raises(MessageError, match=f"malformed MemberRecord: {why}"):
+        parse(Update, record)
+    assert parse(Update, good) == upd("a")
+
+
+def test_gossip_carries_at_most_64_updates() -> None:
+    msg = {"from": upd("a").model_dump(mode="json"), "updates": [upd("b").model_dump()] * 65}
+    with pytest.raises(MessageError, match="updates: List should have at most 64"):
+        parse(Gossip, msg)
+
+
+def test_claims_about_a_member_come_only_from_that_member() -> None:
+    """Issue #15: gossip to A that B has left, at a huge incarnation, with the attacker's URL
+    and key, made A list B as left with them, for good."""
+    probes: list[str] = []
+    ms = Membership(upd("me"), identity=ident("me"), on_hearsay=probes.append)
+    assert ms.apply(upd("b", inc=5))
+    b, evil = ident("b"), ident("evil")
+    huge = MAX_COUNTER
+    lies = [
+        upd("b", "left", huge, signed=False),  # unsigned: nobody's word
+        Update(id=b.peer_id, url="http://evil.example", public_key=evil.public_key_hex,
+               state="left", incarnation=huge),  # another key under b's id
+        sign_record(  # the attacker signs with its own key: the id is not its key's
+            Update(id=evil.peer_id, url="http://evil.example", public_key=evil.public_key_hex,
+                   state="alive", incarnation=huge), evil, "default",
+        ).model_copy(update={"id": b.peer_id}),
+        upd("b", "alive", huge).model_copy(update={"url": "http://evil.example"}),  # altered
+        upd("b", "left", huge).model_copy(update={"signature": None}),
+    ]  # fmt: skip
+    for lie in lies:
+        assert not ms.apply(lie)
+    assert ms.refused == len(lies)
+    m = ms.get(b.peer_id)
+    assert m is not None and (m.state, m.url, m.public_key, m.incarnation) == (
+        "alive", url("b"), b.public_key_hex, 5
+    )  # fmt: skip
+    # Suspicion or death from others: a probe of our own, nothing else.
+    assert not ms.apply(upd("b", "dead", huge)) and not ms.apply(upd("b", "suspect", 5))
+    assert probes == [b.peer_id, b.peer_id] and ms.get(b.peer_id).state == "alive"  # type: ignore[union-attr]
+    assert not ms.apply(upd("b", "dead", 4)), "older than what we know: not even a probe"
+    assert len(probes) == 2
+    # The member itself may move (a signed record, higher incarnation) and may leave.
+    assert not ms.apply(upd("b", "alive", 6).model_copy(update={"url": "http://b2.mem"}))
+    moved = sign_record(
+        Update(id=b.peer_id, url="http://b2.mem", public_key=b.public_key_hex, state="alive",
+               incarnation=7), b, "default",
+    )  # fmt: skip
+    assert ms.apply(moved) and ms.get(b.peer_id).url == "http://b2.mem"  # type: ignore[union-attr]
+    assert ms.apply(upd("b", "left", 7)) and ms.get(b.peer_id).state == "left"  # type: ignore[union-attr]
+
+
+def test_a_record_from_another_swarm_is_not_believed() -> None:
+    ms = Membership(upd("me"), identity=ident("me"), swarm="blue")
+    assert not ms.apply(upd("b"))  # signed for swarm "default"
+    u = sign_record(upd("b", signed=False), ident("b"), "blue")
+    assert ms.apply(u)
+
+
+def test_own_records_are_signed_and_gossip_carries_members_own_records() -> None:
+    ms = Membership(upd("me", inc=3), identity=ident("me"))
+    me = ms.me.update()
+    assert me.signature is not None and record_problem(me, "default") is None
+    ms.apply(upd("me", "suspect", 3))  # refute: a new signed record at a higher incarnation
+    again = ms.me.update()
+    assert again.incarnation == 4 and record_problem(again, "default") is None
+    assert ms.apply(upd("b"))
+    ms.mark(pid("b"), "suspect")  # our own verdict: gossiped unsigned, as an opinion
+    said = {u.id: u for u in ms.snapshot()}
+    assert said[pid("b")].state == "suspect" and said[pid("b")].signature is None
+    left = ms.leaving()
+    assert left.state == "left" and record_problem(left, "default") is None
+
+
+async def test_hearsay_makes_the_receiver_probe_not_believe(net: Net) -> None:
+    for name, seeds in (("a", []), ("b", ["a"]), ("c", ["a"])):
+        await net.start(name, seeds)
+    await until(lambda: all(len(net.nodes[n].m.others()) == 2 for n in "abc"))
+    a = net.nodes["a"]
+    a.m.apply(upd("b", "dead", MAX_COUNTER))  # a lie at the largest incarnation
+    await until(lambda: pid("b") not in a._urgent)  # probed first, and b answered
+    assert states(a)["b"] == "alive"
+    assert all(states(net.nodes[n])["b"] == "alive" for n in "ac")

@@ -1,5 +1,6 @@
 """Peer identity and signed peer-plane requests: every refusal, the replay cache, the FastAPI
-dependency through ASGI, and ``PeerClient`` against a real uvicorn server on loopback."""
+dependency through ASGI (bodies bounded before they are read), and ``PeerClient`` against a
+real uvicorn server on loopback."""
 
 # No ``from __future__ import annotations``: FastAPI resolves string annotations in module
 # globals only, and the routes below use a dependency alias local to ``make_peer_app``.
@@ -25,29 +26,42 @@ from pydantic import SecretStr
 from starlette.datastructures import Headers
 
 from atomd.config import Settings
-from atomd.errors import ConfigError, PeerAuthError, PeerRequestError
-from atomd.p2p.auth import (
+from atomd.errors import AtomdError, ConfigError, PeerAuthError, PeerRequestError
+from atomd.p2p.client import PeerClient
+from atomd.p2p.identity import Identity, peer_id_from_public_key, verify_signature
+from atomd.p2p.messages import Message, PeerInfo
+from atomd.p2p.signing import (
     NONCE,
     PEER,
     PROOF,
     SIGNATURE,
     SWARM,
+    TARGET,
     TIME,
     Admission,
-    PeerClient,
     ReplayCache,
     RequestVerifier,
     VerifiedPeer,
     canonical_request,
-    peer_auth,
     sign_request,
 )
-from atomd.p2p.identity import Identity, peer_id_from_public_key, verify_signature
 from atomd_api import errors
+from atomd_api.peer_auth import SignedRequest, peer_auth
 
 NOW = 1_700_000_000.0
 PATH = "/p2p/v1/ping?round=3"
 BODY = b'{"incarnation":1}'
+SELF = Identity.generate()  # the daemon the requests are for
+ME = SELF.peer_id
+
+
+def verifier_for(adm: Admission, **kw: Any) -> RequestVerifier:
+    return RequestVerifier(adm, self_id=ME, **kw)
+
+
+def sign(*args: Any, **kw: Any) -> dict[str, str]:
+    """``sign_request`` for this daemon (``ME``) unless told another target."""
+    return sign_request(*args, **{"target": ME, **kw})
 
 
 def admission(
@@ -151,21 +165,24 @@ def test_verify_signature(alice: Identity, bob: Identity) -> None:
 
 def test_round_trip_and_canonical_string(alice: Identity) -> None:
     adm = admission(secret=b"s3cret", allowed=frozenset({alice.public_key_hex}))
-    headers = sign_request(alice, adm, "post", PATH, BODY, now=NOW)
+    headers = sign(alice, adm, "post", PATH, BODY, now=NOW)
     assert headers[TIME] == "1700000000.000000" and len(headers[NONCE]) == 32
-    peer = RequestVerifier(adm).verify("POST", PATH, headers, BODY, now=NOW + 1)
+    peer = verifier_for(adm).verify("POST", PATH, headers, BODY, now=NOW + 1)
     assert peer == VerifiedPeer(peer_id=alice.peer_id, public_key_hex=alice.public_key_hex)
     canonical = canonical_request(
         method="post",
         path=PATH,
         swarm="lab",
+        target=ME,
         time=headers[TIME],
         nonce=headers[NONCE],
         peer_id=alice.peer_id,
         public_key_hex=alice.public_key_hex,
         body_sha256=hashlib.sha256(BODY).hexdigest(),
     )
-    assert canonical.split(b"\n")[:4] == [b"atomd-peer-v1", b"POST", PATH.encode(), b"lab"]
+    assert canonical.split(b"\n")[:5] == [
+        b"atomd-peer-v2", b"POST", PATH.encode(), b"lab", ME.encode()
+    ]  # fmt: skip
     assert verify_signature(alice.public_key_hex, canonical, bytes.fromhex(headers[SIGNATURE]))
     with pytest.raises(ValueError, match="line break"):
         canonical_request(**{**_fields(), "path": "/a\nb"})
@@ -173,58 +190,68 @@ def test_round_trip_and_canonical_string(alice: Identity) -> None:
 
 def _fields() -> dict[str, str]:
     return dict.fromkeys(
-        ["method", "path", "swarm", "time", "nonce", "peer_id", "public_key_hex", "body_sha256"],
+        [
+            "method",
+            "path",
+            "swarm",
+            "target",
+            "time",
+            "nonce",
+            "peer_id",
+            "public_key_hex",
+            "body_sha256",
+        ],
         "x",
     )
 
 
 def test_header_names_are_case_insensitive(alice: Identity) -> None:
-    headers = sign_request(alice, admission(), "GET", "/p2p/v1/info", b"", now=NOW)
+    headers = sign(alice, admission(), "GET", "/p2p/v1/info", b"", now=NOW)
     lower = {k.lower(): v for k, v in headers.items()}
-    assert RequestVerifier(admission()).verify("GET", "/p2p/v1/info", lower, b"", now=NOW)
+    assert verifier_for(admission()).verify("GET", "/p2p/v1/info", lower, b"", now=NOW)
 
 
 def test_no_proof_header_is_fine_without_a_secret(alice: Identity) -> None:
-    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    headers = sign(alice, admission(), "POST", PATH, BODY, now=NOW)
     del headers[PROOF]
-    assert RequestVerifier(admission()).verify("POST", PATH, headers, BODY, now=NOW)
+    assert verifier_for(admission()).verify("POST", PATH, headers, BODY, now=NOW)
 
 
 def test_wrong_swarm_is_forbidden(alice: Identity) -> None:
-    headers = sign_request(alice, admission(swarm="other"), "POST", PATH, BODY, now=NOW)
-    err = refused(RequestVerifier(admission()), headers)
+    headers = sign(alice, admission(swarm="other"), "POST", PATH, BODY, now=NOW)
+    err = refused(verifier_for(admission()), headers)
     assert err.status == 403
     assert str(err) == "wrong swarm: expected 'lab', got 'other'"
 
 
 def test_missing_secret_proof_is_forbidden(alice: Identity) -> None:
-    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
-    err = refused(RequestVerifier(admission(secret=b"s3cret")), headers)
+    headers = sign(alice, admission(), "POST", PATH, BODY, now=NOW)
+    err = refused(verifier_for(admission(secret=b"s3cret")), headers)
     assert err.status == 403 and "missing swarm secret proof" in str(err)
 
 
 def test_wrong_secret_is_forbidden(alice: Identity) -> None:
-    headers = sign_request(alice, admission(secret=b"guess"), "POST", PATH, BODY, now=NOW)
-    err = refused(RequestVerifier(admission(secret=b"s3cret")), headers)
+    headers = sign(alice, admission(secret=b"guess"), "POST", PATH, BODY, now=NOW)
+    err = refused(verifier_for(admission(secret=b"s3cret")), headers)
     assert err.status == 403 and "wrong swarm secret" in str(err)
 
 
 def test_key_not_in_allow_list_is_forbidden(alice: Identity, bob: Identity) -> None:
-    verifier = RequestVerifier(admission(allowed=frozenset({bob.public_key_hex})))
-    err = refused(verifier, sign_request(alice, admission(), "POST", PATH, BODY, now=NOW))
+    verifier = verifier_for(admission(allowed=frozenset({bob.public_key_hex})))
+    err = refused(verifier, sign(alice, admission(), "POST", PATH, BODY, now=NOW))
     assert err.status == 403 and "key not allowed" in str(err) and alice.peer_id in str(err)
     assert verifier.verify(
-        "POST", PATH, sign_request(bob, admission(), "POST", PATH, BODY, now=NOW), BODY, now=NOW
+        "POST", PATH, sign(bob, admission(), "POST", PATH, BODY, now=NOW), BODY, now=NOW
     )
 
 
 def test_secret_and_allow_list_must_both_pass(alice: Identity, bob: Identity) -> None:
-    verifier = RequestVerifier(admission(secret=b"s", allowed=frozenset({alice.public_key_hex})))
-    stranger = sign_request(bob, admission(secret=b"s"), "GET", PATH, b"", now=NOW)
+    verifier = verifier_for(admission(secret=b"s", allowed=frozenset({alice.public_key_hex})))
+    stranger = sign(bob, admission(secret=b"s"), "GET", PATH, b"", now=NOW)
     assert "key not allowed" in str(refused(verifier, stranger, method="GET", body=b""))
-    no_secret = sign_request(alice, admission(), "GET", PATH, b"", now=NOW)
+    no_secret = sign(alice, admission(), "GET", PATH, b"", now=NOW)
     assert "missing swarm secret" in str(refused(verifier, no_secret, method="GET", body=b""))
-    good = sign_request(alice, admission(secret=b"s"), "GET", PATH, b"", now=NOW)
+    good = sign(alice, admission(secret=b"s"), "GET", PATH, b"", now=NOW)
     assert verifier.verify("GET", PATH, good, b"", now=NOW)
 
 
@@ -240,33 +267,51 @@ def test_secret_and_allow_list_must_both_pass(alice: Identity, bob: Identity) ->
     ],
 )
 def test_tampering_is_unauthorized(alice: Identity, change: str, value: Any) -> None:
-    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    headers = sign(alice, admission(), "POST", PATH, BODY, now=NOW)
     request: dict[str, Any] = {"method": "POST", "path": PATH, "body": BODY}
     if change in request:
         request[change] = value
     else:
         headers[change] = value
-    err = refused(RequestVerifier(admission()), headers, **request)
+    err = refused(verifier_for(admission()), headers, **request)
     assert err.status == 401 and "bad signature" in str(err)
+
+
+def test_request_for_another_daemon_is_refused(alice: Identity, bob: Identity) -> None:
+    """A captured request replays to no other daemon: the signature names its target."""
+    headers = sign(alice, admission(), "POST", PATH, BODY, now=NOW, target=bob.peer_id)
+    err = refused(verifier_for(admission()), headers)
+    assert err.status == 401 and "wrong target" in str(err) and bob.peer_id in str(err)
+    headers[TARGET] = ME  # re-addressed: the signature covered the original target
+    assert "bad signature" in str(refused(verifier_for(admission()), headers))
+
+
+def test_banned_key_is_forbidden(alice: Identity, bob: Identity) -> None:
+    banned = {alice.public_key_hex: "operator's ban: flooding"}
+    verifier = verifier_for(admission(), blocked=banned.get)
+    err = refused(verifier, sign(alice, admission(), "POST", PATH, BODY, now=NOW))
+    assert err.status == 403 and "banned here: operator's ban: flooding" in str(err)
+    assert verifier.verify("POST", PATH, sign(bob, admission(), "POST", PATH, BODY, now=NOW),
+                           BODY, now=NOW)  # fmt: skip
 
 
 def test_tampered_swarm_header_is_refused(alice: Identity) -> None:
     # Re-labelled to this daemon's swarm: the signature covered the original one.
-    headers = sign_request(alice, admission(swarm="other"), "POST", PATH, BODY, now=NOW)
+    headers = sign(alice, admission(swarm="other"), "POST", PATH, BODY, now=NOW)
     headers[SWARM] = "lab"
-    assert refused(RequestVerifier(admission()), headers).status == 401
+    assert refused(verifier_for(admission()), headers).status == 401
 
 
 @pytest.mark.parametrize("offset", [31.0, -31.0, 3600.0])
 def test_stale_and_future_requests_are_unauthorized(alice: Identity, offset: float) -> None:
-    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW + offset)
-    err = refused(RequestVerifier(admission()), headers)
+    headers = sign(alice, admission(), "POST", PATH, BODY, now=NOW + offset)
+    err = refused(verifier_for(admission()), headers)
     assert err.status == 401 and f"stale request: clock skew {offset:+.1f} s" in str(err)
 
 
 def test_replay_is_unauthorized_only_after_the_first_passed(alice: Identity) -> None:
-    verifier = RequestVerifier(admission())
-    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    verifier = verifier_for(admission())
+    headers = sign(alice, admission(), "POST", PATH, BODY, now=NOW)
     # A forged attempt with the nonce fails and must not use the nonce up.
     assert refused(verifier, headers, body=b"forged").status == 401
     assert verifier.verify("POST", PATH, headers, BODY, now=NOW + 1)
@@ -275,9 +320,9 @@ def test_replay_is_unauthorized_only_after_the_first_passed(alice: Identity) -> 
 
 
 def test_peer_id_must_match_key(alice: Identity, bob: Identity) -> None:
-    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    headers = sign(alice, admission(), "POST", PATH, BODY, now=NOW)
     headers[PEER] = bob.peer_id
-    err = refused(RequestVerifier(admission()), headers)
+    err = refused(verifier_for(admission()), headers)
     assert err.status == 401 and f"expected {alice.peer_id}" in str(err)
 
 
@@ -301,21 +346,21 @@ def test_peer_id_must_match_key(alice: Identity, bob: Identity) -> None:
 def test_malformed_headers_are_unauthorized(
     alice: Identity, header: str, value: str | None
 ) -> None:
-    headers = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    headers = sign(alice, admission(), "POST", PATH, BODY, now=NOW)
     if value is None:
         del headers[header]
     else:
         headers[header] = value
-    err = refused(RequestVerifier(admission()), headers)
+    err = refused(verifier_for(admission()), headers)
     assert err.status == 401
     assert header in str(err)
 
 
 def test_repeated_auth_header_is_unauthorized(alice: Identity) -> None:
-    signed = sign_request(alice, admission(), "POST", PATH, BODY, now=NOW)
+    signed = sign(alice, admission(), "POST", PATH, BODY, now=NOW)
     raw = [(k.lower().encode(), v.encode()) for k, v in signed.items()]
     raw.append((b"x-atomd-swarm", b"lab"))
-    err = refused(RequestVerifier(admission()), Headers(raw=raw))  # type: ignore[arg-type]
+    err = refused(verifier_for(admission()), Headers(raw=raw))  # type: ignore[arg-type]
     assert err.status == 401 and "given twice" in str(err)
 
 
@@ -347,8 +392,8 @@ def test_replay_cache_evicts_old_nonces() -> None:
 def test_replay_cache_size_is_capped_and_dropped_nonces_cannot_be_replayed(
     alice: Identity,
 ) -> None:
-    verifier = RequestVerifier(admission(), max_nonces=3)
-    sent = [sign_request(alice, admission(), "GET", PATH, b"", now=NOW + i) for i in range(5)]
+    verifier = verifier_for(admission(), max_nonces=3)
+    sent = [sign(alice, admission(), "GET", PATH, b"", now=NOW + i) for i in range(5)]
     for i, headers in enumerate(sent):
         verifier.verify("GET", PATH, headers, b"", now=NOW + i)
     assert len(verifier.replay_cache) == 3
@@ -356,7 +401,7 @@ def test_replay_cache_size_is_capped_and_dropped_nonces_cannot_be_replayed(
     # Request 1's nonce was dropped early: its replay (and anything signed no later) is refused.
     err = refused(verifier, sent[1], method="GET", body=b"", now=NOW + 5)
     assert err.status == 401 and "cannot rule out a replay" in str(err)
-    late = sign_request(alice, admission(), "GET", PATH, b"", now=NOW + 5)
+    late = sign(alice, admission(), "GET", PATH, b"", now=NOW + 5)
     assert verifier.verify("GET", PATH, late, b"", now=NOW + 5)
 
 
@@ -366,13 +411,16 @@ def test_replay_cache_size_is_capped_and_dropped_nonces_cannot_be_replayed(
 @dataclass
 class PeerApp:
     app: FastAPI
-    rejected: list[PeerAuthError]
+    rejected: list[AtomdError]
+
+
+LIMIT = 4 << 20  # the test app's body limit
 
 
 def make_peer_app(adm: Admission, *, failing_on_reject: bool = False) -> PeerApp:
-    rejected: list[PeerAuthError] = []
+    rejected: list[AtomdError] = []
 
-    async def on_reject(request: Request, error: PeerAuthError) -> None:
+    async def on_reject(request: Request, error: AtomdError) -> None:
         assert isinstance(request, Request)
         rejected.append(error)
         if failing_on_reject:
@@ -380,11 +428,16 @@ def make_peer_app(adm: Admission, *, failing_on_reject: bool = False) -> PeerApp
 
     app = FastAPI()
     errors.install(app)
-    Peer = Annotated[VerifiedPeer, Depends(peer_auth(RequestVerifier(adm), on_reject))]
+    auth = peer_auth(verifier_for(adm), limit=lambda r: LIMIT, on_reject=on_reject)
+    Peer = Annotated[SignedRequest, Depends(auth)]
 
     @app.post("/p2p/v1/echo")
-    async def echo(peer: Peer, request: Request) -> dict[str, Any]:
-        return {"peer": peer.peer_id, "payload": await request.json()}
+    async def echo(peer: Peer) -> dict[str, Any]:
+        return {"peer": peer.peer.peer_id, "size": len(peer.body), "head": peer.body[:20].decode()}
+
+    @app.get("/p2p/v1/info")
+    async def info() -> PeerInfo:
+        return PeerInfo(swarm="lab", version="test", id=ME, url="http://peer")
 
     @app.get("/p2p/v1/files/{name}")
     async def download(peer: Peer, name: str) -> StreamingResponse:
@@ -402,6 +455,12 @@ def make_peer_app(adm: Admission, *, failing_on_reject: bool = False) -> PeerApp
     return PeerApp(app, rejected)
 
 
+class Echo(Message):
+    peer: str
+    size: int
+    head: str
+
+
 async def test_dependency_accepts_signed_and_reports_refused(alice: Identity) -> None:
     adm = admission(secret=b"s3cret")
     peer_app = make_peer_app(adm)
@@ -409,10 +468,10 @@ async def test_dependency_accepts_signed_and_reports_refused(alice: Identity) ->
     async with httpx.AsyncClient(transport=transport, base_url="http://peer") as http:
         path = "/p2p/v1/echo?round=7&who=a%20b"
         body = b'{"x":1}'
-        headers = sign_request(alice, adm, "POST", path, body)
+        headers = sign(alice, adm, "POST", path, body)
         answer = await http.post(path, content=body, headers=headers)
         assert answer.status_code == 200, answer.text
-        assert answer.json() == {"peer": alice.peer_id, "payload": {"x": 1}}
+        assert answer.json() == {"peer": alice.peer_id, "size": 7, "head": '{"x":1}'}
         assert peer_app.rejected == []
 
         unsigned = await http.post(path, content=body)
@@ -420,7 +479,7 @@ async def test_dependency_accepts_signed_and_reports_refused(alice: Identity) ->
         assert unsigned.json()["error"] == "unauthorized"
         assert unsigned.headers["WWW-Authenticate"] == "Atomd-Signature"
 
-        wrong = sign_request(alice, admission(secret=b"guess"), "POST", path, body)
+        wrong = sign(alice, admission(secret=b"guess"), "POST", path, body)
         forbidden = await http.post(path, content=body, headers=wrong)
         assert forbidden.status_code == 403
         assert forbidden.json()["error"] == "forbidden"
@@ -444,9 +503,47 @@ async def test_large_body_is_verified_off_the_loop(alice: Identity) -> None:
     body = b'{"blob":"' + b"a" * (2 << 20) + b'"}'
     transport = httpx.ASGITransport(app=peer_app.app)
     async with httpx.AsyncClient(transport=transport, base_url="http://peer") as http:
-        headers = sign_request(alice, adm, "POST", "/p2p/v1/echo", body)
+        headers = sign(alice, adm, "POST", "/p2p/v1/echo", body)
         answer = await http.post("/p2p/v1/echo", content=body, headers=headers)
     assert answer.status_code == 200 and answer.json()["peer"] == alice.peer_id
+
+
+class Counted:
+    """A request body that counts the bytes the server pulls from it."""
+
+    def __init__(self, size: int, chunk: int = 65536) -> None:
+        self.size, self.chunk, self.sent = size, chunk, 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while self.sent < self.size:
+            n = min(self.chunk, self.size - self.sent)
+            self.sent += n
+            yield b"a" * n
+
+
+async def test_bodies_are_bounded_before_they_are_read(alice: Identity) -> None:
+    """Unsigned: refused before one byte of the body is read. Signed but over the limit:
+    refused on its declared length, or as soon as a chunked body streams past the limit."""
+    adm = admission()
+    peer_app = make_peer_app(adm)
+    transport = httpx.ASGITransport(app=peer_app.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://peer") as http:
+        unsigned = Counted(200 << 20)
+        answer = await http.post("/p2p/v1/echo", content=unsigned)
+        assert answer.status_code == 401 and unsigned.sent <= 65536
+        big = b"a" * (LIMIT + 1)
+        headers = sign(alice, adm, "POST", "/p2p/v1/echo", big)
+        answer = await http.post("/p2p/v1/echo", content=big, headers=headers)
+        assert answer.status_code == 413 and answer.json()["error"] == "too_large"
+        assert f"at most {LIMIT}" in answer.json()["detail"]
+        streamed = Counted(200 << 20)  # no Content-Length: chunked
+        headers = sign(alice, adm, "POST", "/p2p/v1/echo", b"")
+        answer = await http.post("/p2p/v1/echo", content=streamed, headers=headers)
+        assert answer.status_code == 413 and "streamed past" in answer.json()["detail"]
+        assert streamed.sent <= LIMIT + 2 * 65536
+    assert [type(e).__name__ for e in peer_app.rejected] == [
+        "PeerAuthError", "TooLargeError", "TooLargeError"
+    ]  # fmt: skip
 
 
 # PeerClient against a real server ------------------------------------------------------------
@@ -485,23 +582,38 @@ def closed_port() -> int:
 
 async def test_peer_client_signed_requests_pass(alice: Identity, peer_url: str) -> None:
     async with PeerClient(alice, admission(secret=b"s3cret")) as client:
-        answer = await client.post_json(peer_url, "/p2p/v1/echo?q=a b", {"ok": [1, 2]})
-        assert answer == {"peer": alice.peer_id, "payload": {"ok": [1, 2]}}
+        # The target's id is asked of /info first (the peer id is not known here).
+        answer = await client.post_bytes(peer_url, "/p2p/v1/echo?q=a b", b"[1, 2]", Echo)
+        assert answer == Echo(peer=alice.peer_id, size=6, head="[1, 2]")
         async with client.stream("GET", peer_url, "/p2p/v1/files/delta%201.bin") as response:
             data = b"".join([chunk async for chunk in response.aiter_bytes()])
         assert data == b"".join(bytes([i]) * 65536 for i in range(4))
         with pytest.raises(PeerRequestError, match=r"answered 405") as info:
-            await client.get_json(peer_url, "/p2p/v1/echo")
+            await client.get(peer_url, "/p2p/v1/echo", Echo)
         assert info.value.status == 405
         with pytest.raises(PeerRequestError, match=r"timed out after 0.2 s") as info:
-            await client.get_json(peer_url, "/p2p/v1/slow", timeout=0.2)
+            await client.get(peer_url, "/p2p/v1/slow", Echo, timeout=0.2)
         assert info.value.status is None
+        with pytest.raises(PeerRequestError, match=r"answered a malformed Echo: peer: Field"):
+            await client.get(peer_url, "/p2p/v1/slow", Echo)
+
+
+async def test_peer_client_signs_for_its_target(
+    alice: Identity, bob: Identity, peer_url: str
+) -> None:
+    async with PeerClient(alice, admission(secret=b"s3cret")) as client:
+        with pytest.raises(PeerRequestError, match=r"answered 401: wrong target") as info:
+            await client.post_bytes(peer_url, "/p2p/v1/echo", b"{}", Echo, target=bob.peer_id)
+        assert info.value.status == 401
+        # A remembered id that is out of date is asked again, once.
+        client._remember(peer_url.rstrip("/"), bob.peer_id)
+        assert (await client.post_bytes(peer_url, "/p2p/v1/echo", b"{}", Echo)).size == 2
 
 
 async def test_peer_client_with_wrong_secret_is_forbidden(alice: Identity, peer_url: str) -> None:
     async with PeerClient(alice, admission(secret=b"guess")) as client:
         with pytest.raises(PeerRequestError, match=r"answered 403: wrong swarm secret") as info:
-            await client.post_json(peer_url, "/p2p/v1/echo", {})
+            await client.post_bytes(peer_url, "/p2p/v1/echo", b"{}", Echo)
         assert info.value.status == 403
         with pytest.raises(PeerRequestError, match=r"answered 403") as info:
             async with client.stream("GET", peer_url, "/p2p/v1/files/x"):
@@ -512,5 +624,33 @@ async def test_peer_client_with_wrong_secret_is_forbidden(alice: Identity, peer_
 async def test_peer_client_unreachable_peer(alice: Identity, closed_port: int) -> None:
     async with PeerClient(alice, admission(), timeout=2) as client:
         with pytest.raises(PeerRequestError, match=r"failed") as info:
-            await client.get_json(f"http://127.0.0.1:{closed_port}", "/p2p/v1/info")
+            await client.get(f"http://127.0.0.1:{closed_port}", "/p2p/v1/x", Echo, target=ME)
         assert info.value.status is None
+
+
+async def test_a_source_refused_too_often_gets_429_before_any_check(alice: Identity) -> None:
+    from atomd.rejections import Rejections
+
+    adm = admission()
+    rejections = Rejections(burst=5, rate=0.01)
+
+    async def on_reject(request: Request, error: AtomdError) -> None:
+        rejections.refused("peer", request.client.host if request.client else "?", 401, str(error))
+
+    app = FastAPI()
+    errors.install(app)
+    auth = peer_auth(verifier_for(adm), limit=lambda r: LIMIT, on_reject=on_reject,
+                     retry_after=rejections.retry_after)  # fmt: skip
+
+    @app.post("/p2p/v1/echo")
+    async def echo(peer: Annotated[SignedRequest, Depends(auth)]) -> dict[str, Any]:
+        return {}
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://peer") as http:
+        codes = [(await http.post("/p2p/v1/echo", content=b"x")).status_code for _ in range(8)]
+        assert codes == [401] * 5 + [429] * 3
+        headers = sign(alice, adm, "POST", "/p2p/v1/echo", b"x")
+        r = await http.post("/p2p/v1/echo", content=b"x", headers=headers)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"] == "rate_limited"

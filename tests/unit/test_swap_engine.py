@@ -395,3 +395,23 @@ def test_resident_training_with_recompute_is_resident_training() -> None:
     again = ResidentEngine(_model(), _spec(1.0), CPU, recompute=True)
     assert _train(again) == pytest.approx(_train(plain), rel=1e-6)
     assert max_rel_param_diff(again.model_tensors(), plain.model_tensors()) < TOL
+
+
+@pytest.mark.parametrize(("k", "m"), [(2, 4), (3, 1), (2, 2)])
+def test_a_split_optimizer_matches_resident(
+    resident: tuple[float, list[float], ResidentEngine], k: int, m: int
+) -> None:
+    """The first swapped layers step on the device (their step with their next load), the
+    others on the host: the same model as resident training, one wave or several."""
+    clip, losses, ref = resident
+    plan = replace(_plan(k, m, optimizer="device"), optimizer="split", device_steps=2)
+    engine = SwapEngine(_model(), _spec(clip), CPU, plan)
+    try:
+        assert engine.on_device == set(engine.swapped[:2])
+        assert _train(engine) == pytest.approx(losses, rel=1e-6)
+        assert max_rel_param_diff(engine.model_tensors(), ref.model_tensors()) < TOL
+        opt, ref_opt = engine.optimizer_tensors(), ref.optimizer_tensors()
+        exp_avg = {k: v for k, v in opt.items() if k.endswith("exp_avg")}
+        assert max_rel_param_diff(exp_avg, {k: ref_opt[k] for k in exp_avg}) < TOL
+    finally:
+        engine.close()

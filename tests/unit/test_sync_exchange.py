@@ -39,7 +39,9 @@ class FakeClient:
     answers: dict[str, list[int | None]] = field(default_factory=dict)
     posts: list[tuple[str, str, int]] = field(default_factory=list)
 
-    async def post_bytes(self, url: str, path: str, body: bytes, *, timeout: float) -> Any:
+    async def post_bytes(
+        self, url: str, path: str, body: bytes, reply: Any, *, target: str, timeout: float
+    ) -> Any:
         self.posts.append((url, path, len(body)))
         queue = self.answers.get(url, [])
         status = queue.pop(0) if queue else None
@@ -52,12 +54,20 @@ class FakeClient:
 class FakePeers:
     peers: list[Peer]
     keys: dict[str, str] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+    judged: list[tuple[str, bool]] = field(default_factory=list)
 
     def job_peers(self, job_id: str) -> Sequence[PeerRef]:
         return self.peers
 
     def public_key(self, peer_id: str) -> str | None:
         return self.keys.get(peer_id)
+
+    def exclusion(self, peer_id: str) -> str | None:
+        return self.excluded.get(peer_id)
+
+    async def judge(self, sender: str, strike: bool, reason: str | None) -> None:
+        self.judged.append((sender, strike))
 
 
 @dataclass
@@ -230,3 +240,29 @@ async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> Non
         await until(lambda: _async_true(plugin._in_flight is None), "the last round delivered")
         await asyncio.sleep(0.1)
     assert len(client.posts) == 2
+
+
+async def test_quarantined_senders_and_other_codecs_are_refused(sessions: Any) -> None:
+    """Issue #15: a frame in another codec than the job's is refused (a strike), and nothing
+    from a quarantined member is decoded at all."""
+    from atomd.errors import PeerAuthError
+    from atomd.sync.codecs import make_codec
+    from atomd.sync.wire import encode_frame
+
+    sender = Identity.generate()
+    peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
+    ex = exchange(sessions, FakeClient(), peers)
+    plugin = ex.plugin(JOB, JobSpec(sync={"codec": "topk", "every": 1}))
+    torch.manual_seed(0)
+    plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+    dense = [(n, make_codec("fp32").encode(torch.full(s, 5.0)))
+             for n, s in plugin.expected_shapes.items()]  # fmt: skip
+    frame = encode_frame(identity=sender, job_id=JOB, round=0, base_version=0, tensors=dense)
+    with pytest.raises(WireError, match="wrong_codec"):
+        await ex.receive(JOB, frame, sender.peer_id)
+    assert peers.judged == [(sender.peer_id, True)] and len(plugin.inbox) == 0
+    peers.excluded[sender.peer_id] = "quarantined here: 3 strikes"
+    with pytest.raises(PeerAuthError, match="quarantined") as e:
+        await ex.receive(JOB, b"not even a frame", sender.peer_id)
+    assert e.value.status == 403
+    assert len([r for r in await rounds(sessions) if not r.applied]) == 1, "only the first"

@@ -121,7 +121,7 @@ def test_validation_loss_does_not_depend_on_the_batch_size(tmp_path: Path, text_
     losses = []
     for micro in (3, 16):
         spec = fast_spec(data=str(text_file), micro_batch_size=micro, eval_batches=2)
-        t = trainer_for(spec, tmp_path / f"b{micro}")
+        t = trainer_for(spec, tmp_path / f"b{micro}", device="cpu")
         assert sum(b.x.shape[0] for b in t.val_batches) == 2 * 16
         losses.append(t.engine.evaluate(t.val_batches))
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)

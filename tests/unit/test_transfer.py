@@ -17,8 +17,10 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from atomd.errors import CheckpointError
-from atomd.p2p.auth import Admission, PeerClient
+from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
+from atomd.p2p.messages import PeerInfo
+from atomd.p2p.signing import Admission
 from atomd.p2p.transfer import fetch_state, newest_manifest
 from atomd.train import checkpoint as ckpt
 
@@ -35,12 +37,20 @@ def _free_port() -> int:
 def donor_app(root: Path, behaviour: str) -> FastAPI:
     """A donor serving ``root``'s newest checkpoint: honestly, or dying, or lying."""
     app = FastAPI()
+    me = Identity.generate().peer_id
+
+    @app.get("/p2p/v1/info")
+    async def info() -> PeerInfo:
+        return PeerInfo(swarm="s", version="test", id=me, url="http://donor")
 
     @app.get("/p2p/v1/jobs/{job_id}/state")
     async def manifest(job_id: str) -> Any:
-        m = newest_manifest(root)
-        if m is None or behaviour == "empty":
+        found = newest_manifest(root)
+        if found is None or behaviour == "empty":
             return JSONResponse({"error": "not_found", "detail": "none"}, status_code=404)
+        m = found.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if behaviour == "huge":  # issue #15: a manifest claimed 10^12-byte files
+            m = {**m, "files": {n: {**f, "bytes": 10**12} for n, f in m["files"].items()}}
         if behaviour == "garbage":  # consistent sizes and hashes of bytes that are no checkpoint
             m = {
                 **m,
@@ -61,6 +71,14 @@ def donor_app(root: Path, behaviour: str) -> FastAPI:
             return StreamingResponse(half(), headers={"content-length": str(len(data))})
         if behaviour == "garbage":
             return StreamingResponse(iter([GARBAGE]))
+        if behaviour == "slow":
+
+            async def trickle() -> AsyncIterator[bytes]:
+                for i in range(len(data)):
+                    yield data[i : i + 1]
+                    await asyncio.sleep(0.5)
+
+            return StreamingResponse(trickle(), headers={"content-length": str(len(data))})
         if behaviour == "lies":
             return StreamingResponse(iter([bytes(len(data))]))  # right size, wrong bytes
         return FileResponse(path)
@@ -120,11 +138,25 @@ async def test_no_donor_has_state_yet(tmp_path: Path, donors: Any) -> None:
         assert await fetch_state(client, urls, "job1", tmp_path / "j") is None
 
 
-async def test_a_donor_younger_than_asked_has_no_state(tmp_path: Path, donors: Any) -> None:
-    """A swarm still in its warm-up, or no newer than the joiner's own checkpoint: the joiner
-    starts without a transfer (even from a donor that ignores the query and sends step 7)."""
-    urls = [await donors("ok")]
+async def test_lying_donors_are_not_asked_again_and_sizes_are_bounded(
+    tmp_path: Path, donors: Any
+) -> None:
+    urls = [await donors("huge"), await donors("lies"), await donors("ok")]
+    liars: set[str] = set()
+    root = tmp_path / "joiner"
     async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
-        assert await fetch_state(client, urls, "job1", tmp_path / "j", at_least=8) is None
-        assert await fetch_state(client, urls, "job1", tmp_path / "k", at_least=7) == 7
-    assert not (tmp_path / "j").exists() or list((tmp_path / "j").iterdir()) == []
+        step = await fetch_state(client, urls, "job1", root, max_file_bytes=1 << 20, liars=liars)
+        assert step == 7 and liars == set(urls[:2])
+        assert not [p for p in root.iterdir() if p.name.startswith(".incoming")]
+        with pytest.raises(CheckpointError, match="every donor of job job1 lied"):
+            await fetch_state(client, urls[:2], "job1", tmp_path / "j2", liars=liars)
+        # Without a model bound, 10^12 bytes do not fit the disk: refused before downloading.
+        with pytest.raises(CheckpointError, match="could not fetch"):
+            await fetch_state(client, urls[:1], "job1", tmp_path / "j3", rounds=1)
+
+
+async def test_the_whole_transfer_has_a_deadline(tmp_path: Path, donors: Any) -> None:
+    urls = [await donors("slow")]
+    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+        with pytest.raises(CheckpointError, match="did not arrive within 1 s"):
+            await fetch_state(client, urls, "job1", tmp_path / "j", deadline_s=1.0)

@@ -1,22 +1,25 @@
-"""Signed peer-plane requests: admission to a swarm, signing, verification and a signing client.
+"""Signed peer-plane requests: admission to a swarm, signing and verification.
 
 Every request from one daemon to another's peer plane carries these headers:
 
 - ``X-Atomd-Peer``: the sender's peer id (32 lowercase hex, derived from its key)
 - ``X-Atomd-Key``: its raw Ed25519 public key (64 lowercase hex)
 - ``X-Atomd-Swarm``: the swarm it belongs to
+- ``X-Atomd-Target``: the peer id of the daemon the request is for, so that a captured request
+  cannot be replayed to another daemon (each daemon's replay cache is its own)
 - ``X-Atomd-Time``: unix seconds when signed (decimal, e.g. ``1712345678.123456``)
 - ``X-Atomd-Nonce``: 16 random bytes (32 lowercase hex), never reused
 - ``X-Atomd-Proof``: HMAC-SHA256 of the canonical string keyed by the swarm secret (64 hex),
   empty without a secret
 - ``X-Atomd-Signature``: Ed25519 signature of the canonical string (128 hex)
 
-The canonical string (UTF-8) is nine lines joined by ``\\n``, no trailing newline::
+The canonical string (UTF-8) is ten lines joined by ``\\n``, no trailing newline::
 
-    atomd-peer-v1
+    atomd-peer-v2
     <METHOD, upper case>
     <request target: the path as sent on the wire, percent-encoding kept, plus ?query if any>
     <X-Atomd-Swarm>
+    <X-Atomd-Target>
     <X-Atomd-Time, the header text exactly>
     <X-Atomd-Nonce>
     <X-Atomd-Peer>
@@ -25,62 +28,52 @@ The canonical string (UTF-8) is nine lines joined by ``\\n``, no trailing newlin
 
 No field may hold a line break (HTTP headers and request targets cannot), so the join is
 unambiguous; the first line versions the format.
+
+The checks that need no body (form, swarm, target, clock, key id, admission) run first
+(``RequestVerifier.check_headers``), so an unsigned or foreign request is refused before its
+body is read; the HTTP side (``atomd_api.peer_auth``) then reads the body within its route's
+limit and calls ``verify``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
-import json
 import re
 import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, NamedTuple
-
-import httpx
-from fastapi import Request
+from typing import NamedTuple
 
 from atomd.config import Settings
-from atomd.errors import ConfigError, PeerAuthError, PeerRequestError
-from atomd.logs import get_logger
+from atomd.errors import ConfigError, PeerAuthError
 from atomd.p2p.identity import Identity, peer_id_from_public_key, verify_signature
 
-log = get_logger(__name__)
-
-CANONICAL_VERSION = "atomd-peer-v1"
+CANONICAL_VERSION = "atomd-peer-v2"
 
 PEER = "X-Atomd-Peer"
 KEY = "X-Atomd-Key"
 SWARM = "X-Atomd-Swarm"
+TARGET = "X-Atomd-Target"
 TIME = "X-Atomd-Time"
 NONCE = "X-Atomd-Nonce"
 PROOF = "X-Atomd-Proof"
 SIGNATURE = "X-Atomd-Signature"
-_REQUIRED = (PEER, KEY, SWARM, TIME, NONCE, SIGNATURE)  # PROOF may be absent: same as empty
+_REQUIRED = (PEER, KEY, SWARM, TARGET, TIME, NONCE, SIGNATURE)  # PROOF may be absent: same as empty
 
 _FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
     PEER: (re.compile(r"[0-9a-f]{32}"), "32 lowercase hex characters"),
     KEY: (re.compile(r"[0-9a-f]{64}"), "64 lowercase hex characters"),
     SWARM: (re.compile(r"[\x21-\x7e]([\x20-\x7e]{0,198}[\x21-\x7e])?"), "1-200 printable ASCII"),
+    TARGET: (re.compile(r"[0-9a-f]{32}"), "32 lowercase hex characters"),
     TIME: (re.compile(r"\d{1,12}(\.\d{1,9})?"), "unix seconds such as 1712345678.123456"),
     NONCE: (re.compile(r"[0-9a-f]{32}"), "32 lowercase hex characters"),
     PROOF: (re.compile(r"([0-9a-f]{64})?"), "empty or 64 lowercase hex characters"),
     SIGNATURE: (re.compile(r"[0-9a-f]{128}"), "128 lowercase hex characters"),
 }
-
-# Bodies above this are hashed off the event loop (a 100 MB delta takes ~0.1 s to hash).
-_INLINE_BODY_BYTES = 1 << 20
-# A JSON answer larger than this is refused rather than held in memory; files go by stream().
-_MAX_JSON_BYTES = 16 << 20
-# Enough of an error answer to show its detail.
-_MAX_ERROR_BYTES = 64 << 10
 
 
 def _show(value: str, limit: int = 80) -> str:
@@ -124,6 +117,7 @@ def canonical_request(
     method: str,
     path: str,
     swarm: str,
+    target: str,
     time: str,
     nonce: str,
     peer_id: str,
@@ -131,7 +125,7 @@ def canonical_request(
     body_sha256: str,
 ) -> bytes:
     """The bytes that are signed and HMAC'd (format in the module docstring)."""
-    fields = [CANONICAL_VERSION, method.upper(), path, swarm, time, nonce, peer_id]
+    fields = [CANONICAL_VERSION, method.upper(), path, swarm, target, time, nonce, peer_id]
     fields += [public_key_hex, body_sha256]
     for field in fields:
         if "\n" in field or "\r" in field:
@@ -150,14 +144,17 @@ def sign_request(
     path: str,
     body: bytes,
     *,
+    target: str,
     now: float | None = None,
 ) -> dict[str, str]:
-    """The ``X-Atomd-*`` headers that authenticate one request. ``path`` is the request target
-    exactly as sent (percent-encoded, with ``?query`` if any)."""
+    """The ``X-Atomd-*`` headers that authenticate one request for the daemon whose peer id is
+    ``target``. ``path`` is the request target exactly as sent (percent-encoded, with
+    ``?query`` if any)."""
     headers = {
         PEER: identity.peer_id,
         KEY: identity.public_key_hex,
         SWARM: admission.swarm,
+        TARGET: target,
         TIME: f"{time.time() if now is None else now:.6f}",
         NONCE: secrets.token_hex(16),
     }
@@ -165,6 +162,7 @@ def sign_request(
         method=method,
         path=path,
         swarm=headers[SWARM],
+        target=headers[TARGET],
         time=headers[TIME],
         nonce=headers[NONCE],
         peer_id=headers[PEER],
@@ -235,10 +233,13 @@ class ReplayCache:
                 self._floor = max(self._floor, dropped_time)
 
 
-class _Signed(NamedTuple):
+class SignedHeaders(NamedTuple):
+    """The X-Atomd-* headers of a request, checked for form."""
+
     peer_id: str
     key: str
     swarm: str
+    target: str
     time_text: str
     time: float
     nonce: str
@@ -246,7 +247,7 @@ class _Signed(NamedTuple):
     signature: bytes
 
 
-def _parse_headers(headers: Mapping[str, str]) -> _Signed:
+def _parse_headers(headers: Mapping[str, str]) -> SignedHeaders:
     """The ``X-Atomd-*`` headers, checked for form only; raises ``PeerAuthError`` (401)."""
     ours: dict[str, str] = {}
     wanted = {name.lower(): name for name in _FORMATS}
@@ -273,10 +274,11 @@ def _parse_headers(headers: Mapping[str, str]) -> _Signed:
             raise PeerAuthError(
                 f"malformed {name}: expected {expected}, got {_show(value)}", status=401
             )
-    return _Signed(
+    return SignedHeaders(
         peer_id=ours[PEER],
         key=ours[KEY],
         swarm=ours[SWARM],
+        target=ours[TARGET],
         time_text=ours[TIME],
         time=float(ours[TIME]),
         nonce=ours[NONCE],
@@ -286,40 +288,50 @@ def _parse_headers(headers: Mapping[str, str]) -> _Signed:
 
 
 class RequestVerifier:
-    """Checks signed peer-plane requests against an ``Admission`` and refuses replays.
+    """Checks signed peer-plane requests for this daemon (``self_id``) against an
+    ``Admission`` and refuses replays.
 
-    Cheap checks come first (form, swarm, clock, key id), then the signature, then admission:
-    a 403 is only given to a request proven to come from that key, so a refusal recorded
-    against a peer id is never forged. Nonces are recorded last, for accepted requests only,
-    so garbage cannot fill the replay cache."""
+    Cheap checks come first (form, swarm, target, clock, key id: ``check_headers``, before the
+    body is read), then the signature, then admission: a 403 is only given to a request proven
+    to come from that key, so a refusal recorded against a peer id is never forged. Nonces are
+    recorded last, for accepted requests only, so garbage cannot fill the replay cache.
+    ``blocked`` names why a key is refused (banned by the operator), or None."""
 
     def __init__(
-        self, admission: Admission, *, max_skew_s: float = 30.0, max_nonces: int = 100_000
+        self,
+        admission: Admission,
+        *,
+        self_id: str,
+        max_skew_s: float = 30.0,
+        max_nonces: int = 100_000,
+        blocked: Callable[[str], str | None] | None = None,
     ) -> None:
         if max_skew_s <= 0:
             raise ValueError(f"max_skew_s must be > 0, got {max_skew_s}")
         self.admission = admission
+        self.self_id = self_id
         self.max_skew_s = max_skew_s
+        self.blocked = blocked
         # A request is fresh for ±max_skew_s around its signing time, so a nonce seen within
         # 2×max_skew_s of arrival outlives every window in which its request could be replayed.
         self.replay_cache = ReplayCache(ttl_s=2 * max_skew_s, max_entries=max_nonces)
 
-    def verify(
-        self,
-        method: str,
-        path: str,
-        headers: Mapping[str, str],
-        body: bytes,
-        *,
-        now: float | None = None,
-    ) -> VerifiedPeer:
-        """The peer that signed this request; raises ``PeerAuthError`` (401 or 403)."""
+    def check_headers(
+        self, headers: Mapping[str, str], *, now: float | None = None
+    ) -> SignedHeaders:
+        """The checks that need no body; raises ``PeerAuthError`` (401 or 403)."""
         now = time.time() if now is None else now
         signed = _parse_headers(headers)
         if signed.swarm != self.admission.swarm:
             raise PeerAuthError(
                 f"wrong swarm: expected {self.admission.swarm!r}, got {signed.swarm!r}",
                 status=403,
+            )
+        if signed.target != self.self_id:
+            raise PeerAuthError(
+                f"wrong target: the request is signed for peer {signed.target}, this is peer "
+                f"{self.self_id}; expected a request signed for this daemon",
+                status=401,
             )
         skew = signed.time - now
         if abs(skew) > self.max_skew_s:
@@ -336,10 +348,25 @@ class RequestVerifier:
                 f"got {signed.peer_id}",
                 status=401,
             )
+        return signed
+
+    def verify(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes,
+        *,
+        now: float | None = None,
+    ) -> VerifiedPeer:
+        """The peer that signed this request; raises ``PeerAuthError`` (401 or 403)."""
+        now = time.time() if now is None else now
+        signed = self.check_headers(headers, now=now)
         canonical = canonical_request(
             method=method,
             path=path,
             swarm=signed.swarm,
+            target=signed.target,
             time=signed.time_text,
             nonce=signed.nonce,
             peer_id=signed.peer_id,
@@ -375,211 +402,8 @@ class RequestVerifier:
                 f"{len(allowed)} keys of this daemon's ATOMD_ALLOWED_KEYS",
                 status=403,
             )
+        why = self.blocked(signed.key) if self.blocked is not None else None
+        if why is not None:
+            raise PeerAuthError(f"peer {signed.peer_id} is banned here: {why}", status=403)
         self.replay_cache.record(signed.nonce, request_time=signed.time, now=now)
         return VerifiedPeer(peer_id=signed.peer_id, public_key_hex=signed.key)
-
-
-def _request_target(request: Request) -> str:
-    """The path as it came over the wire, plus ``?query``: what the sender signed.
-
-    ``request.url.path`` is percent-decoded, so ``/a%2Fb`` and ``/a/b`` would read the same;
-    the ASGI ``raw_path`` keeps the bytes (the decoded path is the fallback for servers
-    without it)."""
-    raw = request.scope.get("raw_path")
-    path = raw.decode("latin-1") if isinstance(raw, bytes) else request.url.path
-    query = request.scope.get("query_string", b"").decode("latin-1")
-    return f"{path}?{query}" if query else path
-
-
-def peer_auth(
-    verifier: RequestVerifier,
-    on_reject: Callable[[Request, PeerAuthError], Awaitable[None]] | None = None,
-) -> Callable[..., Awaitable[VerifiedPeer]]:
-    """A FastAPI dependency giving the ``VerifiedPeer`` of a signed request.
-
-    On refusal it awaits ``on_reject(request, error)`` (the daemon records an event there),
-    then raises the ``PeerAuthError``, which ``api/errors`` answers with 401 or 403."""
-
-    async def dependency(request: Request) -> VerifiedPeer:
-        body = await request.body()
-        args = (request.method, _request_target(request), request.headers, body)
-        try:
-            if len(body) > _INLINE_BODY_BYTES:
-                return await asyncio.to_thread(verifier.verify, *args)
-            return verifier.verify(*args)
-        except PeerAuthError as e:
-            client = request.client.host if request.client else "?"
-            log.debug("refused %s %s from %s: %s", request.method, request.url.path, client, e)
-            if on_reject is not None:
-                try:
-                    await on_reject(request, e)
-                except Exception:
-                    # Recording the refusal must not turn a 401/403 into a 500.
-                    log.exception("on_reject failed for a refused peer request")
-            raise
-
-    return dependency
-
-
-async def _read_capped(response: httpx.Response, limit: int) -> bytes | None:
-    """The body, or None if it is longer than ``limit`` bytes."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_bytes():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _detail(body: bytes | None) -> str:
-    """The ``detail`` of an atomd error answer, else the start of the body."""
-    if body is None:
-        return "(error body too large)"
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        parsed = None
-    if isinstance(parsed, dict) and isinstance(parsed.get("detail"), str):
-        return str(parsed["detail"])
-    text = body.decode("utf-8", "replace").strip()
-    return (text[:200] + "...") if len(text) > 200 else text or "(empty body)"
-
-
-_JSON = "application/json"
-_OCTETS = "application/octet-stream"
-
-
-class PeerClient:
-    """Calls other daemons' peer planes, signing every request. One pooled HTTP client.
-
-    Every call has a timeout (``timeout`` seconds unless given): the whole call for the JSON
-    methods, each connect/read/write for ``stream`` (so large downloads may take longer).
-    Failures raise ``PeerRequestError``."""
-
-    def __init__(self, identity: Identity, admission: Admission, *, timeout: float = 5.0) -> None:
-        self._identity = identity
-        self._admission = admission
-        self._timeout = timeout
-        # No redirects: the signature covers one path; another would go unsigned.
-        self._client = httpx.AsyncClient(timeout=timeout, follow_redirects=False)
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
-
-    async def __aenter__(self) -> PeerClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def post_json(
-        self, base_url: str, path: str, payload: Any, *, timeout: float | None = None
-    ) -> Any:
-        """POST ``payload`` as compact JSON to ``base_url + path``; the decoded JSON answer."""
-        body = json.dumps(payload, separators=(",", ":")).encode()
-        return await self._json("POST", base_url, path, body, timeout)
-
-    async def post_bytes(
-        self, base_url: str, path: str, body: bytes, *, timeout: float | None = None
-    ) -> Any:
-        """POST raw bytes (a delta frame) to ``base_url + path``; the decoded JSON answer."""
-        return await self._json("POST", base_url, path, body, timeout, _OCTETS)
-
-    async def get_json(self, base_url: str, path: str, *, timeout: float | None = None) -> Any:
-        """GET ``base_url + path``; the decoded JSON answer."""
-        return await self._json("GET", base_url, path, b"", timeout)
-
-    def stream(
-        self, method: str, base_url: str, path: str, *, timeout: float | None = None
-    ) -> AbstractAsyncContextManager[httpx.Response]:
-        """A signed request without body whose answer is read in chunks (``aiter_bytes``);
-        raises ``PeerRequestError`` on a non-2xx answer or a transfer that fails midway."""
-        return self._open(method, base_url, path, b"", timeout)
-
-    async def _json(
-        self,
-        method: str,
-        base_url: str,
-        path: str,
-        body: bytes,
-        timeout: float | None,
-        content_type: str = _JSON,
-    ) -> Any:
-        limit = self._timeout if timeout is None else timeout
-        try:
-            async with (
-                asyncio.timeout(limit),
-                self._open(method, base_url, path, body, limit, content_type) as response,
-            ):
-                data = await _read_capped(response, _MAX_JSON_BYTES)
-                status = response.status_code
-        except TimeoutError:
-            raise PeerRequestError(
-                f"peer {base_url}: {method} {path} timed out after {limit:g} s"
-            ) from None
-        if data is None:
-            raise PeerRequestError(
-                f"peer {base_url}: {method} {path} answered more than {_MAX_JSON_BYTES} bytes",
-                status=status,
-            )
-        if not data:
-            return None
-        try:
-            return json.loads(data)
-        except ValueError:
-            raise PeerRequestError(
-                f"peer {base_url}: {method} {path} answered {status} with a body that is not "
-                f"JSON: {_detail(data)}",
-                status=status,
-            ) from None
-
-    @asynccontextmanager
-    async def _open(
-        self,
-        method: str,
-        base_url: str,
-        path: str,
-        body: bytes,
-        timeout: float | None,
-        content_type: str = _JSON,
-    ) -> AsyncIterator[httpx.Response]:
-        method = method.upper()
-        if not path.startswith("/"):
-            raise ValueError(f"path {path!r} must start with /")
-        try:
-            url = httpx.URL(base_url.rstrip("/") + path)
-        except httpx.InvalidURL as e:
-            raise PeerRequestError(f"peer {base_url}: invalid URL ({e})") from None
-        # Sign the target exactly as it goes on the wire (httpx percent-encodes the path).
-        target = url.raw_path.decode("ascii")
-        headers = sign_request(self._identity, self._admission, method, target, body)
-        if body:
-            headers["Content-Type"] = content_type
-        limit = self._timeout if timeout is None else timeout
-        try:
-            async with self._client.stream(
-                method, url, content=body, headers=headers, timeout=httpx.Timeout(limit)
-            ) as response:
-                if not response.is_success:
-                    detail = _detail(await _read_capped(response, _MAX_ERROR_BYTES))
-                    raise PeerRequestError(
-                        f"peer {base_url}: {method} {path} answered {response.status_code}: "
-                        f"{detail}",
-                        status=response.status_code,
-                    )
-                yield response
-        except httpx.TimeoutException as e:
-            raise PeerRequestError(
-                f"peer {base_url}: {method} {path} timed out after {limit:g} s ({type(e).__name__})"
-            ) from e
-        except httpx.RequestError as e:
-            # Also reached when a chunked read fails inside the caller's ``async with``.
-            reason = str(e) or type(e).__name__
-            raise PeerRequestError(f"peer {base_url}: {method} {path} failed: {reason}") from e

@@ -1,0 +1,268 @@
+"""The peer plane's messages: one pydantic model per message, used by client and server.
+
+Every field from the network is typed and bounded before anything uses it: counters
+(incarnations, steps, rounds) below 2^62 (so SQLite's 64-bit integers always hold them), ids
+and keys as fixed-length lowercase hex, URLs as short http(s) URLs without credentials, lists
+with a maximum length, no unknown fields. A message that does not fit is refused whole with the
+field and the reason (``MessageError``, answered 422).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+)
+
+from atomd.errors import MessageError, PeerRequestError
+from atomd.p2p.identity import Identity, peer_id_from_public_key, verify_signature
+from atomd.spec import JobSpec
+
+MAX_COUNTER = 2**62 - 1
+"""Largest incarnation, step or round accepted from the network (SQLite integers are 64-bit)."""
+MAX_UPDATES = 64  # gossip updates piggybacked on one message
+MAX_MEMBERS = 1024  # members in a join reply
+MAX_URL = 256
+MAX_FILE_BYTES = 1 << 46  # one checkpoint file (64 TiB): sizes are checked against the model too
+
+Counter = Annotated[int, Field(ge=0, le=MAX_COUNTER, strict=True)]
+PeerId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$", strict=True)]
+PublicKeyHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$", strict=True)]
+SignatureHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$", strict=True)]
+Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$", strict=True)]
+JobId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$", strict=True)]
+SwarmName = Annotated[
+    str, StringConstraints(pattern=r"^[\x21-\x7e]([\x20-\x7e]{0,198}[\x21-\x7e])?$", strict=True)
+]
+ShortText = Annotated[str, StringConstraints(max_length=64, strict=True)]
+MemberState = Literal["alive", "suspect", "dead", "left"]
+
+
+def check_url(url: str) -> str:
+    """An http(s) URL a peer can be reached at: scheme, host, optional port and path; no
+    credentials, query or fragment; printable ASCII, at most ``MAX_URL`` characters. Returned
+    without a trailing slash."""
+    if len(url) > MAX_URL or not url.isascii() or not url.isprintable() or " " in url:
+        raise ValueError(f"expected a printable ASCII URL of at most {MAX_URL} characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"not a URL: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("expected http:// or https:// and a host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("a peer URL holds no credentials")
+    if parts.query or parts.fragment:
+        raise ValueError("a peer URL has no query or fragment")
+    if port == 0:
+        raise ValueError("port 0")
+    return url.rstrip("/")
+
+
+PeerUrl = Annotated[str, StringConstraints(strict=True), AfterValidator(check_url)]
+
+
+class Message(BaseModel):
+    """Base of every peer-plane message: immutable, strict, no unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    def to_bytes(self) -> bytes:
+        """Compact JSON, field aliases as on the wire."""
+        return self.model_dump_json(by_alias=True).encode()
+
+
+M = TypeVar("M", bound=Message)
+
+
+def parse(model: type[M], data: bytes | str | Any) -> M:
+    """``data`` (JSON bytes or text, or already decoded) as a ``model``; ``MessageError``
+    otherwise, naming at most three offending fields."""
+    try:
+        if isinstance(data, bytes | str):
+            return model.model_validate_json(data)
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise MessageError(f"malformed {model.__name__}: {_errors(e)}") from None
+
+
+def parse_answer(model: type[M], data: bytes, url: str, path: str) -> M:
+    """A peer's answer as ``model``; ``PeerRequestError`` when it does not fit."""
+    try:
+        return parse(model, data)
+    except MessageError as e:
+        raise PeerRequestError(f"peer {url}: {path} answered a {e}") from None
+
+
+def _errors(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:3]:
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        parts.append(f"{loc}: {err['msg']}")
+    more = e.error_count() - len(parts)
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+# -- membership ---------------------------------------------------------------------------------
+
+
+class MemberRecord(Message):
+    """What a member is, as of an incarnation: one piece of gossip.
+
+    An ``alive`` or ``left`` record is the member's own word: ``signature`` is its Ed25519
+    signature of ``record_payload`` (swarm, id, url, key, state, incarnation), checked on
+    receipt (``record_problem``), so nobody else can say that it left, nor give it another URL.
+    ``suspect`` and ``dead`` records are others' opinions, unsigned: a receiver takes them only
+    as a reason to probe the member itself."""
+
+    id: PeerId
+    url: PeerUrl
+    public_key: PublicKeyHex
+    state: MemberState
+    incarnation: Counter
+    signature: SignatureHex | None = None
+
+
+RECORD_VERSION = "atomd-member-v1"
+
+
+def record_payload(r: MemberRecord, swarm: str) -> bytes:
+    """What a member signs of its own record (no field can hold a line break)."""
+    fields = (RECORD_VERSION, swarm, r.id, r.url, r.public_key, r.state, str(r.incarnation))
+    return "\n".join(fields).encode()
+
+
+def sign_record(r: MemberRecord, identity: Identity, swarm: str) -> MemberRecord:
+    """``r`` signed by ``identity`` (which must be the member's own)."""
+    if identity.peer_id != r.id or identity.public_key_hex != r.public_key:
+        raise ValueError(f"peer {identity.peer_id} cannot sign the record of {r.id}")
+    unsigned = r.model_copy(update={"signature": None})
+    sig = identity.sign(record_payload(unsigned, swarm)).hex()
+    return r.model_copy(update={"signature": sig})
+
+
+def record_problem(r: MemberRecord, swarm: str) -> str | None:
+    """Why ``r`` cannot be believed, or None: its id must be its key's, and an ``alive`` or
+    ``left`` record must be signed by that key."""
+    if peer_id_from_public_key(r.public_key) != r.id:
+        return f"peer id {r.id} is not that of key {r.public_key}"
+    if r.state in ("alive", "left"):
+        if r.signature is None:
+            return f"an unsigned {r.state} record of {r.id}: only the member itself says so"
+        payload = record_payload(r.model_copy(update={"signature": None}), swarm)
+        if not verify_signature(r.public_key, payload, bytes.fromhex(r.signature)):
+            return f"the {r.state} record of {r.id} is not signed by its key"
+    return None
+
+
+class JobAdvert(Message):
+    """The swarm job a member trains, carried on its messages so that free peers join it."""
+
+    id: JobId
+    spec: JobSpec
+    origin: PeerId | None = None
+
+
+class Gossip(Message):
+    """Every SWIM message: its sender's own record, piggybacked updates, the sender's job."""
+
+    sender: MemberRecord = Field(alias="from")
+    updates: list[MemberRecord] = Field(default_factory=list, max_length=MAX_UPDATES)
+    job: JobAdvert | None = None
+
+
+class PingReq(Gossip):
+    """Asks the receiver to ping ``target`` for the sender."""
+
+    target: PeerId
+
+
+class PingReqReply(Gossip):
+    ok: bool
+
+
+class JoinReply(Gossip):
+    """The answer to a join: every member the receiver knows."""
+
+    members: list[MemberRecord] = Field(default_factory=list, max_length=MAX_MEMBERS)
+
+
+class Announce(Gossip):
+    """A new swarm job, told to every live member at once."""
+
+    job: JobAdvert
+
+
+class StopJob(Message):
+    """Stop a job swarm-wide."""
+
+    sender: MemberRecord = Field(alias="from")
+
+
+class Ack(Message):
+    """An empty answer."""
+
+
+class DeltaAccepted(Message):
+    """The answer to a delta upload: queued for the next round boundary."""
+
+    accepted: bool
+    bytes: Counter
+
+
+class PeerInfo(Message):
+    """``GET /p2p/v1/info``: who answers at this URL (not signed)."""
+
+    swarm: SwarmName
+    version: ShortText
+    id: PeerId
+    url: PeerUrl
+
+
+# -- state transfer -----------------------------------------------------------------------------
+
+
+class FileEntry(Message):
+    bytes: Annotated[int, Field(ge=0, le=MAX_FILE_BYTES, strict=True)]
+    sha256: Sha256Hex
+
+
+class StateFiles(Message):
+    model: FileEntry = Field(alias="model.safetensors")
+    state: FileEntry = Field(alias="state.safetensors")
+    # A run with a BPE tokenizer keeps its tokenizer.json beside the tensors.
+    tokenizer: FileEntry | None = Field(None, alias="tokenizer.json")
+
+    def entries(self) -> dict[str, FileEntry]:
+        """File name -> entry, for the files this checkpoint has."""
+        named = {"model.safetensors": self.model, "state.safetensors": self.state}
+        return named | ({"tokenizer.json": self.tokenizer} if self.tokenizer else {})
+
+
+class StateManifest(Message):
+    """A donor's newest checkpoint: its ``meta.json`` (step, file sizes and sha256, and the
+    training metadata the joiner's checkpoint keeps)."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, protected_namespaces=()
+    )
+
+    format_version: Literal[1]
+    step: Counter
+    files: StateFiles
+    atomd_version: ShortText | None = None
+    arch: dict[str, int | float | str | bool | None] | None = Field(
+        None, alias="model_config", max_length=64
+    )
+    spec: JobSpec | None = None
+    data_position: dict[str, int] | None = Field(None, max_length=8)
+    tokens: Counter | None = None
+    plan: dict[str, Any] | None = Field(None, max_length=64)

@@ -1,0 +1,141 @@
+"""The loss guard: a merge after which the replica's loss jumps is rolled back, its source refused.
+
+The robust rule (``atomd.sync.robust``) bounds each received delta by its size. A delta of
+honest size can still be poison (its sign flipped, or shaped to hit one weakness of the model);
+what shows it is the loss. ``LossGuard`` wraps a ``SyncState`` and a *probe* (the replica's
+loss on one fixed batch, forward only): it measures the probe before and after every merge that
+moves the replica, and when the loss has jumped (non-finite, or up by more than ``max_rise``
+nats and ``max_rise_ratio`` of its value) it takes the merged deltas out again
+(``SyncState.retract``), then merges them back one at a time, probing each, so that only the
+culprit is refused (a strike against its sender) and the honest deltas merged beside it stay.
+
+Nothing is written from a poisoned replica: the guard runs inside the merge, on the trainer
+thread, before the next training step and before any checkpoint. Cost: two forward passes of
+the probe batch per merge that brings deltas (none when nothing arrived), and the rollback's
+passes only when a merge is refused.
+
+Deltas enter the replica in two ways, and both are guarded: ``absorb`` (between boundaries,
+deltas of rounds this peer has closed) and the round boundary (the deltas of the round it
+closes, judged once its own delta is known). Deltas of older rounds that are still in the inbox
+at a boundary are absorbed (guarded) just before it, which merges them exactly as the boundary
+would have (both leave them pending until the boundary commits them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from atomd.logs import get_logger
+from atomd.sync.state import Contribution, MergeReport, Outgoing, RefusedDelta, SyncState, Taken
+
+log = get_logger(__name__)
+
+MAX_RISE = 0.5
+"""Nats: a merge may raise the probe loss by this much (and ``MAX_RISE_RATIO`` of it)."""
+MAX_RISE_RATIO = 0.15
+
+
+class LossGuard:
+    """Guards the merges of one ``SyncState`` with a probe of the replica's loss."""
+
+    def __init__(
+        self,
+        state: SyncState,
+        probe: Callable[[], float],
+        *,
+        max_rise: float = MAX_RISE,
+        max_rise_ratio: float = MAX_RISE_RATIO,
+    ) -> None:
+        if state.screen is None:
+            raise ValueError("the loss guard needs the robust rule (SyncState(robust=...))")
+        self.state = state
+        self.probe = probe
+        self.max_rise = max_rise
+        self.max_rise_ratio = max_rise_ratio
+        self.rollbacks = 0  # merges rolled back (for the records and tests)
+        self.largest_rise = 0.0  # the largest rise of a merge that was kept, in nats
+
+    def jumped(self, before: float, after: float) -> bool:
+        """Whether ``after`` is a jump from ``before`` (non-finite always is)."""
+        if not math.isfinite(after):
+            return True
+        rise = after - before
+        if rise > self.max_rise and rise > self.max_rise_ratio * abs(before):
+            return True
+        self.largest_rise = max(self.largest_rise, rise)
+        return False
+
+    def absorb(self, inbox: Sequence[Contribution]) -> MergeReport:
+        """``SyncState.absorb``, guarded."""
+        state = self.state
+        if not inbox:
+            return state.absorb(inbox)
+        before = self.probe()
+        report = state.absorb(inbox)
+        moved = [t for t in report.taken if t.contribution.base_version < state.version]
+        if not moved:
+            return report
+        after = self.probe()
+        if not self.jumped(before, after):
+            return report
+        return self._roll_back(report, moved, before, after)
+
+    def round_boundary(self, inbox: Sequence[Contribution], *, n_peers: int) -> Outgoing:
+        """``SyncState.round_boundary``, guarded; ``state.last_merge`` says what was applied."""
+        state = self.state
+        early = self.absorb([c for c in inbox if c.base_version < state.version])
+        later = [c for c in inbox if c.base_version >= state.version]
+        before = self.probe()
+        out = state.round_boundary(later, n_peers=n_peers)
+        report = state.last_merge
+        closing = [t for t in report.taken if t.contribution.base_version == state.version - 1]
+        if closing:
+            after = self.probe()
+            if self.jumped(before, after):
+                report = self._roll_back(report, closing, before, after)
+        report.applied[:0] = early.applied
+        report.refused[:0] = early.refused
+        report.taken[:0] = early.taken
+        state.last_merge = report
+        return out
+
+    def _roll_back(
+        self, report: MergeReport, moved: list[Taken], before: float, after: float
+    ) -> MergeReport:
+        """Take ``moved`` out, then merge each back alone; refuse those that make it jump."""
+        state = self.state
+        self.rollbacks += 1
+        log.warning(
+            "the probe loss went %.4g -> %.4g after merging %d delta(s); rolled back, "
+            "merging them one at a time",
+            before, after, len(moved),
+        )  # fmt: skip
+        state.retract(moved)
+        out = MergeReport(version=report.version, refused=list(report.refused))
+        ids = {id(t) for t in moved}
+        for a, t in zip(report.applied, report.taken, strict=True):
+            if id(t) not in ids:  # not moved (held or of a later round): stays as it was
+                out.applied.append(a)
+                out.taken.append(t)
+        for t in moved:
+            c = t.contribution
+            alone = state.absorb([c])
+            if not alone.taken:
+                out.refused += alone.refused
+                continue
+            loss = self.probe()
+            if self.jumped(before, loss):
+                state.retract(alone.taken)
+                reason = (
+                    f"loss jump: the probe loss went {before:.4g} -> {loss:.4g} with this delta "
+                    f"merged; rolled back (at most +{self.max_rise:g} nats and "
+                    f"{self.max_rise_ratio:.0%} allowed)"
+                )
+                log.warning("delta from %s (round %d) refused: %s", c.sender, c.round, reason)
+                out.refused.append(RefusedDelta(c.sender, c.round, reason, True))
+            else:
+                out.applied += alone.applied
+                out.taken += alone.taken
+                before = loss
+        return out

@@ -1,0 +1,241 @@
+"""The robust merge: every received delta is judged before it touches the anchor or a replica.
+
+A member of the swarm may be broken or hostile: it can sign a well-formed frame whose values
+are all 5.0, its honest delta times 1e30, noise, or its delta with the sign flipped. The checks
+of the wire format (shapes, NaN/Inf, codec layout) pass all of these. ``Screen`` bounds them.
+
+**The rule** (one contribution at a time, as it arrives: the merge is asynchronous, so there is
+no set of simultaneous deltas to take a coordinate-wise median or a trimmed mean over, and with
+top-k most coordinates carry one delta or none, where a median is 0 and a trimmed mean throws
+the signal away):
+
+1. The *reference* of round r is the lower median of the L2 norms of this peer's own delta of
+   round r and of the deltas already accepted for round r (after their own clipping), per
+   tensor and overall. The own delta is the one nobody can forge; the others make the
+   reference follow peers that legitimately send more (faster peers take more steps per
+   round). A hostile member moves the lower median by at most one rank, and only with what
+   survived its own clipping.
+2. A delta whose norm exceeds ``refuse_ratio`` (16) times the reference is refused (a strike
+   against its sender); above ``clip_ratio`` (4) it is scaled down to ``clip_ratio`` times
+   the reference (norm clipping, as in Byzantine-robust SGD: it bounds what any one delta can
+   move, whatever its direction). 4, not less: with ``sync.every: "auto"`` peers close
+   rounds by time, so a peer twice or four times as fast sends a delta of two to four times
+   the norm, and honest deltas must pass untouched for the anchors to agree.
+3. Then each tensor's norm is clipped to ``tensor_ratio`` (6) times that tensor's reference
+   (an attack concentrated in one small tensor, a LayerNorm gain, has a small overall norm),
+   and each coordinate to ``coord_ratio`` (8) times the reference's largest absolute value in
+   its tensor (top-k and int8 deltas are made of few large entries; one entry of 1e3 would
+   otherwise pass in a large model).
+
+Honest deltas of peers at the same pace differ in norm by a few percent (the study in
+``bench/robust_sim.py``: within 3%, per tensor within 1.5x), so at these ratios an honest
+swarm's deltas pass untouched and its anchors stay equal; only outliers are clipped or
+refused. What norm clipping cannot see (a sign-flipped delta of honest size) is
+bounded by it to what one honest peer contributes; the loss guard of ``SyncPlugin`` catches
+what makes the loss jump. The judgements are local (each peer's own delta is in its
+reference), so two honest peers may clip an outlier by slightly different factors: their
+anchors then differ by at most that outlier's difference, never by an honest delta.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class RobustRule:
+    """Thresholds of the robust merge, as multiples of the round's reference norms."""
+
+    clip_ratio: float = 4.0
+    """A delta's norm above this times the reference is scaled down to it (honest peers of one
+    swarm take up to 4x each other's steps per round with ``sync.every: "auto"``)."""
+    refuse_ratio: float = 16.0
+    """A delta's norm above this times the reference is refused (a strike)."""
+    tensor_ratio: float = 6.0
+    """Each tensor's norm is clipped to this times its own reference."""
+    coord_ratio: float = 8.0
+    """Each coordinate is clipped to this times the reference's largest |x| in its tensor."""
+    strike_scale: float = 0.5
+    """A delta scaled by less than this counts as a strike too (far outside the swarm)."""
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.clip_ratio <= self.refuse_ratio:
+            raise ValueError(
+                f"need 1 <= clip_ratio <= refuse_ratio, got {self.clip_ratio}, {self.refuse_ratio}"
+            )
+        if self.tensor_ratio < 1.0 or self.coord_ratio < 1.0:
+            raise ValueError("tensor_ratio and coord_ratio must be >= 1")
+        if not 0.0 < self.strike_scale <= 1.0:
+            raise ValueError(f"strike_scale must be in (0, 1], got {self.strike_scale}")
+
+
+@dataclass(frozen=True)
+class DeltaStats:
+    """The norms the rule compares: overall, per tensor, and each tensor's largest |x|."""
+
+    norm: float
+    tensor_norms: dict[str, float]
+    tensor_maxabs: dict[str, float]
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, tensors: Mapping[str, Tensor]) -> DeltaStats:
+        norms: dict[str, float] = {}
+        maxabs: dict[str, float] = {}
+        for name, t in tensors.items():
+            flat = t.detach().reshape(-1)
+            # float64 sums: 1e30-sized entries must give a finite (huge) norm, not inf.
+            norms[name] = math.sqrt(float(flat.double().square().sum()))
+            maxabs[name] = float(flat.abs().max()) if flat.numel() else 0.0
+        return cls(math.sqrt(sum(n * n for n in norms.values())), norms, maxabs)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What the rule made of one delta: ``tensors`` to merge (None: refused), and why."""
+
+    tensors: dict[str, Tensor] | None
+    reason: str | None  # why it was refused, or what was clipped (None: untouched)
+    scale: float  # the overall factor applied (1: not clipped)
+    strike: bool  # counts against the sender (quarantine)
+    stats: DeltaStats | None = None  # of ``tensors``, as the reference now holds them
+
+    @property
+    def accepted(self) -> bool:
+        return self.tensors is not None
+
+
+def lower_median(values: list[float]) -> float:
+    """The lower median: with an even count the smaller middle value (one outlier among two
+    values cannot raise it)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+@dataclass
+class _Round:
+    own: DeltaStats | None = None
+    accepted: list[DeltaStats] = field(default_factory=list)
+
+
+class Screen:
+    """The robust-merge rule of one peer for one job: its references and its judgements.
+
+    ``record_own`` takes this peer's own delta of each round it closes; ``judge`` then bounds
+    the deltas of that round. Keeps the statistics of the last ``keep_rounds`` rounds (norms
+    only, a few floats per tensor)."""
+
+    def __init__(self, rule: RobustRule | None = None, *, keep_rounds: int = 16) -> None:
+        self.rule = rule or RobustRule()
+        self.keep_rounds = keep_rounds
+        self._rounds: dict[int, _Round] = {}
+
+    def knows(self, base_version: int) -> bool:
+        """Whether this peer's own delta of that round is known (the reference exists)."""
+        r = self._rounds.get(base_version)
+        return r is not None and r.own is not None
+
+    def record_own(self, base_version: int, tensors: Mapping[str, Tensor]) -> None:
+        self._rounds.setdefault(base_version, _Round()).own = DeltaStats.of(tensors)
+        for old in [b for b in self._rounds if b <= base_version - self.keep_rounds]:
+            del self._rounds[old]
+
+    def forget(self, base_version: int, stats: DeltaStats) -> None:
+        """Drop an accepted delta from its round's reference (it was retracted)."""
+        r = self._rounds.get(base_version)
+        if r is not None:
+            r.accepted = [s for s in r.accepted if s is not stats]
+
+    def _reference(self, base_version: int) -> tuple[DeltaStats | None, list[DeltaStats]]:
+        """This peer's own statistics for the round (or, when it did not move in that round or
+        is not known, of the nearest round within two in which it did), and the deltas accepted
+        for the round so far."""
+        r = self._rounds.get(base_version, _Round())
+        own = r.own
+        if own is None or own.norm <= 0.0:
+            near = sorted(
+                (abs(b - base_version), b)
+                for b, x in self._rounds.items()
+                if x.own is not None and x.own.norm > 0.0 and abs(b - base_version) <= 2
+            )
+            own = self._rounds[near[0][1]].own if near else None
+        return own, r.accepted
+
+    @torch.no_grad()
+    def judge(self, base_version: int, tensors: Mapping[str, Tensor]) -> Judgement:
+        """Bound one delta of round ``base_version`` (see the module docstring). The delta's
+        tensors are not modified; a clipped delta comes back as new tensors."""
+        rule = self.rule
+        own, accepted = self._reference(base_version)
+        stats = DeltaStats.of(tensors)
+        pool = [s for s in [own, *accepted] if s is not None and s.norm > 0.0]
+        if not pool:
+            if stats.norm == 0.0:  # nothing moved anywhere: nothing to bound
+                return self._accept(base_version, dict(tensors), stats, None, 1.0, False)
+            return Judgement(
+                None,
+                f"no reference: this peer has no delta of its own that moved near round "
+                f"{base_version} to judge it by",
+                0.0,
+                False,
+            )
+        ref = lower_median([s.norm for s in pool])
+        if stats.norm > rule.refuse_ratio * ref:
+            return Judgement(
+                None,
+                f"outlier: norm {stats.norm:.4g} is {stats.norm / ref:.3g} x the round's "
+                f"reference {ref:.4g}; at most {rule.refuse_ratio:g} x is accepted",
+                0.0,
+                True,
+            )
+        scale = 1.0
+        notes: list[str] = []
+        if stats.norm > rule.clip_ratio * ref:
+            scale = rule.clip_ratio * ref / stats.norm
+            notes.append(f"norm {stats.norm:.4g} clipped to {rule.clip_ratio:g} x {ref:.4g}")
+        out: dict[str, Tensor] = {}
+        for name, t in tensors.items():
+            t_ref = lower_median([s.tensor_norms.get(name, 0.0) for s in pool])
+            if t_ref <= 0.0:
+                # A tensor nobody else moved: its share of the overall reference by size.
+                share = math.sqrt(t.numel() / max(1, sum(x.numel() for x in tensors.values())))
+                t_ref = ref * share
+            x = t.to(torch.float32)
+            t_scale = scale
+            t_norm = stats.tensor_norms[name] * scale
+            if t_norm > rule.tensor_ratio * t_ref:
+                t_scale *= rule.tensor_ratio * t_ref / t_norm
+                notes.append(f"tensor {name} clipped")
+            if t_scale != 1.0:
+                x = x * t_scale
+            m_ref = lower_median([s.tensor_maxabs.get(name, 0.0) for s in pool])
+            bound = rule.coord_ratio * (m_ref if m_ref > 0.0 else t_ref)
+            if stats.tensor_maxabs[name] * t_scale > bound:
+                x = x.clamp(-bound, bound)
+                notes.append(f"{name} entries clipped to +-{bound:.3g}")
+            out[name] = x
+        reason = None
+        if notes:
+            shown = notes if len(notes) <= 3 else [*notes[:3], f"{len(notes) - 3} more"]
+            reason = "clipped: " + "; ".join(shown)
+        strike = scale < rule.strike_scale
+        kept = stats if reason is None else None
+        return self._accept(base_version, out, kept, reason, scale, strike)
+
+    def _accept(
+        self,
+        base_version: int,
+        tensors: dict[str, Tensor],
+        stats: DeltaStats | None,
+        reason: str | None,
+        scale: float,
+        strike: bool,
+    ) -> Judgement:
+        kept = stats if stats is not None and reason is None else DeltaStats.of(tensors)
+        self._rounds.setdefault(base_version, _Round()).accepted.append(kept)
+        return Judgement(tensors, reason, scale, strike, kept)

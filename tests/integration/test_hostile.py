@@ -1,0 +1,207 @@
+"""A hostile member (its own valid key, admitted to the swarm) against two honest daemons.
+
+It joins with signed requests, then sends well-formed, correctly signed delta frames that carry
+poison: every value 5.0, in the job's codec (top-k) and in another (fp32, the attack of issue
+#15 that took the honest loss 2.75 -> 11.48). The honest peers must refuse them, quarantine the
+sender, finish training with a loss below the untrained model's, and checkpoint a model that is
+not poisoned. Then the operator bans and unbans its key (CLI and REST)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import load_file
+
+from atomd.launch import DaemonProcess, free_port, peer_id, start_swarm, stop_all, wait_until
+from atomd.model.presets import get_preset
+from atomd.p2p import paths
+from atomd.p2p.client import PeerClient
+from atomd.p2p.identity import Identity
+from atomd.p2p.messages import DeltaAccepted, Gossip, JoinReply, MemberRecord, sign_record
+from atomd.p2p.signing import Admission
+from atomd.sync.codecs import Encoded, make_codec
+from atomd.sync.wire import encode_frame
+from tests.integration.conftest import FAST_JOB
+
+JOB = {
+    **FAST_JOB,
+    "max_steps": 120,
+    "eval_interval": 20,
+    "checkpoint_interval": 20,
+    "sync": {"every": 5, "codec": "topk"},
+}
+UNTRAINED = math.log(256)  # nats per byte of a model that knows nothing (5.55)
+
+
+class Hostile:
+    """A member of the swarm with a valid key that sends poison."""
+
+    def __init__(self) -> None:
+        self.identity = Identity.generate()
+        self.url = f"http://127.0.0.1:{free_port()}"  # nobody answers there: it never gossips
+        self.record = sign_record(MemberRecord(
+            id=self.identity.peer_id, url=self.url, public_key=self.identity.public_key_hex,
+            state="alive", incarnation=1,
+        ), self.identity, "default")  # fmt: skip
+
+    def _client(self) -> PeerClient:
+        return PeerClient(self.identity, Admission("default", None, frozenset()), timeout=30)
+
+    def join(self, d: DaemonProcess, target: str) -> int:
+        """A signed join; the HTTP status (200, or the refusal's)."""
+
+        async def go() -> int:
+            async with self._client() as c:
+                try:
+                    await c.post(d.peer_url, paths.JOIN, Gossip(sender=self.record), JoinReply,
+                                 target=target)  # fmt: skip
+                    return 200
+                except Exception as e:
+                    return int(getattr(e, "status", None) or 0)
+
+        return asyncio.run(go())
+
+    def send(self, d: DaemonProcess, target: str, frame: bytes) -> int:
+        """POST one frame; the HTTP status (202 accepted, 4xx refused)."""
+
+        async def go() -> int:
+            async with self._client() as c:
+                try:
+                    await c.post_bytes(d.peer_url, paths.job_deltas(JOB_ID[0]), frame,
+                                       DeltaAccepted, target=target)  # fmt: skip
+                    return 202
+                except Exception as e:
+                    return int(getattr(e, "status", None) or 0)
+
+        return asyncio.run(go())
+
+    def frame(self, job_id: str, base_version: int, codec: str, round: int = -1) -> bytes:
+        enc = make_codec(codec, topk_fraction=0.01)
+        tensors: list[tuple[str, Encoded]] = [
+            (name, enc.encode(torch.full(shape, 5.0))) for name, shape in SHAPES.items()
+        ]
+        rnd = base_version if round < 0 else round
+        return encode_frame(identity=self.identity, job_id=job_id, round=rnd,
+                            base_version=base_version, tensors=tensors)  # fmt: skip
+
+
+JOB_ID: list[str] = []
+SHAPES: dict[str, tuple[int, ...]] = {}
+
+
+def _rounds(d: DaemonProcess, jid: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{d.url}/v1/jobs/{jid}/rounds", timeout=10)
+    return list(r.json()) if r.status_code == 200 else []
+
+
+def _peer(d: DaemonProcess, pid: str) -> dict[str, Any]:
+    rows = httpx.get(f"{d.url}/v1/peers", timeout=10).json()
+    return next((p for p in rows if p["id"] == pid), {})
+
+
+def _job(d: DaemonProcess, jid: str) -> dict[str, Any]:
+    return dict(httpx.get(f"{d.url}/v1/jobs/{jid}", timeout=10).json())
+
+
+def test_hostile_member_is_refused_quarantined_and_banned(tmp_path: Path) -> None:
+    from atomd.engines import build_model
+
+    cfg = get_preset("tiny")
+    SHAPES.update({n: tuple(p.shape) for n, p in build_model(cfg, 0).named_parameters()})
+    started: list[DaemonProcess] = []
+    try:
+        honest = start_swarm(tmp_path, 2, started=started)
+        ids = [peer_id(d) for d in honest]
+        wait_until(lambda: all(len(httpx.get(d.url + "/v1/peers").json()) == 2 for d in honest),
+                   timeout=60, what="the honest peers know each other")  # fmt: skip
+        evil = Hostile()
+        for d, pid in zip(honest, ids, strict=True):
+            assert evil.join(d, pid) == 200
+        assert all(_peer(d, evil.identity.peer_id) for d in honest), "the member was admitted"
+
+        jid = httpx.post(f"{honest[0].url}/v1/jobs", json=JOB, timeout=60).json()["id"]
+        JOB_ID.append(jid)
+        wait_until(lambda: all(_job(d, jid).get("state") == "running" for d in honest),
+                   timeout=120, what="both train")  # fmt: skip
+
+        def closed(d: DaemonProcess) -> int:
+            sent = [r["round"] for r in _rounds(d, jid) if r["direction"] == "sent"]
+            return max(sent, default=-1)
+
+        wait_until(lambda: min(closed(d) for d in honest) >= 0, timeout=300, what="a round")
+        statuses: list[int] = []
+        sent_versions: set[tuple[int, int]] = set()
+
+        def attack() -> bool:
+            """Poison every honest peer for the rounds around its own; True once both have
+            quarantined the attacker (their refusals say so)."""
+            done = True
+            for i, (d, pid) in enumerate(zip(honest, ids, strict=True)):
+                if _peer(d, evil.identity.peer_id).get("excluded") == "quarantined":
+                    continue
+                done = False
+                v = closed(d)
+                for base in (v, v + 1):
+                    if (i, base) in sent_versions:
+                        continue
+                    sent_versions.add((i, base))
+                    statuses.append(evil.send(d, pid, evil.frame(jid, base, "topk")))
+                if (i, -1) not in sent_versions:  # once: another codec is a strike at once
+                    sent_versions.add((i, -1))
+                    statuses.append(evil.send(d, pid, evil.frame(jid, v + 1, "fp32", round=v + 7)))
+            return done
+
+        wait_until(attack, timeout=600, interval=1.0, what="the attacker quarantined by both")
+        assert 202 in statuses, "the top-k frames pass the wire checks: the merge refuses them"
+        for d in honest:
+            p = _peer(d, evil.identity.peer_id)
+            assert p["excluded"] == "quarantined" and "refused" in p["excluded_reason"], p
+            refused = [r for r in _rounds(d, jid)
+                       if r["peer_id"] == evil.identity.peer_id and not r["applied"]]  # fmt: skip
+            reasons = " ".join(r["reason"] or "" for r in refused)
+            assert "outlier" in reasons and "wrong_codec" in reasons, reasons
+            applied = [r for r in _rounds(d, jid)
+                       if r["peer_id"] == evil.identity.peer_id and r["applied"]]  # fmt: skip
+            assert applied == [], "no poisoned delta was merged"
+            # Quarantined: refused before decoding.
+            assert evil.send(d, ids[honest.index(d)], evil.frame(jid, closed(d), "topk")) == 403
+
+        wait_until(lambda: all(_job(d, jid)["state"] == "finished" for d in honest),
+                   timeout=900, interval=1.0, what="both finish")  # fmt: skip
+        for d in honest:
+            job = _job(d, jid)
+            points = httpx.get(f"{d.url}/v1/jobs/{jid}/progress", timeout=10).json()
+            vals = [p["val_loss"] for p in points if p.get("val_loss") is not None]
+            assert vals and all(math.isfinite(v) and v < UNTRAINED - 0.5 for v in vals), vals
+            assert job["val_loss"] < UNTRAINED - 0.5, job
+            print(f"honest {d.name}: val {job['val_loss']:.4f} at step {job['step']}")
+            ckpts = sorted((d.data_dir / "jobs" / jid / "checkpoints").glob("step-*"))
+            assert ckpts, "checkpoints were written"
+            model = load_file(str(ckpts[-1] / "model.safetensors"))
+            worst = max(float(t.float().abs().max()) for t in model.values())
+            assert math.isfinite(worst) and worst < 4.0, f"{ckpts[-1]}: max |w| {worst}"
+
+        # The operator bans the key (CLI), the peer plane refuses it, then lifts it (REST).
+        a, key = honest[0], evil.identity.public_key_hex
+        out = subprocess.run(
+            [sys.executable, "-m", "atomd", "ban", key, "--reason", "poisoned deltas",
+             "--url", a.url], capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        p = _peer(a, evil.identity.peer_id)
+        assert p["excluded"] == "banned" and p["public_key"] == key
+        assert [b["public_key"] for b in httpx.get(a.url + "/v1/bans").json()] == [key]
+        assert evil.join(a, ids[0]) == 403, "a banned key is refused on the whole peer plane"
+        assert httpx.delete(f"{a.url}/v1/bans/{key}").status_code == 204
+        assert httpx.get(a.url + "/v1/bans").json() == []
+        assert _peer(a, evil.identity.peer_id).get("excluded") is None, "unbanned: no quarantine"
+        assert evil.join(a, ids[0]) == 200
+    finally:
+        stop_all(started)

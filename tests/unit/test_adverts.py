@@ -1,0 +1,68 @@
+"""A job from the swarm may not name a local path (issue #15)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from atomd.config import Settings
+from atomd.db import migrate, repo
+from atomd.db.engine import make_engine, make_sessionmaker
+from atomd.jobs import JobManager, advert_data_problem, advert_problem, local_data
+from atomd.spec import JobSpec
+from atomd.telemetry import Telemetry
+
+
+def test_only_the_bundled_corpus_or_registered_names() -> None:
+    names = {"wiki": "/srv/data/wiki.bin"}
+    assert advert_data_problem("shakespeare", names) is None
+    assert advert_data_problem("wiki", names) is None
+    for path in ("/etc/passwd", "/home/me/secret.txt", "../x.bin", "wiki.bin"):
+        why = advert_data_problem(path, names)
+        assert why is not None and "may not name a local path" in why and "wiki" in why
+    spec = JobSpec(preset="tiny", data="wiki")
+    assert local_data(spec, names).data == "/srv/data/wiki.bin"
+    assert local_data(JobSpec(preset="tiny"), names).data == "shakespeare"
+
+
+def test_no_field_of_an_advert_names_a_local_file(tmp_path: Path) -> None:
+    """Tokenizer and initial weights are local files too: an advert may not name them."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    ok = JobSpec(preset="tiny", tokenizer="default", vocab_size=4096)
+    assert advert_problem(ok, {}) is None
+    by_path = ok.model_copy(update={"tokenizer": str(tmp_path / "tokenizer.json")})
+    assert "may only use 'bytes' or 'default'" in (advert_problem(by_path, {}) or "")
+    weights = ok.model_copy(update={"init_from": str(tmp_path)})
+    assert "may not name a local path" in (advert_problem(weights, {}) or "")
+    data = ok.model_copy(update={"data": "/etc/passwd"})
+    assert "may not name a local path" in (advert_problem(data, {}) or "")
+
+
+async def test_an_advert_naming_a_path_is_not_joined(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the operator's private notes " * 1000)
+    settings = Settings(data_dir=tmp_path / "d", device="cpu")
+    await asyncio.to_thread(migrate.upgrade, settings.db_path)
+    engine = make_engine(settings.db_path)
+    sessions = make_sessionmaker(engine)
+    jobs = JobManager(jobs_dir=settings.jobs_dir, sessions=sessions, telemetry=Telemetry(),
+                      device="cpu", peer_id="p" * 32)  # fmt: skip
+    task = asyncio.create_task(jobs.run())
+    await jobs.wait_started()
+    try:
+        advert = {"id": "a" * 32, "spec": {"preset": "tiny", "data": str(secret)}}
+        jobs.offer(advert, ["http://127.0.0.1:1"])
+        for _ in range(200):
+            async with sessions() as s:
+                events = await repo.list_events(s, kind="job.refused")
+            if events:
+                break
+            await asyncio.sleep(0.02)
+        assert events and "may not name a local path" in events[0].message
+        assert jobs.active is None
+        async with sessions() as s:
+            assert await repo.get_job(s, job_id="a" * 32) is None
+    finally:
+        await jobs.shutdown()
+        await task
+        await engine.dispose()
