@@ -160,3 +160,15 @@ async def test_the_whole_transfer_has_a_deadline(tmp_path: Path, donors: Any) ->
     async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
         with pytest.raises(CheckpointError, match="did not arrive within 1 s"):
             await fetch_state(client, urls, "job1", tmp_path / "j", deadline_s=1.0)
+
+
+def test_a_checkpoint_that_names_its_tokenizer_is_served(tmp_path: Path) -> None:
+    """The trainer's meta.json holds the job's tokenizer (#17): the donor's manifest keeps it
+    (a strict manifest that refused the key made every live state a 404)."""
+    root = tmp_path / "ckpts"
+    ckpt.save_checkpoint(
+        root, step=3, model={"w": torch.ones(4)}, state={"optim.w.exp_avg": torch.ones(4)},
+        meta={"model_config": {}, "tokenizer": "default"},
+    )  # fmt: skip
+    found = newest_manifest(root)
+    assert found is not None and found.step == 3 and found.tokenizer == "default"
