@@ -266,5 +266,5 @@ class StateManifest(Message):
     data_position: dict[str, int] | None = Field(None, max_length=8)
     tokens: Counter | None = None
     plan: dict[str, Any] | None = Field(None, max_length=64)
-    # The job's tokenizer as its spec names it ("bytes", "default" or a path; #17 writes it).
-    tokenizer: str | None = Field(None, max_length=4096)
+    # The job spec's tokenizer name (Trainer.save writes it into every checkpoint's meta.json).
+    tokenizer: Annotated[str, StringConstraints(max_length=4096, strict=True)] | None = None
