@@ -277,7 +277,9 @@ def demo(
         bool, typer.Option("--local", help="One process, no daemons: atomd train with a sample.")
     ] = False,
     peers: Annotated[int, typer.Option(help="Daemons in the swarm demo.")] = 3,
-    every: Annotated[int, typer.Option(help="Steps between delta exchanges (H).")] = 50,
+    every: Annotated[
+        str, typer.Option(help="Steps between delta exchanges (H), or auto (the default).")
+    ] = "auto",
     device: DeviceOpt = "auto",
 ) -> None:
     """A swarm of daemons on loopback training the tiny GPT on Shakespeare together
@@ -285,9 +287,11 @@ def demo(
     if not local:
         from atomd.demo import run_swarm_demo
 
+        if every != "auto" and (not every.isdigit() or int(every) < 1):
+            fail(f"--every {every}: expected auto or a number >= 1")
         raise typer.Exit(
             run_swarm_demo(out / time.strftime("demo-swarm-%Y%m%d-%H%M%S"), peers=peers,
-                           max_steps=max_steps, every=every)
+                           max_steps=max_steps, every=every if every == "auto" else int(every))
         )  # fmt: skip
     from atomd.engines import build_engine
     from atomd.spec import JobSpec

@@ -106,7 +106,8 @@ class Inbox:
 
 
 class SyncPlugin:
-    """Plugged into a ``Trainer``: rounds every ``spec.every`` steps."""
+    """Plugged into a ``Trainer``: a round every H steps (``spec.every``, or the ``Cadence``'s
+    when it is "auto"), deltas absorbed as they arrive in between."""
 
     def __init__(
         self,

@@ -84,7 +84,8 @@ def test_namespaces_of_a_dead_benchmark_are_swept() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_small_swarm_of_real_daemons_reports_its_figures(tmp_path: Path) -> None:
-    task = Task(peers=2, steps=60, batch=4, seq_len=32, eval_batches=1, idle_s=1.0,
+    # 150 steps: long enough that the second peer joins while the first still trains.
+    task = Task(peers=2, steps=150, batch=4, seq_len=32, eval_batches=1, idle_s=1.0,
                 deadline_s=400.0)  # fmt: skip
     report = run_scenario(task, Scenario("unlimited"), tmp_path, network="loopback")
     assert not report["timed_out"] and report["network"] == "loopback"

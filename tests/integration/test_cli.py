@@ -139,11 +139,16 @@ def test_swarm_demo_runs_to_the_end(tmp_path: Path) -> None:
                "--every", "8", timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "the job has finished on every peer" in proc.stdout
-    assert "all 2 daemons stopped." in proc.stdout
-    assert proc.stdout.count(" after SIGTERM in ") == 2  # each daemon, and how it ended
+    assert "all 3 daemons stopped." in proc.stdout  # the two peers and the lone one
+    assert proc.stdout.count(" after SIGTERM in ") == 3  # each daemon, and how it ended
     last = [line for line in proc.stdout.splitlines() if "deltas merged" in line][-2:]
     assert all("finished" in line for line in last)
     assert any("deltas merged   0" not in line for line in last)  # deltas were merged
+    # The lone peer trained beside them, and the verdict compares their final losses.
+    alone = [line for line in proc.stdout.splitlines() if line.startswith("  alone  ")]
+    assert alone and "finished" in alone[-1] and "step   24" in alone[-1]
+    verdict = [line for line in proc.stdout.splitlines() if "final validation loss" in line]
+    assert len(verdict) == 1 and "one peer alone (the same steps" in verdict[0]
 
 
 def test_migrate_from_a_folder_with_its_own_migrations_package(tmp_path: Path) -> None:

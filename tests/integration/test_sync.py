@@ -56,6 +56,12 @@ def test_swarm_trains_with_deltas_and_survives_a_crash(tmp_path: Path) -> None:
         wait_until(lambda: all(merged_from_both(d) for d in ds), timeout=90, what="deltas merged")
         sent = [r for r in _rounds(a, jid) if r["direction"] == "sent" and r["applied"]]
         assert sent and all(r["codec"] == "topk" for r in sent)
+        # The cadence in force travels with each round and is shown with the job.
+        every = [r["every"] for r in sent]  # shorter: a round closed early to catch up
+        assert all(1 <= e <= 5 for e in every) and 5 in every
+        sync = _job(a, jid)["sync"]
+        assert sync["every"] == 5 and sync["auto"] == 0 and sync["rounds"] >= 1
+        assert sync["busy_s"] > 0 and sync["wait_s"] == 0
         assert min(r["compression_ratio"] for r in sent) > 20  # vs the fp32 delta
         assert {r["peer_id"] for r in sent} == {ids[1], ids[2]}
         metrics = httpx.get(a.url + "/metrics").text

@@ -5,7 +5,7 @@ import itertools
 import pytest
 from pydantic import ValidationError
 
-from atomd.spec import OUTER_MOMENTUM, JobSpec, SyncSpec, lr_at
+from atomd.spec import FREQUENT_MOMENTUM, OUTER_MOMENTUM, JobSpec, SyncSpec, lr_at
 
 
 def test_minimal_spec_is_valid() -> None:
@@ -72,14 +72,19 @@ def test_booleans_stay_booleans() -> None:
     assert spec.swap_graph_blocks == 0
 
 
-def test_outer_momentum_defaults_by_codec_and_shows_in_the_spec() -> None:
-    assert SyncSpec().codec == "topk"
-    assert SyncSpec().outer_momentum == OUTER_MOMENTUM["topk"] > 0
+def test_outer_momentum_defaults_by_codec_and_cadence_and_shows_in_the_spec() -> None:
+    assert SyncSpec().codec == "topk" and SyncSpec().every == "auto"
+    # Frequent rounds (the automatic cadence, or H of 2-5): top-k's momentum for them.
+    assert SyncSpec().outer_momentum == FREQUENT_MOMENTUM["topk"] > OUTER_MOMENTUM["topk"] > 0
+    assert SyncSpec(every=3).outer_momentum == FREQUENT_MOMENTUM["topk"]
+    for every in (1, 10, 50):
+        assert SyncSpec(every=every).outer_momentum == OUTER_MOMENTUM["topk"]
+    assert SyncSpec(codec="rice2").outer_momentum == OUTER_MOMENTUM["rice2"]
     for codec in ("fp32", "bf16", "int8"):
         assert SyncSpec(codec=codec).outer_momentum == 0.0
     assert SyncSpec(codec="topk", outer_momentum=0.0).outer_momentum == 0.0  # explicit wins
     # What the daemon stores (model_dump) reads back the same, whatever the default becomes.
-    stored = JobSpec.model_validate({"sync": {}}).model_dump()
+    stored = JobSpec.model_validate({"sync": {"every": 50}}).model_dump()
     assert stored["sync"]["outer_momentum"] == OUTER_MOMENTUM["topk"]
-    again = JobSpec.model_validate(stored)
+    again = JobSpec.model_validate({**stored, "sync": {**stored["sync"], "every": "auto"}})
     assert again.sync is not None and again.sync.outer_momentum == OUTER_MOMENTUM["topk"]

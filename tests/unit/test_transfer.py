@@ -210,3 +210,15 @@ def test_the_signed_manifest_covers_the_tokenizer_file() -> None:
     assert "signature" in (
         manifest_problem(swapped, "s", "job", me.peer_id, me.public_key_hex) or ""
     )
+
+
+def test_a_checkpoint_that_names_its_tokenizer_is_served(tmp_path: Path) -> None:
+    """The trainer's meta.json holds the job's tokenizer (#17): the donor's manifest keeps it
+    (a strict manifest that refused the key made every live state a 404)."""
+    root = tmp_path / "ckpts"
+    ckpt.save_checkpoint(
+        root, step=3, model={"w": torch.ones(4)}, state={"optim.w.exp_avg": torch.ones(4)},
+        meta={"model_config": {}, "tokenizer": "default"},
+    )  # fmt: skip
+    found = newest_manifest(root)
+    assert found is not None and found.step == 3 and found.tokenizer == "default"
