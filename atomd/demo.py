@@ -79,8 +79,21 @@ class _InterruptedError(Exception):
         self.signum = signum
 
 
+# Signals received, kept as well as raised: an exception raised by a signal handler inside an
+# at-fork callback (logging's, while subprocess starts a daemon) is printed and dropped by
+# Python ("Exception ignored in"), so the demo also checks this list between its steps.
+_received: list[int] = []
+
+
 def _raise(signum: int, frame: Any) -> None:
+    _received.append(signum)
     raise _InterruptedError(signum)
+
+
+def _check_signals() -> None:
+    """Raise the interruption a dropped exception did not deliver."""
+    if _received:
+        raise _InterruptedError(_received[-1])
 
 
 def run_swarm_demo(
@@ -99,21 +112,25 @@ def run_swarm_demo(
     print(f"Data and logs: {root}   (Ctrl-C stops everything cleanly)\n", flush=True)
     ds: list[DaemonProcess] = []
     everyone: list[DaemonProcess] = []  # the swarm's daemons and the lone one
+    _received.clear()
     previous = {sig: signal.signal(sig, _raise) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 1
     try:
         t0 = time.monotonic()
         start_swarm(root, peers, started=ds)
         everyone.extend(ds)
+        _check_signals()
         # The lone daemon: no seed, so it never meets the others; the swarm's share of cores.
         alone = DaemonProcess(root / "alone", env=ds[0].env)
         everyone.append(alone)
         alone.start()
+        _check_signals()
         wait_until(
             lambda: all(len(_get(d, "/v1/peers")) == peers for d in ds),
             timeout=READY_TIMEOUT,
             what=f"every daemon to list all {peers} peers",
         )
+        _check_signals()
         ids = [peer_id(d) for d in ds]
         print(f"{peers} daemons ready in {time.monotonic() - t0:.1f} s:")
         for i, d in enumerate(ds):
@@ -127,6 +144,7 @@ def run_swarm_demo(
         done = False
         while not done:
             time.sleep(5)
+            _check_signals()
             lines, states = [], []
             for i, d in enumerate(ds):
                 try:
