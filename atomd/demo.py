@@ -22,6 +22,9 @@ import httpx
 from atomd.launch import (
     READY_TIMEOUT,
     DaemonProcess,
+    Interrupted,
+    check_interrupts,
+    interrupts,
     peer_id,
     start_swarm,
     stop_all,
@@ -71,31 +74,6 @@ def _verdict(swarm: list[float | None], alone: float | None) -> str:
     )
 
 
-class _InterruptedError(Exception):
-    """SIGINT or SIGTERM reached the demo: stop the daemons and leave."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-# Signals received, kept as well as raised: an exception raised by a signal handler inside an
-# at-fork callback (logging's, while subprocess starts a daemon) is printed and dropped by
-# Python ("Exception ignored in"), so the demo also checks this list between its steps.
-_received: list[int] = []
-
-
-def _raise(signum: int, frame: Any) -> None:
-    _received.append(signum)
-    raise _InterruptedError(signum)
-
-
-def _check_signals() -> None:
-    """Raise the interruption a dropped exception did not deliver."""
-    if _received:
-        raise _InterruptedError(_received[-1])
-
-
 def run_swarm_demo(
     root: Path, *, peers: int = 3, max_steps: int = 600, every: int | str = "auto"
 ) -> int:
@@ -110,27 +88,28 @@ def run_swarm_demo(
     print(f"each on its own data, exchanging compressed weight deltas {how_often};")
     print("one more daemon trains the same job alone, for comparison.")
     print(f"Data and logs: {root}   (Ctrl-C stops everything cleanly)\n", flush=True)
+    with interrupts():
+        return _swarm_demo(root, peers, spec, lone_spec)
+
+
+def _swarm_demo(root: Path, peers: int, spec: dict[str, Any], lone_spec: dict[str, Any]) -> int:
     ds: list[DaemonProcess] = []
     everyone: list[DaemonProcess] = []  # the swarm's daemons and the lone one
-    _received.clear()
-    previous = {sig: signal.signal(sig, _raise) for sig in (signal.SIGINT, signal.SIGTERM)}
     code = 1
     try:
         t0 = time.monotonic()
         start_swarm(root, peers, started=ds)
         everyone.extend(ds)
-        _check_signals()
         # The lone daemon: no seed, so it never meets the others; the swarm's share of cores.
         alone = DaemonProcess(root / "alone", env=ds[0].env)
         everyone.append(alone)
         alone.start()
-        _check_signals()
         wait_until(
             lambda: all(len(_get(d, "/v1/peers")) == peers for d in ds),
             timeout=READY_TIMEOUT,
             what=f"every daemon to list all {peers} peers",
         )
-        _check_signals()
+        check_interrupts()
         ids = [peer_id(d) for d in ds]
         print(f"{peers} daemons ready in {time.monotonic() - t0:.1f} s:")
         for i, d in enumerate(ds):
@@ -144,7 +123,7 @@ def run_swarm_demo(
         done = False
         while not done:
             time.sleep(5)
-            _check_signals()
+            check_interrupts()
             lines, states = [], []
             for i, d in enumerate(ds):
                 try:
@@ -166,7 +145,7 @@ def run_swarm_demo(
         finals = [_get(d, f"/v1/jobs/{job_id}")["val_loss"] for d in ds]
         print(_verdict(finals, _get(alone, f"/v1/jobs/{lone['id']}")["val_loss"]))
         code = 0
-    except _InterruptedError as e:
+    except Interrupted as e:
         what = "Ctrl-C" if e.signum == signal.SIGINT else str(e)
         print(f"\n{what}: stopping the daemons (each checkpoints first)…", flush=True)
         code = 0 if e.signum == signal.SIGINT else 128 + e.signum
@@ -176,8 +155,6 @@ def run_swarm_demo(
             print(f"--- {d.log_path}\n{d.log()[-2000:]}", file=sys.stderr)
     finally:
         _stop(everyone or ds)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     return code
 
 

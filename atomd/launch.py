@@ -12,14 +12,16 @@ come from readiness: a launcher waits for the daemon's own ``/readyz``, for as l
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ STOP_TIMEOUT = 120.0
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
+def die_with_parent(parent: int) -> Callable[[], None]:
     """A ``preexec_fn``: SIGTERM this child when the launcher dies (Linux; a no-op elsewhere)."""
 
     def apply() -> None:
@@ -43,6 +45,52 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
                 os._exit(1)
 
     return apply
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached a launcher: unwind, so that every daemon it started is stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# Signals received inside ``interrupts()``, kept as well as raised: an exception raised by a
+# signal handler inside an at-fork callback (logging's, while subprocess starts a daemon) is
+# printed and dropped by Python ("Exception ignored in"), so ``check_interrupts`` delivers it at
+# the launcher's next step (each ``DaemonProcess.start`` and each ``wait_until`` poll).
+_pending: list[int] = []
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    _pending.append(signum)
+    raise Interrupted(signum)
+
+
+def check_interrupts() -> None:
+    """Raise ``Interrupted`` for a signal whose exception Python dropped."""
+    if _pending:
+        raise Interrupted(_pending[-1])
+
+
+@contextlib.contextmanager
+def interrupts(
+    signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+) -> Iterator[None]:
+    """Inside, each of ``signums`` raises ``Interrupted`` (a ``KeyboardInterrupt``), so every
+    ``finally`` that stops daemons or removes namespaces runs, SIGTERM included. Only the main
+    thread can install handlers; elsewhere this changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _pending.clear()
+    previous = {sig: signal.signal(sig, _on_signal) for sig in signums}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _pending.clear()
 
 
 def free_port() -> int:
@@ -112,8 +160,9 @@ class DaemonProcess:
                 stderr=subprocess.STDOUT,
                 text=True,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=die_with_parent(os.getpid()),
             )
+        check_interrupts()
         if wait:
             self.wait_ready()
         return self
@@ -127,6 +176,7 @@ class DaemonProcess:
         last = "no answer yet"
         assert self.proc is not None, "start() first"
         while time.monotonic() - t0 < timeout:
+            check_interrupts()
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"daemon {self.name} (pid {self.proc.pid}) exited with code "
@@ -217,6 +267,7 @@ def wait_until(predicate: Any, *, timeout: float, interval: float = 0.1, what: s
     naming ``what`` was awaited)."""
     t0 = time.monotonic()
     while True:
+        check_interrupts()
         try:
             if predicate():
                 return time.monotonic() - t0

@@ -43,13 +43,14 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from atomd.launch import check_interrupts, interrupts
 from atomd_bench import netns
 from atomd_bench.sync import BATCH, LR, PEERS, PRESET, SEED, STEPS, VAL_BATCHES, WARMUP
 
@@ -221,27 +222,10 @@ class Daemon:
 
 def _until(predicate: Callable[[], bool], *, deadline: float, what: str) -> None:
     while not predicate():
+        check_interrupts()
         if time.monotonic() > deadline:
             raise TimeoutError(f"not before the deadline: {what}")
         time.sleep(0.2)
-
-
-@contextlib.contextmanager
-def _interrupts_unwind() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C, so every ``finally`` (daemons, namespaces) runs."""
-
-    def raise_interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    try:
-        previous = signal.signal(signal.SIGTERM, raise_interrupt)
-    except ValueError:  # not the main thread: nothing to install
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _network(kind: str, n: int, upload_kbit: int | None) -> netns.Network:
@@ -640,7 +624,7 @@ def run(
     refs: dict[str, Any] | None = None
     stale = netns.sweep_stale() if network == "netns" else []
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_interrupts_unwind())
+        stack.enter_context(interrupts())  # SIGTERM unwinds too: every finally runs
         base = root or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-swarm-")))
         if references_from is not None:
             refs = _earlier_references(references_from, task)

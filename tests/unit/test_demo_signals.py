@@ -1,22 +1,40 @@
-"""The demo's Ctrl-C is not lost when Python drops the exception its handler raised."""
+"""A launcher's Ctrl-C or SIGTERM is not lost when Python drops the exception its handler
+raised (it does so inside at-fork callbacks, while subprocess starts a daemon)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 
 import pytest
 
-from atomd import demo
+from atomd import launch
 
 
-def test_a_signal_whose_exception_was_dropped_still_stops_the_demo() -> None:
-    demo._received.clear()
-    demo._check_signals()  # nothing received: goes on
-    # What an at-fork callback does with the handler's exception: "Exception ignored in ...".
-    with contextlib.suppress(demo._InterruptedError):
-        demo._raise(signal.SIGINT, None)
-    with pytest.raises(demo._InterruptedError) as caught:
-        demo._check_signals()
-    assert caught.value.signum == signal.SIGINT
-    demo._received.clear()
+def test_a_signal_whose_exception_was_dropped_is_delivered_at_the_next_step() -> None:
+    with launch.interrupts():
+        launch.check_interrupts()  # nothing received: goes on
+        # What an at-fork callback does with the handler's exception: "Exception ignored in".
+        with contextlib.suppress(launch.Interrupted):
+            os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(launch.Interrupted) as caught:
+            launch.wait_until(lambda: False, timeout=1, what="never")
+        assert caught.value.signum == signal.SIGTERM
+    launch.check_interrupts()  # leaving the block forgets it
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_sigterm_unwinds_like_ctrl_c_so_every_finally_runs() -> None:
+    ran: list[str] = []
+
+    def launcher() -> None:
+        with launch.interrupts():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            finally:
+                ran.append("cleanup")
+
+    with pytest.raises(KeyboardInterrupt):
+        launcher()
+    assert ran == ["cleanup"]
