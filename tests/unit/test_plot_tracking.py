@@ -36,6 +36,43 @@ def test_a_run_writes_tensorboard_events_with_its_metrics(tmp_path: Path, text_f
     assert [s for s, _ in events["val/loss"]] == [3, 6]
 
 
+def _wandb_history(run: Path) -> list[dict[str, float]]:
+    """The history rows of the offline W&B run under ``run`` (read back with wandb's own
+    record reader: what ``wandb sync`` would upload)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    from wandb.sdk.internal import datastore
+
+    (path,) = run.glob("wandb/offline-run-*/run-*.wandb")
+    store = datastore.DataStore()
+    store.open_for_scan(str(path))
+    rows = []
+    while (data := store.scan_data()) is not None:
+        record = pb.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            items = record.history.item
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
+    return rows
+
+
+def test_a_run_with_a_wandb_project_logs_the_same_scalars_offline(
+    tmp_path: Path, text_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    monkeypatch.setenv("ATOMD_WANDB_PROJECT", "atomd-test")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    spec = fast_spec(data=str(text_file), max_steps=6, eval_interval=3)
+    trainer_for(spec, tmp_path).run()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    history = _wandb_history(tmp_path)
+    assert [h["_step"] for h in history] == [r["step"] for r in rows]
+    for h, r in zip(history, rows, strict=True):
+        assert h["train/loss"] == pytest.approx(r["loss"], rel=1e-6)
+        assert h["train/lr"] == pytest.approx(r["lr"], rel=1e-6)
+    assert [h["_step"] for h in history if "val/loss" in h] == [3, 6]
+
+
 def test_a_resumed_run_purges_the_events_past_its_checkpoint(
     tmp_path: Path, text_file: Path
 ) -> None:
