@@ -9,22 +9,16 @@ creates local jobs one after another, each stopped before the next, timing each 
 Targets (issue 13): job creation p99 < 1 s and /healthz p99 < 50 ms under the hog load; the
 joiner trains within 3 s of the announce.
 
-Where the hogs run matters as much as how many there are. Linux shares the CPU between
-sessions before it shares it between processes (``sched_autogroup``, on by default), and
-systemd does the same between services (cgroups). The target load is ``background``: the hogs
-in one session of their own, as a parallel build started from another terminal would be. Two
-more arrangements are measured beside it: ``prober`` (the hogs in the session of the process
-that times the requests, so its own requests queue behind them; what this benchmark measured
-before 2026-12-01) and ``each`` (every hog a session of its own: eight unrelated programs).
+Where the hogs run matters as much as how many there are (``atomd_bench.load``): the targets
+are for ``background`` (the hogs in one session of their own, as a parallel build started from
+another terminal); the full run also measures ``prober`` (the hogs in the timing process's own
+session: what this benchmark measured before 2026-12-01) and ``each`` (a session per hog).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,32 +29,17 @@ import httpx
 
 from atomd.launch import (
     DaemonProcess,
-    die_with_parent,
     interrupts,
     start_swarm,
     stop_all,
     wait_until,
 )
+from atomd_bench import load
 
 # log_interval 1: the first step shows in the job's record as soon as it is done.
 SPEC: dict[str, Any] = {
     "preset": "tiny", "max_steps": 1_000_000, "micro_batch_size": 16, "log_interval": 1,
 }  # fmt: skip
-HOG = "while True: pass"
-# One session of n CPU-bound processes: the first forks the others, each dies with its parent.
-HOG_GROUP = """
-import ctypes, os, signal
-for _ in range({n} - 1):
-    if os.fork() == 0:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        break
-while True: pass
-"""
-ARRANGEMENTS = {
-    "background": "the hogs in one session of their own, like a parallel build started elsewhere",
-    "prober": "the hogs in the timing process's own session: its requests wait behind them",
-    "each": "every hog in a session of its own",
-}
 SETTLE_S = 20.0  # between the daemons' start and the first job
 
 
@@ -85,36 +64,11 @@ def _job(c: httpx.Client, job_id: str) -> dict[str, Any]:
     return dict(r.json()) if r.status_code == 200 else {}
 
 
-def _start_hogs(n: int, arrangement: str) -> list[subprocess.Popen[bytes]]:
-    dies = die_with_parent(os.getpid())
-    if n == 0:
-        return []
-    if arrangement == "background":
-        code = HOG_GROUP.format(n=n)
-        return [
-            subprocess.Popen([sys.executable, "-c", code], start_new_session=True, preexec_fn=dies)
-        ]
-    own = arrangement == "each"
-    return [
-        subprocess.Popen([sys.executable, "-c", HOG], start_new_session=own, preexec_fn=dies)
-        for _ in range(n)
-    ]
-
-
-def _stop_hogs(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError):
-            if os.getpgid(p.pid) == p.pid:  # a session leader: its whole group
-                os.killpg(p.pid, signal.SIGKILL)
-        p.kill()
-        p.wait()
-
-
 def _condition(
     root: Path, *, hogs: int, arrangement: str, creations: int, probes: int
 ) -> dict[str, Any]:
     load0 = os.getloadavg()
-    hog_procs = _start_hogs(hogs, arrangement)
+    hog_procs = load.start(hogs, arrangement)
     daemons: list[DaemonProcess] = []
     try:
         if hogs:
@@ -167,7 +121,7 @@ def _condition(
         load1 = os.getloadavg()
     finally:
         stop_all(daemons)
-        _stop_hogs(hog_procs)
+        load.stop(hog_procs)
     return {
         "cpu_hogs": hogs,
         "hogs_arrangement": arrangement if hogs else None,
@@ -187,7 +141,7 @@ def _condition(
 def run(quick: bool = False) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     creations, probes = (8, 100) if quick else (30, 400)
-    out: dict[str, Any] = {"cores": cores, "quick": quick, "arrangements": ARRANGEMENTS}
+    out: dict[str, Any] = {"cores": cores, "quick": quick, "arrangements": load.ARRANGEMENTS}
     conditions = {"quiet": (0, "background"), "loaded": (4 * cores, "background")}
     if not quick:
         conditions |= {f"loaded_{a}": (4 * cores, a) for a in ("prober", "each")}
