@@ -312,6 +312,11 @@ class JobManager:
         async with self.sessions() as s:
             return await repo.list_progress(s, job_id=job_id, after_step=after_step, limit=limit)
 
+    async def progress_curve(self, job_id: str, points: int) -> list[ProgressPoint]:
+        """The job's loss curve here, at most ``2 * points + 2`` steps (``repo.progress_curve``)."""
+        async with self.sessions() as s:
+            return await repo.progress_curve(s, job_id=job_id, points=points)
+
     def advert(self) -> dict[str, Any] | None:
         """The swarm job this daemon trains, as told to peers (None if none)."""
         a = self.active
