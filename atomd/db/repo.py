@@ -174,6 +174,15 @@ async def advance_job(s: AsyncSession, *, job_id: str, step: int, tokens: int) -
     return JobRecord.model_validate(job)
 
 
+async def set_job_spec(s: AsyncSession, *, job_id: str, spec: dict[str, Any]) -> JobRecord:
+    """Replace a job's spec (the data hash its origin measured, filled in after creation)."""
+    job = await _job(s, job_id)
+    job.spec = spec
+    job.updated_at = utcnow()
+    await s.flush()
+    return JobRecord.model_validate(job)
+
+
 async def set_job_plan(s: AsyncSession, *, job_id: str, plan: dict[str, Any]) -> JobRecord:
     """Record the swap plan a job runs with."""
     job = await _job(s, job_id)
