@@ -6,7 +6,8 @@ import asyncio
 import hmac
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
@@ -20,17 +21,22 @@ from atomd.db import repo
 from atomd.db.health import DatabaseFile
 from atomd.errors import NotFoundError, UnauthorizedError
 from atomd.jobs import JobManager, Scope
+from atomd.p2p.messages import MAX_CURVE_POINTS, ProgressCurve, curve_of
 from atomd.p2p.node import SwarmNode
 from atomd.rejections import Rejections
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
-from atomd_api import errors
+from atomd_api import dashboard, errors
 from atomd_api.gate import ControlGate
 from atomd_api.schemas import (
     BanIn,
     BanPublic,
+    CurvePointPublic,
+    CurvesPublic,
+    EventPublic,
     Health,
     JobPublic,
+    PeerCurvePublic,
     PeerPublic,
     ProgressPublic,
     Readiness,
@@ -52,6 +58,12 @@ class ControlContext:
     swarm: SwarmNode | None = None
     database: DatabaseFile | None = None
     rejections: Rejections | None = None  # refused requests (the gate's rate limit and counts)
+    # job id -> (monotonic time, answer): the peers' curves, asked at most every CURVES_TTL_S
+    curves: dict[str, tuple[float, CurvesPublic]] = field(default_factory=dict)
+
+
+CURVES_TTL_S = 2.0
+CURVES_CACHED = 8
 
 
 def _ctx(request: Request) -> ControlContext:
@@ -249,6 +261,62 @@ async def get_rounds(
     return [RoundPublic.model_validate(r, from_attributes=True) for r in rounds]
 
 
+def _curve(peer_id: str, curve: ProgressCurve, is_self: bool = False) -> PeerCurvePublic:
+    points = [
+        CurvePointPublic(
+            step=p.step, loss=p.loss, val_loss=p.val_loss, tokens_per_s=p.tokens_per_s,
+            at=datetime.fromtimestamp(p.at, UTC),
+        )
+        for p in curve.points
+    ]  # fmt: skip
+    return PeerCurvePublic(peer_id=peer_id, is_self=is_self, points=points)
+
+
+@v1.get(
+    "/jobs/{job_id}/curves",
+    response_model=CurvesPublic,
+    summary="Loss curves of a job on this daemon and on each peer training it",
+    responses=errors.responses(404),
+)
+async def get_curves(ctx: Ctx, job_id: str) -> CurvesPublic:
+    """Each curve spans the whole run in at most 402 logged steps (every n-th step, the
+    steps with a validation loss, the newest). The peers' are asked over the signed peer
+    plane, at once, each within 3 s, at most every 2 s (a cached answer in between); a peer
+    that did not answer is listed with the reason."""
+    await ctx.jobs.get(job_id)
+    now = time.monotonic()
+    cached = ctx.curves.get(job_id)
+    if cached is not None and now - cached[0] < CURVES_TTL_S:
+        return cached[1]
+    mine = curve_of(await ctx.jobs.progress_curve(job_id, MAX_CURVE_POINTS))
+    me = ctx.swarm.peer_id if ctx.swarm is not None else ""
+    peers = [_curve(me, mine, is_self=True)]
+    if ctx.swarm is not None:
+        for member, got in await ctx.swarm.peer_curves(job_id):
+            if isinstance(got, str):
+                peers.append(PeerCurvePublic(peer_id=member.id, points=[], error=got))
+            else:
+                peers.append(_curve(member.id, got))
+    answer = CurvesPublic(job_id=job_id, peers=peers)
+    ctx.curves[job_id] = (time.monotonic(), answer)
+    while len(ctx.curves) > CURVES_CACHED:
+        ctx.curves.pop(next(iter(ctx.curves)))
+    return answer
+
+
+@v1.get("/events", response_model=list[EventPublic], summary="Recent events, newest first")
+async def list_events(
+    ctx: Ctx,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    kind: Annotated[str | None, Query(max_length=64, description="Only this kind")] = None,
+) -> list[EventPublic]:
+    """The audit log: jobs started and ended, peers joining, failing, leaving, refused
+    requests (``auth.rejected``, aggregated a minute at a time)."""
+    async with ctx.sessions() as s:
+        events = await repo.list_events(s, limit=limit, kind=kind)
+    return [EventPublic.model_validate(e, from_attributes=True) for e in events]
+
+
 def create_control_app(ctx: ControlContext) -> FastAPI:
     # /docs and /redoc serve Swagger UI and ReDoc from files shipped with the package
     # (fastapi-offline), not from a CDN: they work on a machine with no Internet.
@@ -298,6 +366,7 @@ def create_control_app(ctx: ControlContext) -> FastAPI:
         return Response(c.telemetry.render(), media_type="text/plain; version=0.0.4")
 
     app.include_router(v1)
+    app.include_router(dashboard.router)
     rejections = ctx.rejections or (ctx.swarm.rejections if ctx.swarm else Rejections())
     app.add_middleware(ControlGate, settings=ctx.settings, rejections=rejections)
     return app

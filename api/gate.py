@@ -6,7 +6,8 @@ A pure ASGI middleware (it sees the request before FastAPI reads the body), in t
    its bind address, ``ATOMD_CONTROL_HOSTS``): a web page that rebinds its DNS name to
    127.0.0.1 sends its own name and is refused (400), so it cannot drive a token-free API.
 2. **Rate limit**: a source refused too often is answered 429 (``atomd.rejections``).
-3. **Token**: with ``ATOMD_CONTROL_TOKEN`` set, every path but ``/healthz`` needs
+3. **Token**: with ``ATOMD_CONTROL_TOKEN`` set, every path but ``/healthz`` and the dashboard's
+   data-free shell (``/dashboard`` and its assets, ``atomd_api.dashboard``) needs
    ``Authorization: Bearer <token>`` (``/docs``, ``/openapi.json`` and ``/metrics`` too), checked
    before the body is read (401).
 4. **Body**: a declared ``Content-Length`` over ``MAX_BODY_BYTES`` is refused before reading
@@ -25,6 +26,7 @@ from typing import Any
 
 from atomd.config import Settings
 from atomd.rejections import Rejections
+from atomd_api.dashboard import DASHBOARD_PATHS
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -34,7 +36,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MAX_BODY_BYTES = 1 << 20
 """The largest request body of the control API (a job spec is a few hundred bytes)."""
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz", *DASHBOARD_PATHS})
 
 
 def _host_name(raw: str) -> str:

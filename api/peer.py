@@ -19,6 +19,7 @@ from atomd import __version__
 from atomd.errors import AtomdError, NotFoundError, PeerAuthError
 from atomd.p2p import paths
 from atomd.p2p.messages import (
+    MAX_CURVE_POINTS,
     Ack,
     Announce,
     DeltaAccepted,
@@ -29,8 +30,10 @@ from atomd.p2p.messages import (
     PeerInfo,
     PingReq,
     PingReqReply,
+    ProgressCurve,
     StateManifest,
     StopJob,
+    curve_of,
     parse,
     record_problem,
     sign_manifest,
@@ -168,6 +171,12 @@ def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
             raise NotFoundError(f"no checkpoint of job {job_id} here yet")
         signed = sign_manifest(manifest, node.identity, node.settings.swarm, job_id)
         return signed.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    @app.get(paths.JOB_PROGRESS)
+    async def progress(job_id: str, peer: Peer) -> ProgressCurve:
+        """This daemon's loss curve of a job (for a peer's dashboard): bounded, whole run."""
+        _root(job_id)  # a well-formed job id, else 404
+        return curve_of(await node.jobs.progress_curve(job_id, MAX_CURVE_POINTS))
 
     @app.get(paths.JOB_STATE_FILE)
     async def state_file(job_id: str, step: int, name: str, peer: Peer) -> FileResponse:

@@ -126,3 +126,39 @@ class StatusPublic(BaseModel):
     peers_alive: int
     device: str
     job: JobPublic | None = None
+
+
+class EventPublic(BaseModel):
+    """One entry of the daemon's audit log (``job.created``, ``peer.dead``, ``auth.rejected``)."""
+
+    id: int
+    at: datetime
+    kind: str
+    job_id: str | None = None
+    peer_id: str | None = None
+    message: str
+
+
+class CurvePointPublic(BaseModel):
+    step: int
+    loss: float | None = None
+    val_loss: float | None = None
+    tokens_per_s: float
+    at: datetime
+
+
+class PeerCurvePublic(BaseModel):
+    peer_id: str
+    is_self: bool = False
+    points: list[CurvePointPublic] = Field(
+        description="Logged steps spread over the whole run, ascending (at most 402), every "
+        "step with a validation loss among them"
+    )
+    error: str | None = Field(None, description="Why this peer's curve is missing")
+
+
+class CurvesPublic(BaseModel):
+    job_id: str
+    peers: list[PeerCurvePublic] = Field(
+        description="This daemon first, then each live peer heard training the job"
+    )

@@ -103,6 +103,7 @@ class DeltaLink(Protocol):
 @dataclass
 class _Started:
     start_step: int
+    data_sha256: str | None = None  # the data's hash, when the job's spec is to get it
 
 
 @dataclass
@@ -137,6 +138,9 @@ class ActiveJob:
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
     logged_at: float = 0.0  # monotonic time of the last progress line in the log
     snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
+    # A swarm job started here without a data_sha256: the trainer hashes the data it loaded,
+    # the spec gets that hash, and only then is the job announced (peers check it).
+    hash_pending: bool = False
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -312,10 +316,15 @@ class JobManager:
         async with self.sessions() as s:
             return await repo.list_progress(s, job_id=job_id, after_step=after_step, limit=limit)
 
+    async def progress_curve(self, job_id: str, points: int) -> list[ProgressPoint]:
+        """The job's loss curve here, at most ``2 * points + 2`` steps (``repo.progress_curve``)."""
+        async with self.sessions() as s:
+            return await repo.progress_curve(s, job_id=job_id, points=points)
+
     def advert(self) -> dict[str, Any] | None:
         """The swarm job this daemon trains, as told to peers (None if none)."""
         a = self.active
-        if a is None or a.scope != "swarm" or a.stop_event.is_set():
+        if a is None or a.scope != "swarm" or a.stop_event.is_set() or a.hash_pending:
             return None
         return {"id": a.id, "spec": a.spec.model_dump(), "origin": a.origin}
 
@@ -348,6 +357,14 @@ class JobManager:
 
     # -- commands ----------------------------------------------------------------------------
 
+    def _hash_pending(self, scope: str, origin: str | None, spec: JobSpec) -> bool:
+        """A swarm job started here whose spec has no data hash yet: its trainer measures it
+        (off the request path), and the job is announced with it (``_pin_data``)."""
+        return (
+            self.swarm is not None and scope == "swarm" and origin == self.peer_id
+            and spec.data_sha256 is None
+        )  # fmt: skip
+
     def _check_free(self) -> None:
         if self._closing.is_set():
             raise JobConflictError("the daemon is shutting down; no new jobs")
@@ -375,8 +392,9 @@ class JobManager:
                 s, kind="job.created", job_id=job_id, message=f"preset {spec.preset}, {scope}"
             )
         active = ActiveJob(
-            id=job_id, spec=spec, out_dir=out_dir, resume=False, scope=scope, origin=self.peer_id
-        )
+            id=job_id, spec=spec, out_dir=out_dir, resume=False, scope=scope, origin=self.peer_id,
+            hash_pending=self._hash_pending(scope, self.peer_id, spec),
+        )  # fmt: skip
         self._launch(active)
         if scope == "swarm" and self.swarm is not None:
             advert = self.advert()
@@ -399,7 +417,7 @@ class JobManager:
         self._launch(
             ActiveJob(
                 id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True, scope=job.scope,
-                origin=job.origin,
+                origin=job.origin, hash_pending=self._hash_pending(job.scope, job.origin, spec),
             )
         )  # fmt: skip
         return job
@@ -513,6 +531,7 @@ class JobManager:
                 ActiveJob(
                     id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True,
                     scope=job.scope, origin=job.origin,
+                    hash_pending=self._hash_pending(job.scope, job.origin, spec),
                 )
             )  # fmt: skip
 
@@ -548,7 +567,9 @@ class JobManager:
         if active.resume:
             rows = read_metrics(trainer.metrics.path) if trainer.metrics.path.exists() else []
             send(_Resumed(trainer.start_step, rows))
-        send(_Started(trainer.start_step))
+        # The data's hash (cached with the token cache, else hashed here, on this thread).
+        sha = trainer.dataset.sha256 if active.hash_pending else None
+        send(_Started(trainer.start_step, sha))
         return trainer.run()
 
     async def _drive(self, active: ActiveJob) -> None:
@@ -642,6 +663,8 @@ class JobManager:
                     self.telemetry.checkpoints.inc()
                 elif isinstance(item, _Started):
                     active.tokens_seen = item.start_step * active.spec.tokens_per_step
+                    if item.data_sha256 is not None and active.hash_pending:
+                        await self._pin_data(s, active, item.data_sha256)
                     if not active.stop_event.is_set():
                         await repo.set_job_state(s, job_id=active.id, state="running")
                         await repo.add_event(s, kind="job.running", job_id=active.id, message="")
@@ -659,6 +682,20 @@ class JobManager:
                 self.telemetry.val_loss.set(p.val_loss)
             self.telemetry.tokens.inc(max(0, p.tokens - active.tokens_seen))
             active.tokens_seen = max(active.tokens_seen, p.tokens)
+
+    async def _pin_data(self, s: AsyncSession, active: ActiveJob, sha256: str) -> None:
+        """Put the data hash the trainer measured into a swarm job's spec (recorded), then
+        announce the job: every peer that joins checks its own tokens against it."""
+        active.spec = active.spec.model_copy(update={"data_sha256": sha256})
+        active.hash_pending = False
+        await repo.set_job_spec(s, job_id=active.id, spec=active.spec.model_dump())
+        await repo.add_event(
+            s, kind="job.data_hash", job_id=active.id,
+            message=f"data {active.spec.data[:200]!r} hashes to {sha256}: peers must match it",
+        )  # fmt: skip
+        advert = self.advert()
+        if advert is not None and self.swarm is not None:
+            self.swarm.announce(advert)
 
     def _log_progress(self, active: ActiveJob, points: Sequence[ProgressPoint]) -> None:
         """One line per job every ``PROGRESS_LOG_INTERVAL_S`` and at each evaluation."""

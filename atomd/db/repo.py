@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -174,6 +174,15 @@ async def advance_job(s: AsyncSession, *, job_id: str, step: int, tokens: int) -
     return JobRecord.model_validate(job)
 
 
+async def set_job_spec(s: AsyncSession, *, job_id: str, spec: dict[str, Any]) -> JobRecord:
+    """Replace a job's spec (the data hash its origin measured, filled in after creation)."""
+    job = await _job(s, job_id)
+    job.spec = spec
+    job.updated_at = utcnow()
+    await s.flush()
+    return JobRecord.model_validate(job)
+
+
 async def set_job_plan(s: AsyncSession, *, job_id: str, plan: dict[str, Any]) -> JobRecord:
     """Record the swap plan a job runs with."""
     job = await _job(s, job_id)
@@ -256,6 +265,46 @@ async def list_progress(
         stmt = stmt.where(Progress.step > after_step)
     rows = await s.scalars(stmt.order_by(Progress.step).limit(limit))
     return [ProgressPoint.model_validate(p) for p in rows]
+
+
+async def progress_curve(s: AsyncSession, *, job_id: str, points: int) -> list[ProgressPoint]:
+    """A plot of the whole run in at most ``2 * points + 2`` logged steps, in step order: every
+    ``n / points``-th step and the newest, and among the steps with a validation loss every
+    ``v / points``-th and the newest. One query, however long the run."""
+    await _job(s, job_id)
+    has_val = Progress.val_loss.is_not(None)
+    n, v = (
+        await s.execute(
+            select(func.count(), func.count(Progress.val_loss)).where(Progress.job_id == job_id)
+        )
+    ).one()
+    if n == 0:
+        return []
+    stride, val_stride = max(1, -(-n // points)), max(1, -(-v // points))
+    numbered = (
+        select(
+            Progress.id,
+            func.row_number().over(order_by=Progress.step).label("rn"),
+            func.row_number().over(partition_by=has_val, order_by=Progress.step).label("vn"),
+        )
+        .where(Progress.job_id == job_id)
+        .subquery()
+    )
+    c = numbered.c
+    stmt = (
+        select(Progress)
+        .join(numbered, c.id == Progress.id)
+        .where(
+            or_(
+                (c.rn - 1) % stride == 0,
+                c.rn == n,
+                has_val & or_((c.vn - 1) % val_stride == 0, c.vn == v),
+            )
+        )
+        .order_by(Progress.step)
+        .limit(2 * points + 2)
+    )
+    return [ProgressPoint.model_validate(p) for p in await s.scalars(stmt)]
 
 
 # Checkpoints ---------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ field and the reason (``MessageError``, answered 422).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -21,6 +23,7 @@ from pydantic import (
     ValidationError,
 )
 
+from atomd.db.schemas import ProgressPoint
 from atomd.errors import MessageError, PeerRequestError
 from atomd.p2p.identity import Identity, peer_id_from_public_key, verify_signature
 from atomd.spec import JobSpec
@@ -302,3 +305,46 @@ def manifest_problem(
     if not verify_signature(public_key, payload, bytes.fromhex(m.signature)):
         return f"the manifest's signature is not {signer}'s"
     return None
+
+
+# -- progress, for the dashboard ----------------------------------------------------------------
+
+MAX_CURVE_POINTS = 200
+"""Steps of one loss curve a peer sends (``atomd.db.repo.progress_curve`` of this many points:
+at most ``2 * MAX_CURVE_POINTS + 2``)."""
+
+Loss = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
+
+
+class CurvePoint(Message):
+    step: Counter
+    loss: Loss | None = None
+    val_loss: Loss | None = None
+    tokens_per_s: Annotated[float, Field(ge=0, le=1e15, allow_inf_nan=False)]
+    at: Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]  # Unix seconds
+
+
+class ProgressCurve(Message):
+    """``GET /p2p/v1/jobs/{job_id}/progress``: the answering peer's loss curve of a job."""
+
+    points: list[CurvePoint] = Field(max_length=2 * MAX_CURVE_POINTS + 2)
+
+
+def _loss(x: float | None) -> float | None:
+    """A loss as sent: a non-finite or absurd value (an fp16 overflow) as None."""
+    return x if x is not None and math.isfinite(x) and 0 <= x <= 1e6 else None
+
+
+def curve_of(points: Sequence[ProgressPoint]) -> ProgressCurve:
+    """Logged steps as a ``ProgressCurve`` (the first ``2 * MAX_CURVE_POINTS + 2``)."""
+    return ProgressCurve(
+        points=[
+            CurvePoint(
+                step=p.step, loss=_loss(p.loss), val_loss=_loss(p.val_loss),
+                tokens_per_s=min(max(p.tokens_per_s, 0.0), 1e15)
+                if math.isfinite(p.tokens_per_s) else 0.0,
+                at=p.at.timestamp(),
+            )
+            for p in points[: 2 * MAX_CURVE_POINTS + 2]
+        ]
+    )  # fmt: skip

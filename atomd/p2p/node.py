@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.config import Settings
 from atomd.db import repo
+from atomd.db.schemas import ProgressPoint
 from atomd.errors import AtomdError, PeerAuthError, PeerRequestError
 from atomd.logs import Repeated, get_logger
 from atomd.p2p import paths
@@ -37,6 +38,7 @@ from atomd.p2p.messages import (
     JoinReply,
     PingReq,
     PingReqReply,
+    ProgressCurve,
     StopJob,
 )
 from atomd.p2p.quarantine import Quarantine, Verdict
@@ -48,6 +50,7 @@ from atomd.telemetry import Telemetry
 log = get_logger(__name__)
 
 SEND_TIMEOUT_S = 3.0  # a job announcement or stop to one peer
+CURVE_TIMEOUT_S = 3.0  # one peer's loss curve, for the dashboard
 REJECTIONS_FLUSH_S = 60.0
 
 
@@ -68,6 +71,9 @@ class SwarmJobs(Protocol):
         ...
 
     def job_dir(self, job_id: str) -> Path: ...
+    async def progress_curve(self, job_id: str, points: int) -> list[ProgressPoint]:
+        """The job's loss curve on this daemon (``NotFoundError`` for a job unknown here)."""
+        ...
 
 
 class HttpTransport:
@@ -456,6 +462,22 @@ class SwarmNode:
             if fresh and live and m is not None and not self.quarantine.excluded(pid):
                 out.append(m)
         return out
+
+    async def peer_curves(self, job_id: str) -> list[tuple[Member, ProgressCurve | str]]:
+        """The loss curve of ``job_id`` from every live peer heard training it, asked at once
+        (each within ``CURVE_TIMEOUT_S``); for a peer that did not answer, why."""
+
+        async def one(m: Member) -> tuple[Member, ProgressCurve | str]:
+            try:
+                curve = await self.client.get(
+                    m.url, paths.job_progress(job_id), ProgressCurve, target=m.id,
+                    timeout=CURVE_TIMEOUT_S,
+                )  # fmt: skip
+            except PeerRequestError as e:
+                return m, str(e)[:300]
+            return m, curve
+
+        return list(await asyncio.gather(*(one(m) for m in self.job_peers(job_id))))
 
     def job_donors(self, job_id: str) -> list[str]:
         return [m.url for m in self.job_peers(job_id)]

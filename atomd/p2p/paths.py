@@ -17,6 +17,7 @@ JOB_STOP = f"{PREFIX}/jobs/{{job_id}}/stop"
 JOB_DELTAS = f"{PREFIX}/jobs/{{job_id}}/deltas"
 JOB_STATE = f"{PREFIX}/jobs/{{job_id}}/state"
 JOB_STATE_FILE = f"{PREFIX}/jobs/{{job_id}}/state/{{step}}/{{name}}"
+JOB_PROGRESS = f"{PREFIX}/jobs/{{job_id}}/progress"
 
 
 def job_stop(job_id: str) -> str:
@@ -33,3 +34,7 @@ def job_state(job_id: str) -> str:
 
 def job_state_file(job_id: str, step: int, name: str) -> str:
     return JOB_STATE_FILE.format(job_id=job_id, step=step, name=name)
+
+
+def job_progress(job_id: str) -> str:
+    return JOB_PROGRESS.format(job_id=job_id)

@@ -254,3 +254,52 @@ async def test_a_job_seen_stopped_frees_the_daemon_at_once(make_client: Factory)
         await asyncio.sleep(0.01)
     r = await c.post("/v1/jobs", json={**FAST, "max_steps": 100000})
     assert r.status_code == 201, r.text
+
+
+async def test_dashboard_shell_is_public_and_its_data_needs_the_token(
+    make_client: Factory,
+) -> None:
+    c = await make_client(token="t0k")
+    page = await c.get("/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    assets = re.findall(r'(?:src|href)="(/dashboard/[^"]+)"', page.text)
+    assert sorted(assets) == ["/dashboard/assets/dashboard.css", "/dashboard/assets/dashboard.js"]
+    for a, kind in zip(sorted(assets), ("text/css", "text/javascript"), strict=True):
+        got = await c.get(a)
+        assert got.status_code == 200 and got.headers["content-type"].startswith(kind), a
+    # Nothing but those: other paths under /dashboard, and every data route, need the token.
+    for path in ("/dashboard/assets/x.js", "/dashboard/../v1/jobs", "/v1/events"):
+        assert (await c.get(path)).status_code == 401, path
+    r = await c.get("/dashboard/", follow_redirects=True)
+    assert r.status_code == 200 and str(r.url).endswith("/dashboard")
+    # No third-party origin in any asset: the page works offline.
+    js = (await c.get("/dashboard/assets/dashboard.js")).text
+    assert not re.findall(r"https?://(?!www\.w3\.org/2000/svg)", js + page.text)
+
+
+async def test_events_and_curves_are_typed_and_bounded(make_client: Factory) -> None:
+    c = await make_client()
+    r = await c.post("/v1/jobs", json={**FAST, "max_steps": 100000, "eval_interval": 3})
+    assert r.status_code == 201
+    job = r.json()["id"]
+    for _ in range(600):
+        curves = (await c.get(f"/v1/jobs/{job}/curves")).json()
+        pts = curves["peers"][0]["points"]
+        if len(pts) >= 4 and any(p["val_loss"] is not None for p in pts):
+            break
+        await asyncio.sleep(0.05)
+    (mine,) = curves["peers"]
+    assert mine["is_self"] and mine["error"] is None
+    steps = [p["step"] for p in mine["points"]]
+    assert steps == sorted(steps) and steps[0] == 1 and mine["points"][0]["loss"] > 0
+    assert (await c.get("/v1/jobs/" + "0" * 32 + "/curves")).status_code == 404
+    events = (await c.get("/v1/events", params={"limit": 5})).json()
+    assert 1 <= len(events) <= 5 and {"id", "at", "kind", "message"} <= set(events[0])
+    assert any(e["kind"] == "job.created" for e in events), [e["kind"] for e in events]
+    started = (await c.get("/v1/events", params={"kind": "job.created"})).json()
+    assert started and {e["kind"] for e in started} == {"job.created"}
+    assert (await c.get("/v1/events", params={"limit": 501})).status_code == 422
+    assert (await c.get("/v1/events", params={"kind": "x" * 65})).status_code == 422
+    await c.post(f"/v1/jobs/{job}/stop")

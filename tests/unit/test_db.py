@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import sqlite3
 import sys
@@ -277,6 +278,32 @@ async def test_progress(sessions: Sessions) -> None:
         await repo.add_progress(s, job_id="j1", points=[_point(0, loss=9.0)])
         job = await repo.get_job(s, job_id="j1")
     assert job is not None and (job.step, job.loss) == (4, 2.0)
+
+
+async def test_progress_curve_spans_the_whole_run_within_its_bound(sessions: Sessions) -> None:
+    await _job(sessions)
+    async with sessions() as s:
+        assert await repo.progress_curve(s, job_id="j1", points=50) == []
+    # 1,000 logged steps (every 3rd step of a run), a validation loss every 30th.
+    steps = [3 * i for i in range(1, 1001)]
+    pts = [_point(n, loss=5.0 - n / 1000, val_loss=1.0 if n % 30 == 0 else None) for n in steps]
+    async with sessions() as s, s.begin():
+        await repo.add_progress(s, job_id="j1", points=pts)
+    async with sessions() as s:
+        curve = await repo.progress_curve(s, job_id="j1", points=50)
+        with pytest.raises(NotFoundError):
+            await repo.progress_curve(s, job_id="nope", points=50)
+    got = [p.step for p in curve]
+    assert len(got) <= 102 and got == sorted(got)
+    assert got[0] == 3 and got[-1] == 3000, "first and newest step"
+    gaps = [b - a for a, b in itertools.pairwise(got)]
+    assert max(gaps) <= 3 * 20, "spread over the run, not its first 100 steps"
+    vals = [p.step for p in curve if p.val_loss is not None]
+    assert len(vals) >= 50 and vals[-1] == 3000, "validation losses over the whole run"
+    assert max(b - a for a, b in itertools.pairwise(vals)) <= 2 * 30 * 2
+    async with sessions() as s:  # a short run: every step, as logged
+        whole = await repo.progress_curve(s, job_id="j1", points=5000)
+    assert [p.step for p in whole] == steps
 
 
 def test_progress_times_are_aware_and_stored_as_utc() -> None:

@@ -92,3 +92,34 @@ def test_every_package_folder_is_installed_under_the_projects_own_name() -> None
             found.add(".".join((folder_of.get(parts[0], parts[0]), *parts[1:])))
     assert found == set(setuptools["packages"])
     assert not {"api", "migrations", "bench"} & {p.split(".")[0] for p in setuptools["packages"]}
+
+
+def test_the_wheel_ships_the_dashboard(tmp_path: Path) -> None:
+    """`pip install .` installs the dashboard's page and assets (package data), where
+    ``atomd_api.dashboard`` reads them with importlib.resources."""
+    import shutil
+    import subprocess
+    import zipfile
+
+    from atomd_api.dashboard import ASSETS, asset
+
+    # A copy of what the wheel is built from, so that the build leaves nothing in the clone.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE", *INSTALLED):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif (REPO / name).exists():
+            shutil.copy(REPO / name, src / name)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("atomd-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        shipped = {n: z.read(n) for n in z.namelist() if n.startswith("atomd_api/dashboard.")}
+    assert set(shipped) == {f"atomd_api/{n}" for n in ASSETS} | {"atomd_api/dashboard.py"}
+    for name in ASSETS:
+        assert shipped[f"atomd_api/{name}"] == asset(name) and len(asset(name)) > 1000, name
