@@ -654,3 +654,23 @@ async def test_a_source_refused_too_often_gets_429_before_any_check(alice: Ident
         r = await http.post("/p2p/v1/echo", content=b"x", headers=headers)
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"] == "rate_limited"
+
+
+async def test_a_sender_that_disconnects_mid_body_is_a_clean_refusal() -> None:
+    """Not a ClientDisconnect traceback logged as a server error (seen under load)."""
+    from starlette.requests import Request as StarletteRequest
+
+    from atomd.errors import MessageError
+    from atomd_api.peer_auth import read_body
+
+    messages: list[dict[str, Any]] = [
+        {"type": "http.request", "body": b"x" * 10, "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
+    with pytest.raises(MessageError, match="disconnected after 10 bytes"):
+        await read_body(StarletteRequest(scope, receive), 1000)
