@@ -296,11 +296,17 @@ def _flood(d: DaemonProcess) -> dict[str, Any]:
     latencies: list[float] = []
     stop = threading.Event()
 
+    slow: list[float] = []  # probes that got no answer within 5 s
+
     def probe() -> None:
-        with httpx.Client() as c:
+        with httpx.Client(timeout=5) as c:
             while not stop.is_set():
                 t = time.perf_counter()
-                c.get(d.url + "/healthz")
+                try:
+                    c.get(d.url + "/healthz")
+                except httpx.HTTPError:
+                    slow.append(time.perf_counter() - t)
+                    continue
                 latencies.append((time.perf_counter() - t) * 1000)
                 time.sleep(0.02)
 
@@ -309,12 +315,17 @@ def _flood(d: DaemonProcess) -> dict[str, Any]:
     codes = []
     with httpx.Client(verify=False) as c:
         for _ in range(5000):
-            r = c.post(d.peer_url + paths.PING, content=b"{}", headers={"X-Pad": "p" * 8000})
-            codes.append(str(r.status_code))
+            try:
+                r = c.post(d.peer_url + paths.PING, content=b"{}", headers={"X-Pad": "p" * 8000})
+                codes.append(str(r.status_code))
+            except httpx.HTTPError as e:  # a timeout is a figure too, not the end of the run
+                codes.append(type(e).__name__)
     stop.set()
     th.join()
     out["unsigned_5000"] = {c: codes.count(c) for c in sorted(set(codes))}
     out["healthz_ms_median"] = round(statistics.median(latencies), 2) if latencies else None
+    out["healthz_probes"] = len(latencies)
+    out["healthz_timeouts_5s"] = len(slow)
     out["rss_after_mb"] = _rss_mb(d.pid)
     return out
 
@@ -493,7 +504,7 @@ def run(
             results.append(r)
             if partial is not None:  # what is measured survives a later failure
                 partial.write_text(json.dumps(results))
-            print(f"[attack] {attack} ({r['seconds']} s): {json.dumps(r.get('honest'))[:400]}",
+            print(f"[attack] {attack} ({r.get('seconds')} s): {json.dumps(r.get('honest'))[:400]}",
                   file=sys.stderr, flush=True)  # fmt: skip
     ref = [h["val_loss"] for h in results[0]["honest"]] if results[0]["attack"] == "none" else []
     worst = 0.0
