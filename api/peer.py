@@ -49,9 +49,11 @@ MAX_MESSAGE_BYTES = 256 << 10
 """The largest membership or job message accepted (a ping with 64 updates is about 30 KiB)."""
 
 
-def _check_sender(sender: MemberRecord, signed: SignedRequest, swarm: str) -> None:
+def _check_sender(
+    sender: MemberRecord, signed: SignedRequest, swarm: str, tls: bool = True
+) -> None:
     """The message's "from" must be the signer's own signed record: nobody speaks for
-    another peer."""
+    another peer. Its URL must be of this swarm's scheme (TLS or not: no mixed swarms)."""
     peer = signed.peer
     if sender.id != peer.peer_id:
         raise PeerAuthError(
@@ -62,6 +64,13 @@ def _check_sender(sender: MemberRecord, signed: SignedRequest, swarm: str) -> No
     problem = record_problem(sender, swarm)
     if problem is not None:
         raise PeerAuthError(f"the sender's own record: {problem}", status=401)
+    if sender.url.lower().startswith("https://") != tls:
+        mode = "uses TLS (ATOMD_PEER_TLS)" if tls else "runs without TLS (--no-peer-tls)"
+        raise PeerAuthError(
+            f"mixed swarm: the sender advertises {sender.url}, but this daemon's peer plane "
+            f"{mode}; every member of a swarm must use the same setting",
+            status=403,
+        )
 
 
 def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
@@ -103,7 +112,7 @@ def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
         sender = getattr(msg, "sender", None)
         if isinstance(sender, MemberRecord):
             try:
-                _check_sender(sender, signed, node.settings.swarm)
+                _check_sender(sender, signed, node.settings.swarm, node.settings.peer_tls)
             except PeerAuthError as e:
                 await on_reject(request, e)
                 raise

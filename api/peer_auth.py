@@ -15,8 +15,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
-from atomd.errors import AtomdError, PeerAuthError, RateLimitedError, TooLargeError
+from atomd.errors import AtomdError, MessageError, PeerAuthError, RateLimitedError, TooLargeError
 from atomd.logs import get_logger
 from atomd.p2p.signing import RequestVerifier, VerifiedPeer
 
@@ -48,7 +49,8 @@ def request_target(request: Request) -> str:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request's body, at most ``limit`` bytes; ``TooLargeError`` before reading when its
-    declared length is over, or as soon as the bytes streamed are."""
+    declared length is over, or as soon as the bytes streamed are; ``MessageError`` when the
+    sender disconnects before the body is whole."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -57,11 +59,16 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise TooLargeError(f"a body of {declared} bytes; this route takes at most {limit}")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise TooLargeError(f"the body streamed past this route's limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise TooLargeError(f"the body streamed past this route's limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # A sender that gave up mid-upload (its timeout): nothing to answer, nothing to log
+        # as a server error.
+        raise MessageError(f"the sender disconnected after {size} bytes of its body") from None
     return b"".join(chunks)
 
 

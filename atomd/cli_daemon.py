@@ -139,6 +139,14 @@ def run(
             help="Join jobs peers announce. (env ATOMD_AUTO_JOIN; default on)",
         ),
     ] = None,
+    peer_tls: Annotated[
+        bool | None,
+        typer.Option(
+            "--peer-tls/--no-peer-tls",
+            help="TLS on the peer plane, bound to the peer id (default on). Off is unsafe: "
+            "plain HTTP, for loopback tests only. (env ATOMD_PEER_TLS)",
+        ),
+    ] = None,
     zeroconf: Annotated[
         bool | None,
         typer.Option(
@@ -183,6 +191,7 @@ def run(
         allowed_keys=allow_key or None,
         auto_join=auto_join,
         zeroconf=zeroconf,
+        peer_tls=peer_tls,
         parent_pid=parent_pid,
     )
     setup_logging(settings.log_level)

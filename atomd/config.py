@@ -65,10 +65,19 @@ class Settings(BaseSettings):
     control: str = Field("127.0.0.1:7070", description="Control API HOST:PORT (REST, curl).")
     listen: str = Field("0.0.0.0:7071", description="Peer plane HOST:PORT (other daemons).")
     advertise: str | None = Field(
-        None, description="URL peers use to reach this daemon; default http://<hostname>:<port>."
+        None,
+        description="URL peers use to reach this daemon; default https://<hostname>:<port> "
+        "(http:// with --no-peer-tls).",
     )
     seeds: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Peer-plane URLs to join through (comma-separated)."
+    )
+    peer_tls: bool = Field(
+        True,
+        description="Serve and call the peer plane over TLS 1.3, each daemon's certificate "
+        "bound to its Ed25519 identity (peer URLs are https://). Off: plain HTTP, readable and "
+        "forgeable by anyone on the path; only for loopback tests and debugging. Every member "
+        "of a swarm must use the same setting.",
     )
     swarm: str = Field("default", description="Swarm name; peers of other swarms are refused.")
     swarm_secret: SecretStr | None = Field(None, description="Shared secret admitting peers.")
@@ -171,6 +180,22 @@ class Settings(BaseSettings):
         return [k.lower() for k in v]
 
     @model_validator(mode="after")
+    def _peer_scheme(self) -> Settings:
+        want = "https://" if self.peer_tls else "http://"
+        for what, url in [("--advertise", self.advertise), *(("--seed", u) for u in self.seeds)]:
+            if url is not None and not url.lower().startswith(want):
+                why = (
+                    "the peer plane uses TLS (ATOMD_PEER_TLS, the default)"
+                    if self.peer_tls
+                    else "the peer plane runs without TLS (--no-peer-tls)"
+                )
+                raise ValueError(
+                    f"{what} {url!r}: {why}, so peer URLs start with {want}; every member of "
+                    "a swarm must use the same setting"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _token_off_loopback(self) -> Settings:
         host, _ = split_host_port(self.control)
         if not is_loopback(host) and self.control_token is None:
@@ -219,7 +244,8 @@ class Settings(BaseSettings):
         host, port = self.listen_host_port
         if host in ("0.0.0.0", "::", ""):
             host = socket.getfqdn()
-        return f"http://{host}:{port}"
+        scheme = "https" if self.peer_tls else "http"
+        return f"{scheme}://{host}:{port}"
 
     @property
     def db_path(self) -> Path:

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -77,7 +78,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _server(app: FastAPI, log_level: str) -> _Server:
+def _server(app: FastAPI, log_level: str, tls: ssl.SSLContext | None = None) -> _Server:
     config = uvicorn.Config(
         app,
         log_level=log_level.lower(),
@@ -85,6 +86,8 @@ def _server(app: FastAPI, log_level: str) -> _Server:
         lifespan="off",
         timeout_graceful_shutdown=5,
         log_config=None,  # uvicorn's lines go through atomd's one format (atomd.logs)
+        # The peer plane's TLS context (``atomd.p2p.tls``), made from the identity key.
+        ssl_context_factory=None if tls is None else (lambda _config, _default: tls),
     )
     return _Server(config)
 
@@ -164,7 +167,18 @@ class Daemon:
             ),
             s.log_level,
         )
-        peer = _server(create_peer_app(node, exchange), s.log_level)
+        if s.peer_tls:
+            from atomd.p2p.tls import server_context
+
+            tls: ssl.SSLContext | None = server_context(identity, s.data_dir)
+        else:
+            tls = None
+            log.warning(
+                "peer plane without TLS (--no-peer-tls / ATOMD_PEER_TLS=false): deltas, job "
+                "specs and checkpoints cross the network readable by anyone, and answers are "
+                "not authenticated; use only on loopback or for debugging"
+            )
+        peer = _server(create_peer_app(node, exchange), s.log_level, tls)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown, signal.Signals(sig).name)
@@ -214,9 +228,10 @@ class Daemon:
         await jobs.wait_started()
         s = self.settings
         log.info(
-            "ready: control http://%s, peer plane %s (advertised %s), data %s",
+            "ready: control http://%s, peer plane %s (%s, advertised %s), data %s",
             s.control,
             s.listen,
+            "TLS" if s.peer_tls else "plain HTTP",
             s.advertise_url,
             s.data_dir,
         )

@@ -108,12 +108,17 @@ class DaemonProcess:
         *,
         env: dict[str, str] | None = None,
         extra_args: list[str] | None = None,
+        tls: bool = True,
     ) -> None:
         self.data_dir = data_dir
         self.control_port = free_port()
         self.listen_port = free_port()
         self.url = f"http://127.0.0.1:{self.control_port}"
-        self.peer_url = f"http://127.0.0.1:{self.listen_port}"
+        # The peer plane speaks TLS unless told not to (here or by ATOMD_PEER_TLS in env).
+        off = (env or {}).get("ATOMD_PEER_TLS", "true").strip().lower() in ("0", "false", "no")
+        self.tls = tls and not off and "--no-peer-tls" not in (extra_args or [])
+        scheme = "https" if self.tls else "http"
+        self.peer_url = f"{scheme}://127.0.0.1:{self.listen_port}"
         # The daemon refuses unknown ATOMD_* variables: pass on none of the caller's.
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ATOMD_")}
         self.env.update(env or {})
@@ -132,6 +137,7 @@ class DaemonProcess:
             "--advertise", self.peer_url,
             "--device", "cpu",
             "--parent-pid", str(os.getpid()),
+            *([] if self.tls or "--no-peer-tls" in self.extra_args else ["--no-peer-tls"]),
             *self.extra_args,
         ]  # fmt: skip
 

@@ -41,12 +41,8 @@ BENCHES: dict[str, Bench] = {
     "swap": Bench("atomd_bench.swap", "~1 min", "~30 s", {"steps": 1}),
     "membership": Bench("atomd_bench.membership", "~1 min", "~40 s", {"n": 4}),
     "sync": Bench("atomd_bench.sync", "~70 min", "~1 min", {"quick": True}),
-    "attack": Bench(
-        "atomd_bench.attack",
-        "~12 min",
-        "~4 min",
-        {"attacks": ("none", "const", "gossip"), "max_steps": 60},
-    ),
+    "tls": Bench("atomd_bench.tls_cost", "~20 s", "~8 s", {"connects": 10, "pings": 50}),
+    "attack": Bench("atomd_bench.attack", "~50 min", "~12 min", {"quick": True}),
 }
 # Benchmarks that take their own command-line options after their name: (module, function).
 WITH_OPTIONS: dict[str, tuple[str, str]] = {"swarm": ("atomd_bench.swarm", "main")}

@@ -1,29 +1,43 @@
 """``python -m atomd_bench attack``: real daemons against one hostile member (issue #15).
 
-A first part of the issue's menu. Two honest daemons on loopback train the tiny GPT together
-(top-k, H = 5); a hostile member with its own valid key joins them with signed requests and
-runs one attack per run:
+Three honest daemons on loopback (``honest=3``; ``--quick``: 2) train the tiny GPT together
+(top-k 1 %, H = 5) over the TLS peer plane; a hostile member with its own valid key joins
+them with signed requests and runs one attack per run. It is a full member: it serves its own
+peer plane (TLS with its key), answers pings and advertises the job, so the honest peers send
+it their real deltas, which it decodes and turns into its attacks:
 
-- ``none``: it joins and stays silent (the reference);
+- ``none``: it joins, receives, and never sends a delta (the reference);
 - ``const``: every round, correctly signed top-k frames whose every value is 5.0;
-- ``fp32``: the same in dense fp32 (the attack that took the loss 2.75 -> 11.48 before #15);
+- ``fp32``: the same in dense fp32 (a frame in another codec than the job's: the attack that
+  took the loss 2.75 -> 11.48 before #15);
+- ``x10``, ``x100``, ``x1e30``: the newest honest delta it received, scaled, as its own;
+- ``signflip``: that delta negated; ``noise``: Gaussian noise at 10x its norm;
+- ``stale``: honest-looking deltas for a round 20 behind;
+- ``replay``: the honest frames it received, re-sent as they are (to their sender and to the
+  others), and its own frames twice;
 - ``farfuture``: frames claiming round and base version 10^9 (must not change the pace);
 - ``gossip``: membership lies about an honest member (left and dead, at the largest
   incarnation, with the attacker's URL), each round;
 - ``flood``: 2 GB of unauthenticated bodies and 5,000 unsigned requests.
 
-Reported per attack: each honest peer's final validation loss and its ratio to ``none``, the
-rounds it closed, whether a daemon crashed, the largest |weight| of its last checkpoint, what
-happened to the attacker's requests (HTTP statuses), how the honest peers list it, and for the
-flood the resident memory before and after, events rows and /healthz latency.
-Missing from the menu: honest deltas scaled by 10/100/1e30, sign-flipped, noise, stale rounds
-and replays (see ``bench/robust_sim.py`` for the scaled, flipped and noise deltas in one
-process, and the unit tests for replays and staleness).
+Reported per attack: each honest peer's final validation loss and its ratio to ``none``
+(target: within 2 %), the rounds it closed, whether a daemon crashed, the largest |weight| of
+its last checkpoint, what happened to the attacker's requests (HTTP statuses), what the
+honest peers did with the attacker's frames that reached the merge (applied, or refused and
+why, from ``/v1/jobs/{id}/rounds``), how they list the attacker, their resident memory at
+the end, and ``/healthz`` latency on honest peer 0 during the run; for the flood, memory
+before and after, and events rows.
+
+Takes ~50 min on a 2-core machine (13 runs of 1-7 min, ~4 on average: 3 daemons start, train
+60 steps and stop; measured on a shared, loaded machine); ``--quick`` (2 honest peers, none /
+const / x100 / replay): ~12 min. A run that fails (a control API timeout on an overloaded
+machine) is recorded as a row with its error, and ``partial`` keeps what was measured so far.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import sqlite3
@@ -32,51 +46,139 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
+import uvicorn
+from fastapi import FastAPI, Request, Response
 
 from atomd.engines import build_model
-from atomd.launch import DaemonProcess, peer_id, start_swarm, stop_all, wait_until
+from atomd.launch import DaemonProcess, free_port, peer_id, start_swarm, stop_all, wait_until
 from atomd.model.presets import get_preset
 from atomd.p2p import paths
 from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
 from atomd.p2p.messages import (
     MAX_COUNTER,
+    Ack,
     DeltaAccepted,
     Gossip,
+    JobAdvert,
     JoinReply,
     MemberRecord,
+    PeerInfo,
+    PingReqReply,
     sign_record,
 )
-from atomd.p2p.signing import Admission
+from atomd.p2p.signing import PEER, Admission
+from atomd.p2p.tls import server_context
 from atomd.sync.codecs import Encoded, make_codec
-from atomd.sync.wire import encode_frame
+from atomd.sync.wire import FrameDecoder, decode_tensors, encode_frame
 
-ATTACKS = ("none", "const", "fp32", "farfuture", "gossip", "flood")
+ATTACKS = (
+    "none", "x10", "x100", "x1e30", "signflip", "noise", "stale", "replay", "const", "fp32",
+    "farfuture", "gossip", "flood",
+)  # fmt: skip
+QUICK_ATTACKS = ("none", "const", "x100", "replay")
+SWARM = "default"
 JOB: dict[str, Any] = {
     "preset": "tiny", "seq_len": 32, "micro_batch_size": 4, "eval_batches": 2,
     "eval_interval": 20, "log_interval": 1, "checkpoint_interval": 20, "warmup_steps": 2,
     "max_steps": 120, "sync": {"every": 5, "codec": "topk"},
 }  # fmt: skip
+SCALES = {"x10": 10.0, "x100": 100.0, "x1e30": 1e30, "signflip": -1.0}
+NOISE_K = 10.0
+KEPT_FRAMES = 4  # per honest sender
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn in a thread: no signal handlers of its own."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class _Hostile:
+    """A member with a valid key: its own TLS peer plane (it answers pings and advertises
+    the job, so honest peers send it their deltas), and a client that sends its attacks."""
+
     def __init__(self) -> None:
         self.identity = Identity.generate()
-        url = "http://127.0.0.1:9"  # nobody answers there
-        record = MemberRecord(id=self.identity.peer_id, url=url,
+        self.port = free_port()
+        self.url = f"https://127.0.0.1:{self.port}"
+        record = MemberRecord(id=self.identity.peer_id, url=self.url,
                               public_key=self.identity.public_key_hex, state="alive",
                               incarnation=1)  # fmt: skip
-        self.record = sign_record(record, self.identity, "default")
+        self.record = sign_record(record, self.identity, SWARM)
         self.statuses: dict[str, int] = {}
+        self.advert: JobAdvert | None = None
+        self.frames: dict[str, list[bytes]] = {}  # honest sender -> its newest frames to us
+        self.own: list[tuple[int, bytes]] = []  # (honest peer index, frame) we sent
+        self._lock = threading.Lock()
+        self._server = _QuietServer(uvicorn.Config(
+            self._app(), host="127.0.0.1", port=self.port, log_level="critical",
+            lifespan="off", ssl_context_factory=lambda _c, _d: server_context(self.identity),
+        ))  # fmt: skip
+        self._thread = threading.Thread(target=self._server.run, name="hostile", daemon=True)
+        self._thread.start()
+        wait_until(lambda: self._server.started, timeout=30, what="the hostile member's server")
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+
+        def answer(msg: Any) -> Response:
+            return Response(msg.to_bytes(), media_type="application/json")
+
+        @app.get(paths.INFO)
+        async def info() -> Response:
+            return answer(PeerInfo(swarm=SWARM, version="hostile", id=self.identity.peer_id,
+                                   url=self.url))  # fmt: skip
+
+        @app.post(paths.PING)
+        async def ping() -> Response:
+            return answer(Gossip(sender=self.record, job=self.advert))
+
+        @app.post(paths.JOIN)
+        async def join() -> Response:
+            return answer(JoinReply(sender=self.record, job=self.advert))
+
+        @app.post(paths.PING_REQ)
+        async def ping_req() -> Response:
+            return answer(PingReqReply(sender=self.record, job=self.advert, ok=False))
+
+        @app.post(paths.LEAVE)
+        @app.post(paths.ANNOUNCE)
+        @app.post(paths.JOB_STOP)
+        async def ack() -> Response:
+            return answer(Ack())
+
+        @app.post(paths.JOB_DELTAS)
+        async def delta(job_id: str, request: Request) -> Response:
+            body = b""
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > 64 << 20:
+                    return Response(status_code=413)
+            sender = request.headers.get(PEER, "?")
+            with self._lock:
+                kept = self.frames.setdefault(sender, [])
+                kept.append(body)
+                del kept[:-KEPT_FRAMES]
+            return answer(DeltaAccepted(accepted=True, bytes=len(body)))
+
+        return app
 
     def _call(self, coro_fn: Any) -> None:
         async def go() -> None:
-            async with PeerClient(self.identity, Admission("default", None, frozenset()),
+            async with PeerClient(self.identity, Admission(SWARM, None, frozenset()),
                                   timeout=30) as c:  # fmt: skip
                 try:
                     await coro_fn(c)
@@ -88,8 +190,14 @@ class _Hostile:
         asyncio.run(go())
 
     def join(self, d: DaemonProcess, target: str, msg: Gossip | None = None) -> None:
-        m = msg or Gossip(sender=self.record)
-        self._call(lambda c: c.post(d.peer_url, paths.JOIN, m, JoinReply, target=target))
+        m = msg or Gossip(sender=self.record, job=self.advert)
+
+        async def go(c: PeerClient) -> None:
+            reply = await c.post(d.peer_url, paths.JOIN, m, JoinReply, target=target)
+            if reply.job is not None and self.advert is None:
+                self.advert = reply.job  # from now on we "train" it too, as far as they know
+
+        self._call(go)
 
     def send(self, d: DaemonProcess, target: str, job_id: str, frame: bytes) -> None:
         self._call(lambda c: c.post_bytes(d.peer_url, paths.job_deltas(job_id), frame,
@@ -105,9 +213,52 @@ class _Hostile:
                             round=base if rnd is None else rnd, base_version=base,
                             tensors=tensors)  # fmt: skip
 
+    def honest_delta(
+        self, job_id: str, shapes: dict[str, tuple[int, ...]], keys: dict[str, str]
+    ) -> dict[str, torch.Tensor] | None:
+        """The newest honest delta received (decoded, dense), or None yet."""
+        with self._lock:
+            newest = [(f[-1], s) for s, f in self.frames.items() if f and s in keys]
+        for raw, _sender in newest:
+            dec = FrameDecoder(job_id=job_id, public_key_of=keys.get, expected_shapes=shapes,
+                               max_bytes=64 << 20)  # fmt: skip
+            try:
+                dec.feed(raw)
+                return decode_tensors(dec.finish(), shapes)
+            except Exception:
+                continue
+        return None
+
+    def forged(self, job_id: str, delta: dict[str, torch.Tensor], rnd: int) -> bytes:
+        enc = make_codec("topk", topk_fraction=0.01)
+        tensors = [(n, enc.encode(t)) for n, t in delta.items()]
+        return encode_frame(identity=self.identity, job_id=job_id, round=rnd, base_version=rnd,
+                            tensors=tensors)  # fmt: skip
+
+
+def _transform(attack: str, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if attack in SCALES:
+        k = SCALES[attack]
+        # 1e30 overflows fp32 beyond |x| > 3.4e8: what overflows is sent as the largest float.
+        big = torch.finfo(torch.float32).max
+        return {n: (t.double() * k).clamp(-big, big).float() for n, t in delta.items()}
+    if attack == "noise":
+        norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in delta.values()))
+        noise = {n: torch.randn_like(t) for n, t in delta.items()}
+        nn = math.sqrt(sum(float(t.double().pow(2).sum()) for t in noise.values())) or 1.0
+        return {n: t * (NOISE_K * norm / nn) for n, t in noise.items()}
+    return delta
+
 
 def _get(url: str) -> Any:
-    return httpx.get(url, timeout=10).json()
+    """A control API answer; a daemon busy on a loaded machine gets 3 tries of 30 s."""
+    for attempt in range(3):
+        try:
+            return httpx.get(url, timeout=30).json()
+        except httpx.TimeoutException:
+            if attempt == 2:
+                raise
+    return None
 
 
 def _rss_mb(pid: int | None) -> float | None:
@@ -135,7 +286,9 @@ def _flood(d: DaemonProcess) -> dict[str, Any]:
             for _ in range(5):
                 headers = {"Content-Length": str(200 << 20)} if declared else {}
                 try:
-                    r = httpx.post(target, content=big(), headers=headers, timeout=30)
+                    r = httpx.post(
+                        target, content=big(), headers=headers, timeout=30, verify=False
+                    )  # a stranger: it checks no certificate
                     codes.append(str(r.status_code))
                 except httpx.HTTPError as e:
                     codes.append(type(e).__name__)
@@ -143,42 +296,131 @@ def _flood(d: DaemonProcess) -> dict[str, Any]:
     latencies: list[float] = []
     stop = threading.Event()
 
+    slow: list[float] = []  # probes that got no answer within 5 s
+
     def probe() -> None:
-        with httpx.Client() as c:
+        with httpx.Client(timeout=5) as c:
             while not stop.is_set():
                 t = time.perf_counter()
-                c.get(d.url + "/healthz")
+                try:
+                    c.get(d.url + "/healthz")
+                except httpx.HTTPError:
+                    slow.append(time.perf_counter() - t)
+                    continue
                 latencies.append((time.perf_counter() - t) * 1000)
                 time.sleep(0.02)
 
     th = threading.Thread(target=probe)
     th.start()
     codes = []
-    with httpx.Client() as c:
+    with httpx.Client(verify=False) as c:
         for _ in range(5000):
-            r = c.post(d.peer_url + paths.PING, content=b"{}", headers={"X-Pad": "p" * 8000})
-            codes.append(str(r.status_code))
+            try:
+                r = c.post(d.peer_url + paths.PING, content=b"{}", headers={"X-Pad": "p" * 8000})
+                codes.append(str(r.status_code))
+            except httpx.HTTPError as e:  # a timeout is a figure too, not the end of the run
+                codes.append(type(e).__name__)
     stop.set()
     th.join()
     out["unsigned_5000"] = {c: codes.count(c) for c in sorted(set(codes))}
     out["healthz_ms_median"] = round(statistics.median(latencies), 2) if latencies else None
+    out["healthz_probes"] = len(latencies)
+    out["healthz_timeouts_5s"] = len(slow)
     out["rss_after_mb"] = _rss_mb(d.pid)
     return out
 
 
-def _one(attack: str, root: Path, max_steps: int) -> dict[str, Any]:
+class _Probe:
+    """``/healthz`` of one daemon every 0.2 s in a thread: the latencies (ms)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.ms: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10) as c:
+            while not self._stop.wait(0.2):
+                t = time.perf_counter()
+                try:
+                    c.get(self.url + "/healthz")
+                except httpx.HTTPError:
+                    continue
+                self.ms.append((time.perf_counter() - t) * 1000)
+
+    def stop(self) -> dict[str, float | None]:
+        self._stop.set()
+        self._thread.join()
+        ms = sorted(self.ms)
+        if not ms:
+            return {"median_ms": None, "p99_ms": None}
+        return {"median_ms": round(statistics.median(ms), 2),
+                "p99_ms": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 2)}  # fmt: skip
+
+
+def _attack_round(attack: str, evil: _Hostile, i: int, d: DaemonProcess, pid: str, jid: str,
+                  v: int, shapes: dict[str, tuple[int, ...]], keys: dict[str, str],
+                  ids: list[str]) -> None:  # fmt: skip
+    """The attacker's move after honest peer ``i`` sent its round ``v``."""
+    if attack == "const":
+        evil.send(d, pid, jid, evil.frame(jid, shapes, v + 1, "topk"))
+    elif attack == "fp32":
+        evil.send(d, pid, jid, evil.frame(jid, shapes, v + 1, "fp32"))
+    elif attack == "farfuture":
+        evil.send(d, pid, jid, evil.frame(jid, shapes, 10**9, "topk", 10**9 + v))
+    elif attack in (*SCALES, "noise", "stale"):
+        delta = evil.honest_delta(jid, shapes, keys)
+        if delta is None:
+            return
+        rnd = max(0, v - 20) if attack == "stale" else v + 1
+        frame = evil.forged(jid, _transform(attack, delta), rnd)
+        evil.own.append((i, frame))
+        evil.send(d, pid, jid, frame)
+    elif attack == "replay":
+        with evil._lock:
+            captured = [(s, f[-1]) for s, f in evil.frames.items() if f]
+        for _sender, raw in captured:  # an honest peer's frame, to its sender and the others
+            evil.send(d, pid, jid, raw)
+        delta = evil.honest_delta(jid, shapes, keys)
+        if delta is not None:  # our own frame, twice
+            frame = evil.forged(jid, delta, v + 1)
+            evil.send(d, pid, jid, frame)
+            evil.send(d, pid, jid, frame)
+    elif attack == "gossip":
+        victim = next(p for p in _get(d.url + "/v1/peers") if p["id"] == ids[(i + 1) % len(ids)])
+        for state in ("left", "dead"):
+            lie = MemberRecord(id=victim["id"], url=evil.url, public_key=victim["public_key"],
+                               state=state, incarnation=MAX_COUNTER)  # fmt: skip
+            evil.join(d, pid, Gossip(sender=evil.record, updates=[lie]))
+
+
+def _one(attack: str, root: Path, max_steps: int, n_honest: int) -> dict[str, Any]:
     shapes = {n: tuple(p.shape) for n, p in build_model(get_preset("tiny"), 0).named_parameters()}
     started: list[DaemonProcess] = []
     res: dict[str, Any] = {"attack": attack}
+    t_start = time.monotonic()
+    evil = _Hostile()
+    probe: _Probe | None = None
     try:
-        honest = start_swarm(root, 2, started=started)
+        honest = start_swarm(root, n_honest, started=started)
         ids = [peer_id(d) for d in honest]
-        wait_until(lambda: all(len(_get(d.url + "/v1/peers")) >= 2 for d in honest), timeout=60)
-        evil = _Hostile()
+        wait_until(lambda: all(len(_get(d.url + "/v1/peers")) >= n_honest for d in honest),
+                   timeout=120)  # fmt: skip
+        keys = {p["id"]: p["public_key"] for p in _get(honest[0].url + "/v1/peers")}
         for d, pid in zip(honest, ids, strict=True):
             evil.join(d, pid)
+        probe = _Probe(honest[0].url)
         job = {**JOB, "max_steps": max_steps}
         jid = httpx.post(f"{honest[0].url}/v1/jobs", json=job, timeout=60).json()["id"]
+        # Ask again until the job's advert comes back: from then on we "train" it too.
+        deadline = time.monotonic() + 60
+        while evil.advert is None and time.monotonic() < deadline:
+            evil.join(honest[0], ids[0])
+            time.sleep(1.0)
+        for d, pid in zip(honest[1:], ids[1:], strict=True):
+            evil.join(d, pid)
         if attack == "flood":
             res["flood"] = _flood(honest[0])
         sent: set[tuple[int, int]] = set()
@@ -195,61 +437,89 @@ def _one(attack: str, root: Path, max_steps: int) -> dict[str, Any]:
                 if v < 0 or (i, v) in sent:
                     continue
                 sent.add((i, v))
-                if attack == "const":
-                    evil.send(d, pid, jid, evil.frame(jid, shapes, v + 1, "topk"))
-                elif attack == "fp32":
-                    evil.send(d, pid, jid, evil.frame(jid, shapes, v + 1, "fp32"))
-                elif attack == "farfuture":
-                    evil.send(d, pid, jid, evil.frame(jid, shapes, 10**9, "topk", 10**9 + v))
-                elif attack == "gossip":
-                    victim = next(p for p in _get(d.url + "/v1/peers") if p["id"] == ids[1 - i])
-                    for state in ("left", "dead"):
-                        lie = MemberRecord(id=victim["id"], url="http://127.0.0.1:9",
-                                           public_key=victim["public_key"], state=state,
-                                           incarnation=MAX_COUNTER)  # fmt: skip
-                        evil.join(d, pid, Gossip(sender=evil.record, updates=[lie]))
+                _attack_round(attack, evil, i, d, pid, jid, v, shapes, keys, ids)
             time.sleep(1.0)
+        res["healthz_peer0"] = probe.stop()
+        probe = None
         res["crashed"] = [not d.running() for d in honest]
-        res["honest"] = []
-        for d in honest:
-            j = _get(f"{d.url}/v1/jobs/{jid}")
-            ck = sorted((d.data_dir / "jobs" / jid / "checkpoints").glob("step-*"))
-            worst = None
-            if ck:
-                from safetensors.torch import load_file
-
-                model = load_file(str(ck[-1] / "model.safetensors"))
-                worst = round(max(float(t.float().abs().max()) for t in model.values()), 3)
-            rounds = [r for r in _get(f"{d.url}/v1/jobs/{jid}/rounds") if r["direction"] == "sent"]
-            res["honest"].append({
-                "state": j.get("state"), "step": j.get("step"), "val_loss": j.get("val_loss"),
-                "rounds_closed": len({r["round"] for r in rounds}), "ckpt_max_abs_w": worst,
-                "view_of_attacker": next((p.get("excluded") for p in _get(d.url + "/v1/peers")
-                                          if p["id"] == evil.identity.peer_id), None),
-                "view_of_the_other": {p["id"][:8]: p["state"] for p in _get(d.url + "/v1/peers")
-                                      if p["id"] in ids},
-            })  # fmt: skip
+        res["honest"] = [_honest_view(d, jid, ids, evil) for d in honest]
         res["attacker_statuses"] = evil.statuses
+        res["deltas_received_by_attacker"] = {s[:8]: len(f) for s, f in evil.frames.items()}
     finally:
+        if probe is not None:
+            probe.stop()
         stop_all(started)
+        evil.close()
     for d in started[:1]:
         db = sqlite3.connect(d.data_dir / "atomd.db")
         res["events_rows"] = db.execute("SELECT count(*) FROM events").fetchone()[0]
         db.close()
+    res["seconds"] = round(time.monotonic() - t_start, 1)
     return res
 
 
-def run(*, attacks: tuple[str, ...] = ATTACKS, max_steps: int = 120) -> dict[str, Any]:
+def _honest_view(d: DaemonProcess, jid: str, ids: list[str], evil: _Hostile) -> dict[str, Any]:
+    j = _get(f"{d.url}/v1/jobs/{jid}")
+    ck = sorted((d.data_dir / "jobs" / jid / "checkpoints").glob("step-*"))
+    worst = None
+    if ck:
+        from safetensors.torch import load_file
+
+        model = load_file(str(ck[-1] / "model.safetensors"))
+        worst = round(max(float(t.float().abs().max()) for t in model.values()), 3)
+    rounds = _get(f"{d.url}/v1/jobs/{jid}/rounds")
+    sent = [r for r in rounds if r["direction"] == "sent"]
+    from_evil = [r for r in rounds if r["direction"] == "received"
+                 and r.get("peer_id") == evil.identity.peer_id]  # fmt: skip
+    verdicts: dict[str, int] = {}
+    for r in from_evil:
+        key = "applied" if r.get("applied") else f"refused: {str(r.get('reason'))[:60]}"
+        verdicts[key] = verdicts.get(key, 0) + 1
+    peers = _get(d.url + "/v1/peers")
+    return {
+        "state": j.get("state"), "step": j.get("step"), "val_loss": j.get("val_loss"),
+        "rounds_closed": len({r["round"] for r in sent}), "ckpt_max_abs_w": worst,
+        "attacker_frames_in_merge": verdicts,
+        "view_of_attacker": next((p.get("excluded") or p["state"] for p in peers
+                                  if p["id"] == evil.identity.peer_id), None),
+        "view_of_the_others": {p["id"][:8]: p["state"] for p in peers if p["id"] in ids},
+        "rss_mb": _rss_mb(d.pid),
+    }  # fmt: skip
+
+
+def run(
+    *, attacks: tuple[str, ...] = ATTACKS, max_steps: int = 60, honest: int = 3,
+    quick: bool = False, partial: Path | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    if quick:
+        attacks, honest = QUICK_ATTACKS, 2
     results = []
+    t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atomd-attack-") as tmp:
         for attack in attacks:
-            r = _one(attack, Path(tmp) / attack, max_steps)
+            try:
+                r = _one(attack, Path(tmp) / attack, max_steps, honest)
+            except Exception as e:  # one run's failure (a timeout on a loaded machine) is a row
+                r = {"attack": attack, "error": f"{type(e).__name__}: {e}", "honest": []}
             results.append(r)
-            print(f"[attack] {attack}: {json.dumps(r['honest'])[:300]}", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            if partial is not None:  # what is measured survives a later failure
+                partial.write_text(json.dumps(results))
+            print(f"[attack] {attack} ({r.get('seconds')} s): {json.dumps(r.get('honest'))[:400]}",
+                  file=sys.stderr, flush=True)  # fmt: skip
     ref = [h["val_loss"] for h in results[0]["honest"]] if results[0]["attack"] == "none" else []
+    worst = 0.0
     for r in results:
         vals = [h["val_loss"] for h in r["honest"]]
-        if ref and all(v is not None and math.isfinite(v) for v in vals):
+        if ref and vals and all(v is not None and math.isfinite(v) for v in vals):
             r["val_ratio_to_none"] = [round(v / w, 4) for v, w in zip(vals, ref, strict=True)]
-    return {"max_steps": max_steps, "results": results}
+            worst = max(worst, *(abs(x - 1) for x in r["val_ratio_to_none"]))
+    return {
+        "bench": "attack",
+        "max_steps": max_steps,
+        "honest_peers": honest,
+        "tls": True,
+        "seconds": round(time.monotonic() - t0, 1),
+        "worst_val_deviation_from_none": round(worst, 4),
+        "crashes": sum(sum(r.get("crashed", [])) for r in results),
+        "results": results,
+    }

@@ -141,7 +141,7 @@ class Daemon:
         self.data_dir = root / f"peer{i}"
         self.log_path = root / f"peer{i}.log"
         listen = net.listen(i)
-        self.peer_url = f"http://{listen}"
+        self.peer_url = f"https://{listen}"  # TLS, as any swarm runs
         self.argv = [
             sys.executable, "-m", "atomd", "run", "--data-dir", str(self.data_dir),
             "--control", net.control(i), "--listen", listen, "--advertise", self.peer_url,

@@ -5,6 +5,12 @@ does not fit its model, or is larger than ``MAX_ANSWER_BYTES``, is a ``PeerReque
 Every call has a timeout. A request is signed for the peer id it is meant for: given by the
 caller where the membership knows it, otherwise asked of the URL first (``GET /p2p/v1/info``,
 remembered per URL and asked again when the peer answers that the request was not for it).
+
+With TLS (the default, ``atomd.p2p.tls``) every connection is pinned: the server's certificate
+key must be the one behind the peer id the request is for, checked after the handshake and
+before the request is written, and again on every answer (a kept-alive connection), so no
+answer is trusted from anyone else. A URL of the other scheme (``http://`` with TLS on,
+``https://`` with it off) is refused with the reason: a swarm does not mix the two.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from atomd.p2p import paths
 from atomd.p2p.identity import Identity
 from atomd.p2p.messages import M, Message, PeerInfo, parse_answer
 from atomd.p2p.signing import Admission, sign_request
+from atomd.p2p.tls import CertificateError, PinnedTransport, expecting, stream_peer
 
 DEFAULT_TIMEOUT_S = 5.0
 INFO_TIMEOUT_S = 3.0
@@ -47,6 +54,13 @@ async def _read_capped(response: httpx.Response, limit: int) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+@asynccontextmanager
+async def _anyone() -> AsyncIterator[None]:
+    """Accept any certificate on a new connection (first contact: it tells who is there)."""
+    with expecting(None):
+        yield
 
 
 def _detail(body: bytes | None) -> str:
@@ -76,9 +90,16 @@ class PeerClient:
         admission: Admission,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
+        tls: bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._identity = identity
+        self.tls = tls
+        # Answers are checked against the certificate only on our own pinned transport (a
+        # test's in-process transport has no TLS to check).
+        self._pinned = tls and transport is None
+        if self._pinned:
+            transport = PinnedTransport()
         self._admission = admission
         self.swarm = admission.swarm
         self._timeout = timeout
@@ -88,6 +109,7 @@ class PeerClient:
             follow_redirects=False,
             transport=transport,
             headers={"User-Agent": f"atomd/{__version__}"},
+            trust_env=False,  # a proxy from the environment would sit between pinned peers
         )
         self._targets: OrderedDict[str, str] = OrderedDict()  # base URL -> peer id
 
@@ -110,11 +132,17 @@ class PeerClient:
     async def info(self, base_url: str, *, timeout: float = INFO_TIMEOUT_S) -> PeerInfo:
         """``GET /p2p/v1/info`` (not signed): the swarm, version and peer id at ``base_url``."""
         url = base_url.rstrip("/")
+        self.check_scheme(url)
+        certified: str | None = None
         try:
             async with (
                 asyncio.timeout(timeout),
+                _anyone(),
                 self._client.stream("GET", url + paths.INFO, timeout=timeout) as response,
             ):
+                if self._pinned:
+                    # First contact: the certificate tells who is there; /info must agree.
+                    certified = self._certified(response, url, paths.INFO, None)
                 body = await _read_capped(response, MAX_ERROR_BYTES)
                 status = response.status_code
         except (TimeoutError, httpx.HTTPError, httpx.InvalidURL) as e:
@@ -127,8 +155,51 @@ class PeerClient:
         if body is None:
             raise PeerRequestError(f"peer {url}: {paths.INFO} answered too many bytes")
         info = parse_answer(PeerInfo, body, url, paths.INFO)
+        if certified is not None and info.id != certified:
+            raise PeerRequestError(
+                f"peer {url}: {paths.INFO} names peer {info.id} but the TLS certificate is "
+                f"peer {certified}'s: refused"
+            )
         self._remember(url, info.id)
         return info
+
+    def check_scheme(self, base_url: str) -> None:
+        """``PeerRequestError`` for a URL of the other scheme than this daemon's peer plane."""
+        https = base_url.lower().startswith("https://")
+        if self.tls and not https:
+            raise PeerRequestError(
+                f"peer {base_url}: plain HTTP refused: this daemon's peer plane uses TLS "
+                "(ATOMD_PEER_TLS, the default) and every member of a swarm must use the same "
+                "setting; give the peer's https:// URL, or run every member with --no-peer-tls"
+            )
+        if not self.tls and https:
+            raise PeerRequestError(
+                f"peer {base_url}: this daemon runs without TLS (--no-peer-tls) and every "
+                "member of a swarm must use the same setting; run every member with TLS, or "
+                "that one with --no-peer-tls and an http:// URL"
+            )
+
+    def _certified(
+        self, response: httpx.Response, base_url: str, path: str, expected: str | None
+    ) -> str:
+        """The peer id of the certificate behind ``response``; ``PeerRequestError`` when there
+        is none or it is not ``expected``'s."""
+        try:
+            found = stream_peer(response.extensions.get("network_stream"))
+        except CertificateError as e:
+            raise PeerRequestError(f"peer {base_url}: {path}: {e}") from None
+        if found is None:
+            raise PeerRequestError(f"peer {base_url}: {path}: the answer did not come over TLS")
+        if expected is not None and found[0] != expected:
+            raise PeerRequestError(
+                f"peer {base_url}: {path}: the answer comes from peer {found[0]} by its TLS "
+                f"certificate, expected {expected}: refused"
+            )
+        return found[0]
+
+    def peer_at(self, base_url: str) -> str | None:
+        """The peer id last seen at ``base_url`` (by its certificate and /info), or None."""
+        return self._targets.get(base_url.rstrip("/"))
 
     def _remember(self, url: str, peer_id: str) -> None:
         self._targets[url] = peer_id
@@ -216,7 +287,10 @@ class PeerClient:
             data = await self._exchange(method, base_url, path, body, target, timeout, content_type)
         except PeerRequestError as e:
             # Our remembered peer id for that URL is out of date: ask who is there, once.
-            if target is not None or e.status != 401 or "wrong target" not in str(e):
+            stale = (e.status == 401 and "wrong target" in str(e)) or (
+                e.status is None and "by its certificate" in str(e)
+            )
+            if target is not None or not stale:
                 raise
             self.forget(base_url)
             data = await self._exchange(method, base_url, path, body, None, timeout, content_type)
@@ -265,6 +339,7 @@ class PeerClient:
         method = method.upper()
         if not path.startswith("/"):
             raise ValueError(f"path {path!r} must start with /")
+        self.check_scheme(base_url)
         try:
             url = httpx.URL(base_url.rstrip("/") + path)
         except httpx.InvalidURL as e:
@@ -279,17 +354,22 @@ class PeerClient:
             headers["Content-Type"] = content_type
         limit = self._timeout if timeout is None else timeout
         try:
-            async with self._client.stream(
-                method, url, content=body, headers=headers, timeout=httpx.Timeout(limit)
-            ) as response:
-                if not response.is_success:
-                    detail = _detail(await _read_capped(response, MAX_ERROR_BYTES))
-                    raise PeerRequestError(
-                        f"peer {base_url}: {method} {path} answered {response.status_code}: "
-                        f"{detail}",
-                        status=response.status_code,
-                    )
-                yield response
+            # A new connection's handshake must show this peer (``atomd.p2p.tls``).
+            with expecting(peer):
+                async with self._client.stream(
+                    method, url, content=body, headers=headers, timeout=httpx.Timeout(limit)
+                ) as response:
+                    if self._pinned:
+                        # Also on a kept-alive connection: only the pinned key's answers count.
+                        self._certified(response, base_url, path, peer)
+                    if not response.is_success:
+                        detail = _detail(await _read_capped(response, MAX_ERROR_BYTES))
+                        raise PeerRequestError(
+                            f"peer {base_url}: {method} {path} answered "
+                            f"{response.status_code}: {detail}",
+                            status=response.status_code,
+                        )
+                    yield response
         except httpx.TimeoutException as e:
             raise PeerRequestError(
                 f"peer {base_url}: {method} {path} timed out after {limit:g} s ({type(e).__name__})"

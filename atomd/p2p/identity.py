@@ -130,6 +130,11 @@ class Identity:
             )
         return cls(private_key)
 
+    @property
+    def private_key(self) -> Ed25519PrivateKey:
+        """The private key (for the peer plane's TLS certificate, ``atomd.p2p.tls``)."""
+        return self._private_key
+
     def sign(self, data: bytes) -> bytes:
         """The 64-byte Ed25519 signature of ``data``."""
         return self._private_key.sign(data)

@@ -91,9 +91,18 @@ class HttpTransport:
         )
 
     async def join(self, url: str, target: str | None, msg: Gossip, timeout: float) -> JoinReply:
-        return await self.client.post(
+        reply = await self.client.post(
             url, paths.JOIN, msg, JoinReply, target=target, timeout=timeout
         )
+        # The peer that answered (its certificate, its /info) must be the one whose signed
+        # record the answer carries: a seed speaks for itself only.
+        answered = target or self.client.peer_at(url)
+        if answered is not None and reply.sender.id != answered:
+            raise PeerRequestError(
+                f"peer {url}: {paths.JOIN}: the answer carries the record of peer "
+                f"{reply.sender.id}, but peer {answered} answered there: refused"
+            )
+        return reply
 
     async def leave(self, url: str, target: str, msg: Gossip, timeout: float) -> None:
         await self.client.post(url, paths.LEAVE, msg, Ack, target=target, timeout=timeout)
@@ -125,7 +134,7 @@ class SwarmNode:
         self.telemetry = telemetry
         self.jobs = jobs
         self.admission = Admission.from_settings(settings)
-        self.client = PeerClient(identity, self.admission)
+        self.client = PeerClient(identity, self.admission, tls=settings.peer_tls)
         self.quarantine = Quarantine(key_of=self._key_of)
         self.rejections = Rejections()  # refused requests of both planes, counted
         self.verifier = RequestVerifier(

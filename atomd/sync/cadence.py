@@ -17,7 +17,9 @@ the shortest period at which its round's traffic fits MARGIN times into the comp
 rounds and its own round work takes at most WORK_SHARE of that compute. Every frame carries its
 sender's proposal; the swarm's period T is the largest proposal heard recently (this peer's own
 included), so the slowest link or the busiest peer sets the pace of everyone's rounds and no
-peer's rounds outrun the others' deltas. A peer closes a round every
+peer's rounds outrun the others' deltas. A proposal heard counts for at most ``CLAIM_CAP``
+times the lower median of the current proposals, so one member cannot stall the swarm's
+rounds by declaring a huge period. A peer closes a round every
 
     H_i = clamp(round(T / step_s_i), 1, MAX_EVERY)
 
@@ -56,6 +58,13 @@ STEP_SAMPLES = 16  # steps whose median is the step time
 TRAFFIC_SAMPLES = 3  # rounds whose largest traffic time counts
 WORK_SAMPLES = 8
 PROPOSAL_TTL_S = 10.0  # a peer's proposal counts this long, plus 3 swarm periods
+# A proposal heard from another peer counts for at most this many times the lower median of
+# all current proposals (this peer's own included; issue #15): the largest proposal sets the
+# pace, so without a cap one member declaring a day would stop everyone's rounds. Honest
+# proposals differ by the peers' speeds and links (a slow uplink: 16x a step in the tests); a
+# slower link than that gets its rounds stretched by the one-round-in-flight rule instead. The
+# same factor as the robust merge's refusal (16x a delta's reference norm).
+CLAIM_CAP = 16.0
 
 
 @dataclass(frozen=True)
@@ -132,13 +141,17 @@ class Cadence:
         own = self.proposal()
         now = time.monotonic() if now is None else now
         with self._lock:
-            periods = [own]
+            heard = []
             for peer, (p, at) in tuple(self._heard.items()):
                 if now - at > PROPOSAL_TTL_S + 3 * max(own, p):
                     del self._heard[peer]  # left, died, or stopped training the job
                 else:
-                    periods.append(p)
-        return max(periods)
+                    heard.append(p)
+        positive = [p for p in (own, *heard) if p > 0]
+        if not positive:
+            return own
+        cap = CLAIM_CAP * statistics.median_low(positive)
+        return max([own, *(min(p, cap) for p in heard)])
 
     def every(self, *, now: float | None = None) -> int:
         """H: steps in this peer's current round."""

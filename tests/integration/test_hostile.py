@@ -45,7 +45,7 @@ class Hostile:
 
     def __init__(self) -> None:
         self.identity = Identity.generate()
-        self.url = f"http://127.0.0.1:{free_port()}"  # nobody answers there: it never gossips
+        self.url = f"https://127.0.0.1:{free_port()}"  # nobody answers there: it never gossips
         self.record = sign_record(MemberRecord(
             id=self.identity.peer_id, url=self.url, public_key=self.identity.public_key_hex,
             state="alive", incarnation=1,

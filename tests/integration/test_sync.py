@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import socket
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,12 @@ def _job(d: DaemonProcess, jid: str) -> dict[str, Any]:
 
 def _truncated_upload(d: DaemonProcess, jid: str) -> None:
     """A sender that dies mid-upload: headers promise 50 kB, 1 kB arrives, the socket closes."""
-    with socket.create_connection(("127.0.0.1", d.listen_port), timeout=5) as s:
+    with contextlib.ExitStack() as stack:
+        s = stack.enter_context(socket.create_connection(("127.0.0.1", d.listen_port), timeout=5))
+        if d.tls:  # the peer plane's TLS: its key is not what this test is about
+            ctx = ssl.create_default_context()
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+            s = stack.enter_context(ctx.wrap_socket(s))
         s.sendall(
             f"POST /p2p/v1/jobs/{jid}/deltas HTTP/1.1\r\nHost: x\r\n"
             "Content-Type: application/octet-stream\r\nContent-Length: 50000\r\n\r\n".encode()
@@ -68,7 +75,8 @@ def test_swarm_trains_with_deltas_and_survives_a_crash(tmp_path: Path) -> None:
         assert "atomd_sync_sent_bytes_total" in metrics and "atomd_peers_alive 2.0" in metrics
 
         # Garbage never touches a model: unsigned -> 401; a torn upload -> nothing queued.
-        r = httpx.post(f"{b.peer_url}/p2p/v1/jobs/{jid}/deltas", content=b"ATD1xx", timeout=5)
+        r = httpx.post(f"{b.peer_url}/p2p/v1/jobs/{jid}/deltas", content=b"ATD1xx", timeout=5,
+                       verify=False)  # fmt: skip
         assert r.status_code == 401
         _truncated_upload(b, jid)
         assert httpx.get(b.url + "/healthz").status_code == 200

@@ -259,7 +259,7 @@ def test_daemons_without_seeds_form_a_swarm_over_mdns(lan: Lan, tmp_path: Path) 
             args = [
                 "ip", "netns", "exec", ns, sys.executable, "-m", "atomd", "run",
                 "--data-dir", str(tmp_path / name), "--control", "127.0.0.1:7070",
-                "--listen", f"{addr}:7071", "--advertise", f"http://{addr}:7071",
+                "--listen", f"{addr}:7071", "--advertise", f"https://{addr}:7071",
                 "--device", "cpu", "--zeroconf", "--swarm", "lan-test",
             ]  # fmt: skip
             log = (tmp_path / f"{name}.log").open("wb")
@@ -274,7 +274,7 @@ def test_daemons_without_seeds_form_a_swarm_over_mdns(lan: Lan, tmp_path: Path) 
                 return {}
             return {p["url"]: p["state"] for p in json.loads(out.stdout)}
 
-        want = {f"http://{lan.addr_a}:7071": "alive", f"http://{lan.addr_b}:7071": "alive"}
+        want = {f"https://{lan.addr_a}:7071": "alive", f"https://{lan.addr_b}:7071": "alive"}
         deadline = time.monotonic() + 40
         while time.monotonic() < deadline:
             if view(lan.ns_a) == want and view(lan.ns_b) == want:

@@ -35,8 +35,8 @@ def test_flags_beat_environment_beat_toml(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 
 def test_seeds_from_a_comma_separated_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ATOMD_SEEDS", "http://a:7071, http://b:7071,")
-    assert load_settings().seeds == ["http://a:7071", "http://b:7071"]
+    monkeypatch.setenv("ATOMD_SEEDS", "https://a:7071, https://b:7071,")
+    assert load_settings().seeds == ["https://a:7071", "https://b:7071"]
     monkeypatch.setenv("ATOMD_SEEDS", "a:7071")
     with pytest.raises(ConfigError, match=r"ATOMD_SEEDS.*http"):
         load_settings()
@@ -78,8 +78,8 @@ def test_host_port_and_derived_paths(tmp_path: Path) -> None:
     assert split_host_port("[::1]:7070") == ("::1", 7070)
     s = Settings(data_dir=tmp_path, listen="127.0.0.1:9000")
     assert s.db_path == tmp_path / "atomd.db" and s.jobs_dir == tmp_path / "jobs"
-    assert s.advertise_url == "http://127.0.0.1:9000"
-    assert Settings(advertise="http://me:1/").advertise_url == "http://me:1"
+    assert s.advertise_url == "https://127.0.0.1:9000"
+    assert Settings(advertise="https://me:1/").advertise_url == "https://me:1"
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ KNOWN_VARS = {
     "ATOMD_LISTEN",
     "ATOMD_ADVERTISE",
     "ATOMD_SEEDS",
+    "ATOMD_PEER_TLS",
     "ATOMD_SWARM",
     "ATOMD_SWARM_SECRET",
     "ATOMD_DEVICE",
@@ -319,7 +320,7 @@ def test_compose_is_a_three_peer_swarm(compose: dict[str, Any]) -> None:
     assert len(images) == 1, "one image for every peer"
     for name, service in services.items():
         env = {key: _default(str(value)) for key, value in service["environment"].items()}
-        assert env["ATOMD_ADVERTISE"] == f"http://{name}:7071"
+        assert env["ATOMD_ADVERTISE"] == f"https://{name}:7071"
         assert env["ATOMD_LISTEN"].endswith(":7071")
         assert env["ATOMD_DEVICE"] == "cpu"
         assert env["ATOMD_SWARM"] and env["ATOMD_SWARM_SECRET"]
@@ -330,7 +331,7 @@ def test_compose_is_a_three_peer_swarm(compose: dict[str, Any]) -> None:
         assert service["healthcheck"]["test"][0] == "CMD"
         compile(service["healthcheck"]["test"][-1], f"{name} healthcheck", "exec")
     seeds = {name: service["environment"].get("ATOMD_SEEDS") for name, service in services.items()}
-    assert seeds == {"peer1": None, "peer2": "http://peer1:7071", "peer3": "http://peer1:7071"}
+    assert seeds == {"peer1": None, "peer2": "https://peer1:7071", "peer3": "https://peer1:7071"}
     for name in ("peer2", "peer3"):
         assert "peer1" in services[name]["depends_on"]
 

@@ -581,7 +581,7 @@ def closed_port() -> int:
 
 
 async def test_peer_client_signed_requests_pass(alice: Identity, peer_url: str) -> None:
-    async with PeerClient(alice, admission(secret=b"s3cret")) as client:
+    async with PeerClient(alice, admission(secret=b"s3cret"), tls=False) as client:
         # The target's id is asked of /info first (the peer id is not known here).
         answer = await client.post_bytes(peer_url, "/p2p/v1/echo?q=a b", b"[1, 2]", Echo)
         assert answer == Echo(peer=alice.peer_id, size=6, head="[1, 2]")
@@ -601,7 +601,7 @@ async def test_peer_client_signed_requests_pass(alice: Identity, peer_url: str) 
 async def test_peer_client_signs_for_its_target(
     alice: Identity, bob: Identity, peer_url: str
 ) -> None:
-    async with PeerClient(alice, admission(secret=b"s3cret")) as client:
+    async with PeerClient(alice, admission(secret=b"s3cret"), tls=False) as client:
         with pytest.raises(PeerRequestError, match=r"answered 401: wrong target") as info:
             await client.post_bytes(peer_url, "/p2p/v1/echo", b"{}", Echo, target=bob.peer_id)
         assert info.value.status == 401
@@ -611,7 +611,7 @@ async def test_peer_client_signs_for_its_target(
 
 
 async def test_peer_client_with_wrong_secret_is_forbidden(alice: Identity, peer_url: str) -> None:
-    async with PeerClient(alice, admission(secret=b"guess")) as client:
+    async with PeerClient(alice, admission(secret=b"guess"), tls=False) as client:
         with pytest.raises(PeerRequestError, match=r"answered 403: wrong swarm secret") as info:
             await client.post_bytes(peer_url, "/p2p/v1/echo", b"{}", Echo)
         assert info.value.status == 403
@@ -622,7 +622,7 @@ async def test_peer_client_with_wrong_secret_is_forbidden(alice: Identity, peer_
 
 
 async def test_peer_client_unreachable_peer(alice: Identity, closed_port: int) -> None:
-    async with PeerClient(alice, admission(), timeout=2) as client:
+    async with PeerClient(alice, admission(), timeout=2, tls=False) as client:
         with pytest.raises(PeerRequestError, match=r"failed") as info:
             await client.get(f"http://127.0.0.1:{closed_port}", "/p2p/v1/x", Echo, target=ME)
         assert info.value.status is None
@@ -654,3 +654,23 @@ async def test_a_source_refused_too_often_gets_429_before_any_check(alice: Ident
         r = await http.post("/p2p/v1/echo", content=b"x", headers=headers)
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"] == "rate_limited"
+
+
+async def test_a_sender_that_disconnects_mid_body_is_a_clean_refusal() -> None:
+    """Not a ClientDisconnect traceback logged as a server error (seen under load)."""
+    from starlette.requests import Request as StarletteRequest
+
+    from atomd.errors import MessageError
+    from atomd_api.peer_auth import read_body
+
+    messages: list[dict[str, Any]] = [
+        {"type": "http.request", "body": b"x" * 10, "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
+    with pytest.raises(MessageError, match="disconnected after 10 bytes"):
+        await read_body(StarletteRequest(scope, receive), 1000)

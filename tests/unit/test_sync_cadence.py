@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from atomd.sync.cadence import MARGIN, MAX_EVERY, PROPOSAL_TTL_S, WORK_SHARE, Cadence
+from atomd.sync.cadence import (
+    CLAIM_CAP,
+    MARGIN,
+    MAX_EVERY,
+    PROPOSAL_TTL_S,
+    WORK_SHARE,
+    Cadence,
+)
 
 
 def measured(step: float, traffic: float = 0.0, work: float = 0.0) -> Cadence:
@@ -66,6 +73,21 @@ def test_the_swarm_follows_its_slowest_proposal_until_it_goes_quiet() -> None:
     assert c.period(now=gone) == 0.25  # it left: back to our own (a step: traffic is 0.2)
     view = c.view()
     assert view.auto and view.every == c.every()
+
+
+def test_a_member_cannot_stall_the_rounds_by_declaring_a_huge_period() -> None:
+    """Issue #15: the largest proposal sets the pace; one heard proposal counts for at most
+    CLAIM_CAP times the lower median of the proposals (ours included)."""
+    c = measured(0.25, traffic=0.1)
+    c.heard("liar", 86_400.0, now=100.0)  # the largest period a frame may carry
+    assert c.period(now=100.0) == CLAIM_CAP * 0.25 and c.every(now=100.0) == 16
+    c.heard("honest", 0.5, now=100.0)  # the median is an honest proposal's
+    assert c.period(now=100.0) == CLAIM_CAP * 0.5
+    c.heard("honest-2", 0.6, now=100.0)
+    assert c.period(now=100.0) == CLAIM_CAP * 0.5
+    alone = measured(0.25, traffic=0.1)
+    alone.heard("slow", 3.0, now=100.0)  # an honest slower link under the cap: followed
+    assert alone.period(now=100.0) == 3.0
 
 
 def test_a_slower_peer_puts_fewer_steps_in_a_round_of_the_same_length() -> None:

@@ -129,7 +129,9 @@ async def donors(tmp_path: Path) -> AsyncIterator[Any]:
 async def test_failed_donors_cost_an_attempt_and_leave_nothing(tmp_path: Path, donors: Any) -> None:
     urls = [await donors(b) for b in ("dies", "lies", "garbage", "empty", "ok")]
     root = tmp_path / "joiner" / "checkpoints"
-    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+    async with PeerClient(
+        Identity.generate(), Admission("s", None, frozenset()), tls=False
+    ) as client:
         step = await fetch_state(client, urls, "job1", root)
     assert step == 7
     assert sorted(p.name for p in root.iterdir()) == ["step-00000007"]  # no .incoming left
@@ -141,7 +143,9 @@ async def test_failed_donors_cost_an_attempt_and_leave_nothing(tmp_path: Path, d
 async def test_only_bad_donors_is_an_error_and_nothing_is_kept(tmp_path: Path, donors: Any) -> None:
     urls = [await donors("dies"), await donors("lies"), await donors("garbage")]
     root = tmp_path / "joiner"
-    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+    async with PeerClient(
+        Identity.generate(), Admission("s", None, frozenset()), tls=False
+    ) as client:
         with pytest.raises(CheckpointError, match="could not fetch"):
             await fetch_state(client, urls, "job1", root, rounds=1)
     assert list(root.iterdir()) == []
@@ -149,7 +153,9 @@ async def test_only_bad_donors_is_an_error_and_nothing_is_kept(tmp_path: Path, d
 
 async def test_no_donor_has_state_yet(tmp_path: Path, donors: Any) -> None:
     urls = [await donors("empty")]
-    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+    async with PeerClient(
+        Identity.generate(), Admission("s", None, frozenset()), tls=False
+    ) as client:
         assert await fetch_state(client, urls, "job1", tmp_path / "j") is None
 
 
@@ -159,7 +165,9 @@ async def test_lying_donors_are_not_asked_again_and_sizes_are_bounded(
     urls = [await donors("huge"), await donors("lies"), await donors("ok")]
     liars: set[str] = set()
     root = tmp_path / "joiner"
-    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+    async with PeerClient(
+        Identity.generate(), Admission("s", None, frozenset()), tls=False
+    ) as client:
         step = await fetch_state(client, urls, "job1", root, max_file_bytes=1 << 20, liars=liars)
         assert step == 7 and liars == set(urls[:2])
         assert not [p for p in root.iterdir() if p.name.startswith(".incoming")]
@@ -172,7 +180,9 @@ async def test_lying_donors_are_not_asked_again_and_sizes_are_bounded(
 
 async def test_the_whole_transfer_has_a_deadline(tmp_path: Path, donors: Any) -> None:
     urls = [await donors("slow")]
-    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+    async with PeerClient(
+        Identity.generate(), Admission("s", None, frozenset()), tls=False
+    ) as client:
         with pytest.raises(CheckpointError, match="did not arrive within 1 s"):
             await fetch_state(client, urls, "job1", tmp_path / "j", deadline_s=1.0)
 
@@ -181,7 +191,9 @@ async def test_the_donors_manifest_must_be_signed_by_the_donor(tmp_path: Path, d
     urls = {b: await donors(b) for b in ("ok", "forged", "resized", "signed")}
     members = {urls[b]: (DONORS[b].peer_id, DONORS[b].public_key_hex) for b in urls}
     liars: set[str] = set()
-    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+    async with PeerClient(
+        Identity.generate(), Admission("s", None, frozenset()), tls=False
+    ) as client:
         step = await fetch_state(client, list(urls.values()), "job1", tmp_path / "j",
                                  liars=liars, key_at=members.get)  # fmt: skip
     assert step == 7
