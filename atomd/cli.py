@@ -774,8 +774,7 @@ def data_prepare(
     """Tokenize a dataset as a job would (documents go to a memory-mapped token cache next to
     the data) and print its token count and content hash, the job spec's data_sha256: every
     peer then checks its own copy against it."""
-    from atomd.data.dataset import load_source
-    from atomd.data.readers import tokens_sha256
+    from atomd.data.dataset import load_source, stream_sha256
     from atomd.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
@@ -784,7 +783,7 @@ def data_prepare(
     n = sum(len(p) for p in parts)
     largest = max((int(p.max()) for p in parts if len(p)), default=0)
     typer.echo(f"{data}: {n:,} tokens (tokenizer {tokenizer}, largest id {largest:,})")
-    typer.echo(f"data_sha256: {sha or tokens_sha256(*parts)}")
+    typer.echo(f"data_sha256: {stream_sha256(tokens, val, sha)}")
 
 
 tokenizer_app = typer.Typer(

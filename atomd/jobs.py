@@ -103,7 +103,6 @@ class DeltaLink(Protocol):
 @dataclass
 class _Started:
     start_step: int
-    data_sha256: str | None = None  # the data's hash, when the job's spec is to get it
 
 
 @dataclass
@@ -567,9 +566,7 @@ class JobManager:
         if active.resume:
             rows = read_metrics(trainer.metrics.path) if trainer.metrics.path.exists() else []
             send(_Resumed(trainer.start_step, rows))
-        # The data's hash (cached with the token cache, else hashed here, on this thread).
-        sha = trainer.dataset.sha256 if active.hash_pending else None
-        send(_Started(trainer.start_step, sha))
+        send(_Started(trainer.start_step))
         return trainer.run()
 
     async def _drive(self, active: ActiveJob) -> None:
@@ -578,6 +575,8 @@ class JobManager:
             # torch and the trainer load off the loop (seconds on a busy machine), before
             # anything below imports them on it.
             await asyncio.to_thread(load_training_modules)
+            if active.hash_pending:
+                await self._pin_data(active)
             if active.scope == "swarm" and self.swarm is not None:
                 if not await self._take_swarm_state(active):
                     return
@@ -663,8 +662,6 @@ class JobManager:
                     self.telemetry.checkpoints.inc()
                 elif isinstance(item, _Started):
                     active.tokens_seen = item.start_step * active.spec.tokens_per_step
-                    if item.data_sha256 is not None and active.hash_pending:
-                        await self._pin_data(s, active, item.data_sha256)
                     if not active.stop_event.is_set():
                         await repo.set_job_state(s, job_id=active.id, state="running")
                         await repo.add_event(s, kind="job.running", job_id=active.id, message="")
@@ -683,16 +680,30 @@ class JobManager:
             self.telemetry.tokens.inc(max(0, p.tokens - active.tokens_seen))
             active.tokens_seen = max(active.tokens_seen, p.tokens)
 
-    async def _pin_data(self, s: AsyncSession, active: ActiveJob, sha256: str) -> None:
-        """Put the data hash the trainer measured into a swarm job's spec (recorded), then
-        announce the job: every peer that joins checks its own tokens against it."""
+    async def _pin_data(self, active: ActiveJob) -> None:
+        """Hash the data of a swarm job started here (off the loop, before its trainer is
+        built: the announce waits for it), put the hash into the job's spec (recorded), then
+        announce the job: every peer that joins checks its own tokens against it. Data that
+        cannot be read is left to the trainer, which fails the job with the reason."""
+        from atomd.data.dataset import source_sha256
+        from atomd.data.tokenizer import load_tokenizer
+
+        spec = local_data(active.spec, self.data_names)
+        try:
+            sha256 = await asyncio.to_thread(
+                lambda: source_sha256(spec.data, load_tokenizer(spec.tokenizer), spec.text_field)
+            )
+        except AtomdError as e:
+            log.warning("job %s: data not hashed: %s", active.id, e)
+            return
         active.spec = active.spec.model_copy(update={"data_sha256": sha256})
         active.hash_pending = False
-        await repo.set_job_spec(s, job_id=active.id, spec=active.spec.model_dump())
-        await repo.add_event(
-            s, kind="job.data_hash", job_id=active.id,
-            message=f"data {active.spec.data[:200]!r} hashes to {sha256}: peers must match it",
-        )  # fmt: skip
+        async with self.sessions() as s, s.begin():
+            await repo.set_job_spec(s, job_id=active.id, spec=active.spec.model_dump())
+            await repo.add_event(
+                s, kind="job.data_hash", job_id=active.id,
+                message=f"data {active.spec.data[:200]!r} hashes to {sha256}: peers must match it",
+            )  # fmt: skip
         advert = self.advert()
         if advert is not None and self.swarm is not None:
             self.swarm.announce(advert)

@@ -231,6 +231,17 @@ class TokenDataset:
         ]
 
 
+def stream_sha256(tokens: TokenArray, val: TokenArray | None, sha256: str | None) -> str:
+    """The content hash of what ``load_source`` returned, as every trainer computes it
+    (``TokenDataset.sha256``: the whole token stream, training then validation tokens)."""
+    return sha256 or tokens_sha256(*([tokens] if val is None else [tokens, val]))
+
+
+def source_sha256(data: str, tokenizer: Tokenizer, text_field: str = "text") -> str:
+    """The content hash a job's ``data_sha256`` pins for ``data`` read with ``tokenizer``."""
+    return stream_sha256(*load_source(data, tokenizer, text_field))
+
+
 def load_dataset(
     data: str = BUNDLED,
     *,
