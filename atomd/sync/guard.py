@@ -14,10 +14,10 @@ thread, before the next training step and before any checkpoint. Cost: one forwa
 probe batch per merge that brings deltas (none when nothing arrived), two when the last probe is
 too old, and the rollback's passes only when a merge is refused. The loss *before* a merge is the
 probe's value after the previous merge when at most ``REUSE_STEPS`` training steps have moved the
-replica since (the runner reports each step: ``stepped``): training lowers the probe loss by a
-few hundredths of a nat over a few steps, against a jump of ``MAX_RISE`` = 0.5 nats, so the rise
-a merge is judged by is understated by at most that much, and a round's work on the trainer
-thread (which the automatic cadence charges) halves.
+replica since (the runner reports each step: ``stepped``): what a few steps of training change
+in the probe loss is small against a jump of ``MAX_RISE`` = 0.5 nats (the rise a merge is judged
+by is off by at most that change), and a round's work on the trainer thread (which the automatic
+cadence charges) halves.
 
 Deltas enter the replica in two ways, and both are guarded: ``absorb`` (between boundaries,
 deltas of rounds this peer has closed) and the round boundary (the deltas of the round it
