@@ -331,8 +331,8 @@ class SyncPlugin:
 
     def _absorb(self, *, defer: bool = False) -> None:
         """Merge what has arrived since the last look (between boundaries). ``defer``: the
-        deltas that would move the replica (of rounds this peer has closed) wait for the next
-        boundary, which is close; those of rounds it has not closed are only held."""
+        deltas that would move the replica (of rounds this peer has closed) wait for a later
+        merge (``_defer`` says when); those of rounds it has not closed are only held."""
         if self.state is None or not (len(self.inbox) or (self._deferred and not defer)):
             return
         since = self._deferred_at
