@@ -170,14 +170,15 @@ def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
         return checkpoint_root(node.jobs.job_dir(job_id))
 
     @app.get(paths.JOB_STATE)
-    async def state_manifest(job_id: str, peer: Peer) -> Any:
-        """The newest checkpoint: of the live state when the job trains here (written at the
-        trainer's next step boundary for this request), else the newest on disk."""
+    async def state_manifest(job_id: str, peer: Peer, at_least: int = 0) -> Any:
+        """The newest checkpoint from step ``at_least`` on: of the live state when the job
+        trains here (written at the trainer's next step boundary for this request), else the
+        newest on disk; 404 when there is none that new."""
         root = _root(job_id)
-        await node.jobs.live_state(job_id)
+        await node.jobs.live_state(job_id, at_least)
         manifest: StateManifest | None = newest_manifest(root)
-        if manifest is None:
-            raise NotFoundError(f"no checkpoint of job {job_id} here yet")
+        if manifest is None or manifest.step < at_least:
+            raise NotFoundError(f"no checkpoint of job {job_id} from step {at_least} on here")
         signed = sign_manifest(manifest, node.identity, node.settings.swarm, job_id)
         return signed.model_dump(mode="json", by_alias=True, exclude_none=True)
 

@@ -83,7 +83,13 @@ class SwarmLink(Protocol):
     def announce(self, advert: dict[str, Any]) -> None: ...
     def broadcast_stop(self, job_id: str) -> None: ...
     async def fetch_state(
-        self, job_id: str, donors: list[str], root: Path, *, max_file_bytes: int | None = None
+        self,
+        job_id: str,
+        donors: list[str],
+        root: Path,
+        *,
+        max_file_bytes: int | None = None,
+        at_least: int = 0,
     ) -> int | None: ...
     def job_donors(self, job_id: str) -> list[str]: ...
 
@@ -137,9 +143,10 @@ class ActiveJob:
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
     logged_at: float = 0.0  # monotonic time of the last progress line in the log
     snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
-    # A swarm job started here without a data_sha256: the trainer hashes the data it loaded,
+    # A swarm job started here without a data_sha256: its data is hashed first (off the loop),
     # the spec gets that hash, and only then is the job announced (peers check it).
     hash_pending: bool = False
+    step: int = 0  # the newest step reported by the trainer
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -332,14 +339,20 @@ class JobManager:
         a = self.active
         return a is not None and a.id == job_id and a.scope == "swarm" and not a.stop_event.is_set()
 
-    async def live_state(self, job_id: str) -> bool:
+    async def live_state(self, job_id: str, at_least: int = 0) -> bool:
         """Checkpoint the live state of ``job_id`` at the trainer's next step boundary, for a
         peer joining the job (so it starts from the swarm's current model, not from the last
         checkpoint on disk). True once written; False when this daemon does not train the job
-        or the trainer did not get there within ``LIVE_STATE_TIMEOUT_S``."""
+        or the trainer did not get there within ``LIVE_STATE_TIMEOUT_S``. ``NotFoundError``
+        when the job trains here but is not yet at step ``at_least`` (the joiner is better off
+        starting from the initial weights than waiting for a state transfer)."""
         a = self.active
         if a is None or a.id != job_id or a.snapshots is None or a.stop_event.is_set():
             return False
+        if a.step < at_least:
+            raise NotFoundError(
+                f"job {job_id} is at step {a.step} here; no state from step {at_least} on yet"
+            )
         fut = a.snapshots.ask()
         try:
             step = await asyncio.wait_for(asyncio.wrap_future(fut), LIVE_STATE_TIMEOUT_S)
@@ -620,10 +633,14 @@ class JobManager:
         root = checkpoint_root(active.out_dir)
         own = await asyncio.to_thread(list_checkpoints, root)
         own_step = int(own[0].name.split("-")[1]) if own else 0
+        # A state transfer costs ~6 model sizes (weights, AdamW moments, sync state): not worth
+        # it for a swarm still in its warm-up, where the initial weights are as good a start.
+        at_least = max(own_step + 1, active.spec.warmup_steps)
         try:
             step = await self.swarm.fetch_state(
-                active.id, donors, root, max_file_bytes=state_file_bound(active.spec)
-            )
+                active.id, donors, root, max_file_bytes=state_file_bound(active.spec),
+                at_least=at_least,
+            )  # fmt: skip
         except AtomdError as e:
             if own:  # our own checkpoint still serves: resume from it
                 log.warning("job %s: %s; resuming from our own checkpoint", active.id, e)
@@ -661,12 +678,14 @@ class JobManager:
                     )  # fmt: skip
                     self.telemetry.checkpoints.inc()
                 elif isinstance(item, _Started):
+                    active.step = item.start_step
                     active.tokens_seen = item.start_step * active.spec.tokens_per_step
                     if not active.stop_event.is_set():
                         await repo.set_job_state(s, job_id=active.id, state="running")
                         await repo.add_event(s, kind="job.running", job_id=active.id, message="")
                         self.telemetry.job_state.state("running")
                 else:
+                    active.step = max(active.step, item.step)
                     points.append(_point(item))
             if points:
                 await repo.add_progress(s, job_id=active.id, points=points)

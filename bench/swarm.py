@@ -441,6 +441,8 @@ def _peer_report(d: Daemon, job_id: str) -> dict[str, Any]:
         "period_s_final": sync.get("period_s"),
         "sync_busy_s": sync.get("busy_s"),
         "sync_wait_s": sync.get("wait_s"),
+        "sync_held_steps": sync.get("held_steps"),  # due rounds held for the previous one
+        "sync_probes": sync.get("probes"),  # the loss guard's probe passes
     }
 
 

@@ -66,8 +66,9 @@ class SwarmJobs(Protocol):
         ...
 
     async def stop_from_peer(self, job_id: str, peer_id: str) -> None: ...
-    async def live_state(self, job_id: str) -> bool:
-        """Checkpoint the live state of a job trained here, for a joining peer."""
+    async def live_state(self, job_id: str, at_least: int = 0) -> bool:
+        """Checkpoint the live state of a job trained here for a joining peer, if it is at
+        step ``at_least`` or later (``NotFoundError`` if it is younger)."""
         ...
 
     def job_dir(self, job_id: str) -> Path: ...
@@ -440,11 +441,17 @@ class SwarmNode:
             log.info("%s%s failed: %s", m.url, path, e)
 
     async def fetch_state(
-        self, job_id: str, donors: list[str], root: Path, *, max_file_bytes: int | None = None
+        self,
+        job_id: str,
+        donors: list[str],
+        root: Path,
+        *,
+        max_file_bytes: int | None = None,
+        at_least: int = 0,
     ) -> int | None:
         return await fetch_state(
             self.client, donors, job_id, root, max_file_bytes=max_file_bytes,
-            liars=self._liars, key_at=self._key_at,
+            liars=self._liars, key_at=self._key_at, at_least=at_least,
         )  # fmt: skip
 
     def _key_at(self, url: str) -> tuple[str, str] | None:

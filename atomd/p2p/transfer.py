@@ -1,7 +1,10 @@
 """State transfer: a peer joining a running job fetches the newest checkpoint from a live peer.
 
 A donor that trains the job first checkpoints its live state at its next step boundary, so the
-joiner starts from the swarm's current model. The donor serves its newest checkpoint as a
+joiner starts from the swarm's current model; a swarm younger than the joiner asks for
+(``at_least``: its warm-up, or past the joiner's own checkpoint) has no state to give, and the
+joiner starts from the initial weights instead of waiting for ~6 model sizes on the wire. The
+donor serves its newest checkpoint as a
 manifest (the checkpoint's ``meta.json``: step, file sizes and sha256) and the files as chunked
 streams. The joiner writes them into a hidden
 ``.incoming-*`` folder, checking sizes and hashes as bytes arrive, writes ``meta.json`` last,
@@ -133,12 +136,17 @@ async def _fetch_from(
     root: Path,
     max_file_bytes: int | None = None,
     key_at: KeyAt | None = None,
+    at_least: int = 0,
 ) -> int:
-    # The donor may checkpoint its live state for us first (up to 30 s; jobs.LIVE_STATE_...).
-    manifest = await client.get(
-        url, paths.job_state(job_id), StateManifest, timeout=MANIFEST_TIMEOUT_S
-    )
+    # The donor may checkpoint its live state for us first (up to 30 s; jobs.LIVE_STATE_...);
+    # it answers 404 when it has no state from step ``at_least`` on.
+    path = paths.job_state(job_id) + (f"?at_least={at_least}" if at_least > 0 else "")
+    manifest = await client.get(url, path, StateManifest, timeout=MANIFEST_TIMEOUT_S)
     step = manifest.step
+    if step < at_least:  # a donor that did not honour the query: it has nothing newer
+        raise PeerRequestError(
+            f"{url} has state at step {step}, not from step {at_least} on", status=404
+        )
     if key_at is not None:  # the donor's own word: its signature over the step and the files
         who = key_at(url)
         if who is None:
@@ -207,18 +215,21 @@ async def fetch_state(
     deadline_s: float = DEADLINE_S,
     liars: set[str] | None = None,
     key_at: KeyAt | None = None,
+    at_least: int = 0,
 ) -> int | None:
     """Fetch the newest checkpoint of ``job_id`` from the first donor that delivers it whole,
     within ``deadline_s`` in all. A file announced larger than ``max_file_bytes`` (what the
     job's model implies) or than the free disk is not downloaded; a donor that lies (sizes,
     hashes) is added to ``liars`` and not asked again.
 
-    Returns the step fetched, or None when no donor has one (the job starts from its seed).
+    Returns the step fetched, or None when no donor has one from step ``at_least`` on (the job
+    starts from its seed, or from the joiner's own checkpoint).
     """
     try:
         async with asyncio.timeout(deadline_s):
             return await _fetch_state(client, donors, job_id, root, rounds, max_file_bytes,
-                                      liars if liars is not None else set(), key_at)  # fmt: skip
+                                      liars if liars is not None else set(), key_at,
+                                      at_least)  # fmt: skip
     except TimeoutError:
         raise CheckpointError(
             f"the state of job {job_id} did not arrive within {deadline_s:g} s"
@@ -234,6 +245,7 @@ async def _fetch_state(
     max_file_bytes: int | None,
     liars: set[str],
     key_at: KeyAt | None = None,
+    at_least: int = 0,
 ) -> int | None:
     await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
     honest = [u for u in donors if u not in liars]
@@ -246,7 +258,9 @@ async def _fetch_state(
             if url in liars:
                 continue
             try:
-                step = await _fetch_from(client, url, job_id, root, max_file_bytes, key_at)
+                step = await _fetch_from(
+                    client, url, job_id, root, max_file_bytes, key_at, at_least
+                )
             except LyingDonorError as e:
                 liars.add(url)
                 log.warning("state transfer from %s refused: %s; not asking it again", url, e)

@@ -50,9 +50,11 @@ from dataclasses import dataclass
 # for other peers' frames on the same link, membership, and a link that slows down.
 MARGIN = 2.0
 # A round's own work on the trainer thread may take at most this share of the compute between
-# rounds (measured on the tiny model: closing a round ~35 ms, merging a delta ~8 ms, against a
-# ~0.25 s step on one core, so rounds every step or two).
-WORK_SHARE = 0.25
+# rounds (at most a third of the wall time). Measured on the tiny model with 4 real daemons
+# (bench/results-swarm-unlimited-2026-12-01d/e.json, the loss guard's probes included): 0.25 gave
+# rounds every 7 steps, val 1.803 in 445 s; 0.5 every 3 steps, 1.747 in 502 s (one peer alone:
+# 1.930). Fewer steps per round buy far more than the wall time they cost.
+WORK_SHARE = 0.5
 MAX_EVERY = 1000
 STEP_SAMPLES = 16  # steps whose median is the step time
 TRAFFIC_SAMPLES = 3  # rounds whose largest traffic time counts

@@ -10,9 +10,14 @@ nats and ``max_rise_ratio`` of its value) it takes the merged deltas out again
 culprit is refused (a strike against its sender) and the honest deltas merged beside it stay.
 
 Nothing is written from a poisoned replica: the guard runs inside the merge, on the trainer
-thread, before the next training step and before any checkpoint. Cost: two forward passes of
-the probe batch per merge that brings deltas (none when nothing arrived), and the rollback's
-passes only when a merge is refused.
+thread, before the next training step and before any checkpoint. Cost: one forward pass of the
+probe batch per merge that brings deltas (none when nothing arrived), two when the last probe is
+too old, and the rollback's passes only when a merge is refused. The loss *before* a merge is the
+probe's value after the previous merge when at most ``REUSE_STEPS`` training steps have moved the
+replica since (the runner reports each step: ``stepped``): what a few steps of training change
+in the probe loss is small against a jump of ``MAX_RISE`` = 0.5 nats (the rise a merge is judged
+by is off by at most that change), and a round's work on the trainer thread (which the automatic
+cadence charges) halves.
 
 Deltas enter the replica in two ways, and both are guarded: ``absorb`` (between boundaries,
 deltas of rounds this peer has closed) and the round boundary (the deltas of the round it
@@ -34,6 +39,9 @@ log = get_logger(__name__)
 MAX_RISE = 0.5
 """Nats: a merge may raise the probe loss by this much (and ``MAX_RISE_RATIO`` of it)."""
 MAX_RISE_RATIO = 0.15
+REUSE_STEPS = 4
+"""Training steps after which the probe loss after a merge no longer stands for the loss before
+the next one (it is measured again)."""
 
 
 class LossGuard:
@@ -46,6 +54,7 @@ class LossGuard:
         *,
         max_rise: float = MAX_RISE,
         max_rise_ratio: float = MAX_RISE_RATIO,
+        reuse_steps: int = REUSE_STEPS,
     ) -> None:
         if state.screen is None:
             raise ValueError("the loss guard needs the robust rule (SyncState(robust=...))")
@@ -53,8 +62,31 @@ class LossGuard:
         self.probe = probe
         self.max_rise = max_rise
         self.max_rise_ratio = max_rise_ratio
+        self.reuse_steps = reuse_steps
         self.rollbacks = 0  # merges rolled back (for the records and tests)
         self.largest_rise = 0.0  # the largest rise of a merge that was kept, in nats
+        self.probes = 0  # probe passes run (for the records and tests)
+        # The probe loss of the replica as it was after the last merge, and the training steps
+        # since; None when something else moved the replica (a round boundary's restart).
+        self._last: tuple[float, int] | None = None
+
+    def stepped(self) -> None:
+        """The replica has trained one more step since the last probe."""
+        if self._last is not None:
+            self._last = (self._last[0], self._last[1] + 1)
+
+    def _measure(self) -> float:
+        self.probes += 1
+        loss = self.probe()
+        self._last = (loss, 0)
+        return loss
+
+    def _before(self) -> float:
+        """The probe loss before a merge: the last one while it is recent enough."""
+        last = self._last
+        if last is not None and last[1] <= self.reuse_steps:
+            return last[0]
+        return self._measure()
 
     def jumped(self, before: float, after: float) -> bool:
         """Whether ``after`` is a jump from ``before`` (non-finite always is)."""
@@ -69,14 +101,14 @@ class LossGuard:
     def absorb(self, inbox: Sequence[Contribution]) -> MergeReport:
         """``SyncState.absorb``, guarded."""
         state = self.state
-        if not inbox:
-            return state.absorb(inbox)
-        before = self.probe()
+        if not any(c.base_version < state.version for c in inbox):
+            return state.absorb(inbox)  # at most held for a round not closed: nothing moves
+        before = self._before()
         report = state.absorb(inbox)
         moved = [t for t in report.taken if t.contribution.base_version < state.version]
         if not moved:
             return report
-        after = self.probe()
+        after = self._measure()
         if not self.jumped(before, after):
             return report
         return self._roll_back(report, moved, before, after)
@@ -86,12 +118,14 @@ class LossGuard:
         state = self.state
         early = self.absorb([c for c in inbox if c.base_version < state.version])
         later = [c for c in inbox if c.base_version >= state.version]
-        before = self.probe()
+        # The loss before is only needed when deltas of the round being closed may be merged.
+        before = self._before() if later or state.held() else math.nan
         out = state.round_boundary(later, n_peers=n_peers)
+        self._last = None  # the boundary restarted the replica
         report = state.last_merge
         closing = [t for t in report.taken if t.contribution.base_version == state.version - 1]
         if closing:
-            after = self.probe()
+            after = self._measure()
             if self.jumped(before, after):
                 report = self._roll_back(report, closing, before, after)
         report.applied[:0] = early.applied
@@ -124,7 +158,7 @@ class LossGuard:
             if not alone.taken:
                 out.refused += alone.refused
                 continue
-            loss = self.probe()
+            loss = self._measure()
             if self.jumped(before, loss):
                 state.retract(alone.taken)
                 reason = (
@@ -138,4 +172,5 @@ class LossGuard:
                 out.applied += alone.applied
                 out.taken += alone.taken
                 before = loss
+        self._last = (before, 0)  # the replica holds what was kept: its loss is ``before``
         return out

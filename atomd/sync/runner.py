@@ -41,6 +41,16 @@ MAX_IN_FLIGHT_S = 90.0
 # Alone (no other peer trains the job) a round has nobody to tell: the automatic cadence closes
 # one only every ALONE_EVERY steps, so that a lone peer does not pay for rounds every step.
 ALONE_EVERY = 50
+# The automatic cadence merges deltas between boundaries only when the next boundary is at least
+# ABSORB_AHEAD steps away, and then only once the last closed round is complete or its first
+# waiting delta has waited ABSORB_AFTER steps; otherwise they wait for the boundary. So a round's
+# deltas are merged (and guarded, one probe pass each: ``guard``) in one or two passes instead of
+# one pass per arrival.
+ABSORB_AHEAD = 2
+ABSORB_AFTER = 4
+# In phase: a round that is due while this peer's previous round still misses deltas is held
+# (training goes on) for at most max(H, HOLD_MIN) more steps.
+HOLD_MIN = 2
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,11 @@ class Inbox:
             self._items.clear()
         return items
 
+    def count(self, base_version: int) -> int:
+        """Deltas waiting on base version ``base_version``."""
+        with self._lock:
+            return sum(1 for q in self._items.values() for c in q if c.base_version == base_version)
+
     def drop_sender(self, sender: str) -> int:
         """Forget what ``sender`` has waiting (it was quarantined); how many deltas that was."""
         with self._lock:
@@ -137,6 +152,10 @@ class SyncPlugin:
         self.cadence = Cadence(None if spec.every == "auto" else spec.every)
         self.busy_s = 0.0  # trainer-thread time in sync work (closing rounds, merging deltas)
         self.wait_s = 0.0  # trainer-thread time blocked waiting for other peers' deltas
+        self.held_steps = 0  # steps a due round was held for the previous round's deltas
+        self._deferred: list[Contribution] = []  # received, left for the next boundary
+        self._deferred_at: int | None = None  # the step the oldest of them was first left at
+        self._last_step = 0
         self._round_start: int | None = None  # the step the current round started at
         self._round_work = 0.0  # trainer-thread sync time spent on the current round
         # The round whose frame is still being uploaded, and when it left the trainer.
@@ -160,7 +179,9 @@ class SyncPlugin:
         self.guard = LossGuard(self.state, lambda: engine.evaluate(batches))
 
     def _inbox(self) -> list[Contribution]:
-        return [c for c in self.inbox.take() if not self.excluded(c.sender)]
+        items, self._deferred = [*self._deferred, *self.inbox.take()], []
+        self._deferred_at = None
+        return [c for c in items if not self.excluded(c.sender)]
 
     def _settle(self) -> None:
         """Before the live parameters are read or moved: the engine's updates must be in them
@@ -194,9 +215,12 @@ class SyncPlugin:
             self.cadence.step(t0 - self._last_step_end)
         if self._round_start is None:
             self._round_start = step - 1
+        self._last_step = step
+        if self.guard is not None:
+            self.guard.stepped()
         try:
             if not self._round_due(step):
-                self._absorb()
+                self._absorb(defer=self._defer(step))
                 if not self._catch_up(step):
                     return
             self._boundary(step)
@@ -224,16 +248,49 @@ class SyncPlugin:
                  "round %d early", step, behind, self.state.round)  # fmt: skip
         return True
 
+    def _every(self) -> int:
+        """H of the current round (automatic cadence)."""
+        every = self.cadence.every()
+        if self.n_peers(self.version) <= 1:
+            every = max(every, ALONE_EVERY)
+        return every
+
+    def _defer(self, step: int) -> bool:
+        """Whether deltas of closed rounds wait for a later merge (automatic cadence only: a
+        fixed H merges them after every step)."""
+        if self.cadence.fixed is not None or self._round_start is None or self.state is None:
+            return False
+        if self._every() - (step - self._round_start) < ABSORB_AHEAD:
+            return True  # the boundary is near: it merges them
+        waited = self._deferred_at is not None and step - self._deferred_at >= ABSORB_AFTER
+        return not waited and self._previous_open()
+
     def _round_due(self, step: int) -> bool:
         if self.cadence.fixed is not None:
             return step % self.cadence.fixed == 0
         assert self._round_start is not None
         if self._uploading():
             return False
-        every = self.cadence.every()
-        if self.n_peers(self.version) <= 1:
-            every = max(every, ALONE_EVERY)
-        return step - self._round_start >= every
+        every, elapsed = self._every(), step - self._round_start
+        if elapsed < every:
+            return False
+        if elapsed < every + max(every, HOLD_MIN) and self._previous_open():
+            self.held_steps += 1
+            return False
+        return True
+
+    def _previous_open(self) -> bool:
+        """In phase: this peer's previous round still misses a delta of a peer training the
+        job. Closing the next round now would commit it without that delta (and the delta,
+        arriving later, would count a round late): a peer ahead of the others trains on a
+        little longer instead, so that its rounds close just after theirs. Never a wait."""
+        assert self.state is not None
+        last = self.state.version - 1
+        if last < 0:
+            return False
+        have = self.state.deltas_in(last) + self.inbox.count(last)
+        have += sum(1 for c in self._deferred if c.base_version == last)
+        return have < self.n_peers(last)
 
     def _uploading(self) -> bool:
         """The previous round's frame is still on its way (one round in flight at most)."""
@@ -268,14 +325,27 @@ class SyncPlugin:
             "rounds": self.version,
             "busy_s": round(self.busy_s, 4),
             "wait_s": round(self.wait_s, 4),
+            "held_steps": self.held_steps,
+            "probes": self.guard.probes if self.guard is not None else 0,
         }
 
-    def _absorb(self) -> None:
-        """Merge what has arrived since the last look (between boundaries)."""
-        if self.state is None or not len(self.inbox):
+    def _absorb(self, *, defer: bool = False) -> None:
+        """Merge what has arrived since the last look (between boundaries). ``defer``: the
+        deltas that would move the replica (of rounds this peer has closed) wait for a later
+        merge (``_defer`` says when); those of rounds it has not closed are only held."""
+        if self.state is None or not (len(self.inbox) or (self._deferred and not defer)):
             return
-        self._settle()
+        since = self._deferred_at
         inbox = self._inbox()
+        if defer:
+            version = self.state.version
+            self._deferred = [c for c in inbox if c.base_version < version]
+            inbox = [c for c in inbox if c.base_version >= version]
+            if self._deferred:
+                self._deferred_at = self._last_step if since is None else since
+            if not inbox:
+                return
+        self._settle()
         merge = self.guard.absorb(inbox) if self.guard else self.state.absorb(inbox)
         if self.absorbed is not None and (merge.applied or merge.refused):
             self.absorbed(self.job_id, merge)

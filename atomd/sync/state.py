@@ -486,6 +486,10 @@ class SyncState:
         held = sum(1 for c in self._held if c.base_version == base_version)
         return self._pending_count.get(base_version, 0) + held
 
+    def held(self) -> int:
+        """Received deltas waiting for this peer to close their round before they are judged."""
+        return len(self._held)
+
     def start_point(self) -> dict[str, Tensor]:
         """Where the replica restarts: where the anchor will be once the pending rounds commit.
 

@@ -156,3 +156,30 @@ def test_the_loss_guard_needs_the_robust_rule() -> None:
     s = SyncState({"w": torch.zeros(2)}, spec(), robust=None)
     with pytest.raises(ValueError, match="robust"):
         LossGuard(s, lambda: 0.0)
+
+
+def test_the_loss_guard_reuses_a_recent_probe_as_the_loss_before_a_merge() -> None:
+    """One probe pass per merge: the loss after the last merge stands for the loss before the
+    next one while at most ``reuse_steps`` training steps lie between them."""
+    _, states, honest, sent = _round_zero()
+    calls: list[int] = []
+
+    def probe() -> float:
+        calls.append(1)
+        return 2.0
+
+    guard = LossGuard(states[0], probe, reuse_steps=2)
+    guard.absorb([honest])
+    assert guard.probes == len(calls) == 2  # nothing measured yet: before and after
+    guard.stepped()
+    guard.stepped()
+    guard.absorb([sent])
+    assert guard.probes == 3  # 2 steps since: the last probe stands for the loss before
+    other = Contribution("p3", sent.round, sent.base_version, sent.tensors)
+    for _ in range(3):
+        guard.stepped()
+    guard.absorb([other])
+    assert guard.probes == 5  # 3 steps since: measured again
+    far = Contribution("p4", 7, states[0].version, sent.tensors)
+    guard.absorb([far])  # of a round not closed here: held, nothing moves, nothing probed
+    assert guard.probes == 5

@@ -52,9 +52,9 @@ def test_traffic_fits_margin_times_between_rounds() -> None:
 
 
 def test_round_work_takes_at_most_its_share_of_the_compute() -> None:
-    c = measured(0.2, work=0.1)
-    assert c.proposal() == pytest.approx(0.1 / WORK_SHARE)
-    assert c.every() == 2
+    c = measured(0.2, work=0.2)
+    assert c.proposal() == pytest.approx(0.2 / WORK_SHARE)
+    assert c.every() == round(0.2 / WORK_SHARE / 0.2) == 2
 
 
 def test_the_step_time_is_a_median_and_evaluations_do_not_count() -> None:

@@ -265,7 +265,9 @@ class SetCadence(Cadence):
         return self.h
 
 
-def auto_plugin(sent: list[RoundOut], n_peers: int = 2) -> SyncPlugin:
+def auto_plugin(sent: list[RoundOut], n_peers: int = 2, *, in_phase: bool = True) -> SyncPlugin:
+    """``in_phase``: the other peers' deltas of every closed round count as in (no round is held
+    for them; the hold has its own test)."""
     p = SyncPlugin(
         job_id="j" * 32,
         spec=SyncSpec(codec="fp32"),  # every: "auto", the default
@@ -275,6 +277,8 @@ def auto_plugin(sent: list[RoundOut], n_peers: int = 2) -> SyncPlugin:
     )
     torch.manual_seed(0)
     p.attach(fake_engine(torch.nn.Linear(4, 3)))
+    if in_phase:
+        p._previous_open = lambda: False  # type: ignore[method-assign]
     return p
 
 
@@ -424,3 +428,100 @@ def test_with_the_automatic_cadence_the_last_peer_of_a_round_closes_it_at_once()
     me.delivered(0, 0.1)
     me.after_step(5)
     assert [o.step for o in sent] == [3, 5]
+
+
+def _other_delta(me: SyncPlugin, base_version: int, sender: str = "other") -> Contribution:
+    """Another peer's delta of round ``base_version``, of the size of this peer's own."""
+    assert me.state is not None
+    g = torch.Generator().manual_seed(base_version)
+    tensors = {n: 0.01 * torch.randn(t.shape, generator=g) for n, t in me.state.anchor.items()}
+    return Contribution(sender, base_version, base_version, tensors)
+
+
+def _train(me: SyncPlugin, step: int) -> None:
+    """One "training" step (the replica moves a little), then the plugin's turn."""
+    assert me.state is not None
+    with torch.no_grad():
+        for p in me.state.params.values():
+            p.add_(0.01 * torch.randn(p.shape))
+    me.after_step(step)
+
+
+def test_a_peer_ahead_holds_its_round_until_the_previous_one_is_in() -> None:
+    """In phase: the round is due after H = 2 steps, but the other peer's delta of the round
+    before is not in; the peer trains on (nobody waits) and closes its round as soon as the delta
+    arrives, or after max(H, HOLD_MIN) more steps without it."""
+    sent: list[RoundOut] = []
+    me = auto_plugin(sent, in_phase=False)
+    me.cadence = SetCadence(2)
+    _train(me, 1)
+    _train(me, 2)  # round 0: nothing before it to wait for
+    assert [o.step for o in sent] == [2]
+    me.delivered(0, 0.1)
+    for step in (3, 4, 5):  # round 1 is due at 4: held, round 0 misses the other's delta
+        _train(me, step)
+    assert [o.step for o in sent] == [2] and me.held_steps == 2
+    me.inbox.put(_other_delta(me, 0))
+    _train(me, 6)  # it is in: the round closes, merging it (a round late it would weigh less)
+    assert [o.step for o in sent] == [2, 6] and me.stats()["held_steps"] == 2
+    assert [(a.sender, a.staleness) for a in sent[-1].merge.applied] == [("other", 1)]
+    me.delivered(1, 0.1)
+    for step in range(7, 15):  # the other sends nothing more: each round held 2 steps at most
+        _train(me, step)
+        me.delivered(len(sent) - 1, 0.1)
+    assert [o.step for o in sent] == [2, 6, 10, 14] and me.held_steps == 6
+
+
+def test_deltas_wait_for_a_boundary_that_is_near() -> None:
+    """The automatic cadence merges a closed round's deltas between boundaries only when the
+    next boundary is ABSORB_AHEAD steps away or more; nearer, they wait and the boundary merges
+    them in one pass (one guarded merge a round instead of one per arrival)."""
+    sent: list[RoundOut] = []
+    absorbed: list[MergeReport] = []
+    me = auto_plugin(sent)
+    me.absorbed = lambda job, merge: absorbed.append(merge)
+    me.cadence = SetCadence(4)
+    for step in range(1, 5):
+        _train(me, step)
+    me.delivered(0, 0.1)
+    assert me.state is not None and [o.step for o in sent] == [4]
+    me.inbox.put(_other_delta(me, 0))
+    _train(me, 5)  # 3 steps to the boundary: merged at once
+    assert len(absorbed) == 1 and me.state.deltas_in(0) == 2
+    _train(me, 6)
+    me.inbox.put(_other_delta(me, 0, "third"))
+    _train(me, 7)  # 1 step to the boundary: it waits
+    assert len(absorbed) == 1 and me.state.deltas_in(0) == 2
+    _train(me, 8)  # the boundary merges it
+    assert [o.step for o in sent] == [4, 8]
+    assert [a.sender for a in sent[-1].merge.applied] == ["third"]
+
+
+def test_deltas_of_an_incomplete_round_are_merged_together_or_after_a_while() -> None:
+    """Mid-round, the automatic cadence merges a closed round's deltas once all are in (one
+    guarded pass), or once the first has waited ABSORB_AFTER steps."""
+    sent: list[RoundOut] = []
+    absorbed: list[MergeReport] = []
+    me = auto_plugin(sent, n_peers=4, in_phase=False)
+    me.absorbed = lambda job, merge: absorbed.append(merge)
+    me.cadence = SetCadence(12)
+    for step in range(1, 13):
+        _train(me, step)
+    me.delivered(0, 0.1)
+    assert me.state is not None and [o.step for o in sent] == [12]
+    me.inbox.put(_other_delta(me, 0, "p1"))
+    _train(me, 13)  # 1 of the 3 others' deltas: it waits
+    me.inbox.put(_other_delta(me, 0, "p2"))
+    _train(me, 14)
+    assert absorbed == [] and me.state.deltas_in(0) == 1
+    me.inbox.put(_other_delta(me, 0, "p3"))
+    _train(me, 15)  # the round is complete: all three in one merge
+    assert [len(m.applied) for m in absorbed] == [3] and me.state.deltas_in(0) == 4
+    _train(me, 24)  # round 1 (12 steps) closes
+    me.delivered(1, 0.1)
+    me.inbox.put(_other_delta(me, 1, "p1"))
+    for step in range(25, 29):
+        _train(me, step)
+    assert len(absorbed) == 1  # waited 3 steps
+    _train(me, 29)  # 4 steps: merged without the others
+    assert [len(m.applied) for m in absorbed] == [3, 1]

@@ -234,3 +234,40 @@ def test_a_checkpoint_that_names_its_tokenizer_is_served(tmp_path: Path) -> None
     )  # fmt: skip
     found = newest_manifest(root)
     assert found is not None and found.step == 3 and found.tokenizer == "default"
+
+
+async def test_a_donor_younger_than_asked_has_no_state(tmp_path: Path, donors: Any) -> None:
+    """A swarm still in its warm-up, or no newer than the joiner's own checkpoint: the joiner
+    starts without a transfer (even from a donor that ignores the query and sends step 7)."""
+    urls = [await donors("ok")]
+    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+        assert await fetch_state(client, urls, "job1", tmp_path / "j", at_least=8) is None
+        assert await fetch_state(client, urls, "job1", tmp_path / "k", at_least=7) == 7
+    assert not (tmp_path / "j").exists() or list((tmp_path / "j").iterdir()) == []
+
+
+async def test_a_donor_in_warm_up_refuses_an_at_least_query(tmp_path: Path) -> None:
+    """The donor side of ``at_least``: a job trained here but younger than asked is a 404
+    (NotFoundError) before any snapshot is asked of the trainer; old enough, it is asked."""
+    from atomd.errors import NotFoundError
+    from atomd.jobs import ActiveJob, JobManager
+    from atomd.spec import JobSpec
+    from atomd.telemetry import Telemetry
+    from atomd.train.trainer import SnapshotRequests
+
+    jobs = JobManager(jobs_dir=tmp_path, sessions=None, telemetry=Telemetry(),  # type: ignore[arg-type]
+                      device="cpu", peer_id="p" * 32)  # fmt: skip
+    snaps = SnapshotRequests()
+    jobs.active = ActiveJob(id="j" * 32, spec=JobSpec(preset="tiny"), out_dir=tmp_path,
+                            resume=False, scope="swarm", snapshots=snaps)  # fmt: skip
+    jobs.active.step = 30
+    with pytest.raises(NotFoundError, match="step 30"):
+        await jobs.live_state("j" * 32, at_least=50)
+    jobs.active.step = 50
+    task = asyncio.create_task(jobs.live_state("j" * 32, at_least=50))
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if snaps._waiting:
+            break
+    snaps.serve(lambda: 50)
+    assert await task is True
