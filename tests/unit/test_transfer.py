@@ -240,7 +240,9 @@ async def test_a_donor_younger_than_asked_has_no_state(tmp_path: Path, donors: A
     """A swarm still in its warm-up, or no newer than the joiner's own checkpoint: the joiner
     starts without a transfer (even from a donor that ignores the query and sends step 7)."""
     urls = [await donors("ok")]
-    async with PeerClient(Identity.generate(), Admission("s", None, frozenset())) as client:
+    async with PeerClient(
+        Identity.generate(), Admission("s", None, frozenset()), tls=False
+    ) as client:
         assert await fetch_state(client, urls, "job1", tmp_path / "j", at_least=8) is None
         assert await fetch_state(client, urls, "job1", tmp_path / "k", at_least=7) == 7
     assert not (tmp_path / "j").exists() or list((tmp_path / "j").iterdir()) == []
