@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,23 @@ def _flatten(d: Mapping[str, Any], prefix: str, out: dict[str, float]) -> None:
             out[f"{prefix}/{k}"] = float(v)
 
 
+def _after_older_event_files(log_dir: Path, limit_s: float = 2.0) -> None:
+    """TensorBoard reads a folder's event files in name order, and a name starts with the
+    second it was made in, then host, pid and a per-process counter, which sorts ".10" before
+    ".9": a resumed run's file made in the same second as an older one could be read first,
+    and the older events past the checkpoint would then survive its purge. So wait (under a
+    second, at most ``limit_s``) for a second that no older file was made in."""
+    seconds = []
+    for p in log_dir.glob("events.out.tfevents.*"):
+        try:
+            seconds.append(int(p.name.split(".")[3]))
+        except (IndexError, ValueError):
+            continue
+    deadline = time.monotonic() + limit_s
+    while seconds and int(time.time()) <= max(seconds) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class Trackers:
     """TensorBoard (always, when the package is there) and W&B (when configured)."""
 
@@ -69,6 +87,7 @@ class Trackers:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
+            _after_older_event_files(out_dir / TB_DIR)
             # purge_step drops events a resumed run will write again (past its checkpoint).
             self._tb = SummaryWriter(
                 log_dir=str(out_dir / TB_DIR), purge_step=start_step + 1 if start_step else None

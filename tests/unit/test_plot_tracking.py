@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,16 @@ def test_plot_fails_clearly_without_metrics(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="no loss values to plot"):
         render(curves_from_run(tmp_path), tmp_path / "loss.png")
     assert not (tmp_path / "loss.png").exists()
+
+
+def test_a_new_event_file_is_made_in_a_later_second_than_the_older_ones(tmp_path: Path) -> None:
+    """TensorBoard reads event files in name order and a name starts with its second, then a
+    counter that sorts ".10" before ".9": a resumed run's file must come from a later second,
+    or the events its purge drops would be read after it (seen in the full suite)."""
+    from atomd.train.tracking import _after_older_event_files
+
+    now = int(time.time())
+    (tmp_path / f"events.out.tfevents.{now}.host.123.9").write_bytes(b"")
+    (tmp_path / "events.out.tfevents.garbage").write_bytes(b"")  # not a name it can read
+    _after_older_event_files(tmp_path)
+    assert int(time.time()) > now
