@@ -143,9 +143,6 @@ class ActiveJob:
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
     logged_at: float = 0.0  # monotonic time of the last progress line in the log
     snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
-    # A swarm job started here without a data_sha256: its data is hashed first (off the loop),
-    # the spec gets that hash, and only then is the job announced (peers check it).
-    hash_pending: bool = False
     step: int = 0  # the newest step reported by the trainer
 
 
@@ -330,7 +327,7 @@ class JobManager:
     def advert(self) -> dict[str, Any] | None:
         """The swarm job this daemon trains, as told to peers (None if none)."""
         a = self.active
-        if a is None or a.scope != "swarm" or a.stop_event.is_set() or a.hash_pending:
+        if a is None or a.scope != "swarm" or a.stop_event.is_set() or self._hash_pending(a):
             return None
         return {"id": a.id, "spec": a.spec.model_dump(), "origin": a.origin}
 
@@ -369,12 +366,12 @@ class JobManager:
 
     # -- commands ----------------------------------------------------------------------------
 
-    def _hash_pending(self, scope: str, origin: str | None, spec: JobSpec) -> bool:
-        """A swarm job started here whose spec has no data hash yet: its trainer measures it
-        (off the request path), and the job is announced with it (``_pin_data``)."""
+    def _hash_pending(self, a: ActiveJob) -> bool:
+        """A swarm job started here whose spec has no data hash yet: its data is hashed off
+        the loop before its trainer is built, and only then announced (``_pin_data``)."""
         return (
-            self.swarm is not None and scope == "swarm" and origin == self.peer_id
-            and spec.data_sha256 is None
+            self.swarm is not None and a.scope == "swarm" and a.origin == self.peer_id
+            and a.spec.data_sha256 is None
         )  # fmt: skip
 
     def _check_free(self) -> None:
@@ -404,9 +401,8 @@ class JobManager:
                 s, kind="job.created", job_id=job_id, message=f"preset {spec.preset}, {scope}"
             )
         active = ActiveJob(
-            id=job_id, spec=spec, out_dir=out_dir, resume=False, scope=scope, origin=self.peer_id,
-            hash_pending=self._hash_pending(scope, self.peer_id, spec),
-        )  # fmt: skip
+            id=job_id, spec=spec, out_dir=out_dir, resume=False, scope=scope, origin=self.peer_id
+        )
         self._launch(active)
         if scope == "swarm" and self.swarm is not None:
             advert = self.advert()
@@ -429,7 +425,7 @@ class JobManager:
         self._launch(
             ActiveJob(
                 id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True, scope=job.scope,
-                origin=job.origin, hash_pending=self._hash_pending(job.scope, job.origin, spec),
+                origin=job.origin,
             )
         )  # fmt: skip
         return job
@@ -543,7 +539,6 @@ class JobManager:
                 ActiveJob(
                     id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True,
                     scope=job.scope, origin=job.origin,
-                    hash_pending=self._hash_pending(job.scope, job.origin, spec),
                 )
             )  # fmt: skip
 
@@ -588,7 +583,7 @@ class JobManager:
             # torch and the trainer load off the loop (seconds on a busy machine), before
             # anything below imports them on it.
             await asyncio.to_thread(load_training_modules)
-            if active.hash_pending:
+            if self._hash_pending(active):
                 await self._pin_data(active)
             if active.scope == "swarm" and self.swarm is not None:
                 if not await self._take_swarm_state(active):
@@ -716,7 +711,6 @@ class JobManager:
             log.warning("job %s: data not hashed: %s", active.id, e)
             return
         active.spec = active.spec.model_copy(update={"data_sha256": sha256})
-        active.hash_pending = False
         async with self.sessions() as s, s.begin():
             await repo.set_job_spec(s, job_id=active.id, spec=active.spec.model_dump())
             await repo.add_event(
