@@ -68,60 +68,59 @@ def _condition(
     root: Path, *, hogs: int, arrangement: str, creations: int, probes: int
 ) -> dict[str, Any]:
     load0 = os.getloadavg()
-    hog_procs = load.start(hogs, arrangement)
-    daemons: list[DaemonProcess] = []
-    try:
-        if hogs:
-            time.sleep(5)  # let the hogs take the cores before anything is timed
-        t0 = time.monotonic()
-        trainer, joiner = start_swarm(root / "swarm", 2, started=daemons)
-        creator = DaemonProcess(root / "creator", extra_args=["--no-auto-join"])
-        daemons.append(creator)
-        creator.start()
-        ready_s = time.monotonic() - t0
-        with trainer.client(timeout=120) as t, joiner.client(timeout=120) as j:
-            wait_until(lambda: len(j.get("/v1/peers").json()) == 2, timeout=300,
-                       what="the joiner to see the trainer")  # fmt: skip
-            # A running daemon has loaded torch in the background by the time a job comes
-            # (``Daemon._preload``): the joiner's clock measures the join, not that first load.
-            time.sleep(SETTLE_S)
-            # The announce goes out with the 201: the joiner's clock starts then.
-            post_s, r = _timed(t, "POST", "/v1/jobs", json=SPEC)
-            r.raise_for_status()
-            jid, t201 = r.json()["id"], time.monotonic()
-            # Training has started when the trainer is built and its job is "running"; the
-            # first step is done when step 1 is recorded.
-            wait_until(lambda: _job(j, jid).get("state") == "running", timeout=600,
-                       interval=0.05, what="the joiner to start training")  # fmt: skip
-            join_running_s = time.monotonic() - t201
-            wait_until(lambda: _job(j, jid).get("step", 0) >= 1, timeout=600,
-                       interval=0.05, what="the joiner's first step")  # fmt: skip
-            join_step_s = time.monotonic() - t201
-            wait_until(lambda: _job(t, jid).get("step", 0) >= 1, timeout=600,
-                       interval=0.05, what="the trainer's first step")  # fmt: skip
-            time.sleep(2)
-            healthz = []
-            for _ in range(probes):
-                dt, h = _timed(t, "GET", "/healthz")
-                h.raise_for_status()
-                healthz.append(dt)
-                time.sleep(0.02)
-            steps = _job(t, jid)["step"]
-        create: list[float] = []
-        with creator.client(timeout=120) as c:
-            for _ in range(creations):
-                dt, r = _timed(c, "POST", "/v1/jobs?scope=local", json=SPEC)
-                if r.status_code != 201:
-                    raise RuntimeError(f"job creation {len(create) + 1}: {r.status_code} {r.text}")
-                create.append(dt)
-                cid = r.json()["id"]
-                c.post(f"/v1/jobs/{cid}/stop")
-                wait_until(lambda cid=cid: _job(c, cid).get("state") == "stopped", timeout=300,
-                           what="the created job to stop")  # fmt: skip
-        load1 = os.getloadavg()
-    finally:
-        stop_all(daemons)
-        load.stop(hog_procs)
+    # the hogs get 5 s to take the cores before anything is timed
+    with load.beside(hogs, arrangement):
+        daemons: list[DaemonProcess] = []
+        try:
+            t0 = time.monotonic()
+            trainer, joiner = start_swarm(root / "swarm", 2, started=daemons)
+            creator = DaemonProcess(root / "creator", extra_args=["--no-auto-join"])
+            daemons.append(creator)
+            creator.start()
+            ready_s = time.monotonic() - t0
+            with trainer.client(timeout=120) as t, joiner.client(timeout=120) as j:
+                wait_until(lambda: len(j.get("/v1/peers").json()) == 2, timeout=300,
+                           what="the joiner to see the trainer")  # fmt: skip
+                # A running daemon has loaded torch in the background by the time a job comes
+                # (``Daemon._preload``): the joiner's clock measures the join, not that first load.
+                time.sleep(SETTLE_S)
+                # The announce goes out with the 201: the joiner's clock starts then.
+                post_s, r = _timed(t, "POST", "/v1/jobs", json=SPEC)
+                r.raise_for_status()
+                jid, t201 = r.json()["id"], time.monotonic()
+                # Training has started when the trainer is built and its job is "running"; the
+                # first step is done when step 1 is recorded.
+                wait_until(lambda: _job(j, jid).get("state") == "running", timeout=600,
+                           interval=0.05, what="the joiner to start training")  # fmt: skip
+                join_running_s = time.monotonic() - t201
+                wait_until(lambda: _job(j, jid).get("step", 0) >= 1, timeout=600,
+                           interval=0.05, what="the joiner's first step")  # fmt: skip
+                join_step_s = time.monotonic() - t201
+                wait_until(lambda: _job(t, jid).get("step", 0) >= 1, timeout=600,
+                           interval=0.05, what="the trainer's first step")  # fmt: skip
+                time.sleep(2)
+                healthz = []
+                for _ in range(probes):
+                    dt, h = _timed(t, "GET", "/healthz")
+                    h.raise_for_status()
+                    healthz.append(dt)
+                    time.sleep(0.02)
+                steps = _job(t, jid)["step"]
+            create: list[float] = []
+            with creator.client(timeout=120) as c:
+                for _ in range(creations):
+                    dt, r = _timed(c, "POST", "/v1/jobs?scope=local", json=SPEC)
+                    if r.status_code != 201:
+                        what = f"job creation {len(create) + 1}"
+                        raise RuntimeError(f"{what}: {r.status_code} {r.text}")
+                    create.append(dt)
+                    cid = r.json()["id"]
+                    c.post(f"/v1/jobs/{cid}/stop")
+                    wait_until(lambda cid=cid: _job(c, cid).get("state") == "stopped", timeout=300,
+                               what="the created job to stop")  # fmt: skip
+            load1 = os.getloadavg()
+        finally:
+            stop_all(daemons)
     return {
         "cpu_hogs": hogs,
         "hogs_arrangement": arrangement if hogs else None,
