@@ -677,13 +677,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m atomd_bench swarm", description=__doc__.split("\n")[0]
     )
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--peers", type=int)
-    ap.add_argument("--scenarios")
-    ap.add_argument("--every")
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--network", choices=["auto", "netns", "loopback"], default="auto")
-    ap.add_argument("--no-references", action="store_true")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a smoke run: {QUICK.peers} peers, {QUICK.steps} steps of a smaller batch "
+        "(minutes instead of ~10 per scenario; its gains mean little)",
+    )
+    ap.add_argument("--peers", type=int, help=f"daemons in the swarm (default {PEERS})")
+    ap.add_argument(
+        "--scenarios",
+        help=f"comma-separated, of: {', '.join(SCENARIOS)} (default: all; the upload limits "
+        "need root for network namespaces)",
+    )
+    ap.add_argument("--every", help='the job\'s sync.every: "auto" (default) or a number of steps')
+    ap.add_argument("--steps", type=int, help=f"training steps per peer (default {STEPS})")
+    ap.add_argument(
+        "--network",
+        choices=["auto", "netns", "loopback"],
+        default="auto",
+        help="netns (root: a namespace per daemon, bytes counted on each veth), loopback, or "
+        "auto: netns when root",
+    )
+    ap.add_argument(
+        "--no-references",
+        action="store_true",
+        help="skip the two references (one peer alone; one process at N times the batch)",
+    )
     ap.add_argument(
         "--references-from",
         type=Path,

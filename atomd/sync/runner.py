@@ -361,14 +361,17 @@ class SyncPlugin:
             out = self.state.round_boundary(inbox, n_peers=n_peers)
         # Steps this round lasted (at least 1: a consolidation round repeats the last step).
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
-        view = self.cadence.view()
+        # The frame carries this peer's own proposal, not the swarm's period: a peer that sent
+        # the largest period it heard would echo every peer's past proposals back to them, and
+        # one slow round's proposal would then circulate, kept fresh, for the rest of the job.
+        proposal = self.cadence.proposal() if self.cadence.auto else None
         frame = encode_frame(
             identity=self.identity,
             job_id=self.job_id,
             round=out.round,
             base_version=out.base_version,
             tensors=out.tensors,
-            cadence=None if view.period_s is None else {"period_s": view.period_s, "every": every},
+            cadence=None if proposal is None else {"period_s": proposal, "every": every},
             final=final,
         )
         merge = self.state.last_merge

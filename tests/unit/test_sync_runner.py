@@ -15,7 +15,7 @@ import torch
 
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec
-from atomd.sync import runner
+from atomd.sync import cadence, runner
 from atomd.sync.cadence import Cadence
 from atomd.sync.codecs import decode
 from atomd.sync.runner import RoundOut, SyncPlugin
@@ -315,6 +315,55 @@ def test_auto_cadence_keeps_one_round_in_flight_and_says_so_in_its_frames() -> N
     stats = me.stats()
     assert (stats["every"], stats["auto"], stats["rounds"]) == (3, 1, 3)
     assert stats["busy_s"] > 0 and stats["wait_s"] == 0
+
+
+def _frame_cadence(me: SyncPlugin, frame: bytes) -> Any:
+    got = FrameDecoder(
+        job_id="j" * 32,
+        public_key_of=lambda pid: me.identity.public_key_hex,
+        expected_shapes=me.expected_shapes,
+        max_bytes=1 << 20,
+    )
+    got.feed(frame)
+    return got.finish().cadence
+
+
+def test_frames_carry_the_peers_own_proposal_so_a_slow_round_is_forgotten() -> None:
+    """Each frame carries its sender's *own* proposed period. Were it the swarm's period (the
+    largest heard), peers would echo each other's past proposals: one slow round (a checkpoint
+    stalling a loop) would circulate, kept fresh, and hold every peer's rounds at its period for
+    the rest of the job. Measured before the fix: 4 daemons locked at a 5.87 s period (H 20
+    instead of 4) from step 250 to 600 after one peer's loop stalled once."""
+    sent_a: list[RoundOut] = []
+    sent_b: list[RoundOut] = []
+    a, b = auto_plugin(sent_a), auto_plugin(sent_b)
+    for p in (a, b):
+        p.cadence = SetCadence(1)  # a round every step; the proposals are measured as ever
+        for _ in range(8):
+            p.cadence.step(0.1)
+    a.cadence.traffic(0.6)  # one slow round of a: it proposes 2 x 0.6 s, 12 steps
+    b.heard("a", a.cadence.proposal())
+    assert b.cadence.period() == pytest.approx(1.2)
+    step = 0
+
+    def one_round(p: SyncPlugin, sent: list[RoundOut]) -> Any:
+        nonlocal step
+        n = len(sent)
+        while len(sent) == n:
+            step += 1
+            p.after_step(step)
+        p.delivered(sent[-1].outgoing.round, 0.05)
+        return _frame_cadence(p, sent[-1].frame)
+
+    # b's frames carry b's proposal (its own measurements), not the 1.2 s it heard from a.
+    assert one_round(b, sent_b).period_s < 0.5
+    # a's slow round is forgotten once TRAFFIC_SAMPLES later rounds have been measured.
+    for _ in range(cadence.TRAFFIC_SAMPLES + 1):
+        last_a = one_round(a, sent_a)
+    assert last_a.period_s < 0.5
+    a.heard("b", one_round(b, sent_b).period_s)
+    b.heard("a", last_a.period_s)
+    assert a.cadence.period() < 0.5 and b.cadence.period() < 0.5
 
 
 def test_a_frame_the_loop_never_sent_holds_the_next_round_back_only_so_long(
