@@ -52,6 +52,8 @@ log = get_logger(__name__)
 SEND_TIMEOUT_S = 3.0  # a job announcement or stop to one peer
 CURVE_TIMEOUT_S = 3.0  # one peer's loss curve, for the dashboard
 REJECTIONS_FLUSH_S = 60.0
+# Members that count as training a job they were heard training (``SwarmNode.job_peers``).
+LIVE_STATES: frozenset[PeerState] = frozenset({"alive", "suspect"})
 
 
 class SwarmJobs(Protocol):
@@ -465,7 +467,14 @@ class SwarmNode:
     # -- which peers train a job (for the delta exchange, ``atomd.sync.exchange``) -------------
 
     def job_peers(self, job_id: str) -> list[Member]:
-        """Live members heard training ``job_id`` recently (this daemon excluded)."""
+        """Live members heard training ``job_id`` recently (this daemon excluded).
+
+        A *suspect* member counts as live here: suspicion is one missed probe, and on a full
+        link (a slow upload busy with delta frames, whose queue delays the probe's answer) a
+        training peer is suspected again and again. Leaving it out of the round would stop
+        sending it deltas and drop its deltas from the round's count, each time (measured at
+        256 kbit/s, 4 daemons: peers suspected every ~30 s, one declared dead for 45 s). Only
+        ``dead`` (suspicion not refuted in time) and ``left`` take a member out."""
         window = max(15.0, 30 * self.settings.gossip_interval)
         now = time.monotonic()
         heard = self._job_peers.get(job_id, {})
@@ -473,7 +482,7 @@ class SwarmNode:
         for pid, at in tuple(heard.items()):  # the trainer thread calls this too
             m = self.membership.get(pid)
             fresh = now - at <= window
-            live = m is not None and m is not self.membership.me and m.state == "alive"
+            live = m is not None and m is not self.membership.me and m.state in LIVE_STATES
             # A quarantined or banned member is neither sent deltas nor asked for state.
             if fresh and live and m is not None and not self.quarantine.excluded(pid):
                 out.append(m)

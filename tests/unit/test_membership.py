@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from atomd.p2p.messages import (
     record_problem,
     sign_record,
 )
+from atomd.p2p.node import SwarmNode
 
 FAST = SwimConfig(
     period=0.02, ping_timeout=0.05, indirect_timeout=0.08, suspect_timeout=0.3, join_timeout=0.2
@@ -314,3 +316,21 @@ async def test_hearsay_makes_the_receiver_probe_not_believe(net: Net) -> None:
     await until(lambda: pid("b") not in a._urgent)  # probed first, and b answered
     assert states(a)["b"] == "alive"
     assert all(states(net.nodes[n])["b"] == "alive" for n in "ac")
+
+
+def test_a_suspect_member_still_trains_the_job_a_dead_one_does_not() -> None:
+    """On a full slow link a training peer is suspected again and again (its probe answers
+    queue behind delta frames): it stays in the job's round (sent deltas, its deltas counted)
+    until it is declared dead."""
+    me = SimpleNamespace(state="alive")
+    members = {p: SimpleNamespace(id=p, state="alive") for p in ("a", "b", "c", "d")}
+    fake = SimpleNamespace(
+        settings=SimpleNamespace(gossip_interval=0.5),
+        membership=SimpleNamespace(me=me, get=members.get),
+        quarantine=SimpleNamespace(excluded=lambda pid: pid == "d"),
+        _job_peers={"j": dict.fromkeys(members, time.monotonic())},
+    )
+    members["b"].state = "suspect"
+    members["c"].state = "dead"
+    got = [m.id for m in SwarmNode.job_peers(fake, "j")]  # type: ignore[arg-type]
+    assert got == ["a", "b"]  # d is quarantined
