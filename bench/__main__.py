@@ -48,7 +48,27 @@ BENCHES: dict[str, Bench] = {
 WITH_OPTIONS: dict[str, tuple[str, str]] = {"swarm": ("atomd_bench.swarm", "main")}
 
 
+def usage() -> str:
+    """What ``--help`` prints: every benchmark, how long it takes, and how to run it."""
+    width = max(len(n) for n in [*BENCHES, *WITH_OPTIONS])
+    lines = [
+        "usage: python -m atomd_bench [--quick] [NAME ...]    (also: atomd bench ..., make bench)",
+        "       python -m atomd_bench NAME --help             (for a benchmark with options)",
+        "",
+        "Runs the named benchmarks (default: all below) and prints one JSON object per line.",
+        "Durations measured on a quiet 2-core machine; --quick runs each one's quick variant.",
+        "",
+    ]
+    lines += [f"  {n:<{width}}  {b.takes:>8} (quick {b.quick_takes})" for n, b in BENCHES.items()]
+    lines += [f"  {n:<{width}}  its own options: python -m atomd_bench {n} --help"
+              for n in WITH_OPTIONS]  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return
     if argv and argv[0] in WITH_OPTIONS:
         from importlib import import_module
 
@@ -59,9 +79,7 @@ def main(argv: list[str]) -> None:
     names = [a for a in argv if a != "--quick"] or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
-        raise SystemExit(
-            f"unknown benchmark(s) {unknown}; known: {', '.join([*BENCHES, *WITH_OPTIONS])}"
-        )
+        raise SystemExit(f"unknown benchmark(s) {unknown}\n\n{usage()}")
     plan = ", ".join(
         f"{n} ({BENCHES[n].quick_takes if quick else BENCHES[n].takes})" for n in names
     )
