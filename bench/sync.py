@@ -492,6 +492,9 @@ def extra_runs() -> list[RunSpec]:
             codec="rice2",
             sync={"residual": "feedback", "ef_decay": 0.95, "outer_momentum": 0.0},
         ),
+        # rice2 where rounds are frequent, with top-k's momentum there (2026-12-01: 1.7725
+        # against top-k's 1.7245 at H=2: more entries of 2 bits lose to fewer of 8 bits).
+        RunSpec("rice2-h2-momentum07", codec="rice2", every=2, sync={"outer_momentum": 0.7}),
     ]
 
 
