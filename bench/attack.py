@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -523,3 +523,30 @@ def run(
         "crashes": sum(sum(r.get("crashed", [])) for r in results),
         "results": results,
     }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m atomd_bench.attack [--quick] [--attacks a,b] [--honest N] [--steps N]``:
+    JSON to stdout (``python -m atomd_bench attack`` runs the whole menu)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m atomd_bench.attack", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help=f"2 honest peers, {', '.join(QUICK_ATTACKS)}"
+    )
+    ap.add_argument("--attacks", help=f"comma-separated, in order, of: {', '.join(ATTACKS)}")
+    ap.add_argument("--honest", type=int, default=3, help="honest daemons (default 3)")
+    ap.add_argument("--steps", type=int, default=60, help="training steps of each run (default 60)")
+    a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    attacks = tuple(a.attacks.split(",")) if a.attacks else ATTACKS
+    unknown = [x for x in attacks if x not in ATTACKS]
+    if unknown:
+        ap.error(f"unknown attack(s) {unknown}")
+    result = run(attacks=attacks, max_steps=a.steps, honest=a.honest, quick=a.quick)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
