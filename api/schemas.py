@@ -48,7 +48,9 @@ class JobPublic(BaseModel):
         None,
         description="Swarm jobs, as of the newest step: the cadence in force (every: steps per "
         "round, period_s: the swarm's round period, auto) and the trainer's time in sync "
-        "(busy_s: merging and sending, wait_s: blocked waiting for deltas), rounds closed",
+        "(busy_s: merging and sending, wait_s: blocked waiting for deltas), rounds closed, "
+        "and once the job has ended final_model: 'swarm' (it ended on the swarm's model) or "
+        "'own' (on this peer's replica, which the guard's probe preferred)",
     )
     created_at: datetime
     started_at: datetime | None = None

@@ -97,10 +97,14 @@ def _cadence(sync: dict[str, Any]) -> str:
     text = "every ? steps" if every is None else f"every {every} step{'s' * (every != 1)}"
     if sync.get("auto"):
         text += f" (auto: a round every {_fmt(sync.get('period_s'))} s across the swarm)"
-    return (
+    text = (
         f"{text}, {sync.get('rounds', 0)} rounds; sync work {_fmt(sync.get('busy_s'), 1)} s, "
         f"waiting {_fmt(sync.get('wait_s'), 1)} s"
     )
+    final = sync.get("final_model")
+    if final is not None:
+        text += "; ended on " + ("the swarm's model" if final == "swarm" else "its own replica")
+    return text
 
 
 def run(

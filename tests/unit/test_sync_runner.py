@@ -18,6 +18,7 @@ from atomd.spec import SyncSpec
 from atomd.sync import cadence, runner
 from atomd.sync.cadence import Cadence
 from atomd.sync.codecs import decode
+from atomd.sync.guard import LossGuard
 from atomd.sync.runner import RoundOut, SyncPlugin
 from atomd.sync.state import Contribution, MergeReport
 from atomd.sync.wire import FrameDecoder
@@ -121,6 +122,39 @@ def test_finish_closes_the_last_round_and_waits_for_the_others_last_deltas() -> 
     assert 0.2 <= time.monotonic() - t0 < 5.0  # returned once both deltas were in
     assert [a.sender for a in absorbed[0].applied] == ["other"]
     torch.testing.assert_close(weight.detach(), before - 1.0)  # the round's mean: 0
+
+
+@pytest.mark.parametrize("better", ["swarm", "own"])
+def test_the_job_ends_on_the_model_the_probe_prefers(better: str) -> None:
+    """After the last round the replica is the swarm's model (the start point) plus this peer's
+    unsent progress; the job ends on whichever the guard's probe finds better."""
+    me = SyncPlugin(
+        job_id="j" * 32,
+        spec=SyncSpec(codec="topk", topk_fraction=0.25, every=3, final_wait_s=0.1),
+        identity=Identity.generate(),
+        n_peers=lambda base: 2,
+        send=lambda out: None,
+    )
+    torch.manual_seed(0)
+    me.attach(fake_engine(torch.nn.Linear(4, 3)))
+    assert me.state is not None
+    state = me.state
+
+    def distance_to_start() -> float:  # 0 at the swarm's model, > 0 with the residue
+        start = state.start_point()
+        return sum(float((p.detach() - start[n]).square().sum()) for n, p in state.params.items())
+
+    sign = 1.0 if better == "swarm" else -1.0
+    me.guard = LossGuard(state, lambda: sign * distance_to_start())
+    with torch.no_grad():
+        for p in state.params.values():
+            p.add_(torch.randn_like(p))  # progress: top-k sends a quarter, the rest stays
+    me.finish(2, threading.Event())
+    assert me.final_model == better and me.stats()["final_model"] == better
+    if better == "swarm":
+        assert distance_to_start() == 0.0
+    else:
+        assert distance_to_start() > 0.1  # the replica kept its unsent progress
 
 
 def test_finish_waits_no_longer_than_final_wait_or_a_stop() -> None:
