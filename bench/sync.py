@@ -499,6 +499,8 @@ def extra_runs() -> list[RunSpec]:
         # rice2 0.5% at H=5 (2.6 / 2.5 KB), top-k 0.1% at H=4 (2.3 KB). Budget of H=50 (~620 B
         # a step; topk-h50 is a default run): top-k 0.25% and rice2 0.5% at H=20 (650 / 620 B).
         RunSpec("topk-h12", codec="topk", every=12),
+        # top-k's momentum under "auto" (0.7, whatever H): the reference the product gives today.
+        RunSpec("topk-h12-momentum07", codec="topk", every=12, sync={"outer_momentum": 0.7}),
         *(
             RunSpec(f"{c}-f{f * 100:g}-h{h}", codec=c, every=h, sync={"topk_fraction": f})
             for c, f, h in (
