@@ -48,7 +48,8 @@ class JobPublic(BaseModel):
         None,
         description="Swarm jobs, as of the newest step: the cadence in force (every: steps per "
         "round, period_s: the swarm's round period, auto) and the trainer's time in sync "
-        "(busy_s: merging and sending, wait_s: blocked waiting for deltas), rounds closed",
+        "(busy_s: merging and sending, wait_s: blocked waiting for deltas), rounds closed, "
+        "fraction: the share of entries a sparse codec sends now (it follows the link)",
     )
     created_at: datetime
     started_at: datetime | None = None
