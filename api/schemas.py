@@ -49,6 +49,7 @@ class JobPublic(BaseModel):
         description="Swarm jobs, as of the newest step: the cadence in force (every: steps per "
         "round, period_s: the swarm's round period, auto) and the trainer's time in sync "
         "(busy_s: merging and sending, wait_s: blocked waiting for deltas), rounds closed, "
+        "fraction: the share of entries a sparse codec sends now (it follows the link), "
         "and once the job has ended final_model: 'swarm' (it ended on the swarm's model) or "
         "'own' (on this peer's replica, which the guard's probe preferred)",
     )

@@ -20,6 +20,7 @@ from pydantic import (
 
 from atomd.model.config import GPTConfig
 from atomd.model.presets import PRESETS
+from atomd.sync.cadence import LINK_EVERY, MIN_FRACTION
 from atomd.units import parse_bytes
 
 # Upper bounds: far beyond any real job, small enough that arithmetic on them stays exact.
@@ -93,7 +94,8 @@ class SyncSpec(_Spec):
         le=1,
         description="Share of each tensor's entries a sparse codec sends; default: "
         + ", ".join(f"{v} for {c}" for c, v in SPARSE_FRACTION.items())
-        + ".",
+        + f". With every 'auto' the most it sends: fewer (down to {MIN_FRACTION:.2%}) where the "
+        f"link would space rounds more than {LINK_EVERY} steps apart (docs/cadence.md).",
     )
     # Defaults measured by `atomd bench sync` (bench/sync.py; README): lr 1 for every codec;
     # momentum 0 (the plain average) for the dense codecs, never far off (fp32 with momentum

@@ -444,6 +444,7 @@ def _peer_report(d: Daemon, job_id: str) -> dict[str, Any]:
         "sync_held_steps": sync.get("held_steps"),  # due rounds held for the previous one
         "sync_probes": sync.get("probes"),  # the loss guard's probe passes
         "final_model": sync.get("final_model"),  # the swarm's model, or its own replica
+        "fraction_final": sync.get("fraction"),  # a sparse codec's share of entries at the end
     }
 
 

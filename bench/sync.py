@@ -495,6 +495,25 @@ def extra_runs() -> list[RunSpec]:
         # rice2 where rounds are frequent, with top-k's momentum there (2026-12-01: 1.7725
         # against top-k's 1.7245 at H=2: more entries of 2 bits lose to fewer of 8 bits).
         RunSpec("rice2-h2-momentum07", codec="rice2", every=2, sync={"outer_momentum": 0.7}),
+        # Issue #14, a fixed upload budget per step (the link): fewer bytes a frame at more
+        # frequent rounds against top-k 1% at rare ones. Signed frames of the tiny model
+        # (52 tensors, ~6 KiB of headers each): top-k 1% 31.0 KB, 0.25% 12.9 KB, 0.1% 9.3 KB;
+        # rice2 0.5% 12.5 KB. Budget of top-k 1% at H=12 (~2.6 KB a step): top-k 0.25% and
+        # rice2 0.5% at H=5 (2.6 / 2.5 KB), top-k 0.1% at H=4 (2.3 KB). Budget of H=50 (~620 B
+        # a step; topk-h50 is a default run): top-k 0.25% and rice2 0.5% at H=20 (650 / 620 B).
+        RunSpec("topk-h12", codec="topk", every=12),
+        # top-k's momentum under "auto" (0.7, whatever H): the reference the product gives today.
+        RunSpec("topk-h12-momentum07", codec="topk", every=12, sync={"outer_momentum": 0.7}),
+        *(
+            RunSpec(f"{c}-f{f * 100:g}-h{h}", codec=c, every=h, sync={"topk_fraction": f})
+            for c, f, h in (
+                ("topk", 0.0025, 5),
+                ("rice2", 0.005, 5),
+                ("topk", 0.001, 4),
+                ("topk", 0.0025, 20),
+                ("rice2", 0.005, 20),
+            )
+        ),
     ]
 
 

@@ -31,6 +31,10 @@ And at most one round in flight: a peer does not close a round while its previou
 is still being uploaded. It keeps training meanwhile (nobody waits): a link slower than measured
 stretches the round instead of queueing frames behind each other.
 
+Where the link is what spaces the rounds, a sparse codec sends fewer entries (``frame_budget``,
+``fit_fraction``): a frame small enough for a round every LINK_EVERY steps at the measured rate,
+down to MIN_FRACTION of the entries; its traffic time then falls and H with it.
+
 Why the anchors still agree: the cadence changes only *when* a peer closes a round, never what a
 round is. Each peer sends one delta per round number, and which deltas a peer commits to its
 anchor, with which weights, depends only on round numbers and base versions (``state.py``), not
@@ -44,6 +48,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # A round's traffic may fill at most 1/MARGIN of the time between rounds: the rest is headroom
@@ -67,6 +72,12 @@ PROPOSAL_TTL_S = 10.0  # a peer's proposal counts this long, plus 3 swarm period
 # slower link than that gets its rounds stretched by the one-round-in-flight rule instead. The
 # same factor as the robust merge's refusal (16x a delta's reference norm).
 CLAIM_CAP = 16.0
+# Issue #14: where the link is what spaces the rounds, a sparse codec sends fewer entries so that
+# rounds still come every LINK_EVERY steps (or as often as the round work allows, if rarer), down
+# to MIN_FRACTION of the entries; below that the rounds grow apart instead. `atomd bench sync` at
+# the same bytes a step (bench/results-sync-budget-2026-12-01*.json): see docs/cadence.md.
+LINK_EVERY = 5
+MIN_FRACTION = 0.0025
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,8 @@ class Cadence:
         self._steps: deque[float] = deque(maxlen=STEP_SAMPLES)
         self._work: deque[float] = deque(maxlen=WORK_SAMPLES)
         self._traffic: deque[float] = deque(maxlen=TRAFFIC_SAMPLES)
+        # Bytes a second of the last rounds' frames (frame size over its traffic time).
+        self._rates: deque[float] = deque(maxlen=TRAFFIC_SAMPLES)
         self._heard: dict[str, tuple[float, float]] = {}  # peer -> (period_s, monotonic at)
 
     @property
@@ -113,10 +126,13 @@ class Cadence:
         with self._lock:
             self._work.append(max(0.0, seconds))
 
-    def traffic(self, seconds: float) -> None:
-        """A round's frame reached every peer it could reach in ``seconds``."""
+    def traffic(self, seconds: float, nbytes: int = 0) -> None:
+        """A round's frame (of ``nbytes`` bytes, 0: not said) reached every peer it could reach
+        in ``seconds``."""
         with self._lock:
             self._traffic.append(max(0.0, seconds))
+            if nbytes > 0 and seconds > 0:
+                self._rates.append(nbytes / seconds)
 
     def heard(self, peer: str, period_s: float, *, now: float | None = None) -> None:
         """Another peer's proposed period (carried by its frames)."""
@@ -155,6 +171,23 @@ class Cadence:
         cap = CLAIM_CAP * statistics.median_low(positive)
         return max([own, *(min(p, cap) for p in heard)])
 
+    def frame_budget(self) -> float | None:
+        """The largest frame, in bytes, whose traffic would let rounds come every LINK_EVERY
+        steps, or as often as the round work allows if that is rarer (the traffic fits MARGIN
+        times into the compute between rounds, as in ``proposal``), at the slowest rate of
+        the last rounds' frames; None with a fixed H or before a frame's size and time are
+        measured."""
+        step = self.step_s()
+        if self.fixed is not None or step is None:
+            return None
+        with self._lock:
+            rate = min(self._rates, default=None)
+            work = statistics.median(self._work) if self._work else 0.0
+        if rate is None:
+            return None
+        target = max(LINK_EVERY * step, work / WORK_SHARE)
+        return target * rate / MARGIN
+
     def every(self, *, now: float | None = None) -> int:
         """H: steps in this peer's current round."""
         if self.fixed is not None:
@@ -169,3 +202,16 @@ class Cadence:
             return CadenceView(every=self.fixed, period_s=None, auto=False)
         step = self.step_s()
         return CadenceView(every=self.every() if step else None, period_s=self.period(), auto=True)
+
+
+def fit_fraction(ceiling: float, budget: float, size: Callable[[float], float]) -> float:
+    """The share of entries a sparse codec sends to fit its frame into ``budget`` bytes: the
+    largest of ``ceiling``, ``ceiling`` / 2, / 4, ... and MIN_FRACTION (the last, never below
+    it) whose frame ``size(fraction)`` fits; the smallest when none does. A ladder of halvings,
+    not the exact fit: a measured rate that wobbles does not change the frame every round."""
+    ladder = [ceiling]
+    while ladder[-1] / 2 >= MIN_FRACTION:
+        ladder.append(ladder[-1] / 2)
+    if ladder[-1] > MIN_FRACTION:
+        ladder.append(MIN_FRACTION)
+    return next((f for f in ladder if size(f) <= budget), ladder[-1])

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from atomd.logs import get_logger
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec
-from atomd.sync.cadence import Cadence
+from atomd.sync.cadence import Cadence, fit_fraction
 from atomd.sync.guard import LossGuard
 from atomd.sync.state import Contribution, MergeReport, Outgoing, SyncState
 from atomd.sync.wire import encode_frame
@@ -159,8 +159,9 @@ class SyncPlugin:
         self._last_step = 0
         self._round_start: int | None = None  # the step the current round started at
         self._round_work = 0.0  # trainer-thread sync time spent on the current round
-        # The round whose frame is still being uploaded, and when it left the trainer.
-        self._in_flight: tuple[int, float] | None = None
+        # The round whose frame is still being uploaded, when it left the trainer, its bytes.
+        self._in_flight: tuple[int, float, int] | None = None
+        self._overhead: int | None = None  # bytes of the last frame beyond its payload
         self._last_step_end: float | None = None
 
     def attach(self, engine: StepEngine) -> None:
@@ -293,6 +294,25 @@ class SyncPlugin:
         have += sum(1 for c in self._deferred if c.base_version == last)
         return have < self.n_peers(last)
 
+    def _fit_fraction(self) -> None:
+        """With the automatic cadence and a sparse codec: send the share of entries (at most
+        the spec's ``topk_fraction``) whose frame fits the link at a round every LINK_EVERY
+        steps (``Cadence.frame_budget``; docs/cadence.md), once a frame has been measured."""
+        state = self.state
+        if state is None or state.fraction is None or self._overhead is None:
+            return
+        budget = self.cadence.frame_budget()
+        if budget is None:
+            return
+        overhead = self._overhead
+        fraction = fit_fraction(
+            self.spec.topk_fraction, budget, lambda f: overhead + state.payload_estimate(f)
+        )
+        if fraction != state.fraction:
+            log.info("the link fits frames of %.0f bytes: sending %.3g%% of the entries",
+                     budget, 100 * fraction)  # fmt: skip
+            state.set_fraction(fraction)
+
     def _uploading(self) -> bool:
         """The previous round's frame is still on its way (one round in flight at most)."""
         flight = self._in_flight
@@ -306,9 +326,10 @@ class SyncPlugin:
         """The loop: round ``round``'s frame has reached every peer it could, in ``seconds``
         (since it left the trainer); negative when it reached none: the round is done, but
         there is nothing to measure."""
-        if seconds >= 0:
-            self.cadence.traffic(seconds)
         flight = self._in_flight
+        nbytes = flight[2] if flight is not None and flight[0] == round else 0
+        if seconds >= 0:
+            self.cadence.traffic(seconds, nbytes)
         if flight is not None and flight[0] == round:
             self._in_flight = None
 
@@ -328,6 +349,8 @@ class SyncPlugin:
             "wait_s": round(self.wait_s, 4),
             "held_steps": self.held_steps,
             "probes": self.guard.probes if self.guard is not None else 0,
+            # The share of entries a sparse codec sends now (None: dense; docs/cadence.md).
+            "fraction": self.state.fraction if self.state is not None else None,
             **({"final_model": self.final_model} if self.final_model is not None else {}),
         }
 
@@ -357,6 +380,7 @@ class SyncPlugin:
         self._settle()
         inbox = self._inbox()
         n_peers = max(1, self.n_peers(self.state.version))
+        self._fit_fraction()
         if self.guard is not None:
             out = self.guard.round_boundary(inbox, n_peers=n_peers)
         else:
@@ -386,8 +410,9 @@ class SyncPlugin:
             self.cadence.round_work(self._round_work)
         self._round_work = 0.0
         self._round_start = step
+        self._overhead = len(frame) - out.payload_bytes
         handed_at = time.monotonic()
-        self._in_flight = (out.round, handed_at)
+        self._in_flight = (out.round, handed_at, len(frame))
         self.send(RoundOut(self.job_id, step, frame, out, merge, every, handed_at, final))
 
     def finish(self, step: int, stop: threading.Event) -> None:

@@ -176,6 +176,28 @@ class SyncState:
         self._kept: dict[str, Tensor] = {}
 
     @property
+    def fraction(self) -> float | None:
+        """The share of entries the codec sends (None: a dense codec sends them all)."""
+        fraction = getattr(self.codec, "fraction", None)
+        return float(fraction) if fraction is not None else None
+
+    def set_fraction(self, fraction: float) -> None:
+        """Send ``fraction`` of the entries from the next round on (a sparse codec only). A
+        frame says how many entries each tensor holds (``k`` in its meta) and any k decodes, so
+        peers need not agree on it; what this peer merges of its own delta is still exactly
+        what the others decode, so the anchors agree as before."""
+        if self.fraction is None:
+            raise ValueError(f"codec {self.spec.codec} sends every entry: no fraction to set")
+        if fraction != self.fraction:
+            self.codec = make_codec(self.spec.codec, topk_fraction=fraction, zstd=self.spec.zstd)
+            self.feedback.codec = self.codec
+
+    def payload_estimate(self, fraction: float) -> int:
+        """Payload bytes of a delta (all tensors, before zstd) at ``fraction`` of the entries."""
+        codec = make_codec(self.spec.codec, topk_fraction=fraction, zstd=False)
+        return sum(codec.raw_nbytes(t.numel()) for t in self.anchor.values())
+
+    @property
     def numel(self) -> int:
         return sum(t.numel() for t in self.anchor.values())
 

@@ -434,3 +434,18 @@ def test_mutated_payloads_decode_or_refuse(
     except WireError:
         return
     assert y.shape == enc.shape and bool(torch.isfinite(y).all())
+
+
+@pytest.mark.parametrize("name", ["topk", "rice2"])
+def test_one_decoder_reads_every_fraction(name: str) -> None:
+    """Issue #14: under the automatic cadence each peer picks its sparse codec's fraction for
+    its link, so a receiver must decode a frame of any fraction without knowing it."""
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(0))
+    kept = []
+    for fraction in (0.01, 0.005, 0.0025, 0.001):
+        codec = make_codec(name, topk_fraction=fraction)
+        enc = codec.encode(x)
+        y = decode(enc)
+        torch.testing.assert_close(y, codec.decode(enc), rtol=0, atol=0)
+        kept.append(int((y != 0).sum()))
+    assert kept == sorted(kept, reverse=True) and kept[0] > 4 * kept[-1]

@@ -6,11 +6,14 @@ import pytest
 
 from atomd.sync.cadence import (
     CLAIM_CAP,
+    LINK_EVERY,
     MARGIN,
     MAX_EVERY,
+    MIN_FRACTION,
     PROPOSAL_TTL_S,
     WORK_SHARE,
     Cadence,
+    fit_fraction,
 )
 
 
@@ -99,3 +102,28 @@ def test_a_slower_peer_puts_fewer_steps_in_a_round_of_the_same_length() -> None:
 def test_every_is_bounded() -> None:
     c = measured(0.001, traffic=3600.0)
     assert c.every() == MAX_EVERY
+
+
+def test_the_frame_budget_fits_a_round_every_link_every_steps_into_the_measured_link() -> None:
+    """Issue #14: the bytes a frame may have so that its traffic fits MARGIN times into the
+    compute of LINK_EVERY steps, at the slowest rate of the last rounds' frames."""
+    assert Cadence(7).frame_budget() is None and Cadence(None).frame_budget() is None
+    c = measured(0.25, traffic=3.0)  # a traffic time without the frame's size: no rate
+    assert c.frame_budget() is None
+    c.traffic(3.0, 30_000)  # 10 kB/s
+    assert c.frame_budget() == pytest.approx(LINK_EVERY * 0.25 * 10_000 / MARGIN)
+    c.traffic(0.3, 30_000)  # a faster round: the slowest of the last ones still counts
+    assert c.frame_budget() == pytest.approx(LINK_EVERY * 0.25 * 10_000 / MARGIN)
+    c.round_work(4.0)  # rounds cannot come more often than their work allows: more bytes fit
+    assert c.frame_budget() == pytest.approx(4.0 / WORK_SHARE * 10_000 / MARGIN)
+
+
+def test_fit_fraction_halves_down_to_its_floor() -> None:
+    def size(f: float) -> float:
+        return 6_000 + 2_500_000 * f  # headers, and ~2.5 MB of payload for every entry
+
+    assert fit_fraction(0.01, 40_000, size) == 0.01  # fits as it is
+    assert fit_fraction(0.01, 20_000, size) == 0.005
+    assert fit_fraction(0.01, 13_000, size) == 0.0025
+    assert fit_fraction(0.01, 100, size) == MIN_FRACTION  # nothing fits: the floor
+    assert fit_fraction(MIN_FRACTION / 2, 100, size) == MIN_FRACTION / 2  # a spec below it

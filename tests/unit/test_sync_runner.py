@@ -16,7 +16,7 @@ import torch
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec
 from atomd.sync import cadence, runner
-from atomd.sync.cadence import Cadence
+from atomd.sync.cadence import LINK_EVERY, MARGIN, MIN_FRACTION, Cadence
 from atomd.sync.codecs import decode
 from atomd.sync.guard import LossGuard
 from atomd.sync.runner import RoundOut, SyncPlugin
@@ -425,13 +425,16 @@ def test_alone_the_automatic_cadence_closes_rounds_rarely() -> None:
     assert [o.step for o in sent] == [runner.ALONE_EVERY]
 
 
-def test_peers_at_different_h_commit_the_same_sums() -> None:
+@pytest.mark.parametrize("codec", ["fp32", "topk"])
+def test_peers_at_different_h_commit_the_same_sums(codec: str) -> None:
     """Three peers step at different speeds (1, 2 and 0.5 time units per step) and close rounds
     every 2 time units, as the automatic cadence makes them: H = 2, 1 and 4 steps. Deltas reach
     each peer after random delays shorter than a round. Whatever H each used, all commit the
-    same sums: their anchors agree (Nesterov momentum 0.5, fp32 deltas)."""
+    same sums: their anchors agree (Nesterov momentum 0.5, fp32 deltas). With top-k each peer
+    sends a share of the entries of its own, changing every step (issue #14: each peer fits its
+    frames to its link): still the same sums."""
     step_time, every = (1.0, 2.0, 0.5), (2, 1, 4)
-    spec = SyncSpec(codec="fp32", outer_momentum=0.5)
+    spec = SyncSpec(codec=codec, outer_momentum=0.5)
     rng = random.Random(0)
     peers: list[SyncPlugin] = []
     events: list[tuple[float, int, int, Any]] = []  # (time, order, peer, step or delta)
@@ -477,6 +480,8 @@ def test_peers_at_different_h_commit_the_same_sums() -> None:
         with torch.no_grad():  # one "step" of training
             for t in p.state.params.values():
                 t.add_(0.01 * torch.randn(t.shape, generator=gen))
+        if codec == "topk":
+            p.state.set_fraction(rng.choice([0.5, 0.2, 0.05]))  # 20, 8 or 2 of 40 entries
         p.after_step(what)
         if what < 12 * every[i]:  # 12 rounds each
             heapq.heappush(events, (at + step_time[i], next(order), i, what + 1))
@@ -608,3 +613,79 @@ def test_deltas_of_an_incomplete_round_are_merged_together_or_after_a_while() ->
     assert len(absorbed) == 1  # waited 3 steps
     _train(me, 29)  # 4 steps: merged without the others
     assert [len(m.applied) for m in absorbed] == [3, 1]
+
+
+class SlowLinkCadence(Cadence):
+    """The automatic cadence with a step time of 0.1 s (the test's own steps take no time) and
+    H set by the test."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.h = 1
+
+    def step_s(self) -> float | None:
+        return 0.1
+
+    def every(self, *, now: float | None = None) -> int:
+        return self.h
+
+
+def kept_per_chunk(out: RoundOut) -> int:
+    return max(int(enc.meta["k"]) for _, enc in out.outgoing.tensors)
+
+
+def test_a_slow_link_makes_the_automatic_cadence_send_fewer_entries() -> None:
+    """Issue #14: where the link spaces the rounds, top-k sends fewer entries (down to
+    MIN_FRACTION) so that rounds still come every LINK_EVERY steps; on a fast link again, the
+    spec's share. Each frame says its k: the receiver decodes whatever it got."""
+    sent: list[RoundOut] = []
+    me = SyncPlugin(
+        job_id="j" * 32,
+        spec=SyncSpec(codec="topk"),  # every: "auto", 1% of the entries
+        identity=Identity.generate(),
+        n_peers=lambda base: 2,
+        send=sent.append,
+    )
+    torch.manual_seed(0)
+    me.attach(fake_engine(torch.nn.Linear(256, 128)))  # 8 chunks of 4096: k = 41 at 1%
+    me._previous_open = lambda: False  # type: ignore[method-assign]
+    me.cadence = cadence = SlowLinkCadence()
+    assert me.state is not None
+    step = 0
+
+    def one_round(rate: float) -> RoundOut:
+        """A step that closes a round, and its frame delivered at ``rate`` bytes a second."""
+        nonlocal step
+        step += 1
+        with torch.no_grad():
+            for p in me.state.params.values():  # type: ignore[union-attr]
+                p.add_(0.01 * torch.randn(p.shape))
+        me.after_step(step)
+        out = sent[-1]
+        assert out.step == step
+        me.delivered(out.outgoing.round, len(out.frame) / rate)
+        return out
+
+    slow_rate = 1_000.0  # bytes a second; a step takes 0.1 s
+    first = one_round(slow_rate)  # nothing measured yet: the spec's 1%
+    assert kept_per_chunk(first) == 41 and len(first.frame) > 1_000
+    # Frames that fit MARGIN times into LINK_EVERY steps at this rate: ~250 bytes.
+    budget = LINK_EVERY * 0.1 * slow_rate / MARGIN
+    assert cadence.frame_budget() == pytest.approx(budget)
+    slow = one_round(slow_rate)
+    assert kept_per_chunk(slow) < 41 and me.state.fraction is not None
+    assert me.state.fraction < 0.01 and me.stats()["fraction"] == me.state.fraction
+    assert len(slow.frame) <= budget or me.state.fraction == MIN_FRACTION
+    got = FrameDecoder(
+        job_id="j" * 32,
+        public_key_of=lambda pid: me.identity.public_key_hex,
+        expected_shapes=me.expected_shapes,
+        max_bytes=1 << 20,
+    )
+    got.feed(slow.frame)
+    frame = got.finish()
+    for name, enc in slow.outgoing.tensors:  # what the receiver decodes is what was merged
+        torch.testing.assert_close(decode(frame.tensors[name]), decode(enc), rtol=0, atol=0)
+    for _ in range(4):  # a fast link: the slowest of the last rounds forgotten, 1% again
+        fast = one_round(1e9)
+    assert kept_per_chunk(fast) == 41 and me.state.fraction == 0.01
