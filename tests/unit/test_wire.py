@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -97,14 +98,19 @@ def refused(data: bytes, reason: str, **kw: Any) -> WireError:
 
 
 def split(data: bytes) -> tuple[bytes, dict[str, object], bytes]:
-    """(prefix, header, payload) of a frame."""
-    _, _, header_len = PREFIX.unpack_from(data)
+    """(prefix, header, payload) of a frame (version 2: plain JSON; 3: zstd)."""
+    _, version, header_len = PREFIX.unpack_from(data)
     end = PREFIX.size + header_len
-    return data[: PREFIX.size], json.loads(data[PREFIX.size : end]), data[end:]
+    head = data[PREFIX.size : end]
+    if version >= 3:
+        head = zstandard.ZstdDecompressor().decompress(head)
+    return data[: PREFIX.size], json.loads(head), data[end:]
 
 
 def join(header: dict[str, object], payload: bytes, version: int = VERSION) -> bytes:
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    if version >= 3:
+        head = zstandard.ZstdCompressor().compress(head)
     return PREFIX.pack(b"ATD1", version, len(head)) + head + payload
 
 
@@ -512,4 +518,29 @@ def test_fuzz_mutated_frames(
 def test_prefix_layout() -> None:
     # Pinned: peers of other builds must agree on it.
     assert PREFIX.format == "<4sBI" and PREFIX.size == 9
-    assert struct.unpack_from("<4sBI", frame())[:2] == (b"ATD1", 2)
+    assert struct.unpack_from("<4sBI", frame())[:2] == (b"ATD1", 3)
+
+
+def test_a_version_2_frame_with_a_plain_header_is_still_read() -> None:
+    data = frame()
+    _, header, payload = split(data)
+    header["version"] = 2
+    old = join(resign(header), payload, version=2)
+    assert receive(old).round == receive(data).round
+    # The frame's version and its header's must agree.
+    refused(join(resign(header), payload, version=3), "malformed")
+
+
+def test_the_header_travels_compressed_and_is_bounded_before_it_is_decompressed() -> None:
+    data = frame()
+    _, header, payload = split(data)
+    plain = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    assert len(data) - len(payload) - PREFIX.size < len(plain)  # compressed on the wire
+    # A zstd frame that would decompress past the limit is refused by its declared size.
+    bomb = zstandard.ZstdCompressor().compress(b" " * (MAX_HEADER_BYTES + 1))
+    refused(PREFIX.pack(b"ATD1", 3, len(bomb)) + bomb + payload, "oversize", max_bytes=1 << 30)
+    # One that does not declare its size, or is not zstd at all, is malformed.
+    obj = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    undeclared = obj.compress(plain) + obj.flush()
+    refused(PREFIX.pack(b"ATD1", 3, len(undeclared)) + undeclared + payload, "malformed")
+    refused(PREFIX.pack(b"ATD1", 3, len(plain)) + plain + payload, "malformed")
