@@ -17,11 +17,17 @@ ratio to ``absent``, the largest relative distance between two honest peers' anc
 the defence refused, clipped and rolled back. A run whose honest loss became non-finite reports
 ``val_loss`` null and the step (``diverged_at``).
 
-``python -m atomd_bench.robust_sim [--quick] [--attacks a,b] [--defences d,e]``: JSON to stdout.
+Also reported: the cosines of the received deltas with the receiver's own delta of the round
+(quantiles, honest senders and the hostile one apart), what the direction check of the rule
+judges by.
+
+``python -m atomd_bench.robust_sim [--quick] [--attacks a,b] [--defences d,e]
+[--no-direction]``: JSON to stdout (``--no-direction``: the rule without its direction check).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -40,6 +46,7 @@ from atomd.data.dataset import TokenDataset, load_dataset
 from atomd.spec import JobSpec, SyncSpec, lr_at
 from atomd.sync.codecs import decode, make_codec
 from atomd.sync.guard import LossGuard
+from atomd.sync.robust import RobustRule
 from atomd.sync.state import DEFAULT_RULE, Contribution, Outgoing, SyncState
 from atomd_bench.sync import _build, _max_divergence
 
@@ -103,7 +110,22 @@ def _hostile(attack: str, out: Outgoing, spec: SyncSpec, rng: torch.Generator) -
     return Contribution("hostile", out.round, out.base_version, sent)
 
 
-def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
+def _quantiles(xs: list[float]) -> dict[str, Any]:
+    """min, 1/5/50/95th percentile, max and count of ``xs`` (rounded), or just the count."""
+    if not xs:
+        return {"n": 0}
+    o = sorted(xs)
+
+    def q(p: float) -> float:
+        return round(o[min(len(o) - 1, int(p * (len(o) - 1) + 0.5))], 4)
+
+    return {"n": len(o), "min": q(0), "p1": q(0.01), "p5": q(0.05), "p50": q(0.5),
+            "p95": q(0.95), "max": q(1)}  # fmt: skip
+
+
+def run_one(
+    attack: str, defence: str, budget: Budget, rule: RobustRule = DEFAULT_RULE
+) -> dict[str, Any]:
     """One swarm run; see the module docstring."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -127,9 +149,9 @@ def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
     val = data.val_batches(count=budget.val_batches, batch_size=16)
     probe_batch = data.val_batches(count=1, batch_size=4, seed=99)
     engines = [_build(spec) for _ in range(n)]
-    rule = None if defence == "none" else DEFAULT_RULE
+    robust = None if defence == "none" else rule
     states = [
-        SyncState(dict(e.model.named_parameters()), sync, peer_id=f"peer-{i}", robust=rule)
+        SyncState(dict(e.model.named_parameters()), sync, peer_id=f"peer-{i}", robust=robust)
         for i, e in enumerate(engines)
     ]
     guards: list[LossGuard | None] = [
@@ -141,12 +163,17 @@ def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
     inbox: dict[tuple[int, int], list[Contribution]] = {}
     counts = {"refused": 0, "clipped": 0, "strikes": 0, "hostile_applied": 0, "honest_refused": 0}
     divergences: list[float] = []
+    # Cosines of received deltas with the receiver's own delta of the round, by sender kind.
+    cosines: dict[str, list[float]] = {"honest": [], "hostile": []}
     diverged_at: int | None = None
     if not isinstance(sync.every, int):
         raise ValueError("robust_sim simulates a fixed cadence: give sync.every as a number")
     h, rnd = sync.every, 0
 
     def note(report: Any) -> None:
+        for d in [*report.applied, *report.refused]:
+            if d.cosine is not None:
+                cosines["hostile" if d.sender == "hostile" else "honest"].append(d.cosine)
         for a in report.applied:
             counts["clipped"] += a.note is not None
             counts["strikes"] += a.strike
@@ -220,6 +247,7 @@ def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
         "rollbacks": sum(g.rollbacks for g in guards[:HONEST] if g is not None),
         "largest_kept_rise": max((g.largest_rise for g in guards[:HONEST] if g), default=None),
         **counts,
+        "cosines": {k: _quantiles(v) for k, v in cosines.items()},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 
@@ -234,13 +262,14 @@ def run(
     attacks: Sequence[str] = ATTACKS,
     defences: Sequence[str] = DEFENCES,
     workers: int = 2,
+    rule: RobustRule = DEFAULT_RULE,
 ) -> dict[str, Any]:
     budget = QUICK if quick else Budget()
     jobs = [("absent", "none")] + [(a, d) for a in attacks if a != "absent" for d in defences]
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = [pool.submit(run_one, a, d, budget) for a, d in jobs]
+        futures = [pool.submit(run_one, a, d, budget, rule) for a, d in jobs]
         results = []
         for f in futures:
             r = f.result()
@@ -256,6 +285,7 @@ def run(
         r["vs_absent"] = None if r["val_loss"] is None or ref is None else r["val_loss"] / ref - 1
     return {
         "task": {**budget.__dict__, "honest": HONEST, "quick": quick},
+        "rule": rule.__dict__,
         "runs": results,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
@@ -269,7 +299,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         attacks = args[args.index("--attacks") + 1].split(",")
     if "--defences" in args:
         defences = args[args.index("--defences") + 1].split(",")
-    print(json.dumps(run(quick="--quick" in args, attacks=attacks, defences=defences)))
+    rule = DEFAULT_RULE
+    if "--no-direction" in args:  # the rule as it was before the direction check
+        rule = dataclasses.replace(rule, direction=False)
+    print(json.dumps(run(quick="--quick" in args, attacks=attacks, defences=defences, rule=rule)))
 
 
 if __name__ == "__main__":

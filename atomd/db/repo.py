@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.sql.elements import ColumnElement
 
 from atomd.db.models import (
     DIRECTIONS,
@@ -528,7 +529,7 @@ async def remove_quarantines(
     s: AsyncSession, *, peer_ids: Sequence[str] = (), public_key: str | None = None
 ) -> int:
     """End the quarantine of these members and of every member with ``public_key``; how many."""
-    conds = []
+    conds: list[ColumnElement[bool]] = []
     if peer_ids:
         conds.append(PeerQuarantine.peer_id.in_(list(peer_ids)))
     if public_key is not None:
