@@ -22,7 +22,9 @@ Also reported: the cosines of the received deltas with the receiver's own delta 
 judges by.
 
 ``python -m atomd_bench.robust_sim [--quick] [--attacks a,b] [--defences d,e]
-[--no-direction]``: JSON to stdout (``--no-direction``: the rule without its direction check).
+[--no-direction] [--quarantine]``: JSON to stdout (``--no-direction``: the rule without its
+direction check; ``--quarantine``: each honest peer quarantines as the daemon does, 3 strikes
+in 10, and takes nothing more from the member it quarantined).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 from torch import Tensor
 
 from atomd.data.dataset import TokenDataset, load_dataset
+from atomd.p2p.quarantine import Quarantine
 from atomd.spec import JobSpec, SyncSpec, lr_at
 from atomd.sync.codecs import decode, make_codec
 from atomd.sync.guard import LossGuard
@@ -124,9 +127,15 @@ def _quantiles(xs: list[float]) -> dict[str, Any]:
 
 
 def run_one(
-    attack: str, defence: str, budget: Budget, rule: RobustRule = DEFAULT_RULE
+    attack: str,
+    defence: str,
+    budget: Budget,
+    rule: RobustRule = DEFAULT_RULE,
+    quarantine: bool = False,
 ) -> dict[str, Any]:
-    """One swarm run; see the module docstring."""
+    """One swarm run; see the module docstring. ``quarantine``: each honest peer keeps a
+    ``Quarantine`` fed as the daemon's exchange feeds it, and takes nothing more from a member
+    it quarantined (the hold outlasts the run)."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     n = HONEST + (0 if attack == "absent" else 1)
@@ -170,7 +179,18 @@ def run_one(
         raise ValueError("robust_sim simulates a fixed cadence: give sync.every as a number")
     h, rnd = sync.every, 0
 
-    def note(report: Any) -> None:
+    held = [Quarantine() for _ in range(n)]
+    quarantined_at: dict[int, int] = {}  # honest peer -> round it quarantined the hostile one
+
+    def note(report: Any, i: int) -> None:
+        if quarantine:  # as ``SyncExchange`` reports a merge to the node
+            for a in report.applied:
+                held[i].judged(a.sender, a.strike, a.note)
+            for r in report.refused:
+                if r.strike:
+                    held[i].judged(r.sender, True, r.reason)
+            if held[i].excluded("hostile") and i not in quarantined_at:
+                quarantined_at[i] = rnd
         for d in [*report.applied, *report.refused]:
             if d.cosine is not None:
                 cosines["hostile" if d.sender == "hostile" else "honest"].append(d.cosine)
@@ -187,7 +207,8 @@ def run_one(
 
     def arrived(i: int, step: float) -> list[Contribution]:
         due = sorted(k for k in inbox if k[0] == i and k[1] <= step)
-        return [c for k in due for c in inbox.pop(k)]
+        got = [c for k in due for c in inbox.pop(k)]
+        return [c for c in got if not held[i].excluded(c.sender)]
 
     for step in range(spec.total_steps):
         lr = lr_at(spec, step)
@@ -205,7 +226,7 @@ def run_one(
                     g = guards[i]
                     report = g.absorb(got) if g is not None else state.absorb(got)
                     if i in honest_ids:
-                        note(report)
+                        note(report, i)
             continue
         order = random.Random(f"order:{rnd}").sample(range(n), n)
         for i in order:
@@ -216,7 +237,7 @@ def run_one(
             else:
                 out = states[i].round_boundary(got, n_peers=n)
             if i in honest_ids:
-                note(states[i].last_merge)
+                note(states[i].last_merge, i)
             hostile = attack not in ("absent", "honest") and i == HONEST
             c = _hostile(attack, out, sync, rng) if hostile else _contribution(f"peer-{i}", out)
             for j in range(n):
@@ -232,7 +253,7 @@ def run_one(
         for i in honest_ids:
             got = arrived(i, math.inf)
             g = guards[i]
-            note(g.absorb(got) if g is not None else states[i].absorb(got))
+            note(g.absorb(got) if g is not None else states[i].absorb(got), i)
         losses = [engines[i].evaluate(val) for i in honest_ids]
         mean = sum(losses) / len(losses)
         val_loss: float | None = mean if math.isfinite(mean) else None
@@ -248,6 +269,8 @@ def run_one(
         "largest_kept_rise": max((g.largest_rise for g in guards[:HONEST] if g), default=None),
         **counts,
         "cosines": {k: _quantiles(v) for k, v in cosines.items()},
+        "quarantine": quarantine,
+        "quarantined_at_round": [quarantined_at.get(i) for i in honest_ids],
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 
@@ -263,13 +286,14 @@ def run(
     defences: Sequence[str] = DEFENCES,
     workers: int = 2,
     rule: RobustRule = DEFAULT_RULE,
+    quarantine: bool = False,
 ) -> dict[str, Any]:
     budget = QUICK if quick else Budget()
     jobs = [("absent", "none")] + [(a, d) for a in attacks if a != "absent" for d in defences]
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = [pool.submit(run_one, a, d, budget, rule) for a, d in jobs]
+        futures = [pool.submit(run_one, a, d, budget, rule, quarantine) for a, d in jobs]
         results = []
         for f in futures:
             r = f.result()
@@ -286,6 +310,7 @@ def run(
     return {
         "task": {**budget.__dict__, "honest": HONEST, "quick": quick},
         "rule": rule.__dict__,
+        "quarantine": quarantine,
         "runs": results,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
@@ -302,7 +327,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rule = DEFAULT_RULE
     if "--no-direction" in args:  # the rule as it was before the direction check
         rule = dataclasses.replace(rule, direction=False)
-    print(json.dumps(run(quick="--quick" in args, attacks=attacks, defences=defences, rule=rule)))
+    quarantine = "--quarantine" in args
+    quick = "--quick" in args
+    result = run(quick=quick, attacks=attacks, defences=defences, rule=rule, quarantine=quarantine)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
