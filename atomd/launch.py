@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -93,7 +94,25 @@ def interrupts(
         _pending.clear()
 
 
+PORTS_ENV = "ATOMD_TEST_PORTS"
+"""``LOW-HIGH``: take the free ports from this range only (machines shared by several test
+runs, each with its own range); unset: any port the system gives."""
+
+
 def free_port() -> int:
+    span = os.environ.get(PORTS_ENV)
+    if span:
+        low, _, high = span.partition("-")
+        ports = list(range(int(low), int(high) + 1))
+        random.shuffle(ports)
+        for port in ports:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+        raise RuntimeError(f"no free port in {PORTS_ENV}={span}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

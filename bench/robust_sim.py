@@ -17,11 +17,19 @@ ratio to ``absent``, the largest relative distance between two honest peers' anc
 the defence refused, clipped and rolled back. A run whose honest loss became non-finite reports
 ``val_loss`` null and the step (``diverged_at``).
 
-``python -m atomd_bench.robust_sim [--quick] [--attacks a,b] [--defences d,e]``: JSON to stdout.
+Also reported: the cosines of the received deltas with the receiver's own delta of the round
+(quantiles, honest senders and the hostile one apart), what the direction check of the rule
+judges by.
+
+``python -m atomd_bench.robust_sim [--quick] [--attacks a,b] [--defences d,e]
+[--no-direction] [--quarantine]``: JSON to stdout (``--no-direction``: the rule without its
+direction check; ``--quarantine``: each honest peer quarantines as the daemon does, 3 strikes
+in 10, and takes nothing more from the member it quarantined).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -37,9 +45,11 @@ import torch
 from torch import Tensor
 
 from atomd.data.dataset import TokenDataset, load_dataset
+from atomd.p2p.quarantine import Quarantine
 from atomd.spec import JobSpec, SyncSpec, lr_at
 from atomd.sync.codecs import decode, make_codec
 from atomd.sync.guard import LossGuard
+from atomd.sync.robust import RobustRule
 from atomd.sync.state import DEFAULT_RULE, Contribution, Outgoing, SyncState
 from atomd_bench.sync import _build, _max_divergence
 
@@ -103,8 +113,29 @@ def _hostile(attack: str, out: Outgoing, spec: SyncSpec, rng: torch.Generator) -
     return Contribution("hostile", out.round, out.base_version, sent)
 
 
-def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
-    """One swarm run; see the module docstring."""
+def _quantiles(xs: list[float]) -> dict[str, Any]:
+    """min, 1/5/50/95th percentile, max and count of ``xs`` (rounded), or just the count."""
+    if not xs:
+        return {"n": 0}
+    o = sorted(xs)
+
+    def q(p: float) -> float:
+        return round(o[min(len(o) - 1, int(p * (len(o) - 1) + 0.5))], 4)
+
+    return {"n": len(o), "min": q(0), "p1": q(0.01), "p5": q(0.05), "p50": q(0.5),
+            "p95": q(0.95), "max": q(1)}  # fmt: skip
+
+
+def run_one(
+    attack: str,
+    defence: str,
+    budget: Budget,
+    rule: RobustRule = DEFAULT_RULE,
+    quarantine: bool = False,
+) -> dict[str, Any]:
+    """One swarm run; see the module docstring. ``quarantine``: each honest peer keeps a
+    ``Quarantine`` fed as the daemon's exchange feeds it, and takes nothing more from a member
+    it quarantined (the hold outlasts the run)."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     n = HONEST + (0 if attack == "absent" else 1)
@@ -127,9 +158,9 @@ def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
     val = data.val_batches(count=budget.val_batches, batch_size=16)
     probe_batch = data.val_batches(count=1, batch_size=4, seed=99)
     engines = [_build(spec) for _ in range(n)]
-    rule = None if defence == "none" else DEFAULT_RULE
+    robust = None if defence == "none" else rule
     states = [
-        SyncState(dict(e.model.named_parameters()), sync, peer_id=f"peer-{i}", robust=rule)
+        SyncState(dict(e.model.named_parameters()), sync, peer_id=f"peer-{i}", robust=robust)
         for i, e in enumerate(engines)
     ]
     guards: list[LossGuard | None] = [
@@ -141,12 +172,28 @@ def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
     inbox: dict[tuple[int, int], list[Contribution]] = {}
     counts = {"refused": 0, "clipped": 0, "strikes": 0, "hostile_applied": 0, "honest_refused": 0}
     divergences: list[float] = []
+    # Cosines of received deltas with the receiver's own delta of the round, by sender kind.
+    cosines: dict[str, list[float]] = {"honest": [], "hostile": []}
     diverged_at: int | None = None
     if not isinstance(sync.every, int):
         raise ValueError("robust_sim simulates a fixed cadence: give sync.every as a number")
     h, rnd = sync.every, 0
 
-    def note(report: Any) -> None:
+    held = [Quarantine() for _ in range(n)]
+    quarantined_at: dict[int, int] = {}  # honest peer -> round it quarantined the hostile one
+
+    def note(report: Any, i: int) -> None:
+        if quarantine:  # as ``SyncExchange`` reports a merge to the node
+            for a in report.applied:
+                held[i].judged(a.sender, a.strike, a.note)
+            for r in report.refused:
+                if r.strike:
+                    held[i].judged(r.sender, True, r.reason)
+            if held[i].excluded("hostile") and i not in quarantined_at:
+                quarantined_at[i] = rnd
+        for d in [*report.applied, *report.refused]:
+            if d.cosine is not None:
+                cosines["hostile" if d.sender == "hostile" else "honest"].append(d.cosine)
         for a in report.applied:
             counts["clipped"] += a.note is not None
             counts["strikes"] += a.strike
@@ -160,7 +207,8 @@ def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
 
     def arrived(i: int, step: float) -> list[Contribution]:
         due = sorted(k for k in inbox if k[0] == i and k[1] <= step)
-        return [c for k in due for c in inbox.pop(k)]
+        got = [c for k in due for c in inbox.pop(k)]
+        return [c for c in got if not held[i].excluded(c.sender)]
 
     for step in range(spec.total_steps):
         lr = lr_at(spec, step)
@@ -178,7 +226,7 @@ def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
                     g = guards[i]
                     report = g.absorb(got) if g is not None else state.absorb(got)
                     if i in honest_ids:
-                        note(report)
+                        note(report, i)
             continue
         order = random.Random(f"order:{rnd}").sample(range(n), n)
         for i in order:
@@ -189,7 +237,7 @@ def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
             else:
                 out = states[i].round_boundary(got, n_peers=n)
             if i in honest_ids:
-                note(states[i].last_merge)
+                note(states[i].last_merge, i)
             hostile = attack not in ("absent", "honest") and i == HONEST
             c = _hostile(attack, out, sync, rng) if hostile else _contribution(f"peer-{i}", out)
             for j in range(n):
@@ -205,7 +253,7 @@ def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
         for i in honest_ids:
             got = arrived(i, math.inf)
             g = guards[i]
-            note(g.absorb(got) if g is not None else states[i].absorb(got))
+            note(g.absorb(got) if g is not None else states[i].absorb(got), i)
         losses = [engines[i].evaluate(val) for i in honest_ids]
         mean = sum(losses) / len(losses)
         val_loss: float | None = mean if math.isfinite(mean) else None
@@ -220,6 +268,9 @@ def run_one(attack: str, defence: str, budget: Budget) -> dict[str, Any]:
         "rollbacks": sum(g.rollbacks for g in guards[:HONEST] if g is not None),
         "largest_kept_rise": max((g.largest_rise for g in guards[:HONEST] if g), default=None),
         **counts,
+        "cosines": {k: _quantiles(v) for k, v in cosines.items()},
+        "quarantine": quarantine,
+        "quarantined_at_round": [quarantined_at.get(i) for i in honest_ids],
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 
@@ -234,13 +285,15 @@ def run(
     attacks: Sequence[str] = ATTACKS,
     defences: Sequence[str] = DEFENCES,
     workers: int = 2,
+    rule: RobustRule = DEFAULT_RULE,
+    quarantine: bool = False,
 ) -> dict[str, Any]:
     budget = QUICK if quick else Budget()
     jobs = [("absent", "none")] + [(a, d) for a in attacks if a != "absent" for d in defences]
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = [pool.submit(run_one, a, d, budget) for a, d in jobs]
+        futures = [pool.submit(run_one, a, d, budget, rule, quarantine) for a, d in jobs]
         results = []
         for f in futures:
             r = f.result()
@@ -256,6 +309,8 @@ def run(
         r["vs_absent"] = None if r["val_loss"] is None or ref is None else r["val_loss"] / ref - 1
     return {
         "task": {**budget.__dict__, "honest": HONEST, "quick": quick},
+        "rule": rule.__dict__,
+        "quarantine": quarantine,
         "runs": results,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
@@ -269,7 +324,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         attacks = args[args.index("--attacks") + 1].split(",")
     if "--defences" in args:
         defences = args[args.index("--defences") + 1].split(",")
-    print(json.dumps(run(quick="--quick" in args, attacks=attacks, defences=defences)))
+    rule = DEFAULT_RULE
+    if "--no-direction" in args:  # the rule as it was before the direction check
+        rule = dataclasses.replace(rule, direction=False)
+    quarantine = "--quarantine" in args
+    quick = "--quick" in args
+    result = run(quick=quick, attacks=attacks, defences=defences, rule=rule, quarantine=quarantine)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

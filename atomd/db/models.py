@@ -220,3 +220,16 @@ class PeerBan(Base):
     public_key: Mapped[str] = mapped_column(String(64), primary_key=True)  # hex
     reason: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class PeerQuarantine(Base):
+    """A member quarantined for repeated refused contributions, until ``until`` (a restart of
+    the daemon does not lift it; ``atomd unban`` does)."""
+
+    __tablename__ = "peer_quarantines"
+
+    peer_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    public_key: Mapped[str | None] = mapped_column(String(64), index=True)  # hex, when known
+    reason: Mapped[str] = mapped_column(Text)
+    until: Mapped[datetime]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -17,11 +17,13 @@ order, a series to plot or page through with ``after_step``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.sql.elements import ColumnElement
 
 from atomd.db.models import (
     DIRECTIONS,
@@ -34,6 +36,7 @@ from atomd.db.models import (
     Node,
     Peer,
     PeerBan,
+    PeerQuarantine,
     Progress,
     SyncRound,
     utcnow,
@@ -48,6 +51,7 @@ from atomd.db.schemas import (
     NodeRecord,
     PeerRecord,
     ProgressPoint,
+    QuarantineRecord,
     RoundRecord,
 )
 from atomd.errors import ConfigError, NotFoundError
@@ -501,3 +505,46 @@ async def list_bans(s: AsyncSession) -> list[BanRecord]:
         BanRecord.model_validate(b)
         for b in await s.scalars(select(PeerBan).order_by(PeerBan.created_at))
     ]
+
+
+# -- quarantines -------------------------------------------------------------------------------
+
+
+async def add_quarantine(
+    s: AsyncSession, *, peer_id: str, public_key: str | None, reason: str, until: datetime
+) -> QuarantineRecord:
+    """Quarantine a member until ``until``; quarantining it again replaces reason and end."""
+    values = {"public_key": public_key, "reason": reason, "until": until}
+    stmt = sqlite_insert(PeerQuarantine).values(peer_id=peer_id, created_at=utcnow(), **values)
+    await s.execute(
+        stmt.on_conflict_do_update(index_elements=[PeerQuarantine.peer_id], set_=values)
+    )
+    await s.flush()
+    row = await s.get(PeerQuarantine, peer_id, populate_existing=True)
+    assert row is not None
+    return QuarantineRecord.model_validate(row)
+
+
+async def remove_quarantines(
+    s: AsyncSession, *, peer_ids: Sequence[str] = (), public_key: str | None = None
+) -> int:
+    """End the quarantine of these members and of every member with ``public_key``; how many."""
+    conds: list[ColumnElement[bool]] = []
+    if peer_ids:
+        conds.append(PeerQuarantine.peer_id.in_(list(peer_ids)))
+    if public_key is not None:
+        conds.append(PeerQuarantine.public_key == public_key)
+    if not conds:
+        return 0
+    result = await s.execute(delete(PeerQuarantine).where(or_(*conds)))
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+async def list_quarantines(
+    s: AsyncSession, *, now: datetime | None = None
+) -> list[QuarantineRecord]:
+    """The quarantines still running at ``now`` (default: now); those ended are deleted."""
+    now = now or utcnow()
+    await s.execute(delete(PeerQuarantine).where(PeerQuarantine.until <= now))
+    rows = await s.scalars(select(PeerQuarantine).order_by(PeerQuarantine.until))
+    return [QuarantineRecord.model_validate(q) for q in rows]

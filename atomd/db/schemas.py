@@ -49,6 +49,16 @@ class BanRecord(_Record):
     created_at: AwareDatetime
 
 
+class QuarantineRecord(_Record):
+    """A member quarantined until ``until``, and why."""
+
+    peer_id: str
+    public_key: str | None
+    reason: str
+    until: AwareDatetime
+    created_at: AwareDatetime
+
+
 class JobRecord(_Record):
     """A job; ``step``, ``tokens``, ``loss`` and ``val_loss`` are from its newest progress."""
 

@@ -192,10 +192,14 @@ class SwarmNode:
         return "its key is banned by this daemon's operator (atomd unban to lift it)"
 
     async def load_bans(self) -> None:
-        """The operator's bans, from the database (at start)."""
-        async with self.sessions() as s:
+        """The operator's bans and the quarantines still running, from the database (at
+        start): a restart lifts neither."""
+        async with self.sessions() as s, s.begin():
             bans = await repo.list_bans(s)
+            held = await repo.list_quarantines(s)
         self.quarantine.set_bans({b.public_key: b.reason for b in bans})
+        for q in held:
+            self.quarantine.restore(q.peer_id, q.public_key, q.reason, q.until.timestamp())
 
     async def ban(self, public_key: str, reason: str) -> None:
         """Ban a key (persisted): refused on the peer plane, out of every merge and transfer."""
@@ -209,10 +213,11 @@ class SwarmNode:
 
     async def unban(self, public_key: str) -> bool:
         """Lift a ban (and a quarantine of that key); False if the key was not banned."""
+        ended = self.quarantine.unban(public_key)
         async with self.sessions() as s, s.begin():
             found = await repo.remove_ban(s, public_key=public_key)
+            await repo.remove_quarantines(s, peer_ids=ended, public_key=public_key)
             await repo.add_event(s, kind="peer.unbanned", message=f"key {public_key}")
-        self.quarantine.unban(public_key)
         return found
 
     def verdict(self, peer_id: str) -> Verdict | None:
@@ -238,7 +243,15 @@ class SwarmNode:
             return
         log.warning("peer %s quarantined: %s", sender, verdict.reason)
         self.on_excluded(sender)
+        until = datetime.fromtimestamp(verdict.until or time.time(), UTC)
         async with self.sessions() as s, s.begin():
+            await repo.add_quarantine(
+                s,
+                peer_id=sender,
+                public_key=self.quarantine.held_key(sender),
+                reason=verdict.reason,
+                until=until,
+            )
             await repo.add_event(s, kind="peer.quarantined", peer_id=sender, message=verdict.reason)
 
     # -- lifecycle ---------------------------------------------------------------------------

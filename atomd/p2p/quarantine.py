@@ -7,6 +7,8 @@ A member with ``strikes`` strikes among its last ``window`` judged contributions
 deltas leave every merge, it is neither sent deltas nor asked for state, and ``/v1/peers``
 shows it with the reason. After the hold it starts again with a clean record (a broken peer
 that was fixed comes back by itself; a hostile one is quarantined again after ``strikes`` more).
+Quarantines are persisted by the node (table ``peer_quarantines``) and ``restore``d at start:
+a restart does not lift one, nor extend it.
 
 A *ban* is the operator's: by public key, persisted (table ``peer_bans``), until unbanned. A
 banned key is refused on the whole peer plane (403 before any body is read). Unbanning also
@@ -62,6 +64,7 @@ class Quarantine:
         self._records: dict[str, deque[bool]] = {}
         self._last_reason: dict[str, str] = {}
         self._held: dict[str, Verdict] = {}  # peer id -> quarantine
+        self._held_key: dict[str, str] = {}  # peer id -> its key when quarantined (if known)
         self._banned: dict[str, str] = {}  # public key -> reason
 
     # -- the merge's reports -------------------------------------------------------------------
@@ -91,8 +94,24 @@ class Quarantine:
                 self.clock() + self.hold_s,
             )
             self._held[peer_id] = verdict
+            key = self.key_of(peer_id)
+            if key is not None:
+                self._held_key[peer_id] = key
             self._records.pop(peer_id, None)
             return verdict
+
+    def restore(self, peer_id: str, public_key: str | None, reason: str, until: float) -> None:
+        """A quarantine as stored (at start): it runs until ``until`` (unix time), as before."""
+        with self._lock:
+            self._held[peer_id] = Verdict("quarantined", reason, until)
+            if public_key is not None:
+                self._held_key[peer_id] = public_key
+            self._records.pop(peer_id, None)
+
+    def held_key(self, peer_id: str) -> str | None:
+        """The key of a quarantined member (as known when it was quarantined), or None."""
+        with self._lock:
+            return self._held_key.get(peer_id)
 
     # -- the operator's ------------------------------------------------------------------------
 
@@ -105,13 +124,17 @@ class Quarantine:
         with self._lock:
             self._banned[public_key] = reason
 
-    def unban(self, public_key: str) -> None:
-        """Lift a ban, and end any quarantine of a member with that key."""
+    def unban(self, public_key: str) -> list[str]:
+        """Lift a ban, and end any quarantine of a member with that key; the members whose
+        quarantine ended."""
         with self._lock:
             self._banned.pop(public_key, None)
-            for pid in [p for p in self._held if self.key_of(p) == public_key]:
+            ended = [p for p in self._held if public_key in (self.key_of(p), self._held_key.get(p))]
+            for pid in ended:
                 del self._held[pid]
+                self._held_key.pop(pid, None)
                 self._records.pop(pid, None)
+            return ended
 
     def is_banned_key(self, public_key: str) -> bool:
         return public_key in self._banned
@@ -129,6 +152,7 @@ class Quarantine:
                 return None
             if v.until is not None and self.clock() >= v.until:
                 del self._held[peer_id]
+                self._held_key.pop(peer_id, None)
                 return None
             return v
 

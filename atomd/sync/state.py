@@ -93,6 +93,7 @@ class AppliedDelta:
     weight: float
     note: str | None = None  # what the robust merge clipped, if anything
     strike: bool = False  # clipped so hard that it counts against the sender
+    cosine: float | None = None  # with this peer's own delta of the round (robust.Screen)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class RefusedDelta:
     round: int
     reason: str
     strike: bool = False  # counts against the sender: it sent what no honest peer sends
+    cosine: float | None = None  # with this peer's own delta of the round (robust.Screen)
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,9 @@ class SyncState:
         self._held: list[Contribution] = []
         # sender -> the newest base version it sent (accepted or refused as ahead)
         self._claims: dict[str, int] = {}
-        self.screen = Screen(robust) if robust is not None else None
+        self.screen = (
+            Screen(robust, keep_vectors=spec.max_staleness + 1) if robust is not None else None
+        )
         # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
         self._sent: dict[str, Tensor] | None = None
         self._kept: dict[str, Tensor] = {}
@@ -420,26 +424,28 @@ class SyncState:
             reason, strike = self._refusal(c)
             if reason is None or reason.startswith("ahead"):
                 self._note_claim(c)
-            tensors, note, stats = dict(c.tensors), None, None
+            tensors, note, stats, cos = dict(c.tensors), None, None, None
             if reason is None and self.screen is not None:
                 if not self.screen.knows(c.base_version) and c.base_version >= self.version:
                     self._held.append(c)  # judged when this peer closes that round
                     continue
-                judged = self.screen.judge(c.base_version, c.tensors)
+                # Consolidation rounds send differences from the mean: opposed by design.
+                judged = self.screen.judge(c.base_version, c.tensors, direction=not self.averaging)
+                cos = judged.cosine
                 if judged.tensors is None:
                     reason, strike = judged.reason or "refused", judged.strike
                 else:  # a hard clip is a strike too: merged, bounded, and counted against it
                     tensors, note, strike = judged.tensors, judged.reason, judged.strike
                     stats = judged.stats
             if reason is not None:
-                report.refused.append(RefusedDelta(c.sender, c.round, reason, strike))
+                report.refused.append(RefusedDelta(c.sender, c.round, reason, strike, cos))
                 log.info("delta from %s (round %d) refused: %s", c.sender, c.round, reason)
                 continue
             s = self.staleness(c)
             w = staleness_weight(s)
             self._add_pending(c.base_version, tensors, w)
             self._seen.add((c.sender, c.base_version))
-            report.applied.append(AppliedDelta(c.sender, c.round, s, w, note, strike))
+            report.applied.append(AppliedDelta(c.sender, c.round, s, w, note, strike, cos))
             t = Taken(c, tensors, w, stats)
             report.taken.append(t)
             taken.setdefault(c.base_version, []).append(t)

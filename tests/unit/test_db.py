@@ -26,7 +26,8 @@ from atomd.db.schemas import ProgressPoint
 from atomd.errors import ConfigError, NotFoundError
 
 TABLES = {
-    "node", "peers", "peer_bans", "jobs", "progress", "sync_rounds", "checkpoints", "events"
+    "node", "peers", "peer_bans", "peer_quarantines", "jobs", "progress", "sync_rounds",
+    "checkpoints", "events"
 }  # fmt: skip
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -458,6 +459,36 @@ async def test_bans_persist_replace_and_lift(sessions: Sessions) -> None:
         assert not await repo.remove_ban(s, public_key=key)
     async with sessions() as s:
         assert await repo.list_bans(s) == []
+
+
+async def test_quarantines_persist_expire_and_lift(db: Path, sessions: Sessions) -> None:
+    """A quarantine is kept until its end (issue #15): listed while it runs, gone after (the
+    rows that ended are deleted as they are listed), lifted by peer id or by key."""
+    now = datetime.now(UTC)
+    async with sessions() as s, s.begin():
+        await repo.add_quarantine(s, peer_id="a", public_key="aa" * 32, reason="3 strikes",
+                                  until=now + timedelta(hours=1))  # fmt: skip
+        again = await repo.add_quarantine(
+            s, peer_id="a", public_key="aa" * 32, reason="3 more", until=now + timedelta(hours=2)
+        )
+        await repo.add_quarantine(s, peer_id="b", public_key=None, reason="old",
+                                  until=now - timedelta(seconds=1))  # fmt: skip
+        await repo.add_quarantine(s, peer_id="c", public_key="cc" * 32, reason="x",
+                                  until=now + timedelta(minutes=5))  # fmt: skip
+    assert again.reason == "3 more"
+    _assert_utc(again.until, again.created_at)
+    assert abs((again.until - (now + timedelta(hours=2))).total_seconds()) < 1e-3
+    async with sessions() as s, s.begin():
+        held = await repo.list_quarantines(s)
+    assert [(q.peer_id, q.reason) for q in held] == [("c", "x"), ("a", "3 more")]
+    async with sessions() as s, s.begin():
+        later = await repo.list_quarantines(s, now=now + timedelta(minutes=10))
+        assert [q.peer_id for q in later] == ["a"], "c's ended: deleted"
+        assert await repo.remove_quarantines(s, public_key="aa" * 32) == 1
+        assert await repo.remove_quarantines(s, peer_ids=["a", "zz"]) == 0
+        assert await repo.remove_quarantines(s) == 0
+    with sqlite3.connect(db) as conn:  # the file itself
+        assert conn.execute("SELECT count(*) FROM peer_quarantines").fetchone() == (0,)
 
 
 async def test_delete_job_cascades(sessions: Sessions) -> None:

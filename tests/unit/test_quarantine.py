@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -115,3 +118,70 @@ def test_a_frame_in_another_codec_than_the_jobs_is_refused() -> None:
         else:
             with pytest.raises(WireError, match=r"wrong_codec.*topk.*w: fp32"):
                 check_codec(decoded, "topk")
+
+
+async def test_a_quarantine_survives_a_restart_and_still_ends(tmp_path: Path) -> None:
+    """Issue #15: the quarantine is persisted (a real SQLite file). A restarted daemon still
+    refuses the member, shows it in /v1/peers with the reason and the same end; a quarantine
+    whose hour is over is not restored; unbanning the key lifts the stored one too."""
+    from datetime import UTC, datetime, timedelta
+    from typing import Any, cast
+
+    from atomd.config import Settings
+    from atomd.db import migrate, repo
+    from atomd.db.engine import make_engine, make_sessionmaker
+    from atomd.p2p.membership import Member
+    from atomd.p2p.node import SwarmNode
+    from atomd.telemetry import Telemetry
+
+    settings = Settings(data_dir=tmp_path, device="cpu")
+    migrate.upgrade(settings.db_path)
+    evil, other = Identity.generate(), Identity.generate()
+
+    async def start() -> tuple[SwarmNode, Any]:
+        engine = make_engine(settings.db_path)
+        node = SwarmNode(settings=settings, identity=me, sessions=make_sessionmaker(engine),
+                         telemetry=Telemetry(), jobs=cast(Any, None))  # fmt: skip
+        await node.load_bans()
+        for i in (evil, other):  # the members, as gossip brings them back
+            node.membership.members[i.peer_id] = Member(
+                i.peer_id, "https://127.0.0.1:42001", i.public_key_hex, "alive", 1
+            )
+        return node, engine
+
+    me = Identity.generate()
+    node, engine = await start()
+    for _ in range(3):
+        await node.judge(evil.peer_id, True, "opposed: its cosine with this peer's own delta")
+    verdict = node.verdict(evil.peer_id)
+    assert verdict is not None and verdict.kind == "quarantined" and verdict.until is not None
+    async with node.sessions() as s, s.begin():  # and one whose hour is over
+        await repo.add_quarantine(
+            s,
+            peer_id=other.peer_id,
+            public_key=other.public_key_hex,
+            reason="old",
+            until=datetime.now(UTC) - timedelta(seconds=1),
+        )
+    await engine.dispose()
+
+    node, engine = await start()  # the restart
+    again = node.verdict(evil.peer_id)
+    assert again is not None and again.kind == "quarantined"
+    assert again.reason == verdict.reason and "opposed" in again.reason
+    assert again.until is not None and abs(again.until - verdict.until) < 1e-3, "not extended"
+    assert node.excluded(evil.peer_id) and not node.excluded(other.peer_id)
+    row = next(p for p in node.peers() if p["id"] == evil.peer_id)
+    assert row["excluded"] == "quarantined" and "opposed" in row["excluded_reason"]
+    assert next(p for p in node.peers() if p["id"] == other.peer_id)["excluded"] is None
+    end = verdict.until
+    node.quarantine.clock = lambda: end + 1.0
+    assert not node.excluded(evil.peer_id), "the hold still ends"
+    node.quarantine.clock = time.time
+
+    await node.unban(evil.public_key_hex)  # the operator lifts it: the stored one goes too
+    assert not node.excluded(evil.peer_id)
+    await engine.dispose()
+    node, engine = await start()
+    assert not node.excluded(evil.peer_id)
+    await engine.dispose()

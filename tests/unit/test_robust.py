@@ -183,3 +183,167 @@ def test_the_loss_guard_reuses_a_recent_probe_as_the_loss_before_a_merge() -> No
     far = Contribution("p4", 7, states[0].version, sent.tensors)
     guard.absorb([far])  # of a round not closed here: held, nothing moves, nothing probed
     assert guard.probes == 5
+
+
+# -- the direction check (issue #15: a delta of honest size pointed the wrong way) ------------
+
+BIG = {"w": (200, 150), "b": (150,), "e": (80, 64)}  # 35,270 entries: chance 5/sqrt(n) = 0.027
+
+
+def drift(seed: int, steps: float = 1.0, share: float = 1.0) -> dict[str, Tensor]:
+    """An honest-like delta: ``steps`` steps along a direction every peer shares, plus noise
+    of its own (equal norms per step: honest cosines of ~0.5, as training gives)."""
+    g = torch.Generator().manual_seed(7)
+    common = {n: torch.randn(s, generator=g) for n, s in BIG.items()}
+    g = torch.Generator().manual_seed(100 + seed)
+    own = {n: torch.randn(s, generator=g) for n, s in BIG.items()}
+    root = math.sqrt(steps)  # the noise of several steps adds up as a random walk
+    return {n: 1e-3 * (steps * share * common[n] + root * own[n]) for n in BIG}
+
+
+def topk(d: dict[str, Tensor], fraction: float = 0.01) -> dict[str, Tensor]:
+    """What the top-k codec keeps of ``d``: its largest entries per tensor, the rest 0."""
+    out = {}
+    for n, t in d.items():
+        flat = t.reshape(-1)
+        k = max(1, int(fraction * flat.numel()))
+        keep = torch.zeros_like(flat)
+        idx = flat.abs().topk(k).indices
+        keep[idx] = flat[idx]
+        out[n] = keep.reshape(t.shape)
+    return out
+
+
+def noise(scale: float, like: dict[str, Tensor], seed: int) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    raw = {n: torch.randn(t.shape, generator=g) for n, t in like.items()}
+    return {n: t * (scale * norm(like) / norm(raw)) for n, t in raw.items()}
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_sign_flipped_honest_delta_is_refused_as_a_strike(sparse: bool) -> None:
+    """The hostile member sends its honest delta with the sign flipped: its norm is honest (the
+    norm rule lets it by), its cosine with this peer's own delta is minus an honest one."""
+    keep = topk if sparse else (lambda d: d)
+    screen = Screen()
+    screen.record_own(0, keep(drift(0)))
+    flipped = {n: -t for n, t in keep(drift(1)).items()}
+    j = screen.judge(0, flipped)
+    assert not j.accepted and j.strike and j.reason is not None and "opposed" in j.reason
+    assert j.cosine is not None and j.cosine < -0.05
+    # Without the direction check it passed untouched: what the check adds.
+    plain = Screen(RobustRule(direction=False))
+    plain.record_own(0, keep(drift(0)))
+    j = plain.judge(0, flipped)
+    assert j.accepted and j.reason is None and not j.strike
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_noise_delta_is_held_to_the_own_norm_and_strikes(sparse: bool) -> None:
+    """Noise points nowhere (cosine ~0): dense at 3x an honest delta's norm, or noise of 10x
+    sent in top-k (what survives top-k 1 % of Gaussian noise is ~0.29 of its norm: ~2.9x).
+    Both are under the 4x a faster honest peer gets, so the norm rule let them by untouched;
+    now they get no more than the reference norm, and the hard clip strikes."""
+    rule = RobustRule()
+    own = topk(drift(0)) if sparse else drift(0)
+    bad = topk(noise(10.0, own, seed=5)) if sparse else noise(3.0, own, seed=5)
+    assert 2.5 * norm(own) < norm(bad) < 3.5 * norm(own)
+    screen = Screen(rule)
+    screen.record_own(0, own)
+    j = screen.judge(0, bad)
+    assert j.accepted and j.tensors is not None and j.reason and "unaligned" in j.reason
+    assert j.cosine is not None and abs(j.cosine) < 0.02
+    assert norm(j.tensors) <= rule.unaligned_ratio * norm(own) * 1.0001
+    assert j.strike
+    plain = Screen(RobustRule(direction=False))  # the rule without the direction check
+    plain.record_own(0, own)
+    j = plain.judge(0, bad)
+    assert j.accepted and j.reason is None and not j.strike
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("steps", [0.5, 1.0, 2.0, 4.0])
+def test_honest_deltas_at_every_pace_pass_the_direction_check_untouched(
+    sparse: bool, steps: float
+) -> None:
+    """A peer taking 1/2 to 4x this peer's steps per round: a delta up to ~3x the norm, aligned;
+    it passes exactly as sent (the honest anchors must agree)."""
+    keep = topk if sparse else (lambda d: d)
+    screen = Screen()
+    screen.record_own(0, keep(drift(0)))
+    d = keep(drift(1, steps=steps))
+    j = screen.judge(0, d)
+    assert j.accepted and j.reason is None and j.scale == 1.0 and not j.strike, j.reason
+    assert j.tensors is not None and all(torch.equal(j.tensors[n], d[n]) for n in BIG)
+    assert j.cosine is not None and j.cosine > 0.05
+
+
+def test_a_weakly_aligned_honest_delta_still_gets_the_pace_allowance() -> None:
+    """An honest peer on a different shard shares less of the direction (cosine ~0.2): 4x its
+    norm still passes untouched."""
+    screen = Screen()
+    screen.record_own(0, drift(0, share=0.5))
+    d = drift(1, steps=4.0, share=0.5)
+    j = screen.judge(0, d)
+    assert j.cosine is not None and 0.05 < j.cosine < 0.5
+    assert j.accepted and j.reason is None and j.scale == 1.0
+
+
+def test_in_few_dimensions_a_cosine_is_no_evidence() -> None:
+    """Random deltas in 45 dimensions have cosines of +-0.15: below 5/sqrt(45) = 0.75 the
+    direction check does nothing (the norm rule alone judges), so toy models keep working."""
+    g = torch.Generator().manual_seed(3)
+    own = {"w": torch.randn(9, 5, generator=g)}
+    screen = Screen()
+    screen.record_own(0, own)
+    other = {"w": -own["w"] + 2.0 * torch.randn(9, 5, generator=g)}  # cosine ~ -0.4
+    j = screen.judge(0, other)
+    assert j.cosine is not None and -0.75 < j.cosine < -0.1
+    assert j.accepted and j.reason is None
+
+
+def test_consolidation_deltas_are_not_judged_by_direction() -> None:
+    """Consolidation rounds send each peer's difference from the mean: the two peers' deltas
+    are opposite by design. The state switched to averaging merges them."""
+    shapes = {"w": (128, 128)}  # 16,384 weights: the check runs (chance 0.039)
+    init = torch.zeros(shapes["w"])
+    replicas = [{"w": init.clone()} for _ in range(2)]
+    states = [SyncState(r, spec(), peer_id=f"p{i}") for i, r in enumerate(replicas)]
+    step = 1e-2 * torch.randn(shapes["w"], generator=torch.Generator().manual_seed(0))
+    replicas[0]["w"].add_(step)
+    replicas[1]["w"].sub_(step)
+    for s in states:
+        s.average_from_now()
+    outs = [s.prepare() for s in states]
+    report = states[0].merge([received("p1", outs[1])], n_peers=2)
+    assert [a.sender for a in report.applied] == ["p1"] and not report.refused
+    assert report.applied[0].cosine is not None and report.applied[0].cosine < -0.99
+
+
+def test_a_sign_flipping_member_is_refused_by_real_sync_states() -> None:
+    """Three honest SyncStates training along a shared direction (top-k 1 %) and a fourth that
+    sends its delta sign-flipped: every honest peer refuses it with a strike, merges the
+    others untouched, and the honest anchors agree."""
+    init = {n: torch.zeros(s) for n, s in BIG.items()}
+    replicas = [{k: v.clone() for k, v in init.items()} for _ in range(4)]
+    sync = spec(codec="topk", topk_fraction=0.01)
+    states = [SyncState(r, sync, peer_id=f"p{i}") for i, r in enumerate(replicas)]
+    for rnd in range(4):
+        for i, r in enumerate(replicas):
+            for n, t in drift(10 * rnd + i).items():
+                r[n].add_(t)
+        outs = [s.prepare() for s in states]
+        sent = [received(f"p{i}", o) for i, o in enumerate(outs)]
+        sent[3] = Contribution("p3", sent[3].round, sent[3].base_version,
+                               {n: -t for n, t in sent[3].tensors.items()})  # fmt: skip
+        for i in range(3):
+            report = states[i].merge([c for j, c in enumerate(sent) if j != i], n_peers=4)
+            assert sorted(a.sender for a in report.applied) == sorted(
+                f"p{j}" for j in range(3) if j != i
+            )
+            assert all(a.note is None for a in report.applied)
+            assert [(r.sender, r.strike) for r in report.refused] == [("p3", True)]
+            assert "opposed" in report.refused[0].reason
+        states[3].merge([], n_peers=4)
+    for s in states[1:3]:
+        assert s.divergence(states[0].anchor) < 1e-7
