@@ -145,7 +145,10 @@ def test_swapped_fp16_trains_as_resident_fp16(clip: float, optimizer: str, m: in
     try:
         got = [engine.train_step(_batches(s), 1e-2) for s in range(3)]
         assert got == pytest.approx(want, rel=1e-4)
-        assert max_rel_param_diff(engine.model_tensors(), ref.model_tensors()) < 1e-4
+        # fp16 gradients summed over 2 micro-batch waves in another order than the resident
+        # run's differ by an fp16 rounding (2^-11 = 4.9e-4 relative; measured 4.97e-4 on one
+        # CPU, < 1e-4 on another): a bar of a few fp16 ulps, not fp32's.
+        assert max_rel_param_diff(engine.model_tensors(), ref.model_tensors()) < 2e-3
         assert engine.precision_stats() == {"loss_scale": 2.0**16, "skipped_steps": 0}
 
         before = {n: t.clone() for n, t in engine.model_tensors().items()}
