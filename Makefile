@@ -13,7 +13,7 @@ help:
 	@echo "make demo   - set up .venv, run 3 daemons on loopback that train the tiny GPT together"
 	@echo "make demo-local - one process: train the tiny GPT with a progress bar, print a sample"
 	@echo "make test   - set up .venv, run ruff, mypy and the whole test suite"
-	@echo "make bench  - run the benchmarks, JSON to stdout (about 80 min on 2 cores)"
+	@echo "make bench  - run the benchmarks, JSON to stdout (about 100 min on 2 cores)"
 	@echo "make bench-quick - the benchmarks' quick variants (a few minutes)"
 
 # constraints.txt pins the test tools (ruff, mypy, pytest and its plugins).

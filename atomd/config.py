@@ -91,10 +91,22 @@ class Settings(BaseSettings):
     gossip_interval: float = Field(
         0.5, gt=0, le=60, description="Seconds between membership probes (SWIM protocol period)."
     )
+    gossip_settled_interval: float = Field(
+        1.5, gt=0, le=60,
+        description="Seconds between membership probes while membership is settled (no news "
+        "to spread, nobody suspect); the gossip interval again as soon as anything changes. "
+        "Set it to the gossip interval to probe at one pace always.",
+    )  # fmt: skip
     suspect_timeout: float = Field(
         5.0, gt=0, le=600, description="Seconds a suspected peer has to refute before it is dead."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")
+    trainer_nice: int = Field(
+        10, ge=0, le=19,
+        description="Niceness added to the training threads (Linux), so that on a busy machine "
+        "the control API and the peer plane answer before the next training step; 0 leaves "
+        "them as they are. Costs no training speed when the CPU is otherwise free.",
+    )  # fmt: skip
     control_token: SecretStr | None = Field(
         None, description="Bearer token for the control API; required off loopback."
     )
@@ -261,8 +273,13 @@ FLAGS: dict[str, str | None] = {
     "seeds": "--seed",
     "allowed_keys": "--allow-key",
     "gossip_interval": None,
+    "gossip_settled_interval": None,
     "suspect_timeout": None,
     "control_token": None,
+    "control_hosts": None,
+    "events_keep": None,
+    "data_names": None,
+    "trainer_nice": None,
 }
 
 

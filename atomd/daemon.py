@@ -30,6 +30,7 @@ from atomd.db.health import DatabaseFile, refuse_lost_database
 from atomd.errors import AtomdError, ConfigError
 from atomd.jobs import JobManager, load_training_modules
 from atomd.logs import Repeated, get_logger
+from atomd.p2p.client import SERVER_KEEPALIVE_S
 from atomd.p2p.identity import Identity
 from atomd.p2p.node import SwarmNode
 from atomd.sync.exchange import DeltaExchange
@@ -78,9 +79,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _server(app: FastAPI, log_level: str, tls: ssl.SSLContext | None = None) -> _Server:
+def _server(
+    app: FastAPI, log_level: str, tls: ssl.SSLContext | None = None, keep_alive_s: float = 5
+) -> _Server:
     config = uvicorn.Config(
         app,
+        timeout_keep_alive=int(keep_alive_s),
         log_level=log_level.lower(),
         access_log=False,
         lifespan="off",
@@ -132,6 +136,7 @@ class Daemon:
             telemetry=self.telemetry,
             device=s.device,
             peer_id=identity.peer_id,
+            trainer_nice=s.trainer_nice,
         )
         node = SwarmNode(
             settings=s, identity=identity, sessions=sessions, telemetry=self.telemetry, jobs=jobs
@@ -178,7 +183,9 @@ class Daemon:
                 "specs and checkpoints cross the network readable by anyone, and answers are "
                 "not authenticated; use only on loopback or for debugging"
             )
-        peer = _server(create_peer_app(node, exchange), s.log_level, tls)
+        peer = _server(
+            create_peer_app(node, exchange), s.log_level, tls, keep_alive_s=SERVER_KEEPALIVE_S
+        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown, signal.Signals(sig).name)

@@ -22,6 +22,8 @@ import functools
 import hashlib
 import importlib
 import logging
+import os
+import sys
 import threading
 import time
 import uuid
@@ -248,6 +250,20 @@ def load_training_modules() -> None:
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` steps nicer (Linux, where niceness is per thread;
+    elsewhere nothing). Threads it starts later, torch's workers included, inherit it. A
+    thread may always lower its own priority; a failure to is logged and training goes on."""
+    if nice <= 0 or sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + nice))
+    except OSError as e:
+        log.warning("could not lower the training thread's priority: %s", e)
+
+
 def data_seed(peer_id: str, seed: int) -> int:
     """This peer's sampling seed for a job: distinct per peer, stable across restarts."""
     digest = hashlib.sha256(f"{peer_id}:{seed}".encode()).digest()
@@ -265,6 +281,7 @@ class JobManager:
         telemetry: Telemetry,
         device: str,
         peer_id: str = "local",
+        trainer_nice: int = 0,
     ) -> None:
         self.jobs_dir = jobs_dir
         self.sessions = sessions
@@ -275,7 +292,12 @@ class JobManager:
         self.swarm: SwarmLink | None = None
         self.exchange: DeltaLink | None = None
         self.active: ActiveJob | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomd-trainer")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="atomd-trainer",
+            initializer=lower_thread_priority,
+            initargs=(trainer_nice,),
+        )
         self._tg: asyncio.TaskGroup | None = None
         self._closing = asyncio.Event()
         self._started = asyncio.Event()

@@ -3,7 +3,7 @@ print their JSON, one object per line on stdout; what runs and how long it takes
 first.
 
 The durations are those measured on a quiet 2-core machine without a GPU (``make bench``:
-about 80 min in all, most of it the sync convergence runs; ``make bench-quick``: a few minutes).
+about 100 min in all, most of it the sync convergence runs; ``make bench-quick``: a few minutes).
 ``python -m atomd_bench swarm [OPTIONS]`` runs the real-daemon swarm benchmark with its own
 options (``--help``); it is not part of the default list (its full run takes hours here).
 """
@@ -26,23 +26,29 @@ class Bench:
     takes: str
     quick_takes: str
     quick: dict[str, Any] = field(default_factory=dict)
+    function: str = "run"
 
     def runner(self) -> Callable[..., dict[str, Any]]:
         import importlib
 
-        run: Callable[..., dict[str, Any]] = importlib.import_module(self.module).run
+        run: Callable[..., dict[str, Any]] = getattr(
+            importlib.import_module(self.module), self.function
+        )
         return run
 
 
 BENCHES: dict[str, Bench] = {
     "train_tiny": Bench("atomd_bench.train_tiny", "~2.5 min", "~20 s", {"max_steps": 60}),
     "healthz": Bench("atomd_bench.healthz", "~1 min", "~30 s", {"requests": 100}),
-    "latency": Bench("atomd_bench.latency", "~4 min", "~1.5 min", {"quick": True}),
+    "latency": Bench("atomd_bench.latency", "~8 min", "~1.5 min", {"quick": True}),
     "swap": Bench("atomd_bench.swap", "~1 min", "~30 s", {"steps": 1}),
     "membership": Bench("atomd_bench.membership", "~1 min", "~40 s", {"n": 4}),
+    "membership_idle": Bench(
+        "atomd_bench.membership", "~2 min", "~1 min", {"seconds": 10.0}, function="idle"
+    ),
     "sync": Bench("atomd_bench.sync", "~70 min", "~1 min", {"quick": True}),
     "tls": Bench("atomd_bench.tls_cost", "~20 s", "~8 s", {"connects": 10, "pings": 50}),
-    "attack": Bench("atomd_bench.attack", "~50 min", "~12 min", {"quick": True}),
+    "attack": Bench("atomd_bench.attack", "~15 min", "~5 min", {"quick": True}),
 }
 # Benchmarks that take their own command-line options after their name: (module, function).
 WITH_OPTIONS: dict[str, tuple[str, str]] = {"swarm": ("atomd_bench.swarm", "main")}

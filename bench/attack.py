@@ -28,9 +28,10 @@ why, from ``/v1/jobs/{id}/rounds``), how they list the attacker, their resident 
 the end, and ``/healthz`` latency on honest peer 0 during the run; for the flood, memory
 before and after, and events rows.
 
-Takes ~50 min on a 2-core machine (13 runs of 1-7 min, ~4 on average: 3 daemons start, train
-60 steps and stop; measured on a shared, loaded machine); ``--quick`` (2 honest peers, none /
-const / x100 / replay): ~12 min. A run that fails (a control API timeout on an overloaded
+The default runs are the menu and then ``none`` again (two clean runs: how far runs spread
+by chance), 200 steps each. Takes ~15 min on a quiet 2-core machine (14 runs of ~1 min: 3
+daemons start, train 200 steps and stop); ``--quick`` (2 honest peers, none / const / x100 /
+replay, 200 steps): ~5 min. A run that fails (a control API timeout on an overloaded
 machine) is recorded as a row with its error, and ``partial`` keeps what was measured so far.
 """
 
@@ -82,7 +83,11 @@ ATTACKS = (
     "none", "x10", "x100", "x1e30", "signflip", "noise", "stale", "replay", "const", "fp32",
     "farfuture", "gossip", "flood",
 )  # fmt: skip
+# The default runs: the menu, then the clean run again (how far two clean runs spread: the
+# noise floor under the 2 % bar).
+MENU = (*ATTACKS, "none")
 QUICK_ATTACKS = ("none", "const", "x100", "replay")
+STEPS = 200  # at 60 steps two clean runs ended 3.5 % apart: too short to test a 2 % bar
 SWARM = "default"
 JOB: dict[str, Any] = {
     "preset": "tiny", "seq_len": 32, "micro_batch_size": 4, "eval_batches": 2,
@@ -92,6 +97,8 @@ JOB: dict[str, Any] = {
 SCALES = {"x10": 10.0, "x100": 100.0, "x1e30": 1e30, "signflip": -1.0}
 NOISE_K = 10.0
 KEPT_FRAMES = 4  # per honest sender
+FLOOD_AFTER_STEP = 25  # after the first checkpoint (checkpoint_interval 20)
+FLOOD_MEMORY_TARGET_MB = 50
 
 
 class _QuietServer(uvicorn.Server):
@@ -327,6 +334,9 @@ def _flood(d: DaemonProcess) -> dict[str, Any]:
     out["healthz_probes"] = len(latencies)
     out["healthz_timeouts_5s"] = len(slow)
     out["rss_after_mb"] = _rss_mb(d.pid)
+    before, after = out["rss_before_mb"], out["rss_after_mb"]
+    out["rss_growth_mb"] = None if before is None or after is None else round(after - before, 1)
+    out["rss_growth_target_mb"] = FLOOD_MEMORY_TARGET_MB
     return out
 
 
@@ -422,6 +432,11 @@ def _one(attack: str, root: Path, max_steps: int, n_honest: int) -> dict[str, An
         for d, pid in zip(honest[1:], ids[1:], strict=True):
             evil.join(d, pid)
         if attack == "flood":
+            # Memory is measured once the job has warmed up (torch loaded, model, optimizer
+            # and a first checkpoint made), so that what grows is the flood's, not the job's.
+            first = f"{honest[0].url}/v1/jobs/{jid}"
+            wait_until(lambda: _get(first).get("step", 0) >= FLOOD_AFTER_STEP, timeout=600,
+                       what=f"step {FLOOD_AFTER_STEP} before the flood")  # fmt: skip
             res["flood"] = _flood(honest[0])
         sent: set[tuple[int, int]] = set()
         t0 = time.time()
@@ -488,7 +503,7 @@ def _honest_view(d: DaemonProcess, jid: str, ids: list[str], evil: _Hostile) -> 
 
 
 def run(
-    *, attacks: tuple[str, ...] = ATTACKS, max_steps: int = 60, honest: int = 3,
+    *, attacks: tuple[str, ...] = MENU, max_steps: int = STEPS, honest: int = 3,
     quick: bool = False, partial: Path | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     if quick:
@@ -538,9 +553,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ap.add_argument("--attacks", help=f"comma-separated, in order, of: {', '.join(ATTACKS)}")
     ap.add_argument("--honest", type=int, default=3, help="honest daemons (default 3)")
-    ap.add_argument("--steps", type=int, default=60, help="training steps of each run (default 60)")
+    ap.add_argument(
+        "--steps", type=int, default=STEPS, help=f"training steps of each run (default {STEPS})"
+    )
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
-    attacks = tuple(a.attacks.split(",")) if a.attacks else ATTACKS
+    attacks = tuple(a.attacks.split(",")) if a.attacks else MENU
     unknown = [x for x in attacks if x not in ATTACKS]
     if unknown:
         ap.error(f"unknown attack(s) {unknown}")

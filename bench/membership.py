@@ -3,6 +3,7 @@ restart and SIGKILL of members, each timed until every other daemon agrees."""
 
 from __future__ import annotations
 
+import os
 import signal
 import tempfile
 import time
@@ -53,3 +54,58 @@ def run(n: int = 8) -> dict[str, Any]:
         "sigkill_to_dead_everywhere_s": round(dead, 2),
         "targets_s": {"all_alive": 10, "left": 2, "rejoined": 10, "dead": 15},
     }
+
+
+def _formed(ds: list[Any], n: int) -> None:
+    """Wait until every daemon is ready and sees all ``n`` alive."""
+    wait_until(lambda: all(d.ready() for d in ds), timeout=120, what="every daemon ready")
+    wait_until(
+        lambda: all(sum(p["state"] == "alive" for p in d.json("/v1/peers")) == n for d in ds),
+        timeout=60,
+        what="every daemon sees every other alive",
+    )
+
+
+def idle(n: int = 4, seconds: float = 30.0, settle_s: float = 10.0) -> dict[str, Any]:
+    """Bytes per second each peer's link carries while a swarm of ``n`` idles (membership
+    only), in network namespaces (root): the settled pace (the default) beside one pace
+    throughout (``ATOMD_GOSSIP_SETTLED_INTERVAL`` = the gossip interval: before 2026-12-01),
+    measured in the same run. Target (issue 14): <= 4 kB/s a direction per peer."""
+    from atomd_bench import netns
+    from atomd_bench.swarm import Daemon
+
+    why = netns.namespaces_available()
+    if why is not None:
+        return {"skipped": why}
+    out: dict[str, Any] = {"daemons": n, "seconds": seconds, "load_before": os.getloadavg()[0]}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, env in (("one_pace", {"ATOMD_GOSSIP_SETTLED_INTERVAL": "0.5"}), ("settled", {})):
+            net = netns.Namespaces(n, upload_kbit=None)
+            ds: list[Daemon] = []
+            try:
+                for i in range(n):
+                    d = Daemon(i, Path(tmp) / name, net, seed=ds[0].peer_url if ds else None,
+                               threads=1)  # fmt: skip
+                    d.env.update(env)
+                    ds.append(d)
+                    d.start()
+                _formed(ds, n)
+                time.sleep(settle_s)  # the join's news spread, connections made
+                before = [net.counters(i) for i in range(n)]
+                t = time.monotonic()
+                time.sleep(seconds)
+                after = [net.counters(i) for i in range(n)]
+                dt = time.monotonic() - t
+                rates = [{"tx": round((a.tx - b.tx) / dt), "rx": round((a.rx - b.rx) / dt)}
+                         for a, b in zip(after, before, strict=True) if a and b]  # fmt: skip
+            finally:
+                for d in ds:
+                    d.stop()
+                net.close()
+            out[name] = {
+                "bytes_per_s": rates,
+                "worst_direction_bytes_per_s": max(max(r.values()) for r in rates),
+            }
+    out["target_bytes_per_s"] = 4000
+    out["load_after"] = os.getloadavg()[0]
+    return out

@@ -38,6 +38,17 @@ INFO_TIMEOUT_S = 3.0
 MAX_ANSWER_BYTES = 16 << 20
 # Enough of an error answer to show its detail.
 MAX_ERROR_BYTES = 64 << 10
+# Connections to peers are kept open between calls for KEEPALIVE_S: a settled swarm probes
+# each member every few seconds and a slow link's rounds come every 5-30 s, and a new
+# connection costs a TCP and a TLS handshake (~5 kB, and round trips through a full upload
+# queue) where a kept one costs nothing. httpx's default is 5 s. The peer plane's server keeps
+# them SERVER_KEEPALIVE_S, longer, so that it is the client that closes an idle connection,
+# never the server just as the client sends on it.
+KEEPALIVE_S = 30.0
+SERVER_KEEPALIVE_S = KEEPALIVE_S + 5
+LIMITS = httpx.Limits(
+    max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_S
+)
 _TARGETS_KEPT = 1024  # URLs whose peer id is remembered
 
 _JSON = "application/json"
@@ -99,7 +110,7 @@ class PeerClient:
         # test's in-process transport has no TLS to check).
         self._pinned = tls and transport is None
         if self._pinned:
-            transport = PinnedTransport()
+            transport = PinnedTransport(LIMITS)
         self._admission = admission
         self.swarm = admission.swarm
         self._timeout = timeout
@@ -108,6 +119,7 @@ class PeerClient:
             timeout=timeout,
             follow_redirects=False,
             transport=transport,
+            limits=LIMITS,  # the transport's when it is httpx's own (plain HTTP)
             headers={"User-Agent": f"atomd/{__version__}"},
             trust_env=False,  # a proxy from the environment would sit between pinned peers
         )

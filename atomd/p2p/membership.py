@@ -154,6 +154,10 @@ class Membership:
     def _enqueue(self, u: Update) -> None:
         self._gossip[u.id] = (u, self._retransmits())
 
+    def has_news(self) -> bool:
+        """Updates are still waiting to be piggybacked."""
+        return bool(self._gossip)
+
     def gossip(self, limit: int = 16) -> list[Update]:
         """Updates to piggyback on the next message, least-sent first."""
         items = sorted(self._gossip.values(), key=lambda x: -x[1])[:limit]
@@ -260,7 +264,12 @@ class Transport(Protocol):
 @dataclass(frozen=True)
 class SwimConfig:
     period: float = 0.5
-    """Seconds between probes."""
+    """Seconds between probes while anything is unsettled (``Swim.unsettled``)."""
+    settled_period: float = 1.5
+    """Seconds between probes while membership is settled. SWIM's per-member traffic is one
+    probe a period whatever the swarm's size, so this is what an idle swarm costs each peer; a
+    change is spread, and a suspect is settled, at ``period``. A dead member is found by one
+    of its n-1 probers within about ``settled_period`` (each probes it once in n-1 periods)."""
     ping_timeout: float = 1.0
     indirect_timeout: float = 1.5
     indirect_k: int = 3
@@ -397,13 +406,32 @@ class Swim:
             if now - m.state_since >= self.config.suspect_timeout:
                 self.m.mark(m.id, "dead")
 
+    def unsettled(self) -> str | None:
+        """Why probes should come at the fast ``period`` now, or None: news to spread, a member
+        to probe soon, or a suspect to settle."""
+        if self.m.has_news():
+            return "news"
+        if self._urgent:
+            return "probe soon"
+        if self.m.others("suspect"):
+            return "suspect"
+        return None
+
+    def pace(self) -> float:
+        """Seconds between probes now: ``period`` while unsettled, else ``settled_period``."""
+        return self.config.settled_period if self.unsettled() is None else self.config.period
+
     async def run(self) -> None:
-        """Probe forever, one member per period."""
+        """Probe one member per ``pace()``, looking every ``period`` whether one is due (so
+        news is acted on within a fast period even after a settled one began)."""
+        last_probe = -math.inf
         while True:
             started = time.monotonic()
-            target = self._next_target()
-            if target is not None:
-                await self.probe(target)
+            if started - last_probe >= self.pace() - 1e-3:
+                last_probe = started
+                target = self._next_target()
+                if target is not None:
+                    await self.probe(target)
             self.expire_suspects()
             await asyncio.sleep(max(0.0, self.config.period - (time.monotonic() - started)))
 

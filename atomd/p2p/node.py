@@ -159,6 +159,7 @@ class SwarmNode:
             HttpTransport(self.client),
             SwimConfig(
                 period=settings.gossip_interval,
+                settled_period=max(settings.gossip_interval, settings.gossip_settled_interval),
                 suspect_timeout=settings.suspect_timeout,
                 ping_timeout=max(0.5, min(2.0, 2 * settings.gossip_interval)),
                 indirect_timeout=max(0.75, min(3.0, 3 * settings.gossip_interval)),

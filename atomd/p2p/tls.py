@@ -225,9 +225,8 @@ class PinningBackend(httpcore.AsyncNetworkBackend):
 class PinnedTransport(httpx.AsyncHTTPTransport):
     """httpx's transport over ``PinningBackend``, with ``client_context`` and no proxies."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: httpx.Limits) -> None:
         super().__init__(verify=client_context(), trust_env=False)
-        limits = httpx.Limits(max_connections=100, max_keepalive_connections=20)
         self._pool = httpcore.AsyncConnectionPool(
             ssl_context=client_context(),
             max_connections=limits.max_connections,

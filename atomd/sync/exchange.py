@@ -5,7 +5,8 @@ A delta's whole path stays in ``atomd.sync``:
 1. the trainer thread's ``SyncPlugin`` (``runner``) closes a round and hands the signed frame to
    ``DeltaExchange.send`` (thread-safe);
 2. the exchange uploads it to every peer that trains the job (``POST /p2p/v1/jobs/{id}/deltas``,
-   one retry on a network error, none on a refusal);
+   one peer after another so that the frames do not leave as one burst, one retry on a network
+   error, none on a refusal);
 3. on each receiver the peer plane hands the body to ``DeltaExchange.receive``, which checks it
    whole off the event loop (``wire.FrameDecoder``, the replay guard) and queues it in the job's
    plugin inbox; the plugin merges it after the next optimizer step;
@@ -48,6 +49,14 @@ log = get_logger(__name__)
 UPLOAD_TIMEOUT_S = 30.0  # one frame to one peer
 UPLOAD_ATTEMPTS = 2
 RETRY_DELAY_S = 0.5
+# A round's frames go to its peers one after another: the next upload starts when the last one
+# is answered, or UPLOAD_STAGGER_S after it started, whichever comes first. Sent all at once,
+# the frames leave as one burst of (peers x frame) bytes, and on a slow uplink (256 kbit/s
+# with half a second of buffer, as `bench swarm` emulates a home line with `tc tbf`) the burst
+# overflows the buffer: 5-9 % of the packets were dropped, and a loss at the end of a short
+# upload is recovered only by a retransmission timeout, so frames took 3-5x their line time.
+# One at a time they fit the buffer. The stagger bounds what a silent peer costs the others.
+UPLOAD_STAGGER_S = 1.0
 FEED_CHUNK = 1 << 20  # bytes handed to the decoder at a time
 # Refusals of a signed frame that count against its sender (quarantine): what no honest peer
 # of the job sends. Staleness, replays and clocks do not count.
@@ -212,8 +221,9 @@ class DeltaExchange:
         return plugin.state.numel * 4 if plugin is not None and plugin.state is not None else 0
 
     async def _deliver(self, out: RoundOut) -> None:
-        """Send one round's frame to every peer training the job; record what happened, and
-        tell the plugin how long the frame took to reach them (its cadence's traffic time)."""
+        """Send one round's frame to every peer training the job, one after another
+        (``UPLOAD_STAGGER_S``); record what happened, and tell the plugin how long the frame
+        took to reach them (its cadence's traffic time)."""
         await self._record_merge(out.job_id, out.merge)
         targets = self._training(out.job_id, out.outgoing.base_version)
         path = paths.job_deltas(out.job_id)
@@ -236,8 +246,16 @@ class DeltaExchange:
                     await asyncio.sleep(RETRY_DELAY_S)
             return "unreachable"
 
+        # Who is first turns with the round, so that no peer always gets the frame last.
+        turn = out.outgoing.round % len(targets) if targets else 0
+        order = targets[turn:] + targets[:turn]
         try:
-            errors = await asyncio.gather(*(one(p) for p in targets))
+            async with asyncio.TaskGroup() as tg:
+                uploads: dict[str, asyncio.Task[str | None]] = {}
+                for p in order:
+                    uploads[p.id] = task = tg.create_task(one(p))
+                    await asyncio.wait({task}, timeout=UPLOAD_STAGGER_S)
+            errors = [uploads[p.id].result() for p in targets]
         finally:
             plugin = self.plugins.get(out.job_id)
             if plugin is not None:  # the next round may close now; -1: nothing measured

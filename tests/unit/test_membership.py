@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -25,8 +26,11 @@ from atomd.p2p.messages import (
 from atomd.p2p.node import SwarmNode
 
 FAST = SwimConfig(
-    period=0.02, ping_timeout=0.05, indirect_timeout=0.08, suspect_timeout=0.3, join_timeout=0.2
-)
+    period=0.02, settled_period=0.02, ping_timeout=0.05, indirect_timeout=0.08,
+    suspect_timeout=0.3, join_timeout=0.2,
+)  # fmt: skip
+# A settled swarm probes 5x less often; anything unsettled brings back FAST's pace.
+SETTLING = dataclasses.replace(FAST, settled_period=0.1)
 
 
 IDS: dict[str, Identity] = {}
@@ -104,6 +108,7 @@ class Net:
         self.nodes: dict[str, Swim] = {}
         self.down: set[str] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.pings = 0
 
     def _node(self, address: str) -> Swim:
         name = address.removeprefix("http://").removesuffix(".mem")
@@ -112,6 +117,7 @@ class Net:
         return self.nodes[name]
 
     async def ping(self, address: str, target: str, msg: Gossip, timeout: float) -> Gossip:
+        self.pings += 1
         await asyncio.sleep(0)
         return self._node(address).handle_ping(wire(msg, Gossip))
 
@@ -129,8 +135,10 @@ class Net:
     async def leave(self, address: str, target: str, msg: Gossip, timeout: float) -> None:
         self._node(address).handle_leave(wire(msg, Gossip))
 
-    async def start(self, name: str, seeds: list[str], inc: int = 1) -> Swim:
-        swim = Swim(Membership(upd(name, inc=inc), identity=ident(name)), self, FAST)
+    async def start(
+        self, name: str, seeds: list[str], inc: int = 1, config: SwimConfig = FAST
+    ) -> Swim:
+        swim = Swim(Membership(upd(name, inc=inc), identity=ident(name)), self, config)
         self.nodes[name] = swim
         self.down.discard(name)
         await swim.join([url(s) for s in seeds])
@@ -211,6 +219,48 @@ async def test_join_skips_dead_seeds(net: Net) -> None:
     assert "a" in states(b)
     lone = Swim(Membership(upd("z")), net, FAST)
     assert not await lone.join([url("gone")])
+
+
+def test_the_pace_is_fast_while_anything_is_unsettled() -> None:
+    swim = Swim(Membership(upd("me")), Net(), SwimConfig(period=0.5, settled_period=1.5))
+
+    def drain() -> None:
+        while swim.m.has_news():
+            swim.m.gossip()
+
+    assert swim.unsettled() == "news" and swim.pace() == 0.5  # our own record, to spread
+    drain()
+    assert swim.unsettled() is None and swim.pace() == 1.5
+    swim.m.apply(upd("a"))  # a new member
+    assert swim.unsettled() == "news" and swim.pace() == 0.5
+    drain()
+    assert swim.pace() == 1.5
+    swim.probe_soon(pid("a"))  # hearsay: someone suspects a
+    assert swim.unsettled() == "probe soon" and swim.pace() == 0.5
+    assert swim._next_target() is not None and swim.pace() == 1.5
+    swim.m.mark(pid("a"), "suspect")
+    drain()
+    assert swim.unsettled() == "suspect" and swim.pace() == 0.5  # until refuted or dead
+    swim.m.mark(pid("a"), "dead")
+    drain()
+    assert swim.unsettled() is None and swim.pace() == 1.5
+
+
+async def test_a_settled_swarm_probes_at_the_settled_pace_and_still_finds_a_crash(
+    net: Net,
+) -> None:
+    for name, seeds in (("a", []), ("b", ["a"]), ("c", ["a"])):
+        await net.start(name, seeds, config=SETTLING)
+    await until(lambda: all(len(net.nodes[n].m.others()) == 2 for n in "abc"))
+    await until(lambda: all(net.nodes[n].unsettled() is None for n in "abc"))
+    net.pings = 0
+    t0 = time.monotonic()
+    await asyncio.sleep(1.0)
+    # At most one probe a settled period each (plus the one due at the start): 33, where the
+    # fast pace would send 150. A slow machine only sends fewer.
+    assert net.pings <= 3 * ((time.monotonic() - t0) / SETTLING.settled_period + 1)
+    net.kill("c")
+    await until(lambda: all(states(net.nodes[n])["c"] == "dead" for n in "ab"))
 
 
 @pytest.mark.parametrize(

@@ -223,3 +223,45 @@ def test_a_member_of_the_other_scheme_is_refused_with_the_reason() -> None:
             _check_sender(record, signed, "lab", on)
         assert e.value.status == 403
         _check_sender(record, signed, "lab", not on)
+
+
+class Port(Message):
+    port: int
+
+
+async def test_peer_connections_outlive_an_idle_pause_of_more_than_5_s(serve: Serve) -> None:
+    """A settled swarm probes each member every few seconds and a slow link's rounds come
+    every 5-30 s: both ends keep an idle connection longer than httpx's and uvicorn's 5 s, so
+    such traffic costs no new TCP and TLS handshake. The server is the daemon's own."""
+    from fastapi import Request
+
+    from atomd.daemon import _server
+    from atomd.p2p.client import KEEPALIVE_S, SERVER_KEEPALIVE_S
+
+    server, alice = Identity.generate(), Identity.generate()
+    app = peer_app(server)
+
+    @app.post("/p2p/v1/port")
+    async def port(request: Request) -> dict[str, int]:
+        assert request.client is not None
+        return {"port": request.client.port}
+
+    peer = _server(app, "critical", tls.server_context(server), keep_alive_s=SERVER_KEEPALIVE_S)
+    assert peer.config.timeout_keep_alive > KEEPALIVE_S > 5
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    task = asyncio.create_task(peer.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(10):
+            while not peer.started:  # noqa: ASYNC110 (uvicorn offers only a flag)
+                await asyncio.sleep(0.01)
+        url = f"https://127.0.0.1:{sock.getsockname()[1]}"
+        async with PeerClient(alice, ADMISSION) as client:
+            first = await client.post_bytes(url, "/p2p/v1/port", b"{}", Port)
+            await asyncio.sleep(6.5)
+            again = await client.post_bytes(url, "/p2p/v1/port", b"{}", Port)
+        assert again.port == first.port  # the same connection
+    finally:
+        peer.should_exit = True
+        await asyncio.wait_for(task, 10)
+        sock.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -160,6 +161,61 @@ async def test_a_round_goes_to_every_peer_and_is_recorded_once_per_peer(sessions
     assert {r.direction for r in by_peer.values()} == {"sent"}
     assert by_peer[a.id].bytes == client.posts[0][2]
     assert by_peer[a.id].compression_ratio == pytest.approx(15 * 4 / by_peer[a.id].bytes)
+
+
+@dataclass
+class SlowClient:
+    """Answers each upload after ``delay[url]`` seconds (forever: never); records when each
+    started and how many were in flight at once."""
+
+    delay: dict[str, float]
+    started: dict[str, float] = field(default_factory=dict)
+    in_flight: int = 0
+    most_in_flight: int = 0
+
+    async def post_bytes(
+        self, url: str, path: str, body: bytes, reply: Any, *, target: str, timeout: float
+    ) -> Any:
+        self.started[url] = asyncio.get_running_loop().time()
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay.get(url, 0.0))
+        finally:
+            self.in_flight -= 1
+        return {}
+
+
+async def test_a_rounds_uploads_go_one_after_another_and_a_silent_peer_costs_the_stagger(
+    sessions: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One at a time, a round's frames do not leave as one burst that overflows a slow
+    uplink's buffer; a peer that does not answer holds the next upload for the stagger only."""
+    from atomd.sync import exchange as exchange_module
+
+    monkeypatch.setattr(exchange_module, "UPLOAD_STAGGER_S", 0.3)
+    peers = [Peer(ch * 32, f"http://{ch}") for ch in "pqr"]
+    client = SlowClient(delay={"http://p": 0.05, "http://q": 0.05, "http://r": 0.05})
+    ex = exchange(sessions, cast(Any, client), FakePeers(peers))
+    plugin = attach(ex)
+
+    async def rows(n: int) -> bool:
+        return len(await rounds(sessions)) == n
+
+    async with running(ex):
+        plugin.after_step(1)  # round 0
+        await until(lambda: rows(3), "round 0 sent to all three")
+        assert client.most_in_flight == 1
+        first = min(client.started, key=lambda u: client.started[u])
+        # The next round: another peer goes first; now no peer answers: each upload holds
+        # the next for the stagger, not for its timeout.
+        client.started.clear()
+        client.delay = dict.fromkeys(client.delay, 3600.0)
+        plugin.after_step(2)
+        await until(lambda: _async_true(len(client.started) == 3), "round 1 to all three")
+        assert min(client.started, key=lambda u: client.started[u]) != first
+        t = sorted(client.started.values())
+        assert all(0.25 <= b - a < 5.0 for a, b in itertools.pairwise(t))
 
 
 async def test_received_frames_are_checked_queued_and_recorded(sessions: Any) -> None:
