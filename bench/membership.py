@@ -56,23 +56,13 @@ def run(n: int = 8) -> dict[str, Any]:
     }
 
 
-def _formed(ds: list[Any], n: int) -> None:
-    """Wait until every daemon is ready and sees all ``n`` alive."""
-    wait_until(lambda: all(d.ready() for d in ds), timeout=120, what="every daemon ready")
-    wait_until(
-        lambda: all(sum(p["state"] == "alive" for p in d.json("/v1/peers")) == n for d in ds),
-        timeout=60,
-        what="every daemon sees every other alive",
-    )
-
-
 def idle(n: int = 4, seconds: float = 30.0, settle_s: float = 10.0) -> dict[str, Any]:
     """Bytes per second each peer's link carries while a swarm of ``n`` idles (membership
     only), in network namespaces (root): the settled pace (the default) beside one pace
     throughout (``ATOMD_GOSSIP_SETTLED_INTERVAL`` = the gossip interval: before 2026-12-01),
     measured in the same run. Target (issue 14): <= 4 kB/s a direction per peer."""
     from atomd_bench import netns
-    from atomd_bench.swarm import Daemon
+    from atomd_bench.swarm import Daemon, idle_bytes, wait_formed
 
     why = netns.namespaces_available()
     if why is not None:
@@ -89,15 +79,10 @@ def idle(n: int = 4, seconds: float = 30.0, settle_s: float = 10.0) -> dict[str,
                     d.env.update(env)
                     ds.append(d)
                     d.start()
-                _formed(ds, n)
+                wait_formed(ds, deadline=time.monotonic() + 180)
                 time.sleep(settle_s)  # the join's news spread, connections made
-                before = [net.counters(i) for i in range(n)]
-                t = time.monotonic()
-                time.sleep(seconds)
-                after = [net.counters(i) for i in range(n)]
-                dt = time.monotonic() - t
-                rates = [{"tx": round((a.tx - b.tx) / dt), "rx": round((a.rx - b.rx) / dt)}
-                         for a, b in zip(after, before, strict=True) if a and b]  # fmt: skip
+                rates = [{k: round(v) for k, v in r.items()}
+                         for r in idle_bytes(net, n, seconds) or []]  # fmt: skip
             finally:
                 for d in ds:
                     d.stop()

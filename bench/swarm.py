@@ -291,17 +291,9 @@ def run_scenario(
             daemons[-1].start()
             if i == 0:
                 _until(daemons[0].ready, deadline=deadline, what="peer0 ready")
-        for d in daemons:
-            _until(d.ready, deadline=deadline, what=f"peer{d.i} ready")
-        _until(
-            lambda: all(
-                sum(p["state"] == "alive" for p in d.json("/v1/peers")) == n for d in daemons
-            ),
-            deadline=deadline,
-            what="every daemon sees every other alive",
-        )
+        wait_formed(daemons, deadline=deadline)
         say(f"{scenario.name}: {n} daemons up ({net.mode}) in {time.monotonic() - t0:.1f} s")
-        idle = _idle_bytes(net, n, task.idle_s)
+        idle = idle_bytes(net, n, task.idle_s)
         at_start = [net.counters(i) for i in range(n)]
         spec = {**task.spec(task.batch), "sync": {"every": task.every}}
         r = daemons[0].request("POST", "/v1/jobs", json=spec, timeout=START_TIMEOUT_S)
@@ -325,7 +317,20 @@ def run_scenario(
     )  # fmt: skip
 
 
-def _idle_bytes(net: netns.Network, n: int, seconds: float) -> list[dict[str, float]] | None:
+def wait_formed(daemons: list[Daemon], *, deadline: float) -> None:
+    """Until every daemon is ready and sees all of them alive (``TimeoutError`` past
+    ``deadline``, a ``time.monotonic()``)."""
+    for d in daemons:
+        _until(d.ready, deadline=deadline, what=f"peer{d.i} ready")
+    n = len(daemons)
+    _until(
+        lambda: all(sum(p["state"] == "alive" for p in d.json("/v1/peers")) == n for d in daemons),
+        deadline=deadline,
+        what="every daemon sees every other alive",
+    )
+
+
+def idle_bytes(net: netns.Network, n: int, seconds: float) -> list[dict[str, float]] | None:
     """Bytes per second each peer's link carries while the swarm idles (membership only)."""
     before = [net.counters(i) for i in range(n)]
     if any(b is None for b in before):

@@ -251,11 +251,11 @@ class DeltaExchange:
         order = targets[turn:] + targets[:turn]
         try:
             async with asyncio.TaskGroup() as tg:
-                uploads: dict[str, asyncio.Task[str | None]] = {}
+                uploads = []
                 for p in order:
-                    uploads[p.id] = task = tg.create_task(one(p))
+                    uploads.append(task := tg.create_task(one(p)))
                     await asyncio.wait({task}, timeout=UPLOAD_STAGGER_S)
-            errors = [uploads[p.id].result() for p in targets]
+            errors = [task.result() for task in uploads]
         finally:
             plugin = self.plugins.get(out.job_id)
             if plugin is not None:  # the next round may close now; -1: nothing measured
@@ -264,7 +264,7 @@ class DeltaExchange:
         rows = [
             _Row(out.outgoing.round, "sent", p.id, len(out.frame), None, error is None, error,
                  out.every)
-            for p, error in zip(targets, errors, strict=True)
+            for p, error in zip(order, errors, strict=True)
         ]  # fmt: skip
         await self._record(out.job_id, rows, ratio_of=out.outgoing.raw_bytes)
         for error in errors:
