@@ -33,10 +33,19 @@ def _set_pragmas(dbapi_connection: Any, *, foreign_keys: bool) -> None:
 
 
 def make_engine(db_path: Path) -> AsyncEngine:
-    """An ``sqlite+aiosqlite`` engine on ``db_path`` (WAL, foreign keys on, 5 s busy timeout);
-    its folder is created if missing. Migrate first: this does not create tables."""
-    db_path.parent.mkdir(parents=True, exist_ok=True)
-    engine = create_async_engine(URL.create("sqlite+aiosqlite", database=str(db_path)))
+    """An ``sqlite+aiosqlite`` engine on the existing database ``db_path`` (WAL, foreign keys
+    on, 5 s busy timeout). Migrate first (``atomd.db.migrate`` creates the file and tables).
+
+    Its connections open the file read-write but never create it (SQLite's ``mode=rw``): if
+    the file is deleted under a running daemon, the next new connection fails ("unable to open
+    database file") instead of silently making an empty database, which would lose what is
+    written to it and hide the loss from the next start (``health.refuse_lost_database``)."""
+    url = URL.create(
+        "sqlite+aiosqlite",
+        database=db_path.resolve().as_uri(),
+        query={"mode": "rw", "uri": "true"},
+    )
+    engine = create_async_engine(url)
 
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:

@@ -76,6 +76,28 @@ async def _job(sessions: Sessions, job_id: str = "j1") -> None:
         await repo.create_job(s, job_id=job_id, spec={"preset": "tiny"}, out_dir=f"/o/{job_id}")
 
 
+async def test_a_deleted_database_is_never_recreated_by_a_new_connection(tmp_path: Path) -> None:
+    """The running daemon's engine opens the file but never creates it: a database deleted
+    under it is not silently replaced by an empty one (which would lose what is written and
+    let the next start take the used data folder for a new one). Odd characters in the path
+    are escaped in the SQLite URI."""
+    db = tmp_path / "a b#?%" / "atomd.db"
+    await asyncio.to_thread(migrate.upgrade, db)
+    engine = make_engine(db)
+    try:
+        async with engine.connect() as c:
+            assert (await c.execute(text("SELECT count(*) FROM events"))).scalar() == 0
+        await engine.dispose()  # the next connection is a new one
+        for suffix in ("", "-wal", "-shm"):
+            await asyncio.to_thread(Path(f"{db}{suffix}").unlink, missing_ok=True)
+        with pytest.raises(Exception, match="unable to open database file"):
+            async with engine.connect() as c:
+                await c.execute(text("SELECT 1"))
+        assert not await asyncio.to_thread(db.exists)
+    finally:
+        await engine.dispose()
+
+
 # Migrations ----------------------------------------------------------------------------------
 
 
