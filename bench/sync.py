@@ -512,6 +512,11 @@ def extra_runs() -> list[RunSpec]:
                 ("topk", 0.001, 4),
                 ("topk", 0.0025, 20),
                 ("rice2", 0.005, 20),
+                # Issue #14, a free link (2026-12-02): more entries at H=2, where top-k 1%
+                # reaches 1.7245, for the automatic cadence's ceiling.
+                ("topk", 0.02, 2),
+                ("topk", 0.04, 2),
+                ("topk", 0.005, 5),
             )
         ),
     ]

@@ -52,8 +52,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 # A round's traffic may fill at most 1/MARGIN of the time between rounds: the rest is headroom
-# for other peers' frames on the same link, membership, and a link that slows down.
-MARGIN = 2.0
+# for membership on the same link and a link that slows down (a round's frames go out one after
+# another, so they never crowd each other; a link slower than measured stretches the round by
+# the one-round-in-flight rule, it does not queue frames). 2 until 2026-12-02: at 256 kbit/s
+# the frames then used a fifth of the link (bench/results-swarm-2026-12-01o.json: 7 of 32 kB/s).
+MARGIN = 1.25
 # A round's own work on the trainer thread may take at most this share of the compute between
 # rounds (at most a third of the wall time). Measured on the tiny model with 4 real daemons
 # (bench/results-swarm-unlimited-2026-12-01d/e.json, the loss guard's probes included): 0.25 gave
@@ -78,6 +81,9 @@ CLAIM_CAP = 16.0
 # the same bytes a step (bench/results-sync-budget-2026-12-01*.json): see docs/cadence.md.
 LINK_EVERY = 5
 MIN_FRACTION = 0.0025
+# The shares ``fit_fraction`` chooses from: the spec's, then each RUNG times the last (three
+# rungs a halving), down to MIN_FRACTION. Halvings wasted up to half the link's budget.
+RUNG = 2 ** (-1 / 3)
 
 
 @dataclass(frozen=True)
@@ -206,12 +212,12 @@ class Cadence:
 
 def fit_fraction(ceiling: float, budget: float, size: Callable[[float], float]) -> float:
     """The share of entries a sparse codec sends to fit its frame into ``budget`` bytes: the
-    largest of ``ceiling``, ``ceiling`` / 2, / 4, ... and MIN_FRACTION (the last, never below
-    it) whose frame ``size(fraction)`` fits; the smallest when none does. A ladder of halvings,
-    not the exact fit: a measured rate that wobbles does not change the frame every round."""
+    largest of ``ceiling``, ``ceiling`` * RUNG, * RUNG^2, ... and MIN_FRACTION (the last, never
+    below it) whose frame ``size(fraction)`` fits; the smallest when none does. A ladder, not
+    the exact fit: a measured rate that wobbles does not change the frame every round."""
     ladder = [ceiling]
-    while ladder[-1] / 2 >= MIN_FRACTION:
-        ladder.append(ladder[-1] / 2)
+    while ladder[-1] * RUNG > MIN_FRACTION * (1 + 1e-9):  # the floor itself comes exact
+        ladder.append(ladder[-1] * RUNG)
     if ladder[-1] > MIN_FRACTION:
         ladder.append(MIN_FRACTION)
     return next((f for f in ladder if size(f) <= budget), ladder[-1])

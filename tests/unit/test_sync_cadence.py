@@ -11,6 +11,7 @@ from atomd.sync.cadence import (
     MAX_EVERY,
     MIN_FRACTION,
     PROPOSAL_TTL_S,
+    RUNG,
     WORK_SHARE,
     Cadence,
     fit_fraction,
@@ -63,7 +64,7 @@ def test_round_work_takes_at_most_its_share_of_the_compute() -> None:
 def test_the_step_time_is_a_median_and_evaluations_do_not_count() -> None:
     c = measured(0.5, traffic=5.0)
     c.step(30.0)  # an evaluation or a checkpoint between two steps
-    assert c.step_s() == 0.5 and c.every() == 20
+    assert c.step_s() == 0.5 and c.every() == round(MARGIN * 5.0 / 0.5)
 
 
 def test_the_swarm_follows_its_slowest_proposal_until_it_goes_quiet() -> None:
@@ -96,7 +97,7 @@ def test_a_member_cannot_stall_the_rounds_by_declaring_a_huge_period() -> None:
 def test_a_slower_peer_puts_fewer_steps_in_a_round_of_the_same_length() -> None:
     fast, slow = measured(0.25, traffic=2.0), measured(0.5, traffic=2.0)
     assert fast.period() == slow.period()
-    assert (fast.every(), slow.every()) == (16, 8)
+    assert (fast.every(), slow.every()) == (10, 5)  # MARGIN x 2 s: 10 and 5 steps
 
 
 def test_every_is_bounded() -> None:
@@ -118,12 +119,16 @@ def test_the_frame_budget_fits_a_round_every_link_every_steps_into_the_measured_
     assert c.frame_budget() == pytest.approx(4.0 / WORK_SHARE * 10_000 / MARGIN)
 
 
-def test_fit_fraction_halves_down_to_its_floor() -> None:
+def test_fit_fraction_steps_down_three_rungs_a_halving_to_its_floor() -> None:
     def size(f: float) -> float:
         return 6_000 + 2_500_000 * f  # headers, and ~2.5 MB of payload for every entry
 
+    assert pytest.approx(0.5) == RUNG**3
     assert fit_fraction(0.01, 40_000, size) == 0.01  # fits as it is
-    assert fit_fraction(0.01, 20_000, size) == 0.005
-    assert fit_fraction(0.01, 13_000, size) == 0.0025
+    assert fit_fraction(0.01, 26_000, size) == pytest.approx(0.01 * RUNG)  # 25.8 kB
+    assert fit_fraction(0.01, 20_000, size) == pytest.approx(0.005)  # 18.5 kB; 0.63%: 21.7
+    # 15 kB: 0.397% (15.9 kB) does not fit, 0.315% (13.9 kB) does; halvings gave 0.25%
+    assert fit_fraction(0.01, 15_000, size) == pytest.approx(0.01 * RUNG**5)
+    assert fit_fraction(0.01, 12_300, size) == MIN_FRACTION
     assert fit_fraction(0.01, 100, size) == MIN_FRACTION  # nothing fits: the floor
     assert fit_fraction(MIN_FRACTION / 2, 100, size) == MIN_FRACTION / 2  # a spec below it
