@@ -89,9 +89,11 @@ MENU = (*ATTACKS, "none")
 QUICK_ATTACKS = ("none", "const", "x100", "replay")
 STEPS = 200  # at 60 steps two clean runs ended 3.5 % apart: too short to test a 2 % bar
 SWARM = "default"
+# 8 x 16 validation windows (4,096 tokens): with 2 (1,024 tokens, before 2026-12-02) two clean
+# runs ended up to 3 % apart, as far as the 2 % bar itself.
 JOB: dict[str, Any] = {
-    "preset": "tiny", "seq_len": 32, "micro_batch_size": 4, "eval_batches": 2,
-    "eval_interval": 20, "log_interval": 1, "checkpoint_interval": 20, "warmup_steps": 2,
+    "preset": "tiny", "seq_len": 32, "micro_batch_size": 4, "eval_batches": 8,
+    "eval_interval": 50, "log_interval": 1, "checkpoint_interval": 20, "warmup_steps": 2,
     "max_steps": 120, "sync": {"every": 5, "codec": "topk"},
 }  # fmt: skip
 SCALES = {"x10": 10.0, "x100": 100.0, "x1e30": 1e30, "signflip": -1.0}
@@ -280,8 +282,11 @@ def _rss_mb(pid: int | None) -> float | None:
     return None
 
 
-def _flood(d: DaemonProcess) -> dict[str, Any]:
+def _flood(d: DaemonProcess, reference: DaemonProcess | None = None) -> dict[str, Any]:
+    """Flood ``d``; ``reference``, an honest peer training beside it and not flooded, shows
+    what its memory does meanwhile without the flood (the job's own growth)."""
     out: dict[str, Any] = {"rss_before_mb": _rss_mb(d.pid)}
+    ref_before = _rss_mb(reference.pid) if reference is not None else None
 
     def big() -> Any:
         for _ in range(200):
@@ -336,8 +341,22 @@ def _flood(d: DaemonProcess) -> dict[str, Any]:
     out["rss_after_mb"] = _rss_mb(d.pid)
     before, after = out["rss_before_mb"], out["rss_after_mb"]
     out["rss_growth_mb"] = None if before is None or after is None else round(after - before, 1)
+    ref_after = _rss_mb(reference.pid) if reference is not None else None
+    out["reference_rss_growth_mb"] = (
+        None if ref_before is None or ref_after is None else round(ref_after - ref_before, 1)
+    )
     out["rss_growth_target_mb"] = FLOOD_MEMORY_TARGET_MB
     return out
+
+
+def flood_growth(flood: dict[str, Any]) -> float | None:
+    """The flooded peer's memory growth beyond what the unflooded reference peer grew in the
+    same window (the job's own growth), or its whole growth without a reference."""
+    grown = flood.get("rss_growth_mb")
+    if grown is None:
+        return None
+    ref = flood.get("reference_rss_growth_mb")
+    return round(grown - max(0.0, ref), 1) if ref is not None else grown
 
 
 class _Probe:
@@ -437,7 +456,7 @@ def _one(attack: str, root: Path, max_steps: int, n_honest: int) -> dict[str, An
             first = f"{honest[0].url}/v1/jobs/{jid}"
             wait_until(lambda: _get(first).get("step", 0) >= FLOOD_AFTER_STEP, timeout=600,
                        what=f"step {FLOOD_AFTER_STEP} before the flood")  # fmt: skip
-            res["flood"] = _flood(honest[0])
+            res["flood"] = _flood(honest[0], honest[1] if len(honest) > 1 else None)
         sent: set[tuple[int, int]] = set()
         t0 = time.time()
         while time.time() - t0 < 1800:
@@ -502,40 +521,77 @@ def _honest_view(d: DaemonProcess, jid: str, ids: list[str], evil: _Hostile) -> 
     }  # fmt: skip
 
 
+def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per attack: the honest peers' val losses over every run of it, and their mean over the
+    mean of every ``none`` run's (``val_ratio_to_none``; target within 2 %), the spread of the
+    ``none`` runs themselves (how far clean runs differ by chance), crashes, and the flood's
+    memory growth beyond the job's own."""
+    vals: dict[str, list[float]] = {}
+    for r in results:
+        v = [h.get("val_loss") for h in r.get("honest", [])]
+        if v and all(isinstance(x, float | int) and math.isfinite(x) for x in v):
+            vals.setdefault(r["attack"], []).extend(float(x) for x in v)
+    none = vals.get("none", [])
+    ref = statistics.fmean(none) if none else None
+    table: dict[str, dict[str, Any]] = {}
+    for attack, v in vals.items():
+        runs = sum(1 for r in results if r["attack"] == attack)
+        row: dict[str, Any] = {"runs": runs, "val_mean": round(statistics.fmean(v), 4)}
+        if ref:
+            row["val_ratio_to_none"] = round(statistics.fmean(v) / ref, 4)
+            row["ratio_range"] = [round(min(v) / ref, 4), round(max(v) / ref, 4)]
+        table[attack] = row
+    worst = max(
+        (abs(row["val_ratio_to_none"] - 1) for a, row in table.items()
+         if a != "none" and "val_ratio_to_none" in row),
+        default=None,
+    )  # fmt: skip
+    floods = [flood_growth(r["flood"]) for r in results if r.get("flood")]
+    return {
+        "by_attack": table,
+        "worst_val_deviation_from_none": None if worst is None else round(worst, 4),
+        "none_spread": table.get("none", {}).get("ratio_range"),
+        "crashes": sum(sum(r.get("crashed", [])) for r in results),
+        "failed_runs": [r["attack"] for r in results if "error" in r],
+        "flood_rss_growth_beyond_job_mb": max((g for g in floods if g is not None), default=None),
+        "flood_rss_growth_target_mb": FLOOD_MEMORY_TARGET_MB,
+    }
+
+
 def run(
     *, attacks: tuple[str, ...] = MENU, max_steps: int = STEPS, honest: int = 3,
-    quick: bool = False, partial: Path | None = None,
+    quick: bool = False, partial: Path | None = None, repeat: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
+    """Each of ``attacks`` in order, the whole list ``repeat`` times (passes interleave, so a
+    machine that slows down touches every attack alike)."""
     if quick:
         attacks, honest = QUICK_ATTACKS, 2
     results = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atomd-attack-") as tmp:
-        for attack in attacks:
-            try:
-                r = _one(attack, Path(tmp) / attack, max_steps, honest)
-            except Exception as e:  # one run's failure (a timeout on a loaded machine) is a row
-                r = {"attack": attack, "error": f"{type(e).__name__}: {e}", "honest": []}
-            results.append(r)
-            if partial is not None:  # what is measured survives a later failure
-                partial.write_text(json.dumps(results))
-            print(f"[attack] {attack} ({r.get('seconds')} s): {json.dumps(r.get('honest'))[:400]}",
-                  file=sys.stderr, flush=True)  # fmt: skip
-    ref = [h["val_loss"] for h in results[0]["honest"]] if results[0]["attack"] == "none" else []
-    worst = 0.0
-    for r in results:
-        vals = [h["val_loss"] for h in r["honest"]]
-        if ref and vals and all(v is not None and math.isfinite(v) for v in vals):
-            r["val_ratio_to_none"] = [round(v / w, 4) for v, w in zip(vals, ref, strict=True)]
-            worst = max(worst, *(abs(x - 1) for x in r["val_ratio_to_none"]))
+        for n in range(repeat):
+            for attack in attacks:
+                try:
+                    r = _one(attack, Path(tmp) / f"{attack}-{n}-{len(results)}", max_steps, honest)
+                except Exception as e:  # one run's failure (a timeout on a loaded machine)
+                    r = {"attack": attack, "error": f"{type(e).__name__}: {e}", "honest": []}
+                r["pass"] = n
+                results.append(r)
+                if partial is not None:  # what is measured survives a later failure
+                    partial.write_text(json.dumps(results))
+                line = f"[attack] {attack} ({r.get('seconds')} s): {json.dumps(r.get('honest'))}"
+                print(line[:480], file=sys.stderr, flush=True)
+    summary = summarize(results)
     return {
         "bench": "attack",
         "max_steps": max_steps,
         "honest_peers": honest,
+        "repeat": repeat,
         "tls": True,
         "seconds": round(time.monotonic() - t0, 1),
-        "worst_val_deviation_from_none": round(worst, 4),
-        "crashes": sum(sum(r.get("crashed", [])) for r in results),
+        "worst_val_deviation_from_none": summary["worst_val_deviation_from_none"],
+        "crashes": summary["crashes"],
+        "summary": summary,
         "results": results,
     }
 
@@ -556,12 +612,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument(
         "--steps", type=int, default=STEPS, help=f"training steps of each run (default {STEPS})"
     )
+    ap.add_argument(
+        "--repeat", type=int, default=1,
+        help="run the whole list this many times; ratios compare means over the runs",
+    )  # fmt: skip
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     attacks = tuple(a.attacks.split(",")) if a.attacks else MENU
     unknown = [x for x in attacks if x not in ATTACKS]
     if unknown:
         ap.error(f"unknown attack(s) {unknown}")
-    result = run(attacks=attacks, max_steps=a.steps, honest=a.honest, quick=a.quick)
+    if a.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    result = run(
+        attacks=attacks, max_steps=a.steps, honest=a.honest, quick=a.quick, repeat=a.repeat
+    )
     print(json.dumps(result), flush=True)
 
 
