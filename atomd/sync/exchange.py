@@ -223,8 +223,9 @@ class DeltaExchange:
     async def _deliver(self, out: RoundOut) -> None:
         """Send one round's frame to every peer training the job, one after another
         (``UPLOAD_STAGGER_S``); record what happened, and tell the plugin how long the frame
-        took to reach them (its cadence's traffic time)."""
-        await self._record_merge(out.job_id, out.merge)
+        took to reach them (its cadence's traffic time). What the round's merge did is
+        recorded once the uploads are done (the database's time is not the link's), on every
+        path: its strikes count whatever happened to the uploads."""
         targets = self._training(out.job_id, out.outgoing.base_version)
         path = paths.job_deltas(out.job_id)
         arrived: list[float] = []  # time.monotonic() of each accepted upload
@@ -261,6 +262,7 @@ class DeltaExchange:
             if plugin is not None:  # the next round may close now; -1: nothing measured
                 traffic = max(arrived) - out.handed_at if arrived else -1.0
                 plugin.delivered(out.outgoing.round, traffic)
+            await self._record_merge(out.job_id, out.merge)
         rows = [
             _Row(out.outgoing.round, "sent", p.id, len(out.frame), None, error is None, error,
                  out.every)

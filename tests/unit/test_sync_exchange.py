@@ -322,3 +322,39 @@ async def test_quarantined_senders_and_other_codecs_are_refused(sessions: Any) -
         await ex.receive(JOB, b"not even a frame", sender.peer_id)
     assert e.value.status == 403
     assert len([r for r in await rounds(sessions) if not r.applied]) == 1, "only the first"
+
+
+async def test_the_traffic_time_is_the_links_not_the_databases(
+    sessions: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the round's merge did is written after the uploads: a slow database (a busy
+    machine's SQLite) must not count as link time, or the cadence would space the rounds and
+    shrink the frames for nothing. It is still written, also when an upload fails."""
+    peers = [Peer(ch * 32, f"http://{ch}") for ch in "pq"]
+    client = SlowClient(delay={"http://p": 0.02, "http://q": 0.02})
+    ex = exchange(sessions, cast(Any, client), FakePeers(peers))
+    plugin = attach(ex)
+    recorded: list[int] = []
+    traffic: list[float] = []
+    record_merge = ex._record_merge
+
+    async def slow_record(job_id: str, merge: Any) -> None:
+        await asyncio.sleep(0.5)
+        await record_merge(job_id, merge)
+        recorded.append(len(recorded))
+
+    delivered = plugin.delivered
+    monkeypatch.setattr(ex, "_record_merge", slow_record)
+    monkeypatch.setattr(plugin, "delivered", lambda rnd, s: (traffic.append(s), delivered(rnd, s)))
+    async with running(ex):
+        plugin.after_step(1)
+        await until(lambda: _async_true(len(recorded) == 1), "the merge recorded")
+        assert len(traffic) == 1 and 0 <= traffic[0] < 0.4
+        client.delay = {"http://p": -1.0}  # asyncio.sleep(-1) returns at once; q below fails
+
+        async def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("a bug in the client")
+
+        monkeypatch.setattr(client, "post_bytes", broken)
+        plugin.after_step(2)
+        await until(lambda: _async_true(len(recorded) == 2), "recorded though uploads failed")
