@@ -352,11 +352,10 @@ def _flood(d: DaemonProcess, reference: DaemonProcess | None = None) -> dict[str
 def flood_growth(flood: dict[str, Any]) -> float | None:
     """The flooded peer's memory growth beyond what the unflooded reference peer grew in the
     same window (the job's own growth), or its whole growth without a reference."""
-    grown = flood.get("rss_growth_mb")
+    grown, ref = flood.get("rss_growth_mb"), flood.get("reference_rss_growth_mb")
     if grown is None:
         return None
-    ref = flood.get("reference_rss_growth_mb")
-    return round(grown - max(0.0, ref), 1) if ref is not None else grown
+    return round(float(grown) - max(0.0, float(ref)), 1) if ref is not None else float(grown)
 
 
 class _Probe:
@@ -566,7 +565,7 @@ def run(
     machine that slows down touches every attack alike)."""
     if quick:
         attacks, honest = QUICK_ATTACKS, 2
-    results = []
+    results: list[dict[str, Any]] = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="atomd-attack-") as tmp:
         for n in range(repeat):
