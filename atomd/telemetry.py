@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
 
 JOB_STATES = ["none", "pending", "running", "stopping", "stopped", "finished", "failed"]
 
@@ -26,6 +26,18 @@ class Telemetry:
         self.rounds = Counter(
             "atomd_sync_rounds", "Sync rounds", ["direction", "applied"], registry=r
         )
+        # Where a round's time goes on a slow link (issue #14): each upload until its answer,
+        # and the round's whole traffic time, which the automatic cadence spaces rounds by.
+        seconds = (0.01, 0.03, 0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+        self.upload_seconds = Histogram(
+            "atomd_sync_upload_seconds", "One delta frame to one peer, until its answer",
+            buckets=seconds, registry=r,
+        )  # fmt: skip
+        self.round_traffic_seconds = Histogram(
+            "atomd_sync_round_traffic_seconds",
+            "A round's frame from the trainer's hand-off to the last peer's answer",
+            buckets=seconds, registry=r,
+        )  # fmt: skip
         self.peers_alive = Gauge("atomd_peers_alive", "Peers currently alive", registry=r)
         self.checkpoints = Counter("atomd_checkpoints_written", "Checkpoints written", registry=r)
         self.job_state.state("none")

@@ -403,6 +403,25 @@ def _code(reason: str | None) -> str:
     return text.split(":", 1)[0].strip()[:40]
 
 
+def _mean_seconds(metrics: str) -> dict[str, float | None]:
+    """From a daemon's /metrics: the mean of each sync timing histogram (None: no sample)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(metrics):
+        if family.name in ("atomd_sync_upload_seconds", "atomd_sync_round_traffic_seconds"):
+            for sample in family.samples:
+                kind = sample.name.removeprefix(family.name)
+                totals.setdefault(family.name, {})[kind] = sample.value
+    out: dict[str, float | None] = {}
+    for name, key in (("atomd_sync_upload_seconds", "upload_s_mean"),
+                      ("atomd_sync_round_traffic_seconds", "round_traffic_s_mean")):  # fmt: skip
+        t = totals.get(name, {})
+        count = t.get("_count", 0.0)
+        out[key] = round(t.get("_sum", 0.0) / count, 4) if count else None
+    return out
+
+
 def _peer_report(d: Daemon, job_id: str) -> dict[str, Any]:
     """One peer's figures from its own records (job, progress, rounds)."""
     if not d.alive():
@@ -450,6 +469,8 @@ def _peer_report(d: Daemon, job_id: str) -> dict[str, Any]:
         "sync_probes": sync.get("probes"),  # the loss guard's probe passes
         "final_model": sync.get("final_model"),  # the swarm's model, or its own replica
         "fraction_final": sync.get("fraction"),  # a sparse codec's share of entries at the end
+        # Each upload until its answer, and a round's whole traffic (the cadence's measure).
+        **_mean_seconds(d.request("GET", "/metrics").text),
     }
 
 

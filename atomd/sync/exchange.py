@@ -232,12 +232,14 @@ class DeltaExchange:
 
         async def one(peer: PeerRef) -> str | None:
             for attempt in range(UPLOAD_ATTEMPTS):
+                started = time.monotonic()
                 try:
                     await self.client.post_bytes(
                         peer.url, path, out.frame, DeltaAccepted, target=peer.id,
                         timeout=UPLOAD_TIMEOUT_S,
                     )  # fmt: skip
                     arrived.append(time.monotonic())
+                    self.telemetry.upload_seconds.observe(arrived[-1] - started)
                     return None
                 except PeerRequestError as e:
                     if e.status is not None and 400 <= e.status < 500:
@@ -262,6 +264,8 @@ class DeltaExchange:
             if plugin is not None:  # the next round may close now; -1: nothing measured
                 traffic = max(arrived) - out.handed_at if arrived else -1.0
                 plugin.delivered(out.outgoing.round, traffic)
+                if traffic >= 0:
+                    self.telemetry.round_traffic_seconds.observe(traffic)
             await self._record_merge(out.job_id, out.merge)
         rows = [
             _Row(out.outgoing.round, "sent", p.id, len(out.frame), None, error is None, error,

@@ -350,6 +350,12 @@ async def test_the_traffic_time_is_the_links_not_the_databases(
         plugin.after_step(1)
         await until(lambda: _async_true(len(recorded) == 1), "the merge recorded")
         assert len(traffic) == 1 and 0 <= traffic[0] < 0.4
+        # /metrics: each upload until its answer (two peers), and the round's traffic time.
+        sample = ex.telemetry.registry.get_sample_value
+        assert sample("atomd_sync_upload_seconds_count") == 2
+        assert 0.04 <= (sample("atomd_sync_upload_seconds_sum") or 0) < 0.4
+        assert sample("atomd_sync_round_traffic_seconds_count") == 1
+        assert sample("atomd_sync_round_traffic_seconds_sum") == pytest.approx(traffic[0])
         client.delay = {"http://p": -1.0}  # asyncio.sleep(-1) returns at once; q below fails
 
         async def broken(*args: Any, **kwargs: Any) -> Any:
