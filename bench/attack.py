@@ -29,9 +29,9 @@ the end, and ``/healthz`` latency on honest peer 0 during the run; for the flood
 before and after, and events rows.
 
 The default runs are the menu and then ``none`` again (two clean runs: how far runs spread
-by chance), 200 steps each. Takes ~15 min on a quiet 2-core machine (14 runs of ~1 min: 3
-daemons start, train 200 steps and stop); ``--quick`` (2 honest peers, none / const / x100 /
-replay, 200 steps): ~5 min. A run that fails (a control API timeout on an overloaded
+by chance), 200 steps of batches of 16 x 64 tokens each. Takes ~25 min on a quiet 2-core
+machine (14 runs of ~100 s: 3 daemons start, train 200 steps and stop); ``--quick`` (2 honest
+peers, none / const / x100 / replay, 200 steps): ~7 min. A run that fails (a control API timeout on an overloaded
 machine) is recorded as a row with its error, and ``partial`` keeps what was measured so far.
 """
 
@@ -89,10 +89,11 @@ MENU = (*ATTACKS, "none")
 QUICK_ATTACKS = ("none", "const", "x100", "replay")
 STEPS = 200  # at 60 steps two clean runs ended 3.5 % apart: too short to test a 2 % bar
 SWARM = "default"
-# 8 x 16 validation windows (4,096 tokens): with 2 (1,024 tokens, before 2026-12-02) two clean
-# runs ended up to 3 % apart, as far as the 2 % bar itself.
+# Batches of 16 x 64 tokens and 8 x 16 validation windows: with batches of 4 x 32 (before
+# 2026-12-02) four clean runs spread 0.962-1.049 of their mean, wider than the 2 % bar
+# (bench/results-attack-2026-12-02s.json); at 16 x 64 three clean runs end within ~0.5 %.
 JOB: dict[str, Any] = {
-    "preset": "tiny", "seq_len": 32, "micro_batch_size": 4, "eval_batches": 8,
+    "preset": "tiny", "seq_len": 64, "micro_batch_size": 16, "eval_batches": 8,
     "eval_interval": 50, "log_interval": 1, "checkpoint_interval": 20, "warmup_steps": 2,
     "max_steps": 120, "sync": {"every": 5, "codec": "topk"},
 }  # fmt: skip
