@@ -6,7 +6,9 @@ them with signed requests and runs one attack per run. It is a full member: it s
 peer plane (TLS with its key), answers pings and advertises the job, so the honest peers send
 it their real deltas, which it decodes and turns into its attacks:
 
-- ``none``: it joins, receives, and never sends a delta (the reference);
+- ``absent``: no hostile member at all (the swarm of honest peers alone);
+- ``none``: it joins, receives, and never sends a delta (a silent member: the honest peers
+  count it among the job's peers, so each round waits for and divides by one more delta);
 - ``const``: every round, correctly signed top-k frames whose every value is 5.0;
 - ``fp32``: the same in dense fp32 (a frame in another codec than the job's: the attack that
   took the loss 2.75 -> 11.48 before #15);
@@ -20,7 +22,7 @@ it their real deltas, which it decodes and turns into its attacks:
   incarnation, with the attacker's URL), each round;
 - ``flood``: 2 GB of unauthenticated bodies and 5,000 unsigned requests.
 
-Reported per attack: each honest peer's final validation loss and its ratio to ``none``
+Reported per attack: each honest peer's final validation loss and its ratio to ``absent``
 (target: within 2 %), the rounds it closed, whether a daemon crashed, the largest |weight| of
 its last checkpoint, what happened to the attacker's requests (HTTP statuses), what the
 honest peers did with the attacker's frames that reached the merge (applied, or refused and
@@ -28,10 +30,11 @@ why, from ``/v1/jobs/{id}/rounds``), how they list the attacker, their resident 
 the end, and ``/healthz`` latency on honest peer 0 during the run; for the flood, memory
 before and after, and events rows.
 
-The default runs are the menu and then ``none`` again (two clean runs: how far runs spread
-by chance), 200 steps of batches of 16 x 64 tokens each. Takes ~25 min on a quiet 2-core
-machine (14 runs of ~100 s: 3 daemons start, train 200 steps and stop); ``--quick`` (2 honest
-peers, none / const / x100 / replay, 200 steps): ~7 min. A run that fails (a control API timeout on an overloaded
+The default runs are the menu and then ``absent`` again (two clean runs: how far runs spread
+by chance), 200 steps of batches of 16 x 64 tokens each; the ratios compare with the
+``absent`` runs. Takes ~27 min on a quiet 2-core machine (16 runs of ~100 s: 3 daemons
+start, train 200 steps and stop); ``--quick`` (2 honest peers, absent / const / x100 /
+replay, 200 steps): ~7 min. A run that fails (a control API timeout on an overloaded
 machine) is recorded as a row with its error, and ``partial`` keeps what was measured so far.
 """
 
@@ -80,13 +83,13 @@ from atomd.sync.codecs import Encoded, make_codec
 from atomd.sync.wire import FrameDecoder, decode_tensors, encode_frame
 
 ATTACKS = (
-    "none", "x10", "x100", "x1e30", "signflip", "noise", "stale", "replay", "const", "fp32",
-    "farfuture", "gossip", "flood",
+    "absent", "none", "x10", "x100", "x1e30", "signflip", "noise", "stale", "replay", "const",
+    "fp32", "farfuture", "gossip", "flood",
 )  # fmt: skip
-# The default runs: the menu, then the clean run again (how far two clean runs spread: the
-# noise floor under the 2 % bar).
-MENU = (*ATTACKS, "none")
-QUICK_ATTACKS = ("none", "const", "x100", "replay")
+# The default runs: the menu, then the run without a hostile member again (how far two clean
+# runs spread: the noise floor under the 2 % bar).
+MENU = (*ATTACKS, "absent")
+QUICK_ATTACKS = ("absent", "const", "x100", "replay")
 STEPS = 200  # at 60 steps two clean runs ended 3.5 % apart: too short to test a 2 % bar
 SWARM = "default"
 # Batches of 16 x 64 tokens and 8 x 16 validation windows: with batches of 4 x 32 (before
@@ -438,18 +441,21 @@ def _one(attack: str, root: Path, max_steps: int, n_honest: int) -> dict[str, An
         wait_until(lambda: all(len(_get(d.url + "/v1/peers")) >= n_honest for d in honest),
                    timeout=120)  # fmt: skip
         keys = {p["id"]: p["public_key"] for p in _get(honest[0].url + "/v1/peers")}
+        present = attack != "absent"
         for d, pid in zip(honest, ids, strict=True):
-            evil.join(d, pid)
+            if present:
+                evil.join(d, pid)
         probe = _Probe(honest[0].url)
         job = {**JOB, "max_steps": max_steps}
         jid = httpx.post(f"{honest[0].url}/v1/jobs", json=job, timeout=60).json()["id"]
         # Ask again until the job's advert comes back: from then on we "train" it too.
         deadline = time.monotonic() + 60
-        while evil.advert is None and time.monotonic() < deadline:
+        while present and evil.advert is None and time.monotonic() < deadline:
             evil.join(honest[0], ids[0])
             time.sleep(1.0)
         for d, pid in zip(honest[1:], ids[1:], strict=True):
-            evil.join(d, pid)
+            if present:
+                evil.join(d, pid)
         if attack == "flood":
             # Memory is measured once the job has warmed up (torch loaded, model, optimizer
             # and a first checkpoint made), so that what grows is the flood's, not the job's.
@@ -523,34 +529,37 @@ def _honest_view(d: DaemonProcess, jid: str, ids: list[str], evil: _Hostile) -> 
 
 def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per attack: the honest peers' val losses over every run of it, and their mean over the
-    mean of every ``none`` run's (``val_ratio_to_none``; target within 2 %), the spread of the
-    ``none`` runs themselves (how far clean runs differ by chance), crashes, and the flood's
-    memory growth beyond the job's own."""
+    mean of every reference run's (``val_ratio_to_reference``; target within 2 %). The
+    reference is ``absent`` (no hostile member), or ``none`` (a silent one) where no
+    ``absent`` run was made. Also the spread of the reference runs themselves (how far clean
+    runs differ by chance), crashes, and the flood's memory growth beyond the job's own."""
     vals: dict[str, list[float]] = {}
     for r in results:
         v = [h.get("val_loss") for h in r.get("honest", [])]
         if v and all(isinstance(x, float | int) and math.isfinite(x) for x in v):
             vals.setdefault(r["attack"], []).extend(float(x) for x in v)
-    none = vals.get("none", [])
-    ref = statistics.fmean(none) if none else None
+    reference = "absent" if "absent" in vals else "none"
+    clean = vals.get(reference, [])
+    ref = statistics.fmean(clean) if clean else None
     table: dict[str, dict[str, Any]] = {}
     for attack, v in vals.items():
         runs = sum(1 for r in results if r["attack"] == attack)
         row: dict[str, Any] = {"runs": runs, "val_mean": round(statistics.fmean(v), 4)}
         if ref:
-            row["val_ratio_to_none"] = round(statistics.fmean(v) / ref, 4)
+            row["val_ratio_to_reference"] = round(statistics.fmean(v) / ref, 4)
             row["ratio_range"] = [round(min(v) / ref, 4), round(max(v) / ref, 4)]
         table[attack] = row
     worst = max(
-        (abs(row["val_ratio_to_none"] - 1) for a, row in table.items()
-         if a != "none" and "val_ratio_to_none" in row),
+        (abs(row["val_ratio_to_reference"] - 1) for a, row in table.items()
+         if a != reference and "val_ratio_to_reference" in row),
         default=None,
     )  # fmt: skip
     floods = [flood_growth(r["flood"]) for r in results if r.get("flood")]
     return {
+        "reference": reference,
         "by_attack": table,
-        "worst_val_deviation_from_none": None if worst is None else round(worst, 4),
-        "none_spread": table.get("none", {}).get("ratio_range"),
+        "worst_val_deviation_from_reference": None if worst is None else round(worst, 4),
+        "reference_spread": table.get(reference, {}).get("ratio_range"),
         "crashes": sum(sum(r.get("crashed", [])) for r in results),
         "failed_runs": [r["attack"] for r in results if "error" in r],
         "flood_rss_growth_beyond_job_mb": max((g for g in floods if g is not None), default=None),
@@ -589,7 +598,7 @@ def run(
         "repeat": repeat,
         "tls": True,
         "seconds": round(time.monotonic() - t0, 1),
-        "worst_val_deviation_from_none": summary["worst_val_deviation_from_none"],
+        "worst_val_deviation_from_reference": summary["worst_val_deviation_from_reference"],
         "crashes": summary["crashes"],
         "summary": summary,
         "results": results,

@@ -26,13 +26,25 @@ def test_ratios_compare_means_over_every_run_of_an_attack() -> None:
     none, noise = s["by_attack"]["none"], s["by_attack"]["noise"]
     assert none["runs"] == 2 and noise["runs"] == 2
     assert none["val_mean"] == pytest.approx(3.045)
-    assert noise["val_ratio_to_none"] == pytest.approx(3.03 / 3.045, abs=1e-4)
-    low, high = s["none_spread"]
+    assert noise["val_ratio_to_reference"] == pytest.approx(3.03 / 3.045, abs=1e-4)
+    low, high = s["reference_spread"]
     assert (low, high) == (
         pytest.approx(3.0 / 3.045, abs=1e-4),
         pytest.approx(3.09 / 3.045, abs=1e-4),
     )
-    assert s["worst_val_deviation_from_none"] == pytest.approx(abs(3.03 / 3.045 - 1), abs=1e-4)
+    assert s["worst_val_deviation_from_reference"] == pytest.approx(abs(3.03 / 3.045 - 1), abs=1e-4)
+
+
+def test_the_reference_is_the_swarm_without_a_hostile_member_where_it_was_run() -> None:
+    """A silent member (``none``) is counted among the job's peers, so each round waits for
+    and divides by one more delta: the reference is ``absent`` (no hostile member) when run."""
+    results = [run("absent", 2.0, 2.0), run("none", 2.1, 2.1), run("const", 2.02, 2.02)]
+    s = summarize(results)
+    assert s["reference"] == "absent"
+    assert s["by_attack"]["none"]["val_ratio_to_reference"] == pytest.approx(1.05)
+    assert s["by_attack"]["const"]["val_ratio_to_reference"] == pytest.approx(1.01)
+    assert s["worst_val_deviation_from_reference"] == pytest.approx(0.05)
+    assert summarize(results[1:])["reference"] == "none"
 
 
 def test_a_harmful_attack_shows_and_failed_or_diverged_runs_are_left_out() -> None:
@@ -44,8 +56,8 @@ def test_a_harmful_attack_shows_and_failed_or_diverged_runs_are_left_out() -> No
         run("const", 2.0, 2.0, crashed=[False, True]),
     ]
     s = summarize(results)
-    assert s["by_attack"]["x10"]["val_ratio_to_none"] == pytest.approx(1.1)
-    assert s["worst_val_deviation_from_none"] == pytest.approx(0.1)
+    assert s["by_attack"]["x10"]["val_ratio_to_reference"] == pytest.approx(1.1)
+    assert s["worst_val_deviation_from_reference"] == pytest.approx(0.1)
     assert "x1e30" not in s["by_attack"]
     assert s["failed_runs"] == ["flood"] and s["crashes"] == 1
 
