@@ -6,8 +6,8 @@
   an evaluation or a checkpoint does not count), sync work excluded;
 - ``work_s``: what one round costs its trainer thread (closing it, merging deltas);
 - ``traffic_s``: how long its last rounds' frames took to reach every peer training the job,
-  from the hand-off to the event loop to the last upload that succeeded (the upper median of
-  the last 3 rounds: a link that fills shows within two rounds, one slow round is forgotten);
+  from the hand-off to the event loop to the last upload that succeeded (the largest of the last
+  few rounds: a link that fills shows at once, a burst is forgotten after a few rounds);
 
 and proposes a round period, in seconds::
 
@@ -65,11 +65,7 @@ MARGIN = 1.25
 WORK_SHARE = 0.5
 MAX_EVERY = 1000
 STEP_SAMPLES = 16  # steps whose median is the step time
-# The rounds whose traffic counts: the upper median of the last 3 (a link that fills shows in
-# two rounds, one slow round is forgotten at once). The largest of them, until 2026-12-02, with
-# the swarm's period then the largest of the peers' proposals, took a maximum of maxima: at
-# 256 kbit/s a mean traffic of 1.66 s made a period of 3.0 s (run t; docs/cadence.md).
-TRAFFIC_SAMPLES = 3
+TRAFFIC_SAMPLES = 3  # rounds whose largest traffic time counts
 WORK_SAMPLES = 8
 PROPOSAL_TTL_S = 10.0  # a peer's proposal counts this long, plus 3 swarm periods
 # A proposal heard from another peer counts for at most this many times the lower median of
@@ -160,7 +156,7 @@ class Cadence:
         """This peer's period T_i in seconds (0 before anything is measured)."""
         step = self.step_s()
         with self._lock:
-            traffic = statistics.median_high(self._traffic) if self._traffic else 0.0
+            traffic = max(self._traffic, default=0.0)
             work = statistics.median(self._work) if self._work else 0.0
         return max(MARGIN * traffic, work / WORK_SHARE, step or 0.0)
 
@@ -184,14 +180,14 @@ class Cadence:
     def frame_budget(self) -> float | None:
         """The largest frame, in bytes, whose traffic would let rounds come every LINK_EVERY
         steps, or as often as the round work allows if that is rarer (the traffic fits MARGIN
-        times into the compute between rounds, as in ``proposal``), at the lower median of
-        the rates of the last rounds' frames; None with a fixed H or before a frame's size and
-        time are measured."""
+        times into the compute between rounds, as in ``proposal``), at the slowest rate of
+        the last rounds' frames; None with a fixed H or before a frame's size and time are
+        measured."""
         step = self.step_s()
         if self.fixed is not None or step is None:
             return None
         with self._lock:
-            rate = statistics.median_low(self._rates) if self._rates else None
+            rate = min(self._rates, default=None)
             work = statistics.median(self._work) if self._work else 0.0
         if rate is None:
             return None
