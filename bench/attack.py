@@ -473,6 +473,8 @@ def _one(attack: str, root: Path, max_steps: int, n_honest: int) -> dict[str, An
                 break
             for i, (d, pid) in enumerate(zip(honest, ids, strict=True)):
                 rounds = _get(f"{d.url}/v1/jobs/{jid}/rounds")
+                if not present or not isinstance(rounds, list):  # not training it yet: a 404
+                    continue
                 v = max([r["round"] for r in rounds if r["direction"] == "sent"], default=-1)
                 if v < 0 or (i, v) in sent:
                     continue
