@@ -441,9 +441,9 @@ def _one(attack: str, root: Path, max_steps: int, n_honest: int) -> dict[str, An
         wait_until(lambda: all(len(_get(d.url + "/v1/peers")) >= n_honest for d in honest),
                    timeout=120)  # fmt: skip
         keys = {p["id"]: p["public_key"] for p in _get(honest[0].url + "/v1/peers")}
-        present = attack != "absent"
-        for d, pid in zip(honest, ids, strict=True):
-            if present:
+        present = attack != "absent"  # absent: no hostile member joins at all
+        if present:
+            for d, pid in zip(honest, ids, strict=True):
                 evil.join(d, pid)
         probe = _Probe(honest[0].url)
         job = {**JOB, "max_steps": max_steps}
@@ -453,8 +453,8 @@ def _one(attack: str, root: Path, max_steps: int, n_honest: int) -> dict[str, An
         while present and evil.advert is None and time.monotonic() < deadline:
             evil.join(honest[0], ids[0])
             time.sleep(1.0)
-        for d, pid in zip(honest[1:], ids[1:], strict=True):
-            if present:
+        if present:
+            for d, pid in zip(honest[1:], ids[1:], strict=True):
                 evil.join(d, pid)
         if attack == "flood":
             # Memory is measured once the job has warmed up (torch loaded, model, optimizer
@@ -471,9 +471,9 @@ def _one(attack: str, root: Path, max_steps: int, n_honest: int) -> dict[str, An
                 break
             if not all(d.running() for d in honest):
                 break
-            for i, (d, pid) in enumerate(zip(honest, ids, strict=True)):
+            for i, (d, pid) in enumerate(zip(honest, ids, strict=True) if present else ()):
                 rounds = _get(f"{d.url}/v1/jobs/{jid}/rounds")
-                if not present or not isinstance(rounds, list):  # not training it yet: a 404
+                if not isinstance(rounds, list):  # not training the job yet: a 404's object
                     continue
                 v = max([r["round"] for r in rounds if r["direction"] == "sent"], default=-1)
                 if v < 0 or (i, v) in sent:

@@ -239,9 +239,9 @@ class TopKCodec(Codec):
         k = _meta_int(enc.meta, "k", 1, chunk)
         n_chunks = math.ceil(numel / chunk)
         n = n_chunks * k
-        gapped = "gaps" in enc.meta and _meta_int(enc.meta, "gaps", 1, 1) == 1
         raw = _unpack(enc, n * 3 + n_chunks * 4, ("chunk", "k", "gaps"))
-        if gapped:  # two byte planes of gaps: positions ascend strictly by construction
+        if "gaps" in enc.meta:  # two byte planes of gaps: positions ascend by construction
+            _meta_int(enc.meta, "gaps", 1, 1)  # the one gap layout there is
             planes = np.frombuffer(raw, np.uint8, count=2 * n).astype(np.intp)
             gaps = (planes[:n] | (planes[n:] << 8)).reshape(n_chunks, k)
             idx = np.cumsum(gaps + 1, axis=1) - 1
