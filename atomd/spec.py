@@ -97,6 +97,12 @@ class SyncSpec(_Spec):
         + f". With every 'auto' the most it sends: fewer (down to {MIN_FRACTION:.2%}) where the "
         f"link would space rounds more than {LINK_EVERY} steps apart (docs/cadence.md).",
     )
+    value_bits: Literal[4, 8] = Field(
+        4,
+        description="Bits of each value the topk codec sends: 4 (levels -7..7: ~1.27x the "
+        "entries of 8 bits in a frame of the same bytes; the rounding stays for later rounds "
+        "like the entries left out) or 8 (int8, the layout of before 2026-12-03).",
+    )
     # Defaults measured by `atomd bench sync` (bench/sync.py; README): lr 1 for every codec;
     # momentum 0 (the plain average) for the dense codecs, never far off (fp32 with momentum
     # 0.5: 1.781 -> 1.943 at H=2, 1.911 -> 1.883 at H=50), and 0.5 for top-k, whose sparse

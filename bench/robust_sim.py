@@ -108,7 +108,9 @@ def _contribution(sender: str, out: Outgoing) -> Contribution:
 def _hostile(attack: str, out: Outgoing, spec: SyncSpec, rng: torch.Generator) -> Contribution:
     """The attack, encoded in the job's codec (it passes every check of the wire format)."""
     honest = {name: decode(enc) for name, enc in out.tensors}
-    codec = make_codec(spec.codec, topk_fraction=spec.topk_fraction, zstd=False)
+    codec = make_codec(
+        spec.codec, topk_fraction=spec.topk_fraction, value_bits=spec.value_bits, zstd=False
+    )
     sent = {k: decode(codec.encode(t)) for k, t in _attack(attack, honest, rng).items()}
     return Contribution("hostile", out.round, out.base_version, sent)
 

@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,7 @@ class Task:
     seq_len: int | None = None  # the preset's 128
     eval_batches: int = VAL_BATCHES
     every: int | str = "auto"
+    sync: dict[str, Any] = field(default_factory=dict)  # more of the job's sync settings
     idle_s: float = 10.0  # membership measured while the swarm idles
     restart_after_s: float = 20.0
     deadline_s: float = 3600.0  # per scenario, and for the references
@@ -295,7 +296,7 @@ def run_scenario(
         say(f"{scenario.name}: {n} daemons up ({net.mode}) in {time.monotonic() - t0:.1f} s")
         idle = idle_bytes(net, n, task.idle_s)
         at_start = [net.counters(i) for i in range(n)]
-        spec = {**task.spec(task.batch), "sync": {"every": task.every}}
+        spec = {**task.spec(task.batch), "sync": {**task.sync, "every": task.every}}
         r = daemons[0].request("POST", "/v1/jobs", json=spec, timeout=START_TIMEOUT_S)
         r.raise_for_status()
         seen.job_id = r.json()["id"]
@@ -617,6 +618,7 @@ def run(
     peers: int | None = None,
     scenarios: Sequence[str] | None = None,
     every: int | str | None = None,
+    sync: Mapping[str, Any] | None = None,
     steps: int | None = None,
     network: str = "auto",
     references: bool = True,
@@ -632,6 +634,7 @@ def run(
         task,
         peers=peers or task.peers,
         every=task.every if every is None else every,
+        sync=dict(sync or {}),
         steps=steps or task.steps,
     )
     names = list(scenarios or SCENARIOS)
@@ -698,8 +701,8 @@ def _earlier_references(path: Path, task: Task) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m atomd_bench swarm [--quick] [--peers N] [--scenarios a,b] [--every auto|N]
-    [--steps N] [--network auto|netns|loopback] [--no-references] [--references-from FILE]
-    [--out FILE]``."""
+    [--sync JSON] [--steps N] [--network auto|netns|loopback] [--no-references]
+    [--references-from FILE] [--out FILE]``."""
     import argparse
 
     ap = argparse.ArgumentParser(
@@ -718,6 +721,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "need root for network namespaces)",
     )
     ap.add_argument("--every", help='the job\'s sync.every: "auto" (default) or a number of steps')
+    ap.add_argument(
+        "--sync",
+        type=json.loads,
+        default={},
+        help="more of the job's sync settings, as JSON (e.g. '{\"value_bits\": 8}')",
+    )
     ap.add_argument("--steps", type=int, help=f"training steps per peer (default {STEPS})")
     ap.add_argument(
         "--network",
@@ -744,8 +753,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         every = a.every if a.every == "auto" else int(a.every)
     result = run(
         quick=a.quick, peers=a.peers, scenarios=a.scenarios.split(",") if a.scenarios else None,
-        every=every, steps=a.steps, network=a.network, references=not a.no_references,
-        references_from=a.references_from, root=a.keep,
+        every=every, sync=a.sync, steps=a.steps, network=a.network,
+        references=not a.no_references, references_from=a.references_from, root=a.keep,
     )  # fmt: skip
     text = json.dumps(result)
     if a.out is not None:

@@ -11,8 +11,9 @@ returns a finite float32 tensor or raises ``WireError``.
   (ratio 1024/260 ≈ 3.94, error ≤ absmax/254 per block).
 - ``topk`` (the default): the flat tensor is cut into equal chunks of at most 4096 entries; each
   chunk keeps its ``fraction`` largest-magnitude entries as uint16 gaps between positions and
-  int8 values with an fp32 scale per chunk (at 1 %: 41 of 4096 kept in 127 bytes before zstd,
-  ratio ≈ 129; ~90 after it, the gaps' high bytes being mostly zeros).
+  4-bit values with a bf16 scale per chunk (at 1 %: 41 of 4096 kept in 104.5 bytes before zstd,
+  ratio ≈ 157, ~1.9 bytes an entry after it, the gaps' high bytes being mostly zeros; with
+  ``value_bits`` 8, int8 values and fp32 scales: 127 bytes, ratio ≈ 129).
 - ``rice2``: the ``fraction`` largest-magnitude entries of the whole tensor, their positions
   Golomb-Rice coded (~ log2(1/fraction) + 1.5 bits each) and their values in 2 bits (sign, and
   which half of the magnitudes: each half decodes to its mean): at 2.5 %, ~9 bits an entry,
@@ -41,6 +42,8 @@ ZSTD_LEVEL = 3
 INT8_BLOCK = 256
 TOPK_CHUNK = 4096
 MAX_CHUNK = 1 << 16  # topk indices are uint16 within a chunk
+VALUE_BITS = (4, 8)  # what a topk value may take
+TOPK_BITS = 4
 
 
 @dataclass(frozen=True)
@@ -119,18 +122,12 @@ class Bf16Codec(Codec):
         return 2 * numel
 
     def encode(self, x: Tensor) -> Encoded:
-        bits = _flat(x).view(np.uint32)
-        # Round to nearest, ties to even, on the bits (as torch does); inputs are finite, so
-        # no NaN to keep, and the largest floats round to Inf as they should.
-        one, half, sixteen = np.uint32(1), np.uint32(0x7FFF), np.uint32(16)
-        rounded = (bits + (half + ((bits >> sixteen) & one))) >> sixteen
-        return self._pack(tuple(x.shape), {}, rounded.astype("<u2").tobytes())
+        return self._pack(tuple(x.shape), {}, _to_bf16(_flat(x)).tobytes())
 
     def decode(self, enc: Encoded) -> Tensor:
         numel = _numel(enc.shape)
         raw = _unpack(enc, 2 * numel, ())
-        bits = np.frombuffer(raw, "<u2").astype(np.uint32) << 16
-        return _tensor(bits.view(np.float32), enc.shape)
+        return _tensor(_from_bf16(np.frombuffer(raw, "<u2")), enc.shape)
 
 
 class Int8Codec(Codec):
@@ -172,37 +169,56 @@ class Int8Codec(Codec):
 
 
 class TopKCodec(Codec):
-    """Chunked top-k by magnitude with int8 values.
+    """Chunked top-k by magnitude with 4-bit (or int8) values.
 
     The flat tensor is cut into ``ceil(numel / chunk)`` equal chunks (the last padded by fewer
     entries than there are chunks), and each keeps its k = round(fraction * chunk) (≥ 1) largest
     |x|, so the budget is spread over the whole tensor. Payload: the positions, ascending within
     each chunk, as (n_chunks, k) uint16 gaps (entries skipped before each kept one, counted from
-    the chunk's start) in two byte planes, all low bytes then all high bytes; (n_chunks, k) int8
-    values; (n_chunks,) fp32 scales, absmax/127. Gaps are small (a density p gives gaps of ~1/p)
-    so the high plane is mostly zeros and zstd takes the positions to ~1.1 bytes at 1 % and ~1.45
-    at 0.25 %, against ~1.7 for plain uint16 indices (meta ``gaps`` = 1; without it, the layout
-    of before 2026-12-02, plain indices, which the decoder still reads).
+    the chunk's start) in two byte planes, all low bytes then all high bytes; the (n_chunks, k)
+    values, symmetric integers of ``bits`` bits (meta ``bits``: 4, levels -7..7 packed two to a
+    byte, low nibble first; or 8, int8 -127..127); (n_chunks,) scales, absmax / 7 as bfloat16
+    with 4-bit values, absmax / 127 as fp32 with int8.
+    Gaps are small (a density p gives gaps of ~1/p) so the high plane is mostly zeros and zstd
+    takes the positions to ~1.1 bytes at 1 % and ~1.45 at 0.25 %, against ~1.7 for plain uint16
+    indices. Layouts of before still decode: without meta ``bits``, int8 values (before
+    2026-12-03); without ``gaps``, plain indices (before 2026-12-02).
 
-    Values are int8, not 4-bit: the uint16 index already costs 2 bytes, so 4-bit values would
-    save only ~16 % of the bytes (ratio 153 instead of 129 at 1 %) for ~18× the quantization
-    error; error feedback would recover it, but rounds later."""
+    Why 4 bits by default (since 2026-12-03): with the positions at ~1.1-1.45 bytes and the
+    values zstd cannot shrink, int8 values were ~40 % of a frame; at 4 bits a frame of the same
+    bytes holds ~1.4x the entries. The rounding (at most absmax / 14 per entry, against
+    absmax / 254) is not lost: like the entries a frame leaves out, it stays in the replica (or
+    the error feedback) and goes out with the next rounds. Where the link spaces the rounds
+    (``sync.every: auto``) the budget buys entries, which is what the slow links lack; 8 bits
+    remain (``sync.value_bits``) for the measurement and for peers of before.
+    """
 
     name = "topk"
 
     def __init__(
-        self, *, fraction: float = 0.01, chunk: int = TOPK_CHUNK, zstd: bool = True
+        self,
+        *,
+        fraction: float = 0.01,
+        chunk: int = TOPK_CHUNK,
+        bits: int = TOPK_BITS,
+        zstd: bool = True,
     ) -> None:
         super().__init__(zstd=zstd)
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
         if not 1 <= chunk <= MAX_CHUNK:
             raise ValueError(f"chunk must be in [1, {MAX_CHUNK}], got {chunk}")
+        if bits not in VALUE_BITS:
+            raise ValueError(f"bits must be one of {VALUE_BITS}, got {bits}")
         self.fraction = fraction
         self.chunk = chunk
+        self.bits = bits
 
     def __repr__(self) -> str:
-        return f"TopKCodec(fraction={self.fraction}, chunk={self.chunk}, zstd={self.zstd})"
+        return (
+            f"TopKCodec(fraction={self.fraction}, chunk={self.chunk}, bits={self.bits}, "
+            f"zstd={self.zstd})"
+        )
 
     def _layout(self, numel: int) -> tuple[int, int, int]:
         """(chunk, k, n_chunks) for a tensor of ``numel`` entries."""
@@ -214,7 +230,7 @@ class TopKCodec(Codec):
 
     def raw_nbytes(self, numel: int) -> int:
         _, k, n_chunks = self._layout(numel)
-        return n_chunks * (3 * k + 4)
+        return _topk_raw_len(n_chunks * k, n_chunks, self.bits)
 
     def encode(self, x: Tensor) -> Encoded:
         flat = _flat(x)
@@ -224,14 +240,22 @@ class TopKCodec(Codec):
         # (decode insists on it) and a little more compressible.
         idx = np.sort(np.argpartition(np.abs(chunks), chunk - k, axis=1)[:, chunk - k :], axis=1)
         values = np.take_along_axis(chunks, idx, axis=1)  # (n_chunks, k)
-        scale = np.abs(values).max(axis=1, initial=0) / np.float32(127)  # (n_chunks,)
+        top = np.float32(_top_level(self.bits))
+        scale = np.abs(values).max(axis=1, initial=0) / top  # (n_chunks,)
+        if self.bits == 4:  # bf16 scales: 2^-8 of relative error, far below a 4-bit step
+            wire_scale = _to_bf16(scale)
+            scale = _from_bf16(wire_scale)
+        else:
+            wire_scale = scale.astype("<f4", copy=False)
         gaps = (np.diff(idx, axis=1, prepend=-1) - 1).astype("<u2")
+        q = _quantize(values, scale, int(top)).reshape(-1)
         raw = (
             gaps.view(np.uint8).reshape(-1, 2).T.tobytes()  # the low plane, then the high one
-            + _quantize(values, scale).tobytes()
-            + scale.astype("<f4", copy=False).tobytes()
+            + (_nibbles(q) if self.bits == 4 else q.tobytes())
+            + wire_scale.tobytes()
         )
-        return self._pack(tuple(x.shape), {"chunk": chunk, "k": k, "gaps": 1}, raw)
+        meta: dict[str, int | float | str] = {"chunk": chunk, "k": k, "gaps": 1, "bits": self.bits}
+        return self._pack(tuple(x.shape), meta, raw)
 
     def decode(self, enc: Encoded) -> Tensor:
         numel = _numel(enc.shape)
@@ -239,7 +263,12 @@ class TopKCodec(Codec):
         k = _meta_int(enc.meta, "k", 1, chunk)
         n_chunks = math.ceil(numel / chunk)
         n = n_chunks * k
-        raw = _unpack(enc, n * 3 + n_chunks * 4, ("chunk", "k", "gaps"))
+        bits = _meta_int(enc.meta, "bits", 4, 8) if "bits" in enc.meta else 8
+        if bits not in VALUE_BITS:
+            raise WireError(
+                "malformed", f"topk values of {bits} bits; expected one of {VALUE_BITS}"
+            )
+        raw = _unpack(enc, _topk_raw_len(n, n_chunks, bits), ("chunk", "k", "gaps", "bits"))
         if "gaps" in enc.meta:  # two byte planes of gaps: positions ascend by construction
             _meta_int(enc.meta, "gaps", 1, 1)  # the one gap layout there is
             planes = np.frombuffer(raw, np.uint8, count=2 * n).astype(np.intp)
@@ -253,8 +282,14 @@ class TopKCodec(Codec):
                 raise WireError(
                     "malformed", f"topk indices must ascend strictly within each chunk of {chunk}"
                 )
-        q = np.frombuffer(raw, np.int8, count=n, offset=2 * n).reshape(n_chunks, k)
-        scale = np.frombuffer(raw, "<f4", offset=3 * n)
+        value_bytes = _value_bytes(n, bits)
+        packed = np.frombuffer(raw, np.int8, count=value_bytes, offset=2 * n)
+        q = (_from_nibbles(packed, n) if bits == 4 else packed).reshape(n_chunks, k)
+        offset = 2 * n + value_bytes
+        if bits == 4:
+            scale = _from_bf16(np.frombuffer(raw, "<u2", count=n_chunks, offset=offset))
+        else:
+            scale = np.frombuffer(raw, "<f4", count=n_chunks, offset=offset)
         dense = np.zeros((n_chunks, chunk), np.float32)
         with np.errstate(over="ignore", invalid="ignore"):  # a huge scale: refused as non-finite
             np.put_along_axis(dense, idx, q.astype(np.float32) * scale[:, None], axis=1)
@@ -391,11 +426,14 @@ _DECODERS: dict[str, Codec] = {name: cls() for name, cls in _CODECS.items()}
 CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
 
 
-def make_codec(name: str, *, topk_fraction: float = 0.01, zstd: bool = True) -> Codec:
+def make_codec(
+    name: str, *, topk_fraction: float = 0.01, value_bits: int = TOPK_BITS, zstd: bool = True
+) -> Codec:
     """The codec called ``name`` (fp32, bf16, int8, topk or rice2); ``ValueError`` if unknown.
-    ``topk_fraction`` is the share of entries kept by the sparse codecs."""
+    ``topk_fraction`` is the share of entries kept by the sparse codecs, ``value_bits`` the
+    bits of each value topk sends."""
     if name == "topk":
-        return TopKCodec(fraction=topk_fraction, zstd=zstd)
+        return TopKCodec(fraction=topk_fraction, bits=value_bits, zstd=zstd)
     if name == "rice2":  # its streams are near their entropy already: zstd would not shrink them
         return Rice2Codec(fraction=topk_fraction, zstd=False)
     if name not in _CODECS:
@@ -492,10 +530,60 @@ def _rows(flat: np.ndarray, n_rows: int, width: int) -> np.ndarray:
     return out.reshape(n_rows, width)
 
 
-def _quantize(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """Symmetric int8 of rows ``x`` (n, m) with per-row ``scale`` (n,); round half to even."""
+def _quantize(x: np.ndarray, scale: np.ndarray, top: int = 127) -> np.ndarray:
+    """Symmetric integers in [-top, top] (int8) of rows ``x`` (n, m) with per-row ``scale``
+    (n,); round half to even."""
     divisor = np.where(scale > 0, scale, np.float32(1))  # all-zero rows stay zero
-    return np.clip(np.rint(x / divisor[:, None]), -127, 127).astype(np.int8)
+    return np.clip(np.rint(x / divisor[:, None]), -top, top).astype(np.int8)
+
+
+def _top_level(bits: int) -> int:
+    """The largest level of symmetric ``bits``-bit values: 7 for 4 bits, 127 for 8."""
+    return (1 << (bits - 1)) - 1
+
+
+def _value_bytes(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+def _topk_raw_len(n: int, n_chunks: int, bits: int) -> int:
+    """A topk payload of ``n`` entries in ``n_chunks`` chunks: gaps, values, scales (bf16 with
+    4-bit values, fp32 with int8)."""
+    return 2 * n + _value_bytes(n, bits) + (2 if bits == 4 else 4) * n_chunks
+
+
+def _to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 ``x`` as bfloat16 bits (little-endian uint16), round to nearest, ties to even
+    (as torch does). Finite inputs: no NaN to keep, and the largest round to Inf as they should."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    one, half, sixteen = np.uint32(1), np.uint32(0x7FFF), np.uint32(16)
+    rounded: np.ndarray = ((bits + (half + ((bits >> sixteen) & one))) >> sixteen).astype("<u2")
+    return rounded
+
+
+def _from_bf16(u: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) as float32."""
+    out: np.ndarray = (u.astype(np.uint32) << 16).view(np.float32)
+    return out
+
+
+def _nibbles(q: np.ndarray) -> bytes:
+    """Flat int8 values in [-8, 7] as two's-complement nibbles, two a byte, low nibble first
+    (an odd count ends with a zero nibble)."""
+    u = (q.astype(np.uint8) & 0x0F).astype(np.uint8)
+    if u.size % 2:
+        u = np.append(u, np.uint8(0))
+    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8).tobytes()
+
+
+def _from_nibbles(packed: np.ndarray, n: int) -> np.ndarray:
+    """Inverse of ``_nibbles``: ``n`` int8 values in [-8, 7]."""
+    u = packed.view(np.uint8)
+    both = np.empty(2 * u.size, np.int8)
+    both[0::2] = (u & 0x0F).astype(np.int8)
+    both[1::2] = (u >> 4).astype(np.int8)
+    out: np.ndarray = np.where(both >= 8, both - 16, both).astype(np.int8)[:n]
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:

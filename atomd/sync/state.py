@@ -41,7 +41,7 @@ from torch import Tensor
 
 from atomd.logs import get_logger
 from atomd.spec import SyncSpec
-from atomd.sync.codecs import Encoded, ErrorFeedback, make_codec
+from atomd.sync.codecs import Codec, Encoded, ErrorFeedback, make_codec
 from atomd.sync.outer import NesterovOuter, staleness_weight
 from atomd.sync.robust import DeltaStats, RobustRule, Screen, lower_median
 
@@ -153,7 +153,7 @@ class SyncState:
             self.anchor = {
                 n: p.detach().to("cpu", torch.float32, copy=True) for n, p in params.items()
             }
-        self.codec = make_codec(spec.codec, topk_fraction=spec.topk_fraction, zstd=spec.zstd)
+        self.codec = self._codec(spec.topk_fraction, zstd=spec.zstd)
         # With residual="replica", ef_decay is the replica's share of the unsent part instead.
         decay = spec.ef_decay if spec.residual == "feedback" else 1.0
         self.feedback = ErrorFeedback(self.codec, decay=decay)
@@ -193,12 +193,17 @@ class SyncState:
         if self.fraction is None:
             raise ValueError(f"codec {self.spec.codec} sends every entry: no fraction to set")
         if fraction != self.fraction:
-            self.codec = make_codec(self.spec.codec, topk_fraction=fraction, zstd=self.spec.zstd)
+            self.codec = self._codec(fraction, zstd=self.spec.zstd)
             self.feedback.codec = self.codec
+
+    def _codec(self, fraction: float, *, zstd: bool) -> Codec:
+        """The job's codec sending ``fraction`` of the entries (a sparse codec's)."""
+        s = self.spec
+        return make_codec(s.codec, topk_fraction=fraction, value_bits=s.value_bits, zstd=zstd)
 
     def payload_estimate(self, fraction: float) -> int:
         """Payload bytes of a delta (all tensors, before zstd) at ``fraction`` of the entries."""
-        codec = make_codec(self.spec.codec, topk_fraction=fraction, zstd=False)
+        codec = self._codec(fraction, zstd=False)
         return sum(codec.raw_nbytes(t.numel()) for t in self.anchor.values())
 
     @property
