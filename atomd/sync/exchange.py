@@ -5,8 +5,8 @@ A delta's whole path stays in ``atomd.sync``:
 1. the trainer thread's ``SyncPlugin`` (``runner``) closes a round and hands the signed frame to
    ``DeltaExchange.send`` (thread-safe);
 2. the exchange uploads it to every peer that trains the job (``POST /p2p/v1/jobs/{id}/deltas``,
-   one peer after another so that the frames do not leave as one burst, one retry on a network
-   error, none on a refusal);
+   one peer after another, paced by the uplink's measured rate, so that the frames do not leave
+   as one burst; one retry on a network error, none on a refusal);
 3. on each receiver the peer plane hands the body to ``DeltaExchange.receive``, which checks it
    whole off the event loop (``wire.FrameDecoder``, the replay guard) and queues it in the job's
    plugin inbox; the plugin merges it after the next optimizer step;
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -49,15 +50,25 @@ log = get_logger(__name__)
 UPLOAD_TIMEOUT_S = 30.0  # one frame to one peer
 UPLOAD_ATTEMPTS = 2
 RETRY_DELAY_S = 0.5
-# A round's frames go to its peers one after another: the next upload starts when the last one
-# is answered, or UPLOAD_STAGGER_S after it started, whichever comes first. Sent all at once,
-# the frames leave as one burst of (peers x frame) bytes, and on a slow uplink (256 kbit/s
-# with half a second of buffer, as `bench swarm` emulates a home line with `tc tbf`) the burst
-# overflows the buffer: 5-9 % of the packets were dropped, and a loss at the end of a short
-# upload is recovered only by a retransmission timeout, so frames took 3-5x their line time.
-# One at a time they fit the buffer. The stagger bounds what a silent peer costs the others.
+# A round's frames go to its peers one after another: the next upload starts when the last
+# one is answered, or once its bytes should have left this host (the frame's size at the
+# fastest rate of the recent uploads, ``_pace``), or UPLOAD_STAGGER_S after it started,
+# whichever comes first. Sent all at once, the frames leave as one burst of (peers x frame)
+# bytes, and on a slow uplink (256 kbit/s with half a second of buffer, as `bench swarm`
+# emulates a home line with `tc tbf`) the burst overflows the buffer: 5-9 % of the packets
+# were dropped, and a loss at the end of a short upload is recovered only by a retransmission
+# timeout, so frames took 3-5x their line time. One at a time they fit the buffer. But waiting
+# for each answer cost ~40 % more: the answer comes back through the receiver's uplink, full of
+# its own frames at the same moment (bench/results-swarm-256kbit-2026-12-02t.json: 0.58 s an
+# upload for 0.41 s of line time). A rate measured over a whole upload (answer included) is
+# below the line's, so the paced frames still never crowd the buffer. The stagger bounds what
+# a silent peer costs the others.
 UPLOAD_STAGGER_S = 1.0
+RATE_SAMPLES = 8  # recent uploads whose fastest rate paces the next ones
 FEED_CHUNK = 1 << 20  # bytes handed to the decoder at a time
+# Rounds, beyond the job's max_staleness, after which a peer none of whose deltas a merge
+# applied stops counting in the rounds' average (``_counted``).
+SILENT_ROUNDS = 2
 # Refusals of a signed frame that count against its sender (quarantine): what no honest peer
 # of the job sends. Staleness, replays and clocks do not count.
 STRIKING_WIRE_ERRORS = frozenset({"wrong_codec", "wrong_shape", "non_finite"})
@@ -141,8 +152,14 @@ class DeltaExchange:
         # job -> peer -> the base version of its last delta for the job: it trains no more, but
         # still takes the deltas of that round (it waits for them before it finishes).
         self._finished: dict[str, dict[str, int]] = {}
+        # job -> peer -> the version of the newest merge here that applied a delta of it, and
+        # the base version at which it was first counted: who is silent (``_counted``).
+        self._delivered: dict[str, dict[str, int]] = {}
+        self._first_counted: dict[str, dict[str, int]] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Bytes a second of the recent accepted uploads (this host's uplink, whatever the job).
+        self._rates: deque[float] = deque(maxlen=RATE_SAMPLES)
 
     async def run(self) -> None:
         """Own the uploads and records until cancelled."""
@@ -180,7 +197,7 @@ class DeltaExchange:
             job_id=job_id,
             spec=spec.sync,
             identity=self.identity,
-            n_peers=lambda base_version: 1 + len(self._training(job_id, base_version)),
+            n_peers=lambda base_version: 1 + len(self._counted(job_id, base_version)),
             send=lambda out: self._from_trainer(self._deliver(out), f"round-{out.step}"),
             absorbed=lambda job, merge: self._from_trainer(
                 self._record_merge(job, merge), "absorbed"
@@ -203,10 +220,34 @@ class DeltaExchange:
             p for p in self.peers.job_peers(job_id) if last.get(p.id, base_version) >= base_version
         ]
 
+    def _counted(self, job_id: str, base_version: int) -> list[PeerRef]:
+        """The peers whose deltas the round on ``base_version`` is averaged over (``n_peers``):
+        those training it (``_training``) that are not silent. A peer is silent once
+        ``SILENT_ROUNDS`` + max_staleness rounds have passed here without a delta of it that
+        a merge applied (refused ones, stale ones and ones clipped hard enough to count as a
+        strike do not count), counted from the merge of its newest or, before any, from the
+        round it was first counted in. It is still sent every frame; it counts again with
+        its next applied delta. Counted by the adverts alone, a member that trains but sends
+        nothing (broken, or hostile: issue #15's ``none``), or nothing a merge takes, made
+        every round wait for and divide by one more delta; so did a SIGKILLed peer until it
+        was declared dead (issue #14)."""
+        plugin = self.plugins.get(job_id)
+        grace = SILENT_ROUNDS + (plugin.spec.max_staleness if plugin is not None else 0)
+        delivered = self._delivered.get(job_id, {})
+        first = self._first_counted.setdefault(job_id, {})
+        out = []
+        for p in self._training(job_id, base_version):
+            newest = delivered.get(p.id, first.setdefault(p.id, base_version))
+            if base_version - newest <= grace:
+                out.append(p)
+        return out
+
     def release(self, job_id: str) -> None:
         """The job no longer trains here: frames for it are refused from now on."""
         self.plugins.pop(job_id, None)
         self._finished.pop(job_id, None)
+        self._delivered.pop(job_id, None)
+        self._first_counted.pop(job_id, None)
         for key in [k for k in self._received if k[0] == job_id]:
             del self._received[key]
 
@@ -220,12 +261,18 @@ class DeltaExchange:
         plugin = self.plugins.get(job_id)
         return plugin.state.numel * 4 if plugin is not None and plugin.state is not None else 0
 
+    def _pace(self, nbytes: int) -> float:
+        """Seconds between the starts of two uploads of ``nbytes``: their time at the fastest
+        recent upload rate, at most UPLOAD_STAGGER_S (that, before any upload is measured)."""
+        fastest = max(self._rates, default=0.0)
+        return min(UPLOAD_STAGGER_S, nbytes / fastest) if fastest > 0 else UPLOAD_STAGGER_S
+
     async def _deliver(self, out: RoundOut) -> None:
         """Send one round's frame to every peer training the job, one after another
-        (``UPLOAD_STAGGER_S``); record what happened, and tell the plugin how long the frame
-        took to reach them (its cadence's traffic time). What the round's merge did is
-        recorded once the uploads are done (the database's time is not the link's), on every
-        path: its strikes count whatever happened to the uploads."""
+        (``_pace``); record what happened, and tell the plugin how long the frame took to
+        reach them (its cadence's traffic time). What the round's merge did is recorded once
+        the uploads are done (the database's time is not the link's), on every path: its
+        strikes count whatever happened to the uploads."""
         targets = self._training(out.job_id, out.outgoing.base_version)
         path = paths.job_deltas(out.job_id)
         arrived: list[float] = []  # time.monotonic() of each accepted upload
@@ -239,7 +286,10 @@ class DeltaExchange:
                         timeout=UPLOAD_TIMEOUT_S,
                     )  # fmt: skip
                     arrived.append(time.monotonic())
-                    self.telemetry.upload_seconds.observe(arrived[-1] - started)
+                    elapsed = arrived[-1] - started
+                    self.telemetry.upload_seconds.observe(elapsed)
+                    if elapsed > 0:
+                        self._rates.append(len(out.frame) / elapsed)
                     return None
                 except PeerRequestError as e:
                     if e.status is not None and 400 <= e.status < 500:
@@ -252,12 +302,13 @@ class DeltaExchange:
         # Who is first turns with the round, so that no peer always gets the frame last.
         turn = out.outgoing.round % len(targets) if targets else 0
         order = targets[turn:] + targets[:turn]
+        pace = self._pace(len(out.frame))
         try:
             async with asyncio.TaskGroup() as tg:
                 uploads = []
                 for p in order:
                     uploads.append(task := tg.create_task(one(p)))
-                    await asyncio.wait({task}, timeout=UPLOAD_STAGGER_S)
+                    await asyncio.wait({task}, timeout=pace)
             errors = [task.result() for task in uploads]
         finally:
             plugin = self.plugins.get(out.job_id)
@@ -290,6 +341,11 @@ class DeltaExchange:
         rows = [row(a.sender, a.round, a.staleness, True, a.note) for a in merge.applied] + [
             row(r.sender, r.round, None, False, r.reason) for r in merge.refused
         ]
+        if job_id in self.plugins:  # who still contributes (``_counted``)
+            delivered = self._delivered.setdefault(job_id, {})
+            for a in merge.applied:
+                if not a.strike:
+                    delivered[a.sender] = max(merge.version, delivered.get(a.sender, -1))
         await self._record(job_id, rows, ratio_of=self._model_bytes(job_id))
         for a in merge.applied:
             if a.sender != self.identity.peer_id:

@@ -186,14 +186,15 @@ class SlowClient:
         return {}
 
 
-async def test_a_rounds_uploads_go_one_after_another_and_a_silent_peer_costs_the_stagger(
+async def test_a_rounds_uploads_go_one_after_another_and_a_silent_peer_costs_the_pace(
     sessions: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One at a time, a round's frames do not leave as one burst that overflows a slow
-    uplink's buffer; a peer that does not answer holds the next upload for the stagger only."""
+    uplink's buffer; a peer that does not answer holds the next upload only for the frame's
+    time at the rate measured so far (``_pace``), not for its timeout nor the stagger."""
     from atomd.sync import exchange as exchange_module
 
-    monkeypatch.setattr(exchange_module, "UPLOAD_STAGGER_S", 0.3)
+    monkeypatch.setattr(exchange_module, "UPLOAD_STAGGER_S", 5.0)
     peers = [Peer(ch * 32, f"http://{ch}") for ch in "pqr"]
     client = SlowClient(delay={"http://p": 0.05, "http://q": 0.05, "http://r": 0.05})
     ex = exchange(sessions, cast(Any, client), FakePeers(peers))
@@ -203,19 +204,34 @@ async def test_a_rounds_uploads_go_one_after_another_and_a_silent_peer_costs_the
         return len(await rounds(sessions)) == n
 
     async with running(ex):
-        plugin.after_step(1)  # round 0
+        plugin.after_step(1)  # round 0: nothing measured yet, each waits for its answer
         await until(lambda: rows(3), "round 0 sent to all three")
         assert client.most_in_flight == 1
         first = min(client.started, key=lambda u: client.started[u])
         # The next round: another peer goes first; now no peer answers: each upload holds
-        # the next for the stagger, not for its timeout.
+        # the next for the pace the answers of round 0 measured (~0.05 s), far below the
+        # stagger.
         client.started.clear()
         client.delay = dict.fromkeys(client.delay, 3600.0)
         plugin.after_step(2)
         await until(lambda: _async_true(len(client.started) == 3), "round 1 to all three")
         assert min(client.started, key=lambda u: client.started[u]) != first
         t = sorted(client.started.values())
-        assert all(0.25 <= b - a < 5.0 for a, b in itertools.pairwise(t))
+        assert all(0.04 <= b - a < 2.5 for a, b in itertools.pairwise(t))
+
+
+def test_the_pace_is_a_frames_time_at_the_fastest_recent_rate(sessions: Any) -> None:
+    """Before any upload is measured the stagger; then the frame's size over the fastest of
+    the last RATE_SAMPLES rates, never above the stagger."""
+    from atomd.sync.exchange import RATE_SAMPLES, UPLOAD_STAGGER_S
+
+    ex = exchange(sessions, FakeClient(), FakePeers([]))
+    assert ex._pace(10_000) == UPLOAD_STAGGER_S
+    ex._rates.extend([1_000.0, 4_000.0, 2_000.0])
+    assert ex._pace(2_000) == pytest.approx(0.5)
+    assert ex._pace(10**9) == UPLOAD_STAGGER_S
+    ex._rates.extend([100.0] * RATE_SAMPLES)  # the fast ones aged out
+    assert ex._pace(20) == pytest.approx(0.2)
 
 
 async def test_received_frames_are_checked_queued_and_recorded(sessions: Any) -> None:
@@ -296,6 +312,41 @@ async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> Non
         await until(lambda: _async_true(plugin._in_flight is None), "the last round delivered")
         await asyncio.sleep(0.1)
     assert len(client.posts) == 2
+
+
+async def test_a_silent_peer_stops_counting_in_the_rounds_and_counts_again_when_it_sends(
+    sessions: Any,
+) -> None:
+    """A peer listed as training the job whose deltas no merge applies (it sends nothing:
+    broken, or issue #15's silent member; or only what is refused) counts in the rounds'
+    average (``n_peers``) for SILENT_ROUNDS + max_staleness rounds, then no more; it is still
+    sent every frame; its next applied delta counts it again. A refused delta, or one
+    clipped hard enough to be a strike, does not."""
+    from atomd.sync.exchange import SILENT_ROUNDS
+    from atomd.sync.state import AppliedDelta, MergeReport, RefusedDelta
+
+    loud, quiet = Peer("l" * 32, "http://l"), Peer("q" * 32, "http://q")
+    ex = exchange(sessions, FakeClient(), FakePeers([loud, quiet]))
+    plugin = attach(ex)
+    grace = SILENT_ROUNDS + plugin.spec.max_staleness
+
+    def applied(version: int, peer: Peer, strike: bool = False) -> MergeReport:
+        return MergeReport(version, applied=[AppliedDelta(peer.id, 0, 0, 1.0, strike=strike)])
+
+    assert plugin.n_peers(0) == 3  # both listed, neither silent yet
+    await ex._record_merge(JOB, applied(1, loud))  # the loud one's delta merged in round 1
+    assert plugin.n_peers(grace) == 3
+    assert plugin.n_peers(grace + 1) == 2  # the quiet one: silent now, the loud one not yet
+    assert plugin.n_peers(grace + 2) == 1
+    assert [p.id for p in ex._training(JOB, grace + 2)] == [loud.id, quiet.id]  # still sent to
+    await ex._record_merge(JOB, applied(grace + 2, quiet))  # it counts again
+    assert plugin.n_peers(grace + 2) == 2
+    assert plugin.n_peers(2 * grace + 2) == 2 and plugin.n_peers(2 * grace + 3) == 1
+    # Refused, or applied as a strike: the loud one stays silent.
+    refused = MergeReport(2 * grace + 3, refused=[RefusedDelta(loud.id, 5, "stale")])
+    await ex._record_merge(JOB, refused)
+    await ex._record_merge(JOB, applied(2 * grace + 3, loud, strike=True))
+    assert plugin.n_peers(2 * grace + 3) == 1
 
 
 async def test_quarantined_senders_and_other_codecs_are_refused(sessions: Any) -> None:
