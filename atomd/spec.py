@@ -101,7 +101,8 @@ class SyncSpec(_Spec):
         4,
         description="Bits of each value the topk codec sends: 4 (levels -7..7: ~1.27x the "
         "entries of 8 bits in a frame of the same bytes; the rounding stays for later rounds "
-        "like the entries left out) or 8 (int8 values and fp32 scales: the frames of before value_bits).",
+        "like the entries left out) or 8 (int8 values and fp32 scales: the frames of before "
+        "value_bits).",
     )
     # Defaults measured by `atomd bench sync` (bench/sync.py; README): lr 1 for every codec;
     # momentum 0 (the plain average) for the dense codecs, never far off (fp32 with momentum
