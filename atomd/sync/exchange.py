@@ -152,10 +152,9 @@ class DeltaExchange:
         # job -> peer -> the base version of its last delta for the job: it trains no more, but
         # still takes the deltas of that round (it waits for them before it finishes).
         self._finished: dict[str, dict[str, int]] = {}
-        # job -> peer -> the version of the newest merge here that applied a delta of it, and
-        # the base version at which it was first counted: who is silent (``_counted``).
-        self._delivered: dict[str, dict[str, int]] = {}
-        self._first_counted: dict[str, dict[str, int]] = {}
+        # job -> peer -> the round its silence counts from: the base version at which it was
+        # first counted, raised by every merge here that applied a delta of it (``_counted``).
+        self._counted_from: dict[str, dict[str, int]] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Bytes a second of the recent accepted uploads (this host's uplink, whatever the job).
@@ -225,29 +224,26 @@ class DeltaExchange:
         those training it (``_training``) that are not silent. A peer is silent once
         ``SILENT_ROUNDS`` + max_staleness rounds have passed here without a delta of it that
         a merge applied (refused ones, stale ones and ones clipped hard enough to count as a
-        strike do not count), counted from the merge of its newest or, before any, from the
-        round it was first counted in. It is still sent every frame; it counts again with
+        strike do not count), counted from the later of the round it was first counted in and
+        the merge that applied its newest. It is still sent every frame; it counts again with
         its next applied delta. Counted by the adverts alone, a member that trains but sends
         nothing (broken, or hostile: issue #15's ``none``), or nothing a merge takes, made
         every round wait for and divide by one more delta; so did a SIGKILLed peer until it
         was declared dead (issue #14)."""
         plugin = self.plugins.get(job_id)
         grace = SILENT_ROUNDS + (plugin.spec.max_staleness if plugin is not None else 0)
-        delivered = self._delivered.get(job_id, {})
-        first = self._first_counted.setdefault(job_id, {})
-        out = []
-        for p in self._training(job_id, base_version):
-            newest = delivered.get(p.id, first.setdefault(p.id, base_version))
-            if base_version - newest <= grace:
-                out.append(p)
-        return out
+        since = self._counted_from.setdefault(job_id, {})
+        return [
+            p
+            for p in self._training(job_id, base_version)
+            if base_version - since.setdefault(p.id, base_version) <= grace
+        ]
 
     def release(self, job_id: str) -> None:
         """The job no longer trains here: frames for it are refused from now on."""
         self.plugins.pop(job_id, None)
         self._finished.pop(job_id, None)
-        self._delivered.pop(job_id, None)
-        self._first_counted.pop(job_id, None)
+        self._counted_from.pop(job_id, None)
         for key in [k for k in self._received if k[0] == job_id]:
             del self._received[key]
 
@@ -342,10 +338,10 @@ class DeltaExchange:
             row(r.sender, r.round, None, False, r.reason) for r in merge.refused
         ]
         if job_id in self.plugins:  # who still contributes (``_counted``)
-            delivered = self._delivered.setdefault(job_id, {})
+            since = self._counted_from.setdefault(job_id, {})
             for a in merge.applied:
                 if not a.strike:
-                    delivered[a.sender] = max(merge.version, delivered.get(a.sender, -1))
+                    since[a.sender] = max(merge.version, since.get(a.sender, merge.version))
         await self._record(job_id, rows, ratio_of=self._model_bytes(job_id))
         for a in merge.applied:
             if a.sender != self.identity.peer_id:
