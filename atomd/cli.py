@@ -582,7 +582,10 @@ def bench_sync(
     ] = False,
     runs: Annotated[
         str | None,
-        typer.Option(help="Comma-separated run names (default: all; see the bench's docstring)."),
+        typer.Option(
+            help="Comma-separated run names (default: the default selection; "
+            "`python -m atomd_bench.sync --list` lists every run)."
+        ),
     ] = None,
     workers: Annotated[
         int, typer.Option(help="Processes of one thread each; 0 runs in this process.")

@@ -73,7 +73,9 @@ FREQUENT_MOMENTUM: dict[str, float] = {"topk": 0.7}
 FREQUENT_EVERY = range(2, 6)
 # The share of entries a sparse codec sends unless the spec names one: rice2 spends ~9 bits on
 # an entry where topk spends ~25, so 2.5% of the entries cost it fewer bytes than topk's 1%.
-SPARSE_FRACTION: dict[str, float] = {"topk": 0.01, "rice2": 0.025}
+# lowrank sends numbers without positions: 4% of a matrix's entries in rank-r factors (rank 4
+# of the tiny model's 128x512 matrices) cost about the bytes of top-k's 1%.
+SPARSE_FRACTION: dict[str, float] = {"topk": 0.01, "rice2": 0.025, "lowrank": 0.04}
 
 
 class SyncSpec(_Spec):
@@ -85,7 +87,7 @@ class SyncSpec(_Spec):
         "often as their traffic and work hide behind the compute between them, at a pace the "
         "swarm agrees on (docs/cadence.md).",
     )
-    codec: Literal["fp32", "bf16", "int8", "topk", "rice2"] = Field(
+    codec: Literal["fp32", "bf16", "int8", "topk", "rice2", "lowrank"] = Field(
         "topk", description="Delta codec; all keep what they drop for the next round."
     )
     topk_fraction: float = Field(
@@ -99,7 +101,8 @@ class SyncSpec(_Spec):
     )
     value_bits: Literal[4, 8] = Field(
         4,
-        description="Bits of each value the topk codec sends: 4 (levels -7..7: ~1.27x the "
+        description="Bits of each value the topk and lowrank codecs send: 4 (levels -7..7: "
+        "for topk ~1.27x the "
         "entries of 8 bits in a frame of the same bytes; the rounding stays for later rounds "
         "like the entries left out) or 8 (int8 values and fp32 scales: the frames of before "
         "value_bits).",

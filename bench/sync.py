@@ -519,6 +519,29 @@ def extra_runs() -> list[RunSpec]:
                 ("topk", 0.005, 5),
             )
         ),
+        # Issue #14, low-rank deltas (``lowrank``: each matrix's best rank-r factors, 4-bit,
+        # no positions): where rounds are frequent, at a slow link's budget and at H=50.
+        *(
+            RunSpec(
+                f"lowrank-f{f * 100:g}-h{h}-m{m * 10:g}",
+                codec="lowrank",
+                every=h,
+                sync={"topk_fraction": f, "outer_momentum": m},
+            )
+            for f, h, m in (
+                (0.04, 2, 0.7),
+                (0.04, 2, 0.0),
+                (0.06, 50, 0.5),
+                (0.015, 5, 0.0),
+            )
+        ),
+        # A free link: a larger share of top-k's entries with less amplification.
+        RunSpec(
+            "topk-f2-h2-m5",
+            codec="topk",
+            every=2,
+            sync={"topk_fraction": 0.02, "outer_momentum": 0.5},
+        ),
     ]
 
 
@@ -593,12 +616,26 @@ def run(
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m atomd_bench.sync [--quick] [--runs a,b]``: JSON to stdout."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    quick = "--quick" in args
-    names: list[str] | None = None
-    if "--runs" in args:
-        names = args[args.index("--runs") + 1].split(",")
-    print(json.dumps(run(quick=quick, runs=names)), flush=True)
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m atomd_bench.sync",
+        description="Simulated peers exchanging compressed deltas in one process (the codec and "
+        "outer-step study). Prints one JSON object; progress goes to stderr.",
+    )
+    parser.add_argument("--quick", action="store_true", help="a few steps of a small task")
+    parser.add_argument(
+        "--runs",
+        type=lambda v: [n for n in v.split(",") if n],
+        help="comma-separated run names (default: the default selection); `--list` shows them all",
+    )
+    parser.add_argument("--list", action="store_true", help="list the known runs and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for r in [*default_runs(), *extra_runs()]:
+            print(r.name)
+        return
+    print(json.dumps(run(quick=args.quick, runs=args.runs)), flush=True)
 
 
 if __name__ == "__main__":

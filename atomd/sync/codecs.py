@@ -18,6 +18,9 @@ returns a finite float32 tensor or raises ``WireError``.
   Golomb-Rice coded (~ log2(1/fraction) + 1.5 bits each) and their values in 2 bits (sign, and
   which half of the magnitudes: each half decodes to its mean): at 2.5 %, ~9 bits an entry,
   2.7x the entries of ``topk`` for the same bytes (ratio ≈ 140).
+- ``lowrank``: each matrix's best rank-r approximation as its two factors (rows x r and
+  columns x r, 4-bit or int8 values, a scale per factor column), r spending ``fraction`` of the
+  matrix's entries; no positions travel. Flat tensors go in top-k's layout.
 
 zstd (level 3) goes on top of a payload only when it shrinks it (``meta["zstd"] = 1``).
 :class:`ErrorFeedback` adds what a round's compression dropped to the next round's delta, so over
@@ -26,6 +29,7 @@ rounds the sum of what was sent tracks the sum of the true deltas.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -44,6 +48,8 @@ TOPK_CHUNK = 4096
 MAX_CHUNK = 1 << 16  # topk indices are uint16 within a chunk
 VALUE_BITS = (4, 8)  # what a topk value may take
 TOPK_BITS = 4
+MAX_RANK = 64  # bounds the work a lowrank frame asks of its receiver
+EXACT_SVD = 512  # lowrank: an exact SVD up to this many rows and columns
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,11 @@ class Codec(ABC):
     @abstractmethod
     def raw_nbytes(self, numel: int) -> int:
         """Payload bytes, before zstd, for a tensor of ``numel`` entries."""
+
+    def raw_nbytes_for(self, shape: tuple[int, ...]) -> int:
+        """Payload bytes, before zstd, for a tensor of ``shape`` (codecs whose size depends on
+        more than the entries' count override this)."""
+        return self.raw_nbytes(math.prod(shape))
 
     def estimate_ratio(self, numel: int) -> float:
         """fp32 bytes / encoded bytes, before zstd (1.0 for an empty tensor)."""
@@ -393,6 +404,165 @@ class Rice2Codec(Codec):
         return _tensor(dense, enc.shape)
 
 
+class LowRankCodec(Codec):
+    """A matrix's best rank-r approximation, sent as its two factors (PowerSGD-like, no positions).
+
+    A tensor of two or more dimensions is the matrix A of (shape[0], the rest) rows and columns.
+    Its r largest singular triplets make ``P = U sqrt(S)`` (rows x r) and ``Q = V sqrt(S)``
+    (columns x r), with ``P @ Q.T`` the nearest rank-r matrix to A. r spends ``fraction`` of the
+    matrix's entries on the factors' numbers: r = round(fraction * rows * cols / (rows + cols)),
+    at least 1 and at most ``min(rows, cols, MAX_RANK)``. A tensor of fewer dimensions (norms,
+    biases) or no entries goes out in ``topk``'s layout at the same fraction.
+
+    Payload: P's columns then Q's columns (each column one after the other), symmetric integers
+    of ``bits`` bits (4: levels -7..7, two a byte, low nibble first; 8: int8), then one scale per
+    column, P's then Q's (absmax / 7 as bfloat16 with 4 bits, absmax / 127 as fp32 with 8).
+    Meta: ``rank``, ``bits``. No positions travel, so a number costs its bits and no more: at
+    the same bytes a frame carries several times the numbers of ``topk``.
+
+    Why it carries more per byte: a round's delta of a weight matrix is mostly a few directions
+    (what the steps agreed on), which the factors capture whole, where top-k keeps the largest
+    entries of every direction at once. What the approximation leaves out stays in the replica
+    (or the error feedback) and goes out in the next rounds, as with top-k.
+
+    Decoding costs rows x cols x rank multiply-adds; ``MAX_RANK`` bounds what a frame can ask.
+    Above ``EXACT_SVD`` rows and columns, the factors come from a randomized SVD (seeded: the
+    same delta gives the same frame). What a receiver decodes is the quantized factors'
+    product, which the sender decodes too: every peer merges the same delta."""
+
+    name = "lowrank"
+
+    def __init__(self, *, fraction: float = 0.02, bits: int = 8, zstd: bool = True) -> None:
+        super().__init__(zstd=zstd)
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        if bits not in VALUE_BITS:
+            raise ValueError(f"bits must be one of {VALUE_BITS}, got {bits}")
+        self.fraction = fraction
+        self.bits = bits
+        self._flat = TopKCodec(fraction=fraction, bits=bits, zstd=zstd)
+
+    def __repr__(self) -> str:
+        return f"LowRankCodec(fraction={self.fraction}, bits={self.bits}, zstd={self.zstd})"
+
+    def rank(self, shape: tuple[int, ...]) -> int | None:
+        """The rank a tensor of ``shape`` is sent at; None: it goes out in top-k's layout."""
+        rows, cols = _matrix(shape)
+        if len(shape) < 2 or rows * cols == 0:
+            return None
+        r = round(self.fraction * rows * cols / (rows + cols))
+        return max(1, min(r, rows, cols, MAX_RANK))
+
+    def raw_nbytes(self, numel: int) -> int:
+        """As a flat tensor of ``numel`` entries (``raw_nbytes_for`` knows matrices)."""
+        return self._flat.raw_nbytes(numel)
+
+    def raw_nbytes_for(self, shape: tuple[int, ...]) -> int:
+        r = self.rank(shape)
+        if r is None:
+            return self._flat.raw_nbytes(math.prod(shape))
+        rows, cols = _matrix(shape)
+        return _lowrank_raw_len(rows, cols, r, self.bits)
+
+    def encode(self, x: Tensor) -> Encoded:
+        shape = tuple(x.shape)
+        r = self.rank(shape)
+        if r is None:  # top-k's layout, under this codec's name: a job has one codec
+            return dataclasses.replace(self._flat.encode(x), codec=self.name)
+        rows, cols = _matrix(shape)
+        a = _flat(x).reshape(rows, cols)
+        u, s, vt = _top_singular(a, r)
+        root = np.sqrt(s)
+        factors = [(u * root).T, (vt.T * root).T]  # (r, rows) and (r, cols): columns of P, Q
+        top = np.float32(_top_level(self.bits))
+        codes, scales = [], []
+        for f in factors:
+            scale = np.abs(f).max(axis=1, initial=0).astype(np.float32) / top
+            if self.bits == 4:
+                wire = _to_bf16(scale)
+                scale = _from_bf16(wire)
+            else:
+                wire = scale.astype("<f4", copy=False)
+            codes.append(_quantize(f.astype(np.float32), scale, int(top)).reshape(-1))
+            scales.append(wire)
+        q = np.concatenate(codes)
+        raw = (_nibbles(q) if self.bits == 4 else q.tobytes()) + b"".join(
+            w.tobytes() for w in scales
+        )
+        meta: dict[str, int | float | str] = {"rank": r, "bits": self.bits}
+        return self._pack(shape, meta, raw)
+
+    def decode(self, enc: Encoded) -> Tensor:
+        numel = _numel(enc.shape)
+        if len(enc.shape) < 2 or numel == 0:  # sent in top-k's layout (encode says why)
+            return self._flat.decode(enc)
+        rows, cols = _matrix(enc.shape)
+        r = _meta_int(enc.meta, "rank", 1, min(rows, cols, MAX_RANK))
+        bits = _meta_int(enc.meta, "bits", 4, 8)
+        if bits not in VALUE_BITS:
+            raise WireError(
+                "malformed", f"lowrank values of {bits} bits; expected one of {VALUE_BITS}"
+            )
+        raw = _unpack(enc, _lowrank_raw_len(rows, cols, r, bits), ("rank", "bits"))
+        n = r * (rows + cols)
+        value_bytes = _value_bytes(n, bits)
+        packed = np.frombuffer(raw, np.int8, count=value_bytes)
+        q = (_from_nibbles(packed, n) if bits == 4 else packed).astype(np.float32)
+        if bits == 4:
+            scale = _from_bf16(np.frombuffer(raw, "<u2", count=2 * r, offset=value_bytes))
+        else:
+            scale = np.frombuffer(raw, "<f4", count=2 * r, offset=value_bytes)
+        if not np.isfinite(scale).all():
+            raise WireError("non_finite", "lowrank scales must be finite")
+        with np.errstate(over="ignore", invalid="ignore"):  # huge scales: refused as non-finite
+            p = q[: r * rows].reshape(r, rows) * scale[:r, None]
+            qq = q[r * rows :].reshape(r, cols) * scale[r:, None]
+            dense = p.T @ qq
+        return _tensor(dense, enc.shape)
+
+
+def _matrix(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, columns) of a tensor seen as a matrix: its first dimension, and the rest."""
+    if not shape:
+        return 1, 1
+    return shape[0], math.prod(shape[1:])
+
+
+def _lowrank_raw_len(rows: int, cols: int, r: int, bits: int) -> int:
+    """A lowrank payload: r * (rows + cols) values, then 2 * r scales."""
+    return _value_bytes(r * (rows + cols), bits) + (2 if bits == 4 else 4) * 2 * r
+
+
+def _top_singular(a: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(U, S, Vt) of the ``r`` largest singular values of ``a`` (float64). Up to ``EXACT_SVD``
+    rows or columns, from the eigenvectors of the smaller Gram matrix (exact, and ~10x faster
+    than an SVD of the matrix at these sizes); above, from a randomized range finder (Halko et
+    al.: a seeded Gaussian sketch of r + 8 columns, two power iterations)."""
+    a64 = a.astype(np.float64)
+    rows, cols = a64.shape
+    if min(rows, cols) <= EXACT_SVD:
+        if rows > cols:  # the same, transposed: U and V swap
+            v, s, ut = _top_singular(a64.T, r)
+            return ut.T, s, v.T
+        w, vecs = np.linalg.eigh(a64 @ a64.T)  # ascending
+        u = vecs[:, ::-1][:, :r]
+        s = np.sqrt(np.maximum(w[::-1][:r], 0.0))
+    else:
+        sketch = np.random.default_rng(rows * 1_000_003 + cols).standard_normal(
+            (cols, min(cols, r + 8))
+        )
+        basis, _ = np.linalg.qr(a64 @ sketch)
+        for _ in range(2):
+            basis, _ = np.linalg.qr(a64 @ (a64.T @ basis))
+        ub, s_all, _ = np.linalg.svd(basis.T @ a64, full_matrices=False)
+        u, s = (basis @ ub)[:, :r], s_all[:r]
+    # Vt = U^T A / S; a direction without energy (S ~ 0) contributes nothing.
+    live = s > s.max(initial=0.0) * 1e-7
+    vt = np.zeros((len(s), cols))
+    vt[live] = (u[:, live].T @ a64) / s[live, None]
+    return u, s, vt
+
+
 def _rice_parameter(gaps: np.ndarray) -> int:
     """The b in [0, 31] giving the shortest stream: sum(gap >> b) + len(gaps) * (1 + b) bits."""
     if gaps.size == 0:
@@ -420,7 +590,7 @@ def _from_bits(packed: np.ndarray, n: int, width: int) -> np.ndarray:
 
 
 _CODECS: dict[str, type[Codec]] = {
-    c.name: c for c in (Fp32Codec, Bf16Codec, Int8Codec, TopKCodec, Rice2Codec)
+    c.name: c for c in (Fp32Codec, Bf16Codec, Int8Codec, TopKCodec, Rice2Codec, LowRankCodec)
 }
 # Decoding reads every parameter from meta, so one instance of each codec decodes anything.
 _DECODERS: dict[str, Codec] = {name: cls() for name, cls in _CODECS.items()}
@@ -435,6 +605,8 @@ def make_codec(
     bits of each value topk sends."""
     if name == "topk":
         return TopKCodec(fraction=topk_fraction, bits=value_bits, zstd=zstd)
+    if name == "lowrank":
+        return LowRankCodec(fraction=topk_fraction, bits=value_bits, zstd=zstd)
     if name == "rice2":  # its streams are near their entropy already: zstd would not shrink them
         return Rice2Codec(fraction=topk_fraction, zstd=False)
     if name not in _CODECS:

@@ -204,7 +204,7 @@ class SyncState:
     def payload_estimate(self, fraction: float) -> int:
         """Payload bytes of a delta (all tensors, before zstd) at ``fraction`` of the entries."""
         codec = self._codec(fraction, zstd=False)
-        return sum(codec.raw_nbytes(t.numel()) for t in self.anchor.values())
+        return sum(codec.raw_nbytes_for(tuple(t.shape)) for t in self.anchor.values())
 
     @property
     def numel(self) -> int:

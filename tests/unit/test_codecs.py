@@ -19,8 +19,11 @@ from torch import Tensor
 from atomd.errors import WireError
 from atomd.sync.codecs import (
     CODEC_NAMES,
+    EXACT_SVD,
+    MAX_RANK,
     Encoded,
     ErrorFeedback,
+    LowRankCodec,
     TopKCodec,
     decode,
     make_codec,
@@ -56,8 +59,30 @@ def check_bounds(name: str, x: Tensor, enc: Encoded, y: Tensor) -> None:
         assert (err <= absmax / 254 * 1.001 + 1e-38).all()
     elif name == "rice2":
         check_rice2(xs, enc, ys)
+    elif name == "lowrank" and "rank" in enc.meta:
+        check_lowrank(x.numpy().astype(np.float64), enc, y.numpy().astype(np.float64))
     else:
         check_topk(xs, enc, ys)
+
+
+def check_lowrank(x: np.ndarray, enc: Encoded, y: np.ndarray) -> None:
+    """A matrix (first dimension by the rest) of rank <= r, no farther from x than the best
+    rank-r approximation plus the factors' rounding: each factor entry is within half a step
+    of its column's absmax / top, and a column of P = U sqrt(S) (or Q) has absmax <= sqrt(s_j),
+    so |E_P|_F^2 <= rows * sum(s_j) / (2 top)^2, and |E_P Q^T|_F <= |E_P|_F sqrt(s_1)."""
+    r, top = int(enc.meta["rank"]), {4: 7, 8: 127}[int(enc.meta["bits"])]
+    a, b = x.reshape(x.shape[0], -1), y.reshape(y.shape[0], -1)
+    rows, cols = a.shape
+    s = np.linalg.svd(a, compute_uv=False)
+    s_y = np.linalg.svd(b, compute_uv=False)
+    assert (s_y[r:] <= s_y[0] * 1e-5 + 1e-30).all()  # rank <= r
+    kept = s[:r].sum()
+    e_p = math.sqrt(rows * kept) / (2 * top) * 1.01  # 1 %: the bf16 scales' rounding
+    e_q = math.sqrt(cols * kept) / (2 * top) * 1.01
+    rounding = (e_p + e_q) * math.sqrt(s[0]) + e_p * e_q
+    best = math.sqrt(float(np.square(s[r:]).sum()))
+    slack = 1e-5 * float(s[0]) + 1e-30
+    assert np.linalg.norm(a - b) <= best + rounding + slack
 
 
 def check_rice2(x: np.ndarray, enc: Encoded, y: np.ndarray) -> None:
@@ -110,7 +135,7 @@ def test_round_trip(name: str, shape: tuple[int, ...], zstd: bool) -> None:
     assert y.dtype == torch.float32 and y.shape == x.shape
     assert torch.equal(y, codec.decode(enc))
     check_bounds(name, x, enc, y)
-    raw = codec.raw_nbytes(x.numel())
+    raw = codec.raw_nbytes_for(shape)
     if zstd and enc.meta.get("zstd") == 1:
         assert len(enc.payload) < raw
     elif codec.exact_size:
@@ -177,7 +202,8 @@ def test_compression_ratios() -> None:
         codec = make_codec(name, zstd=False)
         ratios[name] = 4 * x.numel() / len(codec.encode(x).payload)
         tolerance = None if codec.exact_size else 0.1  # rice2: estimated from the density
-        assert ratios[name] == pytest.approx(codec.estimate_ratio(x.numel()), rel=tolerance)
+        estimate = 4 * x.numel() / codec.raw_nbytes_for(tuple(x.shape))
+        assert ratios[name] == pytest.approx(estimate, rel=tolerance)
     assert ratios["fp32"] == 1.0
     assert ratios["bf16"] == 2.0
     assert ratios["int8"] == pytest.approx(1024 / 260)
@@ -187,6 +213,9 @@ def test_compression_ratios() -> None:
     assert ratios["topk"] >= 100
     # rice2 at its 2.5 %: 2.5x topk's entries per byte, and still >= 100x.
     assert ratios["rice2"] >= 100
+    # lowrank at 1 % of the numbers: rank round(0.01 * 1024^2 / 2048) = 5, 5 x 2048 4-bit
+    # values and 10 bf16 scales: no positions, so ~4x topk's ratio at the same share.
+    assert ratios["lowrank"] == pytest.approx(4 * 2**20 / (5 * 2048 // 2 + 2 * 10))
     assert make_codec("fp32").estimate_ratio(0) == 1.0
     # zstd only ever helps (and it is what decides the bytes on the wire).
     for name in CODEC_NAMES:
@@ -249,6 +278,7 @@ def test_malformed_payloads_are_refused(name: str, zstd: bool) -> None:
         "int8": ["block"],
         "topk": ["chunk", "k", "bits"],
         "rice2": ["k", "b", "ubytes"],
+        "lowrank": ["chunk", "k", "bits"],  # a flat tensor: top-k's layout
     }.get(name, []):
         for value in (0, -1, 1.5, "3", True, 1 << 17, None):
             meta = (
@@ -400,7 +430,8 @@ def test_error_feedback_sends_the_true_sum(name: str) -> None:
     # about 1/fraction rounds).
     assert max(peaks[rounds // 2 :]) <= max(peaks[: rounds // 2]) * 1.05 + 1e-12
     gap = float(np.linalg.norm(true - sent_sum) / np.linalg.norm(true))
-    assert gap < {"fp32": 1e-12, "bf16": 1e-4, "int8": 1e-4, "topk": 0.1, "rice2": 0.1}[name]
+    bound = {"fp32": 1e-12, "bf16": 1e-4, "int8": 1e-4, "topk": 0.1, "rice2": 0.1, "lowrank": 0.1}
+    assert gap < bound[name]
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)
@@ -485,7 +516,8 @@ meta_values = st.one_of(
     codec=st.sampled_from([*CODEC_NAMES, "fp8"]),
     shape=st.lists(st.integers(0, 40), max_size=3).map(tuple),
     meta=st.dictionaries(
-        st.sampled_from(["chunk", "k", "block", "zstd", "b", "ubytes", "x"]), meta_values
+        st.sampled_from(["chunk", "k", "block", "zstd", "b", "ubytes", "rank", "bits", "x"]),
+        meta_values,
     ),
     payload=st.binary(max_size=600),
 )
@@ -542,3 +574,89 @@ def test_one_decoder_reads_every_fraction(name: str) -> None:
         torch.testing.assert_close(y, codec.decode(enc), rtol=0, atol=0)
         kept.append(int((y != 0).sum()))
     assert kept == sorted(kept, reverse=True) and kept[0] > 4 * kept[-1]
+
+
+# --- lowrank ----------------------------------------------------------------------------------
+
+
+def test_lowrank_sends_a_low_rank_matrix_whole() -> None:
+    """A delta that is a few directions (rank 3) travels whole at rank >= 3: only the factors'
+    rounding is lost (~1 % at 8 bits, ~10 % at 4), where top-k at the same bytes keeps a
+    fraction of every direction's entries and loses most of the energy."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(128, 3, generator=g) @ torch.randn(3, 512, generator=g)
+    codec = LowRankCodec(fraction=0.03, bits=8, zstd=False)
+    assert codec.rank((128, 512)) == 3  # round(0.03 * 128 * 512 / 640)
+    for bits, bound in ((8, 0.02), (4, 0.2)):
+        enc = LowRankCodec(fraction=0.03, bits=bits, zstd=False).encode(x)
+        err = float((decode(enc) - x).norm() / x.norm())
+        assert err < bound, (bits, err)
+    lowrank = LowRankCodec(fraction=0.03, bits=4, zstd=False).encode(x)
+    topk = make_codec("topk", topk_fraction=0.01, zstd=False).encode(x)  # ~ the same bytes
+    assert len(topk.payload) > len(lowrank.payload)
+    assert float((decode(topk) - x).norm() / x.norm()) > 0.8
+
+
+def test_lowrank_rank_follows_the_fraction_within_bounds() -> None:
+    assert LowRankCodec(fraction=0.04).rank((128, 512)) == 4
+    assert LowRankCodec(fraction=0.04).rank((512, 4, 32)) == 4  # first dimension by the rest
+    assert LowRankCodec(fraction=1e-6).rank((128, 512)) == 1  # at least one direction
+    assert LowRankCodec(fraction=1.0).rank((128, 512)) == MAX_RANK  # at most MAX_RANK
+    assert LowRankCodec(fraction=1.0).rank((3, 512)) == 3  # and at most the matrix's
+    assert LowRankCodec().rank((512,)) is None and LowRankCodec().rank((0, 5)) is None
+    # The cadence sizes frames from raw_nbytes_for: exact for matrices.
+    codec = LowRankCodec(fraction=0.03, zstd=False)
+    x = randn((384, 128))
+    assert len(codec.encode(x).payload) == codec.raw_nbytes_for((384, 128))
+
+
+def test_lowrank_large_matrices_use_a_randomized_svd() -> None:
+    """Above EXACT_SVD rows and columns the factors come from a sketch: as good as the exact
+    ones on a matrix whose spectrum decays, and the same frame for the same delta."""
+    g = torch.Generator().manual_seed(4)
+    n = EXACT_SVD + 88
+    x = torch.randn(n, 6, generator=g) @ torch.randn(6, n, generator=g)
+    x += 1e-3 * torch.randn(n, n, generator=g)
+    codec = LowRankCodec(fraction=6 * 2 * n / (n * n), bits=8, zstd=False)
+    enc = codec.encode(x)
+    assert enc.meta["rank"] == 6 and codec.encode(x.clone()) == enc
+    assert float((decode(enc) - x).norm() / x.norm()) < 0.02
+
+
+@pytest.mark.parametrize("zstd", [True, False], ids=["zstd", "raw"])
+def test_lowrank_malformed_matrices_are_refused(zstd: bool) -> None:
+    enc = LowRankCodec(fraction=0.05, zstd=zstd).encode(
+        randn((40, 50)) if not zstd else torch.zeros(40, 50)
+    )
+    r = int(enc.meta["rank"])
+    flat = make_codec("topk").encode(randn((2000,)))
+    bad = [
+        replace(enc, payload=enc.payload + b"\0"),
+        replace(enc, payload=enc.payload[:-1]),
+        replace(enc, shape=(41, 50)),  # the factors' lengths no longer fit
+        replace(enc, meta={**enc.meta, "extra": 1}),
+        replace(enc, meta={k: v for k, v in enc.meta.items() if k != "rank"}),
+        replace(enc, meta={**enc.meta, "rank": 0}),
+        replace(enc, meta={**enc.meta, "rank": 41}),  # beyond the matrix's rank
+        replace(enc, meta={**enc.meta, "rank": r + 1}),  # the payload is for rank r
+        replace(enc, meta={**enc.meta, "bits": 5}),
+        replace(enc, meta={**enc.meta, "bits": True}),
+        replace(flat, codec="lowrank", shape=(40, 50)),  # top-k's layout is for flat tensors
+    ]
+    for b in bad:
+        with pytest.raises(WireError):
+            decode(b)
+    # MAX_RANK bounds a frame's work: rank x rows x columns multiply-adds.
+    big = LowRankCodec(fraction=1.0, bits=8, zstd=False).encode(randn((200, 200)))
+    assert big.meta["rank"] == MAX_RANK
+    with pytest.raises(WireError):
+        decode(replace(big, meta={**big.meta, "rank": MAX_RANK + 1}))
+
+
+def test_lowrank_huge_scales_are_refused() -> None:
+    enc = LowRankCodec(fraction=0.05, bits=8, zstd=False).encode(randn((40, 50)))
+    r = int(enc.meta["rank"])
+    values = len(enc.payload) - 8 * r
+    scales = np.full(2 * r, 3e38, "<f4").tobytes()
+    with pytest.raises(WireError, match="NaN or Inf"):
+        decode(replace(enc, payload=enc.payload[:values] + scales))

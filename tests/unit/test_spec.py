@@ -80,6 +80,10 @@ def test_outer_momentum_defaults_by_codec_and_cadence_and_shows_in_the_spec() ->
     for every in (1, 10, 50):
         assert SyncSpec(every=every).outer_momentum == OUTER_MOMENTUM["topk"]
     assert SyncSpec(codec="rice2").outer_momentum == OUTER_MOMENTUM["rice2"]
+    # lowrank: the plain average at every cadence (momentum amplifies its few directions).
+    for every in ("auto", 2, 50):
+        assert SyncSpec(codec="lowrank", every=every).outer_momentum == 0.0
+    assert SyncSpec(codec="lowrank").topk_fraction == 0.04
     for codec in ("fp32", "bf16", "int8"):
         assert SyncSpec(codec=codec).outer_momentum == 0.0
     assert SyncSpec(codec="topk", outer_momentum=0.0).outer_momentum == 0.0  # explicit wins

@@ -429,3 +429,21 @@ def test_the_next_rounds_delta_waits_even_with_max_staleness_0() -> None:
     assert me.rounds_behind() == 3  # two of three senders are there
     me.absorb([Contribution("liar", 7, 10**9, ones)])  # far-future: refused, counts for nothing
     assert "ahead" in me.last_merge.refused[0].reason and me.rounds_behind() == 3
+
+
+def test_lowrank_rounds_keep_the_anchors_equal_and_size_their_frames() -> None:
+    """A job of ``lowrank``: every tensor of a frame in that codec (flat ones in top-k's
+    layout under its name), the payload estimate the cadence sizes frames with is exact for the
+    matrices, and peers merging each other's factors keep equal anchors."""
+    s = spec(codec="lowrank", topk_fraction=0.5, zstd=False)
+    replicas, states = swarm(3, s)
+    estimate = states[0].payload_estimate(0.5)
+    for rnd in range(3):
+        for i, r in enumerate(replicas):
+            train(r, seed=100 * rnd + i)
+        outs = [st.prepare() for st in states]
+        assert all(enc.codec == "lowrank" for o in outs for _, enc in o.tensors)
+        assert all(o.payload_bytes == estimate for o in outs)
+        for i, st in enumerate(states):
+            st.merge([received(f"p{j}", o) for j, o in enumerate(outs) if j != i], n_peers=3)
+    assert max(rel(states[0].anchor, st.anchor) for st in states[1:]) < 1e-6
