@@ -641,6 +641,12 @@ def run(
     unknown = [s for s in names if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    # A daemon resumes what its folder holds: an earlier run's job would answer 409.
+    used = [root / s for s in names if root is not None and (root / s).exists()]
+    if used:
+        raise ValueError(
+            f"{', '.join(map(str, used))}: used by an earlier run; keep in a new folder"
+        )
     why_not = netns.namespaces_available()
     if network == "auto":
         network = "netns" if why_not is None else "loopback"
@@ -746,7 +752,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="take the references from an earlier run's JSON (the same task)",
     )
     ap.add_argument("--out", type=Path, help="also write the JSON (indented) here")
-    ap.add_argument("--keep", type=Path, help="keep the daemons' folders and logs here")
+    ap.add_argument(
+        "--keep", type=Path, help="keep the daemons' folders and logs here (a new folder)"
+    )
     a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     every: int | str | None = None
     if a.every is not None:

@@ -264,12 +264,14 @@ class DeltaExchange:
         return min(UPLOAD_STAGGER_S, nbytes / fastest) if fastest > 0 else UPLOAD_STAGGER_S
 
     async def _deliver(self, out: RoundOut) -> None:
-        """Send one round's frame to every peer training the job, one after another
+        """Send one round's frame to every peer that has the job, one after another
         (``_pace``); record what happened, and tell the plugin how long the frame took to
         reach them (its cadence's traffic time). What the round's merge did is recorded once
         the uploads are done (the database's time is not the link's), on every path: its
         strikes count whatever happened to the uploads."""
-        targets = self._training(out.job_id, out.outgoing.base_version)
+        # Every peer with the job, also one that has sent its last delta: it follows the
+        # rounds the others still train (``SyncPlugin._follow``) until it ends the job.
+        targets = list(self.peers.job_peers(out.job_id))
         path = paths.job_deltas(out.job_id)
         arrived: list[float] = []  # time.monotonic() of each accepted upload
 

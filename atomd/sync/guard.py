@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from atomd.logs import get_logger
 from atomd.sync.state import Contribution, MergeReport, Outgoing, RefusedDelta, SyncState, Taken
 
 log = get_logger(__name__)
+_T = TypeVar("_T")
 
 MAX_RISE = 0.5
 """Nats: a merge may raise the probe loss by this much (and ``MAX_RISE_RATIO`` of it)."""
@@ -115,12 +117,27 @@ class LossGuard:
 
     def round_boundary(self, inbox: Sequence[Contribution], *, n_peers: int) -> Outgoing:
         """``SyncState.round_boundary``, guarded; ``state.last_merge`` says what was applied."""
+        return self._closing(inbox, lambda later: self.state.round_boundary(later, n_peers=n_peers))
+
+    def follow(self, inbox: Sequence[Contribution], *, n_peers: int) -> bool:
+        """``SyncState.follow``, guarded; ``state.last_merge`` says what was applied."""
+        return self._closing(inbox, lambda later: self.state.follow(later, n_peers=n_peers))
+
+    def _closing(
+        self, inbox: Sequence[Contribution], close: Callable[[list[Contribution]], _T]
+    ) -> _T:
+        """Close a round with ``close`` (given the deltas of rounds not closed yet), the loss
+        measured before and after the deltas of the round it closes are merged."""
         state = self.state
         early = self.absorb([c for c in inbox if c.base_version < state.version])
         later = [c for c in inbox if c.base_version >= state.version]
         # The loss before is only needed when deltas of the round being closed may be merged.
         before = self._before() if later or state.held() else math.nan
-        out = state.round_boundary(later, n_peers=n_peers)
+        version = state.version
+        out = close(later)
+        if state.version == version:  # nothing closed (a follow with nothing to judge by)
+            state.last_merge = early
+            return out
         self._last = None  # the boundary restarted the replica
         report = state.last_merge
         closing = [t for t in report.taken if t.contribution.base_version == state.version - 1]

@@ -208,6 +208,20 @@ class Screen:
             if b <= base_version - self.keep_vectors:
                 x.own_vector = None
 
+    def record_stand_in(self, base_version: int) -> bool:
+        """A round this peer closes without a delta of its own (it has finished the job and
+        only follows the others' last rounds): the newest own delta's statistics stand in for
+        its reference (norms only: no direction to compare with). False, and nothing recorded,
+        when there is no own delta to stand in."""
+        known = [b for b, x in self._rounds.items() if x.own is not None and x.own.norm > 0.0]
+        if not known:
+            return False
+        newest = self._rounds[max(known)].own
+        self._rounds.setdefault(base_version, _Round()).own = newest
+        for old in [b for b in self._rounds if b <= base_version - self.keep_rounds]:
+            del self._rounds[old]
+        return True
+
     def cosine(
         self, base_version: int, tensors: Mapping[str, Tensor], norm: float | None = None
     ) -> float | None:

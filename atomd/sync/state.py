@@ -159,6 +159,7 @@ class SyncState:
         self.feedback = ErrorFeedback(self.codec, decay=decay)
         self.outer = NesterovOuter(lr=spec.outer_lr, momentum=spec.outer_momentum)
         self.averaging = False  # the plain average from now on (``average_from_now``)
+        self._following = False  # closing a round without an own delta (``follow``)
         self.version = 0  # rounds closed; round r's deltas carry base_version r
         self.round = 0  # rounds this peer has sent (its own counter; differs after a join)
         self.last_merge = MergeReport(version=0)
@@ -349,6 +350,49 @@ class SyncState:
         return report
 
     @torch.no_grad()
+    def follow(self, inbox: Sequence[Contribution], *, n_peers: int) -> bool:
+        """After this peer's last round: close round ``version`` without a delta of its own.
+
+        A peer that reaches the job's last step before the others has sent its last delta
+        (its frame says so, and the others average their later rounds without it); the others
+        still train a few rounds. Following them, it merges their deltas of those rounds as
+        they do (``n_peers``: the peers still training the round, this one not included), so
+        that its model of the swarm ends where theirs does instead of a few rounds behind.
+        What this peer trained and has not sent stays in the replica. The deltas are judged
+        against the newest own delta's norms (no direction check: there is no own delta of
+        the round to compare with); ``last_merge`` says what was applied. False, and nothing
+        done, when there is nothing to judge them by."""
+        if n_peers < 1:
+            raise ValueError(f"n_peers must be >= 1, got {n_peers}")
+        if self._sent is not None:
+            raise RuntimeError("follow() between prepare() and merge()")
+        if self.screen is not None and not self.screen.record_stand_in(self.version):
+            return False
+        start = self.start_point()
+        own = {n: p.detach().to("cpu", torch.float32) - start[n] for n, p in self.params.items()}
+        report = MergeReport(version=self.version)
+        held, self._held = self._held, []
+        self._following = True
+        try:
+            self._take([*held, *inbox], report)
+        finally:
+            self._following = False
+        due = sorted(b for b in self._pending if b < self.version)
+        if due:
+            scales = {b: 1.0 / max(n_peers, self._pending_count[b]) for b in due}
+            self.outer.step(self.anchor, self._outer_grad(scales))
+            for b in due:
+                del self._pending[b], self._pending_count[b]
+        self._n_peers = n_peers
+        self.version += 1
+        self._restart_replica(keep=own)
+        floor = self.version - self.spec.max_staleness
+        self._seen = {key for key in self._seen if key[1] >= floor}
+        self._claims = {p: b for p, b in self._claims.items() if b >= floor}
+        self.last_merge = report
+        return True
+
+    @torch.no_grad()
     def absorb(self, inbox: Sequence[Contribution]) -> MergeReport:
         """Merge deltas that arrive between round boundaries, without waiting for the next one.
 
@@ -435,7 +479,9 @@ class SyncState:
                     self._held.append(c)  # judged when this peer closes that round
                     continue
                 # Consolidation rounds send differences from the mean: opposed by design.
-                judged = self.screen.judge(c.base_version, c.tensors, direction=not self.averaging)
+                judged = self.screen.judge(
+                    c.base_version, c.tensors, direction=not (self.averaging or self._following)
+                )
                 cos = judged.cosine
                 if judged.tensors is None:
                     reason, strike = judged.reason or "refused", judged.strike

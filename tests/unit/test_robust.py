@@ -347,3 +347,28 @@ def test_a_sign_flipping_member_is_refused_by_real_sync_states() -> None:
         states[3].merge([], n_peers=4)
     for s in states[1:3]:
         assert s.divergence(states[0].anchor) < 1e-7
+
+
+def test_the_loss_guard_guards_the_rounds_a_finished_peer_follows() -> None:
+    """A followed round has no own delta to judge directions by, so a sign-flipped delta of
+    honest size passes the norm rule; the probe catches it: the round is merged with p1's
+    delta alone, p2's refused as a strike."""
+    replicas, states, _, _ = _round_zero()  # every peer closed round 0
+    me, p1 = states[0], states[1]
+    train(replicas[1], seed=11)
+    honest = received("p1", p1.round_boundary([], n_peers=2))
+    hostile = Contribution("p2", honest.round, honest.base_version,
+                           {k: -1.45 * t for k, t in honest.tensors.items()})  # fmt: skip
+    x0 = {k: v.clone() for k, v in replicas[0].items()}
+
+    def probe() -> float:  # lower as the replica moves along p1's delta
+        return -100 * sum(float((honest.tensors[k] * (replicas[0][k] - x0[k])).sum())
+                          for k in SHAPES)  # fmt: skip
+
+    guard = LossGuard(me, probe, max_rise=0.05, max_rise_ratio=0.05)
+    assert guard.follow([honest, hostile], n_peers=2)
+    report = me.last_merge
+    assert guard.rollbacks == 1 and me.version == 2
+    assert [a.sender for a in report.applied] == ["p1"]
+    assert [(r.sender, r.strike) for r in report.refused] == [("p2", True)]
+    assert me.deltas_in(1) == 1

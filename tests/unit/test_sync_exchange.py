@@ -283,8 +283,9 @@ async def test_received_frames_are_checked_queued_and_recorded(sessions: Any) ->
 
 
 async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> None:
-    """A peer done with the job says so in its last frame: no more uploads to it, and nobody
-    waits for its deltas (it no longer counts among the job's peers)."""
+    """A peer done with the job says so in its last frame: nobody waits for its deltas after
+    that round (it no longer counts among the job's peers), but it is still sent the later
+    rounds' frames (it follows them to the end) for as long as it has the job."""
     sender = Identity.generate()
     peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
     ex = exchange(sessions, FakeClient(), peers)
@@ -305,13 +306,16 @@ async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> Non
     assert (plugin.n_peers(1), plugin.n_peers(2)) == (2, 1)
     client = cast(FakeClient, ex.client)
     async with running(ex):
-        plugin.after_step(1)  # round 0, on base version 0: still sent to it
-        plugin.after_step(2)  # base version 1: its last round, still sent to it
-        plugin.after_step(3)  # base version 2: sent to nobody
-        await until(lambda: _async_true(len(client.posts) >= 2), "two uploads")
+        plugin.after_step(1)  # round 0, on base version 0: sent to it
+        plugin.after_step(2)  # base version 1: its last round
+        plugin.after_step(3)  # base version 2: it follows the round, so it is sent it too
+        await until(lambda: _async_true(len(client.posts) >= 3), "three uploads")
+        await until(lambda: _async_true(plugin._in_flight is None), "the round delivered")
+        peers.peers = []  # it has ended the job (its advert says so): sent nothing more
+        plugin.after_step(4)
         await until(lambda: _async_true(plugin._in_flight is None), "the last round delivered")
         await asyncio.sleep(0.1)
-    assert len(client.posts) == 2
+    assert len(client.posts) == 3
 
 
 async def test_a_silent_peer_stops_counting_in_the_rounds_and_counts_again_when_it_sends(

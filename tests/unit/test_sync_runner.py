@@ -107,6 +107,7 @@ def test_finish_closes_the_last_round_and_waits_for_the_others_last_deltas() -> 
     sent: list[RoundOut] = []
     absorbed: list[MergeReport] = []
     me = plugin(sent, absorbed)  # every=3, two peers
+    me.n_peers = lambda base: 2 if base == 0 else 1  # round 0 is the other's last too
     assert me.state is not None
     weight = me.state.params["weight"]
     with torch.no_grad():
@@ -122,6 +123,35 @@ def test_finish_closes_the_last_round_and_waits_for_the_others_last_deltas() -> 
     assert 0.2 <= time.monotonic() - t0 < 5.0  # returned once both deltas were in
     assert [a.sender for a in absorbed[0].applied] == ["other"]
     torch.testing.assert_close(weight.detach(), before - 1.0)  # the round's mean: 0
+    assert me.followed == 0 and "followed" not in me.stats()
+
+
+def test_a_peer_that_finishes_first_follows_the_others_last_rounds() -> None:
+    """This peer's last round is 0; the other trains rounds 1 and 2 more (its frame of round 2
+    says it is its last). finish() merges them as the other does (averaged over the one peer
+    still training), then returns: its model of the swarm ends where the other's does."""
+    sent: list[RoundOut] = []
+    absorbed: list[MergeReport] = []
+    me = plugin(sent, absorbed)
+    me.n_peers = lambda base: 2 if base <= 2 else 1
+    assert me.state is not None
+    weight = me.state.params["weight"]
+    start = weight.detach().clone()
+    with torch.no_grad():
+        weight.add_(1.0)  # this peer's progress: the reference the others' are judged by
+
+    def delta(v: float) -> dict[str, torch.Tensor]:
+        return {"weight": torch.full((3, 4), v), "bias": torch.zeros(3)}
+
+    for r, v in ((0, 1.0), (1, 0.5), (2, 0.25)):
+        me.inbox.put(Contribution("other", r, r, delta(v)))
+    me.finish(3, threading.Event())
+    assert len(sent) == 1 and me.followed == 2 and me.version == 3
+    assert me.stats()["followed"] == 2 and me.final_model is None  # no guard: no probe
+    # Round 0: the mean of this peer's 1 and the other's 1; rounds 1, 2: the other's alone.
+    torch.testing.assert_close(weight.detach(), start + 1.0 + 0.5 + 0.25)
+    assert [a.sender for a in sent[0].merge.applied] == ["other"]  # round 0, at the boundary
+    assert [a.sender for m in absorbed for a in m.applied] == ["other"] * 2  # the rounds followed
 
 
 @pytest.mark.parametrize("better", ["swarm", "own"])

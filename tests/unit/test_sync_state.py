@@ -447,3 +447,54 @@ def test_lowrank_rounds_keep_the_anchors_equal_and_size_their_frames() -> None:
         for i, st in enumerate(states):
             st.merge([received(f"p{j}", o) for j, o in enumerate(outs) if j != i], n_peers=3)
     assert max(rel(states[0].anchor, st.anchor) for st in states[1:]) < 1e-6
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_finished_peer_follows_the_last_rounds_of_the_others(momentum: float) -> None:
+    """Peer A sends its last delta at round 1; B and C train two rounds more, averaged over
+    the two of them. A follows those rounds (no delta of its own) and ends with their model
+    of the swarm; without following it would end two rounds behind. What A trained and had
+    not sent stays in its replica."""
+    s = spec(codec="topk", topk_fraction=0.2, outer_momentum=momentum)
+    replicas, states = swarm(3, s)
+    a, b, c = states
+    for rnd in range(2):
+        sync_round(replicas, states, rnd)
+    resid = {k: replicas[0][k] - a.start_point()[k] for k in SHAPES}  # A's unsent part
+    assert rel(resid, {k: torch.zeros_like(v) for k, v in resid.items()}) > 0
+    behind = a.start_point()
+    for rnd in (2, 3):
+        for i in (1, 2):
+            train(replicas[i], seed=100 * rnd + i)
+        ob, oc = b.prepare(), c.prepare()
+        b.merge([received("p2", oc)], n_peers=2)
+        c.merge([received("p1", ob)], n_peers=2)
+        # A: the round's deltas in any order, some held before it closes the round.
+        a.absorb([received("p2", oc)])
+        assert a.held() == 1 and a.version == rnd
+        assert a.follow([received("p1", ob)], n_peers=2)
+        assert a.version == rnd + 1 and len(a.last_merge.applied) == 2
+    assert rel(a.start_point(), b.start_point()) < 1e-6
+    assert rel(a.start_point(), c.start_point()) < 1e-6
+    assert rel(behind, b.start_point()) > 1e-3
+    now = {k: replicas[0][k] - a.start_point()[k] for k in SHAPES}
+    assert rel(now, resid) < 1e-6
+
+
+def test_a_follow_round_bounds_what_it_merges() -> None:
+    """A followed round's deltas are judged by the norms of the finished peer's newest own
+    delta: a delta 1e6 times too large is refused (a strike). A peer that never moved has
+    nothing to judge by and follows nothing."""
+    replicas, states = swarm(3, spec(codec="topk", topk_fraction=0.2))
+    sync_round(replicas, states, 0)
+    a, b = states[0], states[1]
+    train(replicas[1], seed=7)
+    ob = b.prepare()
+    huge = received("p1", ob)
+    huge = Contribution(
+        huge.sender, huge.round, huge.base_version, {k: v * 1e6 for k, v in huge.tensors.items()}
+    )
+    assert a.follow([huge], n_peers=2)
+    assert not a.last_merge.applied and a.last_merge.refused[0].strike
+    fresh = swarm(1, spec(codec="topk", topk_fraction=0.2))[1][0]
+    assert not fresh.follow([], n_peers=1) and fresh.version == 0
