@@ -331,6 +331,15 @@ class SyncState:
             if b < self.version
             or (commit_complete and b == self.version and self._pending_count[b] >= n_peers)
         )
+        self._close(due, n_peers=n_peers, keep=self._kept)
+        self.round += 1
+        self._kept = {}
+        self.last_merge = report
+        return report
+
+    def _close(self, due: Sequence[int], *, n_peers: int, keep: Mapping[str, Tensor]) -> None:
+        """Commit the ``due`` rounds in one outer step and move on to the next version; the
+        replica restarts from the new start point plus ``keep``."""
         if due:
             # g = -(1/n) * sum_j w_j delta_j per round; n is at least the deltas the round has
             # (a peer that left after sending still counted in its round).
@@ -340,14 +349,10 @@ class SyncState:
                 del self._pending[b], self._pending_count[b]
         self._n_peers = n_peers
         self.version += 1
-        self.round += 1
-        self._restart_replica(keep=self._kept)
-        self._kept = {}
+        self._restart_replica(keep=keep)
         floor = self.version - self.spec.max_staleness
         self._seen = {key for key in self._seen if key[1] >= floor}
         self._claims = {p: b for p, b in self._claims.items() if b >= floor}
-        self.last_merge = report
-        return report
 
     @torch.no_grad()
     def follow(self, inbox: Sequence[Contribution], *, n_peers: int) -> bool:
@@ -377,18 +382,7 @@ class SyncState:
             self._take([*held, *inbox], report)
         finally:
             self._following = False
-        due = sorted(b for b in self._pending if b < self.version)
-        if due:
-            scales = {b: 1.0 / max(n_peers, self._pending_count[b]) for b in due}
-            self.outer.step(self.anchor, self._outer_grad(scales))
-            for b in due:
-                del self._pending[b], self._pending_count[b]
-        self._n_peers = n_peers
-        self.version += 1
-        self._restart_replica(keep=own)
-        floor = self.version - self.spec.max_staleness
-        self._seen = {key for key in self._seen if key[1] >= floor}
-        self._claims = {p: b for p, b in self._claims.items() if b >= floor}
+        self._close(sorted(b for b in self._pending if b < self.version), n_peers=n_peers, keep=own)
         self.last_merge = report
         return True
 
