@@ -252,18 +252,11 @@ class TopKCodec(Codec):
         # (decode insists on it) and a little more compressible.
         idx = np.sort(np.argpartition(np.abs(chunks), chunk - k, axis=1)[:, chunk - k :], axis=1)
         values = np.take_along_axis(chunks, idx, axis=1)  # (n_chunks, k)
-        top = np.float32(_top_level(self.bits))
-        scale = np.abs(values).max(axis=1, initial=0) / top  # (n_chunks,)
-        if self.bits == 4:  # bf16 scales: 2^-8 of relative error, far below a 4-bit step
-            wire_scale = _to_bf16(scale)
-            scale = _from_bf16(wire_scale)
-        else:
-            wire_scale = scale.astype("<f4", copy=False)
         gaps = (np.diff(idx, axis=1, prepend=-1) - 1).astype("<u2")
-        q = _quantize(values, scale, int(top)).reshape(-1)
+        q, wire_scale = _quantized(values, self.bits)
         raw = (
             gaps.view(np.uint8).reshape(-1, 2).T.tobytes()  # the low plane, then the high one
-            + (_nibbles(q) if self.bits == 4 else q.tobytes())
+            + _codes(q, self.bits)
             + wire_scale.tobytes()
         )
         meta: dict[str, int | float | str] = {"chunk": chunk, "k": k, "gaps": 1, "bits": self.bits}
@@ -275,11 +268,7 @@ class TopKCodec(Codec):
         k = _meta_int(enc.meta, "k", 1, chunk)
         n_chunks = math.ceil(numel / chunk)
         n = n_chunks * k
-        bits = _meta_int(enc.meta, "bits", 4, 8) if "bits" in enc.meta else 8
-        if bits not in VALUE_BITS:
-            raise WireError(
-                "malformed", f"topk values of {bits} bits; expected one of {VALUE_BITS}"
-            )
+        bits = _meta_bits(enc, default=8)
         raw = _unpack(enc, _topk_raw_len(n, n_chunks, bits), ("chunk", "k", "gaps", "bits"))
         if "gaps" in enc.meta:  # two byte planes of gaps: positions ascend by construction
             _meta_int(enc.meta, "gaps", 1, 1)  # the one gap layout there is
@@ -294,17 +283,10 @@ class TopKCodec(Codec):
                 raise WireError(
                     "malformed", f"topk indices must ascend strictly within each chunk of {chunk}"
                 )
-        value_bytes = _value_bytes(n, bits)
-        packed = np.frombuffer(raw, np.int8, count=value_bytes, offset=2 * n)
-        q = (_from_nibbles(packed, n) if bits == 4 else packed).reshape(n_chunks, k)
-        offset = 2 * n + value_bytes
-        if bits == 4:
-            scale = _from_bf16(np.frombuffer(raw, "<u2", count=n_chunks, offset=offset))
-        else:
-            scale = np.frombuffer(raw, "<f4", count=n_chunks, offset=offset)
+        q, scale = _read_values(raw, 2 * n, n, n_chunks, bits)
         dense = np.zeros((n_chunks, chunk), np.float32)
         with np.errstate(over="ignore", invalid="ignore"):  # a huge scale: refused as non-finite
-            np.put_along_axis(dense, idx, q.astype(np.float32) * scale[:, None], axis=1)
+            np.put_along_axis(dense, idx, q.reshape(n_chunks, k) * scale[:, None], axis=1)
         return _tensor(dense.reshape(-1)[:numel], enc.shape)
 
 
@@ -447,9 +429,9 @@ class LowRankCodec(Codec):
 
     def rank(self, shape: tuple[int, ...]) -> int | None:
         """The rank a tensor of ``shape`` is sent at; None: it goes out in top-k's layout."""
-        rows, cols = _matrix(shape)
-        if len(shape) < 2 or rows * cols == 0:
+        if len(shape) < 2 or math.prod(shape) == 0:
             return None
+        rows, cols = _matrix(shape)
         r = round(self.fraction * rows * cols / (rows + cols))
         return max(1, min(r, rows, cols, MAX_RANK))
 
@@ -473,22 +455,11 @@ class LowRankCodec(Codec):
         a = _flat(x).reshape(rows, cols)
         u, s, vt = _top_singular(a, r)
         root = np.sqrt(s)
-        factors = [(u * root).T, (vt.T * root).T]  # (r, rows) and (r, cols): columns of P, Q
-        top = np.float32(_top_level(self.bits))
-        codes, scales = [], []
-        for f in factors:
-            scale = np.abs(f).max(axis=1, initial=0).astype(np.float32) / top
-            if self.bits == 4:
-                wire = _to_bf16(scale)
-                scale = _from_bf16(wire)
-            else:
-                wire = scale.astype("<f4", copy=False)
-            codes.append(_quantize(f.astype(np.float32), scale, int(top)).reshape(-1))
-            scales.append(wire)
-        q = np.concatenate(codes)
-        raw = (_nibbles(q) if self.bits == 4 else q.tobytes()) + b"".join(
-            w.tobytes() for w in scales
+        # (r, rows) and (r, cols): the columns of P and Q, one scale each.
+        p, q = (
+            _quantized(f.astype(np.float32), self.bits) for f in ((u * root).T, (vt.T * root).T)
         )
+        raw = _codes(np.concatenate([p[0], q[0]]), self.bits) + p[1].tobytes() + q[1].tobytes()
         meta: dict[str, int | float | str] = {"rank": r, "bits": self.bits}
         return self._pack(shape, meta, raw)
 
@@ -498,22 +469,9 @@ class LowRankCodec(Codec):
             return self._flat.decode(enc)
         rows, cols = _matrix(enc.shape)
         r = _meta_int(enc.meta, "rank", 1, min(rows, cols, MAX_RANK))
-        bits = _meta_int(enc.meta, "bits", 4, 8)
-        if bits not in VALUE_BITS:
-            raise WireError(
-                "malformed", f"lowrank values of {bits} bits; expected one of {VALUE_BITS}"
-            )
+        bits = _meta_bits(enc)
         raw = _unpack(enc, _lowrank_raw_len(rows, cols, r, bits), ("rank", "bits"))
-        n = r * (rows + cols)
-        value_bytes = _value_bytes(n, bits)
-        packed = np.frombuffer(raw, np.int8, count=value_bytes)
-        q = (_from_nibbles(packed, n) if bits == 4 else packed).astype(np.float32)
-        if bits == 4:
-            scale = _from_bf16(np.frombuffer(raw, "<u2", count=2 * r, offset=value_bytes))
-        else:
-            scale = np.frombuffer(raw, "<f4", count=2 * r, offset=value_bytes)
-        if not np.isfinite(scale).all():
-            raise WireError("non_finite", "lowrank scales must be finite")
+        q, scale = _read_values(raw, 0, r * (rows + cols), 2 * r, bits)
         with np.errstate(over="ignore", invalid="ignore"):  # huge scales: refused as non-finite
             p = q[: r * rows].reshape(r, rows) * scale[:r, None]
             qq = q[r * rows :].reshape(r, cols) * scale[r:, None]
@@ -522,15 +480,14 @@ class LowRankCodec(Codec):
 
 
 def _matrix(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(rows, columns) of a tensor seen as a matrix: its first dimension, and the rest."""
-    if not shape:
-        return 1, 1
+    """(rows, columns) of a tensor of two or more dimensions seen as a matrix: its first
+    dimension, and the rest."""
     return shape[0], math.prod(shape[1:])
 
 
 def _lowrank_raw_len(rows: int, cols: int, r: int, bits: int) -> int:
     """A lowrank payload: r * (rows + cols) values, then 2 * r scales."""
-    return _value_bytes(r * (rows + cols), bits) + (2 if bits == 4 else 4) * 2 * r
+    return _values_len(r * (rows + cols), 2 * r, bits)
 
 
 def _top_singular(a: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -719,10 +676,62 @@ def _value_bytes(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
 
 
+def _values_len(n: int, n_scales: int, bits: int) -> int:
+    """``n`` values of ``bits`` bits and their ``n_scales`` scales (bf16 at 4 bits, fp32 at 8)."""
+    return _value_bytes(n, bits) + (2 if bits == 4 else 4) * n_scales
+
+
+def _quantized(rows: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Float32 ``rows`` (n, m) as flat symmetric ``bits``-bit integers, one scale a row, and
+    the scales as they travel: absmax / 7 as bfloat16 at 4 bits (2^-8 of relative error, far
+    below a 4-bit step; the values are rounded with the scale the receiver reads), absmax / 127
+    as fp32 at 8."""
+    top = np.float32(_top_level(bits))
+    scale = np.abs(rows).max(axis=1, initial=0) / top
+    if bits == 4:
+        wire = _to_bf16(scale)
+        scale = _from_bf16(wire)
+    else:
+        wire = scale.astype("<f4", copy=False)
+    return _quantize(rows, scale, int(top)).reshape(-1), wire
+
+
+def _codes(q: np.ndarray, bits: int) -> bytes:
+    """Flat integers of ``_quantized`` as they travel: nibbles at 4 bits, int8 at 8."""
+    return _nibbles(q) if bits == 4 else q.tobytes()
+
+
+def _read_values(
+    raw: bytes, offset: int, n: int, n_scales: int, bits: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``n`` codes (as float32) and ``n_scales`` scales that ``_codes`` and ``_quantized``
+    wrote at ``offset`` of ``raw``, one after the other."""
+    value_bytes = _value_bytes(n, bits)
+    packed = np.frombuffer(raw, np.int8, count=value_bytes, offset=offset)
+    q = (_from_nibbles(packed, n) if bits == 4 else packed).astype(np.float32)
+    at = offset + value_bytes
+    if bits == 4:
+        return q, _from_bf16(np.frombuffer(raw, "<u2", count=n_scales, offset=at))
+    return q, np.frombuffer(raw, "<f4", count=n_scales, offset=at)
+
+
+def _meta_bits(enc: Encoded, default: int | None = None) -> int:
+    """The bits of ``enc``'s values (meta ``bits``; ``default`` where a layout of before has
+    none), one of ``VALUE_BITS``."""
+    if default is not None and "bits" not in enc.meta:
+        return default
+    bits = _meta_int(enc.meta, "bits", 4, 8)
+    if bits not in VALUE_BITS:
+        raise WireError(
+            "malformed", f"{enc.codec} values of {bits} bits; expected one of {VALUE_BITS}"
+        )
+    return bits
+
+
 def _topk_raw_len(n: int, n_chunks: int, bits: int) -> int:
     """A topk payload of ``n`` entries in ``n_chunks`` chunks: gaps, values, scales (bf16 with
     4-bit values, fp32 with int8)."""
-    return 2 * n + _value_bytes(n, bits) + (2 if bits == 4 else 4) * n_chunks
+    return 2 * n + _values_len(n, n_chunks, bits)
 
 
 def _to_bf16(x: np.ndarray) -> np.ndarray:

@@ -149,8 +149,9 @@ class DeltaExchange:
         # (job, sender, round) -> (frame bytes, the sender's round length in steps): recorded
         # when the plugin merges the delta.
         self._received: dict[tuple[str, str, int], tuple[int, int | None]] = {}
-        # job -> peer -> the base version of its last delta for the job: it trains no more, but
-        # still takes the deltas of that round (it waits for them before it finishes).
+        # job -> peer -> the base version of its last delta for the job: it trains no more and
+        # counts in no later round's average, but is still sent the frames of the rounds the
+        # others train (it follows them until it ends the job: ``_deliver``).
         self._finished: dict[str, dict[str, int]] = {}
         # job -> peer -> the round its silence counts from: the base version at which it was
         # first counted, raised by every merge here that applied a delta of it (``_counted``).

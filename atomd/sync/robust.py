@@ -202,8 +202,7 @@ class Screen:
         r.own = DeltaStats.of(tensors)
         # Kept also with the check off: the cosines are reported (and measured) all the same.
         r.own_vector = {name: _keep(t) for name, t in tensors.items()}
-        for old in [b for b in self._rounds if b <= base_version - self.keep_rounds]:
-            del self._rounds[old]
+        self._forget_before(base_version)
         for b, x in self._rounds.items():
             if b <= base_version - self.keep_vectors:
                 x.own_vector = None
@@ -218,9 +217,13 @@ class Screen:
             return False
         newest = self._rounds[max(known)].own
         self._rounds.setdefault(base_version, _Round()).own = newest
+        self._forget_before(base_version)
+        return True
+
+    def _forget_before(self, base_version: int) -> None:
+        """Keep the statistics of the last ``keep_rounds`` rounds up to ``base_version``."""
         for old in [b for b in self._rounds if b <= base_version - self.keep_rounds]:
             del self._rounds[old]
-        return True
 
     def cosine(
         self, base_version: int, tensors: Mapping[str, Tensor], norm: float | None = None

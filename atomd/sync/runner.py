@@ -382,7 +382,10 @@ class SyncPlugin:
             if not inbox:
                 return
         self._settle()
-        merge = self.guard.absorb(inbox) if self.guard else self.state.absorb(inbox)
+        self._report(self.guard.absorb(inbox) if self.guard else self.state.absorb(inbox))
+
+    def _report(self, merge: MergeReport) -> None:
+        """Hand a merge made between boundaries to the loop (recorded, strikes counted)."""
         if self.absorbed is not None and (merge.applied or merge.refused):
             self.absorbed(self.job_id, merge)
 
@@ -492,9 +495,7 @@ class SyncPlugin:
                         followed = self.guard.follow(inbox, n_peers=others)
                     else:
                         followed = self.state.follow(inbox, n_peers=others)
-                    merge = self.state.last_merge
-                    if self.absorbed is not None and (merge.applied or merge.refused):
-                        self.absorbed(self.job_id, merge)
+                    self._report(self.state.last_merge)
                     if not followed:
                         return
                     self.followed += 1
