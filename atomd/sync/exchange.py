@@ -388,13 +388,13 @@ class DeltaExchange:
         from atomd.sync.state import Contribution
         from atomd.sync.wire import FrameDecoder, ReplayGuard, check_codec, decode_tensors
 
-        plugin = self.plugins.get(job_id)
-        if plugin is None or plugin.state is None or not (self.jobs and self.jobs.trains(job_id)):
-            raise NotFoundError(f"not training job {job_id} here")
         why = self.peers.exclusion(signer)
         if why is not None:  # refused before anything is decoded; counted, not recorded a row
             self.telemetry.rounds.labels("received", "false").inc()
             raise PeerAuthError(f"peer {signer} is {why}", status=403)
+        plugin = self.plugins.get(job_id)
+        if plugin is None or plugin.state is None or not (self.jobs and self.jobs.trains(job_id)):
+            raise NotFoundError(f"not training job {job_id} here")
         codec = plugin.spec.codec
         if self._replay_guard is None:
             self._replay_guard = ReplayGuard()

@@ -376,6 +376,11 @@ async def test_quarantined_senders_and_other_codecs_are_refused(sessions: Any) -
     with pytest.raises(PeerAuthError, match="quarantined") as e:
         await ex.receive(JOB, b"not even a frame", sender.peer_id)
     assert e.value.status == 403
+    # The sender is refused before the job is looked up: a job that has finished (or was never
+    # here) does not turn the refusal into a 404.
+    with pytest.raises(PeerAuthError, match="quarantined") as e:
+        await ex.receive("another-job", b"not even a frame", sender.peer_id)
+    assert e.value.status == 403
     assert len([r for r in await rounds(sessions) if not r.applied]) == 1, "only the first"
 
 
