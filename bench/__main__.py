@@ -5,7 +5,8 @@ first.
 The durations are those measured on a quiet 2-core machine without a GPU (``make bench``:
 about 100 min in all, most of it the sync convergence runs; ``make bench-quick``: a few minutes).
 ``python -m atomd_bench swarm [OPTIONS]`` runs the real-daemon swarm benchmark with its own
-options (``--help``); it is not part of the default list (its full run takes hours here).
+options (``--help``); it is not part of the default list (its full run takes hours here), nor
+is ``join`` (where a joining peer starts: two simulated peers, ~1 min with its defaults).
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ BENCHES: dict[str, Bench] = {
     "attack": Bench("atomd_bench.attack", "~27 min", "~7 min", {"quick": True}),
 }
 # Benchmarks that take their own command-line options after their name: (module, function).
-WITH_OPTIONS: dict[str, tuple[str, str]] = {"swarm": ("atomd_bench.swarm", "main")}
+WITH_OPTIONS: dict[str, tuple[str, str]] = {
+    "swarm": ("atomd_bench.swarm", "main"),
+    "join": ("atomd_bench.join", "main"),
+}
 
 
 def usage() -> str:

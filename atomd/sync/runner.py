@@ -585,15 +585,20 @@ class SyncPlugin:
         return True
 
     def adopt(self) -> None:
-        """After taking another peer's state (a join or a restart): send none of the donor's
-        error feedback (it is the donor's to send). With ``residual="feedback"`` train from the
-        swarm's estimate (anchor plus the deltas in); with ``"replica"`` keep the donor's model:
-        its replica also holds the part of its progress top-k has not sent yet (most of it), so
-        the shared anchor alone is a much worse start. That part is then counted once more in
-        the anchor as this peer's deltas carry it too: bounded, and once per join."""
+        """After taking another peer's state (a join or a restart): train from the swarm's
+        estimate (anchor plus the deltas in), with none of the donor's error feedback.
+
+        The donor's replica also holds the part of its progress the codec has not sent yet,
+        and the donor sends that part over its next rounds. A joiner that kept the donor's
+        model sent it too, so every anchor counted it twice (once per peer that held it) and
+        the outer momentum amplified it (``python -m atomd_bench join``: two simulated peers,
+        top-k 1%, the joiner taking the donor's state at step 20 of 120 at H=5, mean val 3.034
+        against 2.888 from the swarm's estimate; docs/notes/issue-14.md has the benchmark's
+        task too). On real daemons, 4 peers, one SIGKILLed and restarted: the peers' models of
+        the swarm agreed as well as without a kill (probe 1.668-1.671, against 1.688-1.708
+        with the donor's replica kept) and all four ended on it."""
         if self.state is None:
             return
         self._settle()
         self.state.feedback.load_state_tensors({})
-        if self.spec.residual == "feedback":
-            self.state.reset_replica()
+        self.state.reset_replica()

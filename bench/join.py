@@ -1,0 +1,152 @@
+"""A peer joining a running swarm: where should it start? Two simulated peers, one process.
+
+Peer 0 trains alone (counting two peers, as a daemon does while the joiner fetches its state)
+until step ``join_at``; then peer 1 takes peer 0's state, as a daemon's state transfer gives it
+(model, AdamW moments and sync state; the donor's error feedback dropped), and both train on,
+exchanging top-k deltas. Each delta reaches the other peer 1 to H steps after its round closes
+(seeded). The variants differ only in where the joiner's replica starts:
+
+- ``reset`` (the daemon's ``SyncPlugin.adopt``): the swarm's estimate, the anchor plus the
+  deltas in;
+- ``keep`` (the daemon before 2026-12-02): the donor's replica, which also holds the part of
+  the donor's progress the codec has not sent yet. The donor sends that part itself over its
+  next rounds; the joiner then sends it too.
+
+Reported per variant and seed: both peers' validation loss every 10 steps and at the end (the
+same fixed validation batches), and their mean. ``python -m atomd_bench.join --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from typing import Any
+
+from atomd.data.dataset import TokenDataset, load_dataset
+from atomd.spec import JobSpec, SyncSpec, lr_at
+from atomd.sync.codecs import decode
+from atomd.sync.state import Contribution, SyncState
+from atomd_bench.sync import _build
+
+VARIANTS = ("reset", "keep")
+VAL_BATCHES = 8
+
+
+def run(
+    variant: str,
+    *,
+    seed: int = 0,
+    steps: int = 120,
+    join_at: int = 20,
+    every: int = 5,
+    lr: float | None = None,
+    seq_len: int = 32,
+    batch: int = 4,
+) -> dict[str, Any]:
+    """One run; see the module docstring."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+    if not 0 < join_at < steps:
+        raise ValueError(f"join_at must be within the run's steps (1..{steps - 1}), got {join_at}")
+    kw: dict[str, Any] = {"lr": lr} if lr is not None else {}
+    spec = JobSpec(preset="tiny", seq_len=seq_len, micro_batch_size=batch, max_steps=steps,
+                   warmup_steps=2, seed=0, **kw)  # fmt: skip
+    sync = SyncSpec(codec="topk", every=every)
+    data = load_dataset(spec.data, seq_len=spec.effective_seq_len, val_fraction=spec.val_fraction)
+    shards = [
+        TokenDataset(
+            data.train, data.val, seq_len=spec.effective_seq_len, shard_index=i, num_shards=2
+        )
+        for i in range(2)
+    ]
+    val = data.val_batches(count=VAL_BATCHES, batch_size=16)
+    engines = [_build(spec) for _ in range(2)]
+    states = [
+        SyncState(dict(e.model.named_parameters()), sync, peer_id=f"peer-{i}")
+        for i, e in enumerate(engines)
+    ]
+    rng = random.Random(f"join:{seed}")
+    active = [True, False]
+    started = [0, join_at]
+    inbox: list[tuple[int, int, Contribution]] = []  # (receiver, step it is there by, delta)
+    curves: list[list[float]] = [[], []]
+    for step in range(steps):
+        if step == join_at:  # the state transfer
+            engines[1].load_tensors(engines[0].model_tensors(), engines[0].optimizer_tensors())
+            states[1].load_state_tensors(states[0].state_tensors())
+            states[1].feedback.load_state_tensors({})
+            if variant == "reset":
+                states[1].reset_replica()
+            active[1] = True
+        lr_now = lr_at(spec, step)
+        for i in (0, 1):
+            if active[i]:
+                b = shards[i].train_batch(seed=seed, step=step, micro=0, batch_size=batch)
+                engines[i].train_step([b], lr_now)
+        done = step + 1
+        for i in (0, 1):
+            if not active[i]:
+                continue
+            arrived = [c for r, at, c in inbox if r == i and at <= done]
+            inbox = [x for x in inbox if not (x[0] == i and x[1] <= done)]
+            if (done - started[i]) % every == 0:
+                out = states[i].round_boundary(arrived, n_peers=2)
+                if active[1 - i]:
+                    c = Contribution(f"peer-{i}", out.round, out.base_version,
+                                     {n: decode(e) for n, e in out.tensors})  # fmt: skip
+                    inbox.append((1 - i, done + rng.randint(1, every), c))
+            elif arrived:
+                states[i].absorb(arrived)
+        if done % 10 == 0 or done == steps:
+            for i in (0, 1):
+                curves[i].append(round(engines[i].evaluate(val), 4) if active[i] else float("nan"))
+    finals = [c[-1] for c in curves]
+    return {
+        "variant": variant,
+        "seed": seed,
+        "val_loss_per_peer": finals,
+        "val_loss_mean": sum(finals) / 2,
+        "curves": {"steps_every": 10, "peer0": curves[0], "peer1": curves[1]},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m atomd_bench.join",
+        description="Where a joining peer should start: the swarm's estimate (reset, the "
+        "daemon's) or the donor's replica (keep). Two simulated peers; JSON on stdout.",
+    )
+    p.add_argument("--steps", type=int, default=120, help="steps of the run (default 120)")
+    p.add_argument("--join-at", type=int, default=20, help="the step peer 1 joins (default 20)")
+    p.add_argument("--every", type=int, default=5, help="H, steps per round (default 5)")
+    p.add_argument("--lr", type=float, default=None, help="AdamW lr (default: the job's)")
+    p.add_argument("--seq-len", type=int, default=32, help="sequence length (default 32)")
+    p.add_argument("--batch", type=int, default=4, help="micro-batch per peer (default 4)")
+    p.add_argument("--seeds", type=int, default=3, help="data and delay seeds (default 3)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="reset,keep (default both)")
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    task = {k: v for k, v in vars(a).items() if k not in ("seeds", "variants")}
+    runs = []
+    for variant in a.variants.split(","):
+        for seed in range(a.seeds):
+            r = run(variant, seed=seed, steps=a.steps, join_at=a.join_at, every=a.every, lr=a.lr,
+                    seq_len=a.seq_len, batch=a.batch)  # fmt: skip
+            print(f"[bench join] {variant} seed {seed}: {r['val_loss_mean']:.4f}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            runs.append(r)
+    means = {
+        v: sum(r["val_loss_mean"] for r in runs if r["variant"] == v)
+        / max(1, sum(r["variant"] == v for r in runs))
+        for v in a.variants.split(",")
+    }
+    print(json.dumps({"task": task, "runs": runs, "mean_by_variant": means,
+                      "wall_s": round(time.perf_counter() - t0, 1)}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
