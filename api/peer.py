@@ -92,9 +92,7 @@ def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
             return 0
         job_id = request.path_params.get("job_id")
         if job_id is not None and request.url.path.endswith("/deltas"):
-            # A job not trained here takes no frame: a small body is read so that the refusal
-            # says why (404 for the job, 403 for an excluded sender), not just "too large".
-            return exchange.max_frame_bytes(str(job_id)) or MAX_MESSAGE_BYTES
+            return exchange.max_frame_bytes(str(job_id))
         return MAX_MESSAGE_BYTES
 
     Peer = Annotated[
