@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,18 @@ from atomd.train.trainer import Trainer
 
 # Tests are small; two threads match CI and keep runs reproducible.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a module's tests (``pytestmark = pytest.mark.usefixtures(
+    "one_thread")``): their tensors are too small for more to help, and where a swap engine's
+    optimizer worker thread already uses the second core, two OpenMP teams on two busy cores
+    spin."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def fast_spec(**overrides: Any) -> JobSpec:

@@ -5,22 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 
 import pytest
-import torch
 
 from atomd_bench.join import main, run
 
 TINY = {"steps": 12, "join_at": 4, "every": 2, "seq_len": 16, "batch": 2}
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_both_variants_train_and_report_their_curves() -> None:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from atomd.cli import app
@@ -15,12 +13,7 @@ from atomd_bench.sync import Budget, RunSpec, default_runs, resolve_runs, run
 TINY = Budget(steps=12, peers=2, seq_len=32, batch_scale=0.25, every_scale=0.1, val_batches=2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_quick_runs_report_their_fields() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,7 @@ from tests.conftest import fast_spec, trainer_for
 TOL = 1e-5  # as in test_swap_engine: fp32 summation order only (see there)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_swap_engine.one_thread
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _params(run: Path) -> dict[str, torch.Tensor]:

@@ -6,11 +6,9 @@ import gzip
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from atomd.cli import app
@@ -18,12 +16,7 @@ from atomd.cli import app
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_swap_engine.one_thread
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_plan_help() -> None:

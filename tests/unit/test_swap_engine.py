@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -33,14 +32,7 @@ B, T, G, STEPS, LR = 2, 16, 4, 3, 1e-2
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """These tensors are too small for intra-op threads to help, and the engine's optimizer
-    worker thread already uses the second core: two OpenMP teams on two busy cores spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _spec(grad_clip: float) -> OptimConfig:

@@ -8,11 +8,9 @@ real shape. Every property is also shown to fail on a deliberately serialized en
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-import torch
 
 from atomd.model.presets import get_preset
 from atomd.swap.engine import SwapEngine
@@ -37,12 +35,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _planned(

@@ -249,7 +249,7 @@ def test_a_swap_engine_settles_before_sync_touches_its_masters(optimizer: str) -
         return {n: t.clone() for n, t in engine.model_tensors().items()}
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_swap_engine.one_thread
+    torch.set_num_threads(1)  # see tests/conftest.py one_thread
     ref = run(ResidentEngine(_model(), _spec(1.0), CPU))
     swapped = SwapEngine(_model(), _spec(1.0), CPU, _plan(2, 1, optimizer=cast(Any, optimizer)))
     try:
