@@ -77,9 +77,10 @@ def run(
         if step == join_at:  # the state transfer
             engines[1].load_tensors(engines[0].model_tensors(), engines[0].optimizer_tensors())
             states[1].load_state_tensors(states[0].state_tensors())
-            states[1].feedback.load_state_tensors({})
-            if variant == "reset":
-                states[1].reset_replica()
+            if variant == "reset":  # what the daemon does (SyncPlugin.adopt)
+                states[1].adopt()
+            else:  # the donor's replica kept; only its error feedback dropped
+                states[1].feedback.load_state_tensors({})
             active[1] = True
         lr_now = lr_at(spec, step)
         for i in (0, 1):

@@ -599,5 +599,4 @@ class SyncPlugin:
         if self.state is None:
             return
         self._settle()
-        self.state.feedback.load_state_tensors({})
-        self.state.reset_replica()
+        self.state.adopt()

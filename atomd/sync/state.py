@@ -591,6 +591,13 @@ class SyncState:
         """Copy the start point (anchor plus pending deltas) into the replica, in place."""
         self._restart_replica(keep={})
 
+    def adopt(self) -> None:
+        """After ``load_state_tensors`` from another peer (a join or a restart): drop the
+        donor's error feedback and train from the start point (``SyncPlugin.adopt`` says why
+        not from the donor's replica)."""
+        self.feedback.load_state_tensors({})
+        self.reset_replica()
+
     def divergence(self, other_anchor: Mapping[str, Tensor]) -> float:
         """Relative L2 distance ``|a - b| / |a|`` between this anchor and another, all tensors."""
         diff = norm = 0.0
