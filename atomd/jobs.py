@@ -93,7 +93,7 @@ class SwarmLink(Protocol):
         max_file_bytes: int | None = None,
         at_least: int = 0,
     ) -> int | None: ...
-    def job_donors(self, job_id: str) -> list[str]: ...
+    async def settled_donors(self, job_id: str, *, give_up: Callable[[], bool]) -> list[str]: ...
 
 
 class DeltaLink(Protocol):
@@ -363,14 +363,20 @@ class JobManager:
         peer joining the job (so it starts from the swarm's current model, not from the last
         checkpoint on disk). True once written; False when this daemon does not train the job
         or the trainer did not get there within ``LIVE_STATE_TIMEOUT_S``. ``NotFoundError``
-        when the job trains here but is not yet at step ``at_least`` (the joiner is better off
-        starting from the initial weights than waiting for a state transfer)."""
+        when the job trains here but is not yet at step ``at_least``, or its swarm has closed
+        no round yet: the anchor is still the initial weights, and a joiner that starts from
+        them at round 0 agrees with it (a state transfer costs ~6 model sizes: weights, AdamW
+        moments, sync state)."""
         a = self.active
         if a is None or a.id != job_id or a.snapshots is None or a.stop_event.is_set():
             return False
         if a.step < at_least:
             raise NotFoundError(
                 f"job {job_id} is at step {a.step} here; no state from step {at_least} on yet"
+            )
+        if a.plugin is not None and a.plugin.version == 0:
+            raise NotFoundError(
+                f"job {job_id} has closed no round here yet: start from its initial weights"
             )
         fut = a.snapshots.ask()
         try:
@@ -639,20 +645,16 @@ class JobManager:
         assert self.swarm is not None
         donors = active.donors
         if not donors and active.resume:
-            # Restarted: give the membership a moment to hear who trains the job now.
-            for _ in range(20):
-                donors = self.swarm.job_donors(active.id)
-                if donors or self._closing.is_set():
-                    break
-                await asyncio.sleep(0.25)
+            # Restarted: wait until the membership can tell who trains the job now.
+            donors = await self.swarm.settled_donors(active.id, give_up=self._closing.is_set)
         if not donors:
             return True
         root = checkpoint_root(active.out_dir)
         own = await asyncio.to_thread(list_checkpoints, root)
         own_step = int(own[0].name.split("-")[1]) if own else 0
-        # A state transfer costs ~6 model sizes (weights, AdamW moments, sync state): not worth
-        # it for a swarm still in its warm-up, where the initial weights are as good a start.
-        at_least = max(own_step + 1, active.spec.warmup_steps)
+        # A donor whose swarm has closed no round yet answers "no state": the initial weights
+        # are the swarm's model then, and the joiner starts from them at round 0 like it.
+        at_least = own_step + 1
         try:
             step = await self.swarm.fetch_state(
                 active.id, donors, root, max_file_bytes=state_file_bound(active.spec),

@@ -51,6 +51,7 @@ log = get_logger(__name__)
 
 SEND_TIMEOUT_S = 3.0  # a job announcement or stop to one peer
 CURVE_TIMEOUT_S = 3.0  # one peer's loss curve, for the dashboard
+DONORS_TIMEOUT_S = 30.0  # a restarted daemon waits at most this long to hear who trains a job
 REJECTIONS_FLUSH_S = 60.0
 # Members that count as training a job they were heard training (``SwarmNode.job_peers``).
 LIVE_STATES: frozenset[PeerState] = frozenset({"alive", "suspect"})
@@ -173,6 +174,8 @@ class SwarmNode:
         self._lan: list[str] = []
         # job id -> peer id -> when we last heard that peer train it (monotonic seconds)
         self._job_peers: dict[str, dict[str, float]] = {}
+        self._heard: set[str] = set()  # every member a message came from since we started
+        self._joined = asyncio.Event()  # joined a swarm once, or there is nobody to join
         self._liars: set[str] = set()  # donor URLs whose state transfer lied: not asked again
         self.on_excluded: Callable[[str], None] = lambda _peer_id: None
         """Called with a peer id quarantined or banned (the exchange drops its waiting deltas)."""
@@ -303,9 +306,11 @@ class SwarmNode:
             self._repeated.log(
                 "alone", logging.INFO, "no seeds and no known peers: a swarm of one for now"
             )
+            self._joined.set()
             return False
         self._repeated.clear("alone")
         if await self.swim.join(candidates):
+            self._joined.set()
             self._repeated.clear("join")
             for url, why in self.swim.join_errors.items():  # tried before the one that answered
                 log.info("could not join through %s: %s", url, why)
@@ -415,6 +420,8 @@ class SwarmNode:
         return JobAdvert.model_validate(advert) if advert else None
 
     def _on_message(self, sender: str, msg: Gossip) -> None:
+        if self.membership.get(sender) is not None:  # bounded by the members we know
+            self._heard.add(sender)
         advert = msg.job
         if advert is None:
             return
@@ -520,6 +527,26 @@ class SwarmNode:
 
     def job_donors(self, job_id: str) -> list[str]:
         return [m.url for m in self.job_peers(job_id)]
+
+    async def settled_donors(
+        self, job_id: str, *, give_up: Callable[[], bool], timeout: float = DONORS_TIMEOUT_S
+    ) -> list[str]:
+        """The donors of ``job_id`` once membership can tell, for a daemon that has just
+        started: once it has joined (or has nobody to join), as soon as one live member says it
+        trains the job, or once every live member has sent us a message (each carries the job
+        its sender trains) and none does. Empty if ``give_up()`` (the daemon stops);
+        ``timeout`` bounds the wait on seeds and members that never answer."""
+        deadline = time.monotonic() + timeout
+        while not give_up():
+            if self._joined.is_set():
+                donors = self.job_donors(job_id)
+                live = {m.id for m in self.membership.others("alive")}
+                if donors or live <= self._heard or time.monotonic() >= deadline:
+                    return donors
+            elif time.monotonic() >= deadline:
+                return []
+            await asyncio.sleep(0.1)
+        return []
 
     def public_key(self, peer_id: str) -> str | None:
         m = self.membership.get(peer_id)

@@ -111,7 +111,8 @@ def test_swarm_trains_with_deltas_and_survives_a_crash(tmp_path: Path) -> None:
         wait_until(lambda: _job(c, jid).get("state") == "running", timeout=READY_TIMEOUT,
                    what="c back")  # fmt: skip
         fetched = re.findall(r"continues from the swarm's state at step (\d+)", c.log())
-        assert fetched and int(fetched[-1]) > c_step  # newer than anything it had itself
+        story = [ln for ln in c.log().splitlines() if "state" in ln or "join" in ln]
+        assert fetched and int(fetched[-1]) > c_step, story[-12:]  # newer than its own
         wait_until(lambda: _job(c, jid)["step"] > c_step, timeout=READY_TIMEOUT, what="c trains")
         progress = httpx.get(
             f"{c.url}/v1/jobs/{jid}/progress", params={"after_step": c_step}

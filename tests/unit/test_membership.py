@@ -384,3 +384,58 @@ def test_a_suspect_member_still_trains_the_job_a_dead_one_does_not() -> None:
     members["c"].state = "dead"
     got = [m.id for m in SwarmNode.job_peers(fake, "j")]  # type: ignore[arg-type]
     assert got == ["a", "b"]  # d is quarantined
+
+
+def _restarted(live: list[str], donors: dict[str, str]) -> Any:
+    """What ``SwarmNode.settled_donors`` reads: the live members, who trains the job, whom
+    we heard from and whether we have joined."""
+    node = SimpleNamespace(_joined=asyncio.Event(), _heard=set(), live=live)
+    node.membership = SimpleNamespace(others=lambda *_: [SimpleNamespace(id=p) for p in node.live])
+    node.job_donors = lambda _job: [donors[p] for p in sorted(node._heard) if p in donors]
+    return node
+
+
+async def _settle(node: Any, **kw: Any) -> tuple[list[str], float]:
+    t0 = time.monotonic()
+    got = await SwarmNode.settled_donors(node, "j", give_up=kw.pop("give_up", lambda: False), **kw)
+    return got, time.monotonic() - t0
+
+
+async def test_a_restarted_daemon_waits_to_hear_who_trains_its_job() -> None:
+    """Readiness, not a guess: no answer before the join, donors as soon as one is heard."""
+    node = _restarted(["a", "b"], {"b": "https://b"})
+    task = asyncio.ensure_future(_settle(node))
+    await asyncio.sleep(0.3)
+    node._heard.add("b")  # heard before the join answered: still waits for the join
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    node._joined.set()
+    got, took = await asyncio.wait_for(task, 5)
+    assert got == ["https://b"] and took >= 0.6
+
+
+async def test_no_donor_once_every_live_member_was_heard() -> None:
+    node = _restarted(["a", "b"], {})
+    node._joined.set()
+    task = asyncio.ensure_future(_settle(node))
+    node._heard.add("a")
+    await asyncio.sleep(0.3)
+    assert not task.done()  # b has not spoken yet: it may train the job
+    node._heard.add("b")
+    got, _ = await asyncio.wait_for(task, 5)
+    assert got == []
+
+
+async def test_waiting_for_donors_is_bounded_and_gives_up_on_shutdown() -> None:
+    silent = _restarted(["a"], {"a": "https://a"})  # never joins: unreachable seeds
+    got, took = await _settle(silent, timeout=0.5)
+    assert got == [] and 0.5 <= took < 3
+    silent._joined.set()  # joined, but a never answers
+    got, took = await _settle(silent, timeout=0.5)
+    assert got == [] and 0.5 <= took < 3
+    stopping = asyncio.Event()
+    task = asyncio.ensure_future(_settle(silent, give_up=stopping.is_set))
+    await asyncio.sleep(0.2)
+    stopping.set()
+    got, took = await asyncio.wait_for(task, 5)
+    assert got == [] and took < 5
