@@ -1,8 +1,10 @@
 """A peer joining a running swarm: where should it start? Two simulated peers, one process.
 
-Peer 0 trains alone (counting two peers, as a daemon does while the joiner fetches its state)
-until step ``join_at``; then peer 1 takes peer 0's state, as a daemon's state transfer gives it
-(model, AdamW moments and sync state; the donor's error feedback dropped), and both train on,
+Peer 0 trains alone until step ``join_at``, counting two peers (as a daemon does while the
+joiner fetches its state) or, with ``alone``, itself only (as a daemon does while no other peer
+trains the job: its rounds then commit its whole delta); then peer 1 takes peer 0's state, as
+a daemon's state transfer gives it (model, AdamW moments and sync state; the donor's error
+feedback dropped), and both train on,
 exchanging top-k deltas. Each delta reaches the other peer 1 to H steps after its round closes
 (seeded). The variants differ only in where the joiner's replica starts:
 
@@ -45,6 +47,7 @@ def run(
     lr: float | None = None,
     seq_len: int = 32,
     batch: int = 4,
+    alone: bool = False,
 ) -> dict[str, Any]:
     """One run; see the module docstring."""
     if variant not in VARIANTS:
@@ -94,7 +97,8 @@ def run(
             arrived = [c for r, at, c in inbox if r == i and at <= done]
             inbox = [x for x in inbox if not (x[0] == i and x[1] <= done)]
             if (done - started[i]) % every == 0:
-                out = states[i].round_boundary(arrived, n_peers=2)
+                n = 1 if alone and not active[1] else 2
+                out = states[i].round_boundary(arrived, n_peers=n)
                 if active[1 - i]:
                     c = Contribution(f"peer-{i}", out.round, out.base_version,
                                      {n: decode(e) for n, e in out.tensors})  # fmt: skip
@@ -127,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=32, help="sequence length (default 32)")
     p.add_argument("--batch", type=int, default=4, help="micro-batch per peer (default 4)")
     p.add_argument("--seeds", type=int, default=3, help="data and delay seeds (default 3)")
+    p.add_argument("--alone", action="store_true",
+                   help="peer 0 counts itself only until the join (nobody else trains the job "
+                   "yet) instead of two peers (the joiner counted while it fetches)")  # fmt: skip
     p.add_argument("--variants", default=",".join(VARIANTS), help="reset,keep (default both)")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in a.variants.split(","):
         for seed in range(a.seeds):
             r = run(variant, seed=seed, steps=a.steps, join_at=a.join_at, every=a.every, lr=a.lr,
-                    seq_len=a.seq_len, batch=a.batch)  # fmt: skip
+                    seq_len=a.seq_len, batch=a.batch, alone=a.alone)  # fmt: skip
             print(f"[bench join] {variant} seed {seed}: {r['val_loss_mean']:.4f}",
                   file=sys.stderr, flush=True)  # fmt: skip
             runs.append(r)

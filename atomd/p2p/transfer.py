@@ -1,9 +1,9 @@
 """State transfer: a peer joining a running job fetches the newest checkpoint from a live peer.
 
 A donor that trains the job first checkpoints its live state at its next step boundary, so the
-joiner starts from the swarm's current model; a swarm younger than the joiner asks for
-(``at_least``: its warm-up, or past the joiner's own checkpoint) has no state to give, and the
-joiner starts from the initial weights instead of waiting for ~6 model sizes on the wire. The
+joiner starts from the swarm's current model; a donor with nothing newer than the joiner's own
+checkpoint (``at_least``), or whose swarm has closed no round yet, has no state to give, and the
+joiner starts from its checkpoint or the initial weights. The
 donor serves its newest checkpoint as a
 manifest (the checkpoint's ``meta.json``: step, file sizes and sha256) and the files as chunked
 streams. The joiner writes them into a hidden

@@ -26,6 +26,10 @@ A round r closes, for a peer whose anchor holds every round before r-1, like thi
    (``residual="feedback"``: the replica restarts from the start point, the residual is added to
    the next delta). Inner optimizer state (AdamW) is not touched: it carries over (DiLoCo).
 
+A peer alone in its round (no other peer trains the job) commits its whole delta, residual
+included, straight into the anchor (``prepare(whole=True)``): the anchor stays its model, and a
+peer joining later starts from it.
+
 With fp32, no momentum, outer lr 1 and a synchronous swarm a round makes the anchor the mean of
 the replicas.
 """
@@ -179,6 +183,7 @@ class SyncState:
         # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
         self._sent: dict[str, Tensor] | None = None
         self._kept: dict[str, Tensor] = {}
+        self._whole = False  # the own delta of this round is whole (``prepare(whole=True)``)
 
     @property
     def fraction(self) -> float | None:
@@ -264,18 +269,26 @@ class SyncState:
         ``n_peers``: peers training the job (this one included). Returns the encoded delta to
         send; ``last_merge`` says what was applied or refused and why.
         """
-        out = self.prepare()
+        alone = n_peers == 1
+        out = self.prepare(whole=alone)
         # Asynchronous: a peer holding a whole round cannot know the others do, so rounds are
         # committed a round later everywhere (alone, there is no one to disagree with).
-        self.merge(inbox, n_peers=n_peers, commit_complete=n_peers == 1)
+        self.merge(inbox, n_peers=n_peers, commit_complete=alone)
         return out
 
     @torch.no_grad()
-    def prepare(self) -> Outgoing:
+    def prepare(self, *, whole: bool = False) -> Outgoing:
         """First half of a round boundary: encode this peer's delta.
 
         A synchronous swarm sends this, waits for the others' deltas of the round, then calls
         ``merge``; the replica must not train in between.
+
+        ``whole``: a peer alone in the round (``round_boundary`` with one peer) commits its
+        whole delta, the error feedback's residual included, where a lossy codec would commit
+        only what it sends: with nobody to average with there is nothing to compress for, and
+        the anchor (what a peer joining later starts from) stays the model instead of falling
+        behind it by everything top-k has not sent yet. The frame is still the codec's (for a
+        peer that only listens: one that went silent, or finished and follows the rounds).
         """
         if self._sent is not None:
             raise RuntimeError("prepare() called twice without merge()")
@@ -286,12 +299,15 @@ class SyncState:
         for name, p in self.params.items():
             delta = p.detach().to("cpu", torch.float32) - start[name]
             enc, reconstructed = self.feedback.compress(name, delta)
-            if self.spec.residual == "replica":  # the replica trains on with its share
+            reconstructed = reconstructed.to("cpu", torch.float32).reshape(delta.shape)
+            if whole:  # the residual is committed too: nothing waits
+                reconstructed = reconstructed + self.feedback.split(name, 1.0).reshape(delta.shape)
+            elif self.spec.residual == "replica":  # the replica trains on with its share
                 self._kept[name] = self.feedback.split(name, self.spec.ef_decay)
             encoded.append((name, enc))
-            sent[name] = reconstructed.to("cpu", torch.float32).reshape(delta.shape).clone()
+            sent[name] = reconstructed.clone()
             raw_bytes += delta.numel() * 4
-        self._sent = sent
+        self._sent, self._whole = sent, whole
         return Outgoing(
             round=self.round,
             base_version=self.version,
@@ -324,6 +340,12 @@ class SyncState:
             self.screen.record_own(self.version, own)
         held, self._held = self._held, []
         self._take([*held, *inbox], report)
+        if self._whole and self._pending_count[self.version] == 1:
+            # Alone in the round (``prepare(whole=True)``): the anchor takes the whole delta as
+            # it is, no outer step (its momentum would carry the model past where it trained).
+            for name, x in self._pending.pop(self.version).items():
+                self.anchor[name].add_(x)
+            del self._pending_count[self.version]
         # Commit every earlier round, and this one once all its deltas are in.
         due = sorted(
             b

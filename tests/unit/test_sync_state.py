@@ -303,18 +303,56 @@ def test_error_feedback_residual_is_carried() -> None:
     start = {k: v.clone() for k, v in replica.items()}
     train(replica, seed=0)
     moved = {k: replica[k] - start[k] for k in SHAPES}
-    sent1 = {n: decode(e) for n, e in state.round_boundary([], n_peers=1).tensors}
+    # Two peers (the other has not sent yet): alone, a peer would commit its whole delta.
+    sent1 = {n: decode(e) for n, e in state.round_boundary([], n_peers=2).tensors}
     ef = {k[3:]: v for k, v in state.state_tensors().items() if k.startswith("ef.")}
     assert set(ef) == set(SHAPES)
     for k in SHAPES:
         # What was not sent stays in the residual.
         torch.testing.assert_close(ef[k], moved[k] - sent1[k], rtol=0, atol=1e-6)
         assert float(ef[k].abs().sum()) > 0
-    # The replica restarts from the anchor; with no new progress the next round sends (part
-    # of) the residual.
-    assert all(torch.equal(replica[k], state.anchor[k]) for k in SHAPES)
-    sent2 = {n: decode(e) for n, e in state.round_boundary([], n_peers=1).tensors}
+    # The replica restarts from the start point; with no new progress the next round sends
+    # (part of) the residual.
+    assert all(torch.equal(replica[k], state.start_point()[k]) for k in SHAPES)
+    sent2 = {n: decode(e) for n, e in state.round_boundary([], n_peers=2).tensors}
     assert any(float(sent2[k].abs().sum()) > 0 for k in SHAPES)
+
+
+@pytest.mark.parametrize("residual", ["feedback", "replica"])
+def test_alone_a_peer_commits_its_whole_delta(residual: str) -> None:
+    """Nobody to average with: the anchor (what a joiner starts from) becomes the model, the
+    residual top-k held back included, without an outer step's momentum; the frame is still
+    top-k's. A peer joining later starts where this one is, not from the anchor top-k has
+    moved by 5 % a round."""
+    s = spec(codec="topk", topk_fraction=0.05, residual=residual, outer_momentum=0.7)
+    replica = params()
+    state = SyncState(replica, s)
+    start = {k: v.clone() for k, v in replica.items()}
+    for rnd in range(3):
+        train(replica, seed=rnd)
+        trained = {k: v.clone() for k, v in replica.items()}
+        out = state.round_boundary([], n_peers=1)
+        assert out.wire_ratio > 5  # the codec's frame, for whoever listens
+        for k in SHAPES:
+            torch.testing.assert_close(state.anchor[k], trained[k], rtol=0, atol=1e-5)
+            assert torch.equal(replica[k], state.anchor[k])
+        assert all(float(t.abs().max()) == 0 for t in state.feedback.state_tensors().values())
+    assert rel(state.anchor, start) > 0.05  # it did move
+
+
+def test_alone_with_a_stragglers_delta_the_round_is_averaged() -> None:
+    """A delta of the same round from a peer no longer counted (silent, or gone): the round is
+    the mean of the two, by the outer step, as with any two deltas."""
+    replicas, states = swarm(2, spec(codec="topk", topk_fraction=0.05))
+    init = {k: v.clone() for k, v in replicas[0].items()}
+    train(replicas[0], seed=1)
+    train(replicas[1], seed=2)
+    mine = {k: replicas[0][k] - init[k] for k in SHAPES}
+    theirs = received("p1", states[1].round_boundary([], n_peers=2))
+    states[0].round_boundary([theirs], n_peers=1)
+    for k in SHAPES:
+        want = init[k] + (mine[k] + theirs.tensors[k].reshape(init[k].shape)) / 2
+        torch.testing.assert_close(states[0].anchor[k], want, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("decay", [1.0, 0.5])
@@ -327,13 +365,14 @@ def test_residual_kept_in_the_replica(decay: float) -> None:
     start = {k: v.clone() for k, v in replica.items()}
     train(replica, seed=0)
     moved = {k: replica[k] - start[k] for k in SHAPES}
-    sent = {n: decode(e) for n, e in state.round_boundary([], n_peers=1).tensors}
+    sent = {n: decode(e) for n, e in state.round_boundary([], n_peers=2).tensors}
     ef = state.feedback.state_tensors()
+    at = state.start_point()  # the anchor once the round commits (the other's delta = ours)
     for k in SHAPES:
         torch.testing.assert_close(ef[k], (1 - decay) * (moved[k] - sent[k]), rtol=0, atol=1e-6)
-        torch.testing.assert_close(state.anchor[k], start[k] + sent[k], rtol=0, atol=1e-6)
+        torch.testing.assert_close(at[k], start[k] + sent[k], rtol=0, atol=1e-6)
         torch.testing.assert_close(
-            replica[k] - state.anchor[k], decay * (moved[k] - sent[k]), rtol=0, atol=1e-6
+            replica[k] - at[k], decay * (moved[k] - sent[k]), rtol=0, atol=1e-6
         )
     # The next delta carries the residual: with no new progress it is exactly the residual.
     out = state.prepare()

@@ -8,6 +8,7 @@ import json
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -248,9 +249,13 @@ async def test_a_donor_younger_than_asked_has_no_state(tmp_path: Path, donors: A
     assert not (tmp_path / "j").exists() or list((tmp_path / "j").iterdir()) == []
 
 
-async def test_a_donor_in_warm_up_refuses_an_at_least_query(tmp_path: Path) -> None:
+async def test_a_donor_refuses_a_state_younger_than_asked_or_before_its_first_round(
+    tmp_path: Path,
+) -> None:
     """The donor side of ``at_least``: a job trained here but younger than asked is a 404
-    (NotFoundError) before any snapshot is asked of the trainer; old enough, it is asked."""
+    (NotFoundError) before any snapshot is asked of the trainer; so is one whose swarm has
+    closed no round yet (the joiner starts from the initial weights, the swarm's model then);
+    old enough and past its first round, it is asked."""
     from atomd.errors import NotFoundError
     from atomd.jobs import ActiveJob, JobManager
     from atomd.spec import JobSpec
@@ -266,6 +271,10 @@ async def test_a_donor_in_warm_up_refuses_an_at_least_query(tmp_path: Path) -> N
     with pytest.raises(NotFoundError, match="step 30"):
         await jobs.live_state("j" * 32, at_least=50)
     jobs.active.step = 50
+    jobs.active.plugin = SimpleNamespace(version=0)  # type: ignore[assignment]
+    with pytest.raises(NotFoundError, match="no round"):
+        await jobs.live_state("j" * 32, at_least=50)
+    jobs.active.plugin.version = 1  # type: ignore[union-attr]
     task = asyncio.create_task(jobs.live_state("j" * 32, at_least=50))
     for _ in range(100):
         await asyncio.sleep(0.01)
