@@ -614,10 +614,10 @@ class JobManager:
             if self._hash_pending(active):
                 await self._pin_data(active)
             if active.scope == "swarm" and self.swarm is not None:
+                if self.exchange is not None:  # first: frames that come meanwhile are kept
+                    active.plugin = self.exchange.plugin(active.id, active.spec)
                 if not await self._take_swarm_state(active):
                     return
-                if self.exchange is not None:
-                    active.plugin = self.exchange.plugin(active.id, active.spec)
                 from atomd.train.trainer import SnapshotRequests
 
                 active.snapshots = SnapshotRequests()

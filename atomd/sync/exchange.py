@@ -9,7 +9,9 @@ A delta's whole path stays in ``atomd.sync``:
    as one burst; one retry on a network error, none on a refusal);
 3. on each receiver the peer plane hands the body to ``DeltaExchange.receive``, which checks it
    whole off the event loop (``wire.FrameDecoder``, the replay guard) and queues it in the job's
-   plugin inbox; the plugin merges it after the next optimizer step;
+   plugin inbox; the plugin merges it after the next optimizer step. A frame that comes while
+   the job is fetching its state (its plugin not attached yet) is kept, bounded, and checked
+   once it is (``_drain_early``): lost, its delta would be in every anchor but this one's;
 4. every delta sent, received, applied or refused is recorded in one place (``_record``).
 
 The exchange depends downward only: on the peer client that signs requests and on two narrow
@@ -29,8 +31,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.db import repo
-from atomd.errors import NotFoundError, PeerAuthError, PeerRequestError, WireError
+from atomd.errors import AtomdError, NotFoundError, PeerAuthError, PeerRequestError, WireError
 from atomd.logs import get_logger
+from atomd.model.config import num_parameters
 from atomd.p2p import paths
 from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
@@ -72,6 +75,10 @@ SILENT_ROUNDS = 2
 # Refusals of a signed frame that count against its sender (quarantine): what no honest peer
 # of the job sends. Staleness, replays and clocks do not count.
 STRIKING_WIRE_ERRORS = frozenset({"wrong_codec", "wrong_shape", "non_finite"})
+# Frames kept per sender while the job fetches its state (the oldest goes first), and senders:
+# the inbox's bounds (``runner.Inbox``).
+EARLY_PER_SENDER = 4
+EARLY_MAX_SENDERS = 256
 
 
 class PeerRef(Protocol):
@@ -156,6 +163,10 @@ class DeltaExchange:
         # job -> peer -> the round its silence counts from: the base version at which it was
         # first counted, raised by every merge here that applied a delta of it (``_counted``).
         self._counted_from: dict[str, dict[str, int]] = {}
+        # job -> its model's parameters (from the spec: frames are bounded before it is built)
+        self._numel: dict[str, int] = {}
+        # job -> sender -> frames that came before the plugin was attached (``_drain_early``)
+        self._early: dict[str, dict[str, deque[bytes]]] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Bytes a second of the recent accepted uploads (this host's uplink, whatever the job).
@@ -204,7 +215,9 @@ class DeltaExchange:
             ),
         )
         plugin.excluded = lambda sender: self.peers.exclusion(sender) is not None
+        plugin.on_attached = lambda: self._from_trainer(self._drain_early(job_id), "early")
         self.plugins[job_id] = plugin
+        self._numel[job_id] = num_parameters(spec.model_shape)
         return plugin
 
     def drop_sender(self, peer_id: str) -> None:
@@ -245,6 +258,8 @@ class DeltaExchange:
         self.plugins.pop(job_id, None)
         self._finished.pop(job_id, None)
         self._counted_from.pop(job_id, None)
+        self._numel.pop(job_id, None)
+        self._early.pop(job_id, None)
         for key in [k for k in self._received if k[0] == job_id]:
             del self._received[key]
 
@@ -254,9 +269,8 @@ class DeltaExchange:
         return plugin.spec.codec if plugin else "?"
 
     def _model_bytes(self, job_id: str) -> int:
-        """The job's model as fp32 bytes (0 before the plugin is attached)."""
-        plugin = self.plugins.get(job_id)
-        return plugin.state.numel * 4 if plugin is not None and plugin.state is not None else 0
+        """The job's model as fp32 bytes (0 when it does not train here)."""
+        return self._numel.get(job_id, 0) * 4
 
     def _pace(self, nbytes: int) -> float:
         """Seconds between the starts of two uploads of ``nbytes``: their time at the fastest
@@ -385,16 +399,53 @@ class DeltaExchange:
         """Check and queue one frame for the job's plugin; returns its size. Raises
         ``WireError`` (recorded) or ``NotFoundError``. Nothing reaches the model unless every
         check passed."""
-        from atomd.sync.state import Contribution
-        from atomd.sync.wire import FrameDecoder, ReplayGuard, check_codec, decode_tensors
-
         why = self.peers.exclusion(signer)
         if why is not None:  # refused before anything is decoded; counted, not recorded a row
             self.telemetry.rounds.labels("received", "false").inc()
             raise PeerAuthError(f"peer {signer} is {why}", status=403)
         plugin = self.plugins.get(job_id)
-        if plugin is None or plugin.state is None or not (self.jobs and self.jobs.trains(job_id)):
+        if plugin is None or not (self.jobs and self.jobs.trains(job_id)):
             raise NotFoundError(f"not training job {job_id} here")
+        if plugin.state is None:  # fetching its state: checked once the plugin is attached
+            return self._keep_early(job_id, signer, body)
+        return await self._accept(job_id, plugin, body, signer)
+
+    def _keep_early(self, job_id: str, signer: str, body: bytes) -> int:
+        senders = self._early.setdefault(job_id, {})
+        q = senders.get(signer)
+        if q is None:
+            if len(senders) >= EARLY_MAX_SENDERS:
+                raise NotFoundError(f"job {job_id} is not training here yet")
+            q = senders[signer] = deque(maxlen=EARLY_PER_SENDER)
+        q.append(body)
+        return len(body)
+
+    async def _drain_early(self, job_id: str) -> None:
+        """The frames kept while the job fetched its state, checked and queued as if they came
+        now (its plugin is attached; the state it took refuses the deltas it holds already)."""
+        senders = self._early.pop(job_id, {})
+        plugin = self.plugins.get(job_id)
+        if plugin is None or plugin.state is None:
+            return
+        kept = 0
+        for signer, bodies in senders.items():
+            for body in bodies:
+                if self.peers.exclusion(signer) is not None:
+                    break
+                try:
+                    await self._accept(job_id, plugin, body, signer)
+                    kept += 1
+                except AtomdError as e:
+                    log.info("a frame from %s kept during the state transfer: %s", signer, e)
+        if kept:
+            log.info("job %s: %d frame(s) that came during the state transfer queued", job_id,
+                     kept)  # fmt: skip
+
+    async def _accept(self, job_id: str, plugin: SyncPlugin, body: bytes, signer: str) -> int:
+        """Check one frame whole (off the loop) and queue it in ``plugin``'s inbox."""
+        from atomd.sync.state import Contribution
+        from atomd.sync.wire import FrameDecoder, ReplayGuard, check_codec, decode_tensors
+
         codec = plugin.spec.codec
         if self._replay_guard is None:
             self._replay_guard = ReplayGuard()

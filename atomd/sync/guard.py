@@ -115,9 +115,16 @@ class LossGuard:
             return report
         return self._roll_back(report, moved, before, after)
 
-    def round_boundary(self, inbox: Sequence[Contribution], *, n_peers: int) -> Outgoing:
+    def round_boundary(
+        self, inbox: Sequence[Contribution], *, n_peers: int, steps_short: float = 1.0
+    ) -> Outgoing:
         """``SyncState.round_boundary``, guarded; ``state.last_merge`` says what was applied."""
-        return self._closing(inbox, lambda later: self.state.round_boundary(later, n_peers=n_peers))
+        return self._closing(
+            inbox,
+            lambda later: self.state.round_boundary(
+                later, n_peers=n_peers, steps_short=steps_short
+            ),
+        )
 
     def follow(self, inbox: Sequence[Contribution], *, n_peers: int) -> bool:
         """``SyncState.follow``, guarded; ``state.last_merge`` says what was applied."""

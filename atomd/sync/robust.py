@@ -124,6 +124,14 @@ class DeltaStats:
             maxabs[name] = float(flat.abs().max()) if flat.numel() else 0.0
         return cls(math.sqrt(sum(n * n for n in norms.values())), norms, maxabs)
 
+    def scaled(self, factor: float) -> DeltaStats:
+        """The same statistics ``factor`` times larger."""
+        return DeltaStats(
+            self.norm * factor,
+            {n: v * factor for n, v in self.tensor_norms.items()},
+            {n: v * factor for n, v in self.tensor_maxabs.items()},
+        )
+
 
 @dataclass(frozen=True)
 class Judgement:
@@ -197,9 +205,16 @@ class Screen:
         r = self._rounds.get(base_version)
         return r is not None and r.own is not None
 
-    def record_own(self, base_version: int, tensors: Mapping[str, Tensor]) -> None:
+    def record_own(
+        self, base_version: int, tensors: Mapping[str, Tensor], *, steps_short: float = 1.0
+    ) -> None:
+        """``steps_short``: the round's steps over the steps this peer trained in it, when it
+        closed the round early (a joiner catching up with the swarm closes rounds after one
+        step each): its norms are scaled by that much, so that the others' deltas of whole
+        rounds are not judged against a delta of a fraction of their steps (as hard clips,
+        strikes: an honest donor was quarantined by its joiner that way)."""
         r = self._rounds.setdefault(base_version, _Round())
-        r.own = DeltaStats.of(tensors)
+        r.own = DeltaStats.of(tensors).scaled(max(1.0, steps_short))
         # Kept also with the check off: the cosines are reported (and measured) all the same.
         r.own_vector = {name: _keep(t) for name, t in tensors.items()}
         self._forget_before(base_version)

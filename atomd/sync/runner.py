@@ -149,6 +149,9 @@ class SyncPlugin:
         self.guard: LossGuard | None = None
         self.excluded: Callable[[str], bool] = lambda _sender: False
         """Senders whose deltas leave every merge (quarantined or banned; set by the node)."""
+        self.on_attached: Callable[[], None] = lambda: None
+        """Called on the trainer thread once ``attach`` has built the state (the exchange then
+        checks the frames that came before)."""
         self.cadence = Cadence(None if spec.every == "auto" else spec.every)
         self.busy_s = 0.0  # trainer-thread time in sync work (closing rounds, merging deltas)
         self.wait_s = 0.0  # trainer-thread time blocked waiting for other peers' deltas
@@ -174,6 +177,7 @@ class SyncPlugin:
         engine.settle()
         params = {n: p for n, p in engine.model.named_parameters()}
         self.state = SyncState(params, self.spec, peer_id=self.identity.peer_id)
+        self.on_attached()
 
     def guard_with(self, probe_batches: Sequence[Batch]) -> None:
         """Guard every merge with the replica's loss on ``probe_batches`` (forward only): a
@@ -395,12 +399,14 @@ class SyncPlugin:
         inbox = self._inbox()
         n_peers = max(1, self.n_peers(self.state.version))
         self._fit_fraction()
-        if self.guard is not None:
-            out = self.guard.round_boundary(inbox, n_peers=n_peers)
-        else:
-            out = self.state.round_boundary(inbox, n_peers=n_peers)
         # Steps this round lasted (at least 1: a consolidation round repeats the last step).
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
+        # Closed early (catching up with the swarm): the others' deltas of the round hold H.
+        short = self._every() / every if self.cadence.fixed is None else self.cadence.fixed / every
+        if self.guard is not None:
+            out = self.guard.round_boundary(inbox, n_peers=n_peers, steps_short=short)
+        else:
+            out = self.state.round_boundary(inbox, n_peers=n_peers, steps_short=short)
         # The frame carries this peer's own proposal, not the swarm's period: a peer that sent
         # the largest period it heard would echo every peer's past proposals back to them, and
         # one slow round's proposal would then circulate, kept fresh, for the rest of the job.

@@ -54,6 +54,10 @@ log = get_logger(__name__)
 _ANCHOR, _MOMENTUM, _EF = "anchor.", "outer.momentum.", "ef."
 _PENDING, _PENDING_COUNT = "pending.", "pending_count."
 _VERSION, _ROUND, _AVERAGING = "sync.version", "sync.round", "sync.averaging"
+# The deltas merged recently, as UTF-8 lines "sender<TAB>base version" (a uint8 tensor): a peer
+# that takes this state refuses them as duplicates when they reach it too.
+_SEEN = "sync.seen"
+MAX_SEEN = 65_536  # entries read back from a state: (senders) x (max_staleness + 1) rounds
 # A round claimed further ahead than this counts for nothing in ``rounds_behind``: no honest
 # peer runs that far ahead of a live swarm (a joiner takes the donor's version).
 MAX_CLAIM_AHEAD = 64
@@ -263,17 +267,21 @@ class SyncState:
         if c.base_version > self._claims.get(c.sender, -1):
             self._claims[c.sender] = c.base_version
 
-    def round_boundary(self, inbox: Sequence[Contribution], *, n_peers: int) -> Outgoing:
+    def round_boundary(
+        self, inbox: Sequence[Contribution], *, n_peers: int, steps_short: float = 1.0
+    ) -> Outgoing:
         """Close this peer's round: compress its delta, merge it with ``inbox``, step the anchor.
 
-        ``n_peers``: peers training the job (this one included). Returns the encoded delta to
-        send; ``last_merge`` says what was applied or refused and why.
+        ``n_peers``: peers training the job (this one included); ``steps_short``: the round's
+        steps over those this peer trained in it, when it closed the round early (see
+        ``robust.Screen.record_own``). Returns the encoded delta to send; ``last_merge`` says
+        what was applied or refused and why.
         """
         alone = n_peers == 1
         out = self.prepare(whole=alone)
         # Asynchronous: a peer holding a whole round cannot know the others do, so rounds are
         # committed a round later everywhere (alone, there is no one to disagree with).
-        self.merge(inbox, n_peers=n_peers, commit_complete=alone)
+        self.merge(inbox, n_peers=n_peers, commit_complete=alone, steps_short=steps_short)
         return out
 
     @torch.no_grad()
@@ -318,7 +326,12 @@ class SyncState:
 
     @torch.no_grad()
     def merge(
-        self, inbox: Sequence[Contribution], *, n_peers: int, commit_complete: bool = True
+        self,
+        inbox: Sequence[Contribution],
+        *,
+        n_peers: int,
+        commit_complete: bool = True,
+        steps_short: float = 1.0,
     ) -> MergeReport:
         """Second half: merge the own delta and ``inbox``, commit what is due, reset the replica.
 
@@ -337,7 +350,7 @@ class SyncState:
         self._add_pending(self.version, own, 1.0)
         self._seen.add((self.peer_id, self.version))
         if self.screen is not None:  # the reference of this round's deltas is known now
-            self.screen.record_own(self.version, own)
+            self.screen.record_own(self.version, own, steps_short=steps_short)
         held, self._held = self._held, []
         self._take([*held, *inbox], report)
         if self._whole and self._pending_count[self.version] == 1:
@@ -643,6 +656,8 @@ class SyncState:
         out[_ROUND] = torch.tensor(self.round, dtype=torch.int64)
         if self.averaging:
             out[_AVERAGING] = torch.tensor(1, dtype=torch.int64)
+        seen = "".join(f"{sender}\t{b}\n" for sender, b in sorted(self._seen))
+        out[_SEEN] = torch.tensor(list(seen.encode()), dtype=torch.uint8)
         return out
 
     def load_state_tensors(self, d: Mapping[str, Tensor]) -> None:
@@ -684,6 +699,22 @@ class SyncState:
         self.round = int(d[_ROUND]) if _ROUND in d else 0
         if _AVERAGING in d and int(d[_AVERAGING]):  # restarted in the middle of consolidation
             self.average_from_now()
-        self._seen = set()
+        self._seen = _read_seen(d.get(_SEEN), floor=self.version - self.spec.max_staleness)
         self._held = []
         self._claims = {}
+
+
+def _read_seen(t: Tensor | None, *, floor: int) -> set[tuple[str, int]]:
+    """The merged deltas ``state_tensors`` wrote (from a checkpoint or another peer's state):
+    lines that do not read as "sender<TAB>base version" are skipped, rounds before ``floor``
+    (stale anyway) dropped, at most ``MAX_SEEN`` entries kept."""
+    if t is None or t.dtype != torch.uint8 or t.dim() != 1:
+        return set()
+    seen: set[tuple[str, int]] = set()
+    for line in bytes(t.tolist()).decode("utf-8", "replace").splitlines():
+        sender, _, b = line.partition("\t")
+        if sender and b.isdigit() and len(b) < 19 and int(b) >= floor:
+            seen.add((sender, int(b)))
+            if len(seen) >= MAX_SEEN:
+                break
+    return seen

@@ -372,3 +372,25 @@ def test_the_loss_guard_guards_the_rounds_a_finished_peer_follows() -> None:
     assert [a.sender for a in report.applied] == ["p1"]
     assert [(r.sender, r.strike) for r in report.refused] == [("p2", True)]
     assert me.deltas_in(1) == 1
+
+
+def test_a_round_closed_early_judges_by_the_steps_the_round_holds() -> None:
+    """A joiner catching up with the swarm closes rounds after one step each; the others'
+    deltas of those rounds hold H steps. Judged against its 1-step delta, an honest 5-step
+    delta that does not point along it beyond chance (early in training, tiny batches) was
+    clipped hard, a strike: a joiner quarantined its honest donor that way (test_hostile under
+    load). Scaled by the steps the round holds, it passes as sent."""
+    own = drift(0, steps=1.0, share=0.0)
+    theirs = drift(1, steps=5.0, share=0.0)
+    screen = Screen()
+    screen.record_own(0, own)
+    j = screen.judge(0, theirs)
+    assert j.strike and j.reason and "unaligned" in j.reason  # what happened before
+    screen = Screen()
+    screen.record_own(0, own, steps_short=5.0)
+    j = screen.judge(0, theirs)
+    assert j.accepted and j.reason is None and j.scale == 1.0 and not j.strike
+    # Still bounded: noise of 3x the round's reference (15x the own 1-step delta) is held to
+    # the reference, a strike.
+    j = screen.judge(0, noise(15.0, own, seed=3))
+    assert j.accepted and j.reason and "unaligned" in j.reason and j.strike

@@ -282,6 +282,58 @@ async def test_received_frames_are_checked_queued_and_recorded(sessions: Any) ->
         await ex.receive(JOB, frame, sender.peer_id)
 
 
+async def test_frames_that_come_during_the_state_transfer_are_kept_and_checked_after(
+    sessions: Any,
+) -> None:
+    """A joining or restarted peer's plugin exists before its state has come, and the others
+    already send it their frames: lost, those deltas would be in every anchor but its own.
+    They are kept (the newest EARLY_PER_SENDER of each sender), then checked and queued once
+    the plugin is attached; garbage is refused then, as it would have been at once."""
+    from atomd.sync.exchange import EARLY_PER_SENDER
+
+    sender, other_sender = Identity.generate(), Identity.generate()
+    keys = {i.peer_id: i.public_key_hex for i in (sender, other_sender)}
+    ex = exchange(sessions, FakeClient(), FakePeers([Peer(sender.peer_id, "http://s")], keys))
+    spec = JobSpec(sync={"codec": "fp32", "every": 1})
+    plugin = ex.plugin(JOB, spec)  # not attached: the job is fetching its state
+    assert ex.max_frame_bytes(JOB) > 0  # bounded from the spec before the model exists
+    theirs = exchange(sessions, FakeClient(), FakePeers([]))
+    theirs.identity = sender
+    sent: list[Any] = []
+    mine = attach(theirs)
+    mine.send = sent.append
+    for step in range(1, EARLY_PER_SENDER + 3):
+        mine.after_step(step)
+    frames = [o.frame for o in sent]
+    for f in frames:
+        assert await ex.receive(JOB, f, sender.peer_id) == len(f)
+    assert await ex.receive(JOB, b"garbage", other_sender.peer_id) == len(b"garbage")
+    assert len(plugin.inbox) == 0 and not await rounds(sessions)
+
+    async with running(ex):
+        torch.manual_seed(0)
+        plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+
+        async def queued() -> bool:
+            return len(plugin.inbox) == EARLY_PER_SENDER
+
+        async def refused_garbage() -> bool:
+            return any(not r.applied for r in await rounds(sessions))
+
+        await until(queued, "the kept frames queued")
+        await until(refused_garbage, "the garbage refused")
+    got = sorted(c.round for c in plugin.inbox.take())
+    assert got == list(range(len(frames) - EARLY_PER_SENDER, len(frames)))  # the newest
+    refused = [r for r in await rounds(sessions) if not r.applied]
+    assert [(r.peer_id, r.round) for r in refused] == [(other_sender.peer_id, -1)]
+    # Released (the transfer failed, or the job ended) before it was attached: nothing kept.
+    ex.release(JOB)
+    ex.plugin(JOB, spec)
+    await ex.receive(JOB, frames[0], sender.peer_id)
+    ex.release(JOB)
+    assert not ex._early and ex.max_frame_bytes(JOB) == 0
+
+
 async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> None:
     """A peer done with the job says so in its last frame: nobody waits for its deltas after
     that round (it no longer counts among the job's peers), but it is still sent the later

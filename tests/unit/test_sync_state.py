@@ -407,6 +407,29 @@ def test_state_round_trip() -> None:
         SyncState({"x": torch.zeros(2)}, s).load_state_tensors(saved)
 
 
+def test_a_state_carries_the_deltas_it_merged() -> None:
+    """A peer that takes another's state (a join, a restart) refuses the deltas that state
+    already holds when they reach it too: merged twice, they would count twice in its anchor
+    and in no other peer's. What does not read as "sender<TAB>round" is skipped."""
+    s = spec(codec="topk", topk_fraction=0.1)
+    replicas, states = swarm(3, s)
+    train(replicas[2], seed=3)
+    late = received("p2", states[2].round_boundary([], n_peers=3))  # round 0 of p2
+    sync_round(replicas[:2], states[:2], 0)
+    states[0].absorb([late])  # the donor has it ...
+    saved = states[0].state_tensors()
+    joiner = SyncState(params(seed=5), s, peer_id="p9")
+    joiner.load_state_tensors(saved)
+    joiner.adopt()
+    report = joiner.absorb([late])  # ... and it reaches the joiner too
+    assert not report.applied and "duplicate" in report.refused[0].reason
+    bad = torch.tensor(list(b"p2\tzero\n\tp3\nnot a line\np4\t0\n\xff\xfe\t1\n"), dtype=torch.uint8)
+    joiner.load_state_tensors({**saved, "sync.seen": bad})
+    assert joiner._seen == {("p4", 0), ("\ufffd\ufffd", 1)}
+    joiner.load_state_tensors({**saved, "sync.seen": torch.zeros(3)})  # not bytes: nothing
+    assert joiner._seen == set()
+
+
 def test_the_switch_to_the_plain_average_survives_a_restart() -> None:
     """A peer restarted in the middle of consolidation must go on averaging plainly, as the
     others do, or its commits (with momentum) would move its anchor away from theirs."""
