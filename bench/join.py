@@ -9,7 +9,8 @@ exchanging top-k deltas. Each delta reaches the other peer 1 to H steps after it
 (seeded). The variants differ only in where the joiner's replica starts:
 
 - ``reset`` (the daemon's ``SyncPlugin.adopt``): the swarm's estimate, the anchor plus the
-  deltas in;
+  deltas in; when no delta of peer 1 has reached peer 0 yet, peer 0 first closes its round
+  whole (``SyncPlugin.before_snapshot``), so that estimate is its model;
 - ``keep`` (the daemon before 2026-12-02): the donor's replica, which also holds the part of
   the donor's progress the codec has not sent yet. The donor sends that part itself over its
   next rounds; the joiner then sends it too.
@@ -78,6 +79,11 @@ def run(
     curves: list[list[float]] = [[], []]
     for step in range(steps):
         if step == join_at:  # the state transfer
+            if variant == "reset" and states[0].alone_in_fact():
+                # SyncPlugin.before_snapshot: nobody has sent peer 0 a delta yet, so it
+                # commits its whole model before the snapshot (the frame goes nowhere: the
+                # joiner's state holds it).
+                states[0].round_boundary([], n_peers=1)
             engines[1].load_tensors(engines[0].model_tensors(), engines[0].optimizer_tensors())
             states[1].load_state_tensors(states[0].state_tensors())
             if variant == "reset":  # what the daemon does (SyncPlugin.adopt)

@@ -393,11 +393,30 @@ class SyncPlugin:
         if self.absorbed is not None and (merge.applied or merge.refused):
             self.absorbed(self.job_id, merge)
 
-    def _boundary(self, step: int, *, final: bool = False) -> None:
+    def before_snapshot(self) -> bool:
+        """A peer is about to take this state (it joins the job, or restarts). When no other
+        peer's delta was merged here within ``max_staleness`` rounds and none waits, the round
+        closes now as a peer's alone does, committing the whole replica (what top-k has not sent
+        yet included): the anchor the other peer starts from is this peer's model, not the few
+        entries top-k has sent of it. A joiner announces itself before it fetches, so it counts
+        in the rounds from then on and they commit top-k's share only: early in training (the
+        rounds move the model most and top-k sends least of them) the anchor it took was near
+        the initial weights (test_hostile: a joiner's first validation at 5.3, untrained 5.5).
+        Nobody else holds a delta of the rounds this one commits whole, so the anchors agree.
+        True if it closed the round."""
+        state = self.state
+        if state is None or len(self.inbox) or self._deferred or not state.alone_in_fact():
+            return False
+        log.info("a peer takes this state: closing round %d whole (no other peer's delta "
+                 "merged here lately)", state.round)  # fmt: skip
+        self._timed_boundary(self._last_step, alone=True)
+        return True
+
+    def _boundary(self, step: int, *, final: bool = False, alone: bool = False) -> None:
         assert self.state is not None
         self._settle()
         inbox = self._inbox()
-        n_peers = max(1, self.n_peers(self.state.version))
+        n_peers = 1 if alone else max(1, self.n_peers(self.state.version))
         self._fit_fraction()
         # Steps this round lasted (at least 1: a consolidation round repeats the last step).
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
@@ -550,9 +569,9 @@ class SyncPlugin:
                  "the swarm's" if self.final_model == "swarm" else "this peer's own",
                  swarm, own)  # fmt: skip
 
-    def _timed_boundary(self, step: int, *, final: bool = False) -> None:
+    def _timed_boundary(self, step: int, *, final: bool = False, alone: bool = False) -> None:
         t0 = time.perf_counter()
-        self._boundary(step, final=final)
+        self._boundary(step, final=final, alone=alone)
         self.busy_s += time.perf_counter() - t0
 
     def _await_round(self, stop: threading.Event, what: str) -> bool:

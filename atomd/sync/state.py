@@ -577,6 +577,10 @@ class SyncState:
         self.outer = NesterovOuter(lr=1.0, momentum=0.0)
         self.averaging = True
 
+    def alone_in_fact(self) -> bool:
+        """No other peer's delta merged within the last ``max_staleness`` rounds, none held."""
+        return not self._held and all(sender == self.peer_id for sender, _ in self._seen)
+
     def rounds_behind(self) -> int:
         """Rounds the swarm has closed that this one has not, from the newest round each
         sender has claimed (accepted, or refused as too far ahead): 0 when the median claim is

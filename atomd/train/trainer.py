@@ -45,6 +45,10 @@ class RoundPlugin(Protocol):
     def state_tensors(self) -> dict[str, Tensor]: ...
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> bool: ...
     def adopt(self) -> None: ...
+    def before_snapshot(self) -> bool:
+        """Just before a checkpoint that another peer will take: True if the state changed."""
+        ...
+
     @property
     def version(self) -> int:
         """Rounds closed (0: the swarm's model is still the initial weights)."""
@@ -276,8 +280,14 @@ class Trainer:
         return out
 
     def _checkpoint_now(self, step: int) -> int:
-        """A checkpoint of this very step (written unless it exists already)."""
-        if self.last_checkpoint is None or self.last_checkpoint.name != f"step-{step:08d}":
+        """A checkpoint of this very step for a peer that takes it (written unless it exists
+        already and the plugin changed nothing for it: ``RoundPlugin.before_snapshot``)."""
+        flushed = self.plugin is not None and self.plugin.before_snapshot()
+        if (
+            flushed
+            or self.last_checkpoint is None
+            or self.last_checkpoint.name != f"step-{step:08d}"
+        ):
             self.save(step)
         return step
 

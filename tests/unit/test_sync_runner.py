@@ -718,3 +718,39 @@ def test_a_slow_link_makes_the_automatic_cadence_send_fewer_entries() -> None:
     for _ in range(4):  # a fast link: the slowest of the last rounds forgotten, 1% again
         fast = one_round(1e9)
     assert kept_per_chunk(fast) == 41 and me.state.fraction == 0.01
+
+
+def test_before_a_snapshot_a_peer_nobody_has_sent_to_commits_its_whole_model() -> None:
+    """A joiner counts from its announcement on, so the donor's rounds commit top-k's share
+    while it fetches; the state it takes must still hold the donor's whole model. With another
+    peer's delta merged lately, nothing changes (its anchor is the swarm's)."""
+    sent: list[RoundOut] = []
+    p = SyncPlugin(
+        job_id="j" * 32,
+        spec=SyncSpec(codec="topk", topk_fraction=0.1, every=3),
+        identity=Identity.generate(),
+        n_peers=lambda base: 2,  # the joiner is counted already
+        send=sent.append,
+    )
+    torch.manual_seed(0)
+    p.attach(fake_engine(torch.nn.Linear(40, 30)))
+    state = p.state
+    assert state is not None
+    weight = state.params["weight"]
+    for step in range(1, 5):
+        with torch.no_grad():
+            weight.add_(torch.randn_like(weight) * 0.1)
+        p.after_step(step)
+    model = {n: t.detach().clone() for n, t in state.params.items()}
+    assert any(not torch.equal(state.anchor[n], model[n]) for n in model)  # top-k lags
+    assert p.before_snapshot() is True
+    assert len(sent) == 2 and sent[-1].outgoing.base_version == 1  # the round closed now
+    for n in model:
+        torch.testing.assert_close(state.anchor[n], model[n], rtol=0, atol=1e-6)
+        assert torch.equal(state.params[n].detach(), state.anchor[n])
+    # Another peer's delta merged: its rounds hold the swarm's sums; the state stays as it is.
+    other = {n: torch.zeros_like(t) for n, t in model.items()}
+    p.inbox.put(Contribution("other", 0, state.version - 1, other))
+    assert p.before_snapshot() is False  # waiting in the inbox
+    p.after_step(5)
+    assert not state.alone_in_fact() and p.before_snapshot() is False
