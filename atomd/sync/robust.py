@@ -53,7 +53,7 @@ anchors then differ by at most that outlier's difference, never by an honest del
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +123,14 @@ class DeltaStats:
             norms[name] = math.sqrt(float(flat.double().square().sum()))
             maxabs[name] = float(flat.abs().max()) if flat.numel() else 0.0
         return cls(math.sqrt(sum(n * n for n in norms.values())), norms, maxabs)
+
+    def maximum(self, other: DeltaStats) -> DeltaStats:
+        """The larger of the two, statistic by statistic."""
+        return DeltaStats(
+            max(self.norm, other.norm),
+            {n: max(v, other.tensor_norms.get(n, 0.0)) for n, v in self.tensor_norms.items()},
+            {n: max(v, other.tensor_maxabs.get(n, 0.0)) for n, v in self.tensor_maxabs.items()},
+        )
 
     def scaled(self, factor: float) -> DeltaStats:
         """The same statistics ``factor`` times larger."""
@@ -206,21 +214,43 @@ class Screen:
         return r is not None and r.own is not None
 
     def record_own(
-        self, base_version: int, tensors: Mapping[str, Tensor], *, steps_short: float = 1.0
+        self,
+        base_version: int,
+        tensors: Mapping[str, Tensor],
+        *,
+        steps_short: float = 1.0,
+        floor: DeltaStats | None = None,
     ) -> None:
         """``steps_short``: the round's steps over the steps this peer trained in it, when it
         closed the round early (a joiner catching up with the swarm closes rounds after one
         step each): its norms are scaled by that much, so that the others' deltas of whole
         rounds are not judged against a delta of a fraction of their steps (as hard clips,
-        strikes: an honest donor was quarantined by its joiner that way)."""
+        strikes: an honest donor was quarantined by its joiner that way). ``floor``: statistics
+        the reference is at least (a peer whose error feedback is fresh after a state transfer
+        sends top-k of a near-empty accumulator, the others of theirs: the donor's newest own
+        statistics stand in as the floor for a few rounds)."""
         r = self._rounds.setdefault(base_version, _Round())
-        r.own = DeltaStats.of(tensors).scaled(max(1.0, steps_short))
+        own = DeltaStats.of(tensors).scaled(max(1.0, steps_short))
+        r.own = own if floor is None else own.maximum(floor)
         # Kept also with the check off: the cosines are reported (and measured) all the same.
         r.own_vector = {name: _keep(t) for name, t in tensors.items()}
         self._forget_before(base_version)
         for b, x in self._rounds.items():
             if b <= base_version - self.keep_vectors:
                 x.own_vector = None
+
+    def newest_own(self) -> DeltaStats | None:
+        """The statistics of the newest round with an own delta (None if none)."""
+        known = [b for b, x in self._rounds.items() if x.own is not None and x.own.norm > 0.0]
+        return self._rounds[max(known)].own if known else None
+
+    def inherit(self, stats: DeltaStats, rounds: Sequence[int]) -> None:
+        """Rounds closed before this peer took another's state: ``stats`` (the donor's newest
+        own statistics) are their reference (norms only: there is no own direction)."""
+        for b in rounds:
+            r = self._rounds.setdefault(b, _Round())
+            if r.own is None:
+                r.own = stats
 
     def record_stand_in(self, base_version: int) -> bool:
         """A round this peer closes without a delta of its own (it has finished the job and

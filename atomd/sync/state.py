@@ -57,6 +57,9 @@ _VERSION, _ROUND, _AVERAGING = "sync.version", "sync.round", "sync.averaging"
 # The deltas merged recently, as UTF-8 lines "sender<TAB>base version" (a uint8 tensor): a peer
 # that takes this state refuses them as duplicates when they reach it too.
 _SEEN = "sync.seen"
+# The newest own delta's reference statistics (the robust rule's): the overall norm then each
+# tensor's, and each tensor's largest |x|, in the anchor's order (float64).
+_REF_NORMS, _REF_MAXABS = "sync.ref.norms", "sync.ref.maxabs"
 MAX_SEEN = 65_536  # entries read back from a state: (senders) x (max_staleness + 1) rounds
 # A round claimed further ahead than this counts for nothing in ``rounds_behind``: no honest
 # peer runs that far ahead of a live swarm (a joiner takes the donor's version).
@@ -188,6 +191,10 @@ class SyncState:
         self._sent: dict[str, Tensor] | None = None
         self._kept: dict[str, Tensor] = {}
         self._whole = False  # the own delta of this round is whole (``prepare(whole=True)``)
+        # After taking a state: the donor's reference statistics, the floor of this peer's own
+        # until round ``_inherited_until`` (its error feedback starts empty: ``load_state``).
+        self._inherited: DeltaStats | None = None
+        self._inherited_until = 0
 
     @property
     def fraction(self) -> float | None:
@@ -350,7 +357,8 @@ class SyncState:
         self._add_pending(self.version, own, 1.0)
         self._seen.add((self.peer_id, self.version))
         if self.screen is not None:  # the reference of this round's deltas is known now
-            self.screen.record_own(self.version, own, steps_short=steps_short)
+            floor = self._inherited if self.version < self._inherited_until else None
+            self.screen.record_own(self.version, own, steps_short=steps_short, floor=floor)
         held, self._held = self._held, []
         self._take([*held, *inbox], report)
         if self._whole and self._pending_count[self.version] == 1:
@@ -662,6 +670,15 @@ class SyncState:
             out[_AVERAGING] = torch.tensor(1, dtype=torch.int64)
         seen = "".join(f"{sender}\t{b}\n" for sender, b in sorted(self._seen))
         out[_SEEN] = torch.tensor(list(seen.encode()), dtype=torch.uint8)
+        ref = self.screen.newest_own() if self.screen is not None else None
+        if ref is not None:
+            names = list(self.anchor)
+            out[_REF_NORMS] = torch.tensor(
+                [ref.norm, *(ref.tensor_norms.get(n, 0.0) for n in names)], dtype=torch.float64
+            )
+            out[_REF_MAXABS] = torch.tensor(
+                [ref.tensor_maxabs.get(n, 0.0) for n in names], dtype=torch.float64
+            )
         return out
 
     def load_state_tensors(self, d: Mapping[str, Tensor]) -> None:
@@ -704,6 +721,12 @@ class SyncState:
         if _AVERAGING in d and int(d[_AVERAGING]):  # restarted in the middle of consolidation
             self.average_from_now()
         self._seen = _read_seen(d.get(_SEEN), floor=self.version - self.spec.max_staleness)
+        self._inherited = _read_ref(d.get(_REF_NORMS), d.get(_REF_MAXABS), list(self.anchor))
+        self._inherited_until = self.version + self.spec.max_staleness + 1
+        if self._inherited is not None and self.screen is not None:
+            # The rounds closed before the state was taken: judged by the donor's statistics.
+            first = max(0, self.version - self.spec.max_staleness)
+            self.screen.inherit(self._inherited, range(first, self.version))
         self._held = []
         self._claims = {}
 
@@ -722,3 +745,23 @@ def _read_seen(t: Tensor | None, *, floor: int) -> set[tuple[str, int]]:
             if len(seen) >= MAX_SEEN:
                 break
     return seen
+
+
+def _read_ref(norms: Tensor | None, maxabs: Tensor | None, names: list[str]) -> DeltaStats | None:
+    """The reference statistics ``state_tensors`` wrote, or None when absent or not what they
+    must be (one norm per tensor plus the overall one, one largest |x| per tensor, all finite
+    and not negative)."""
+    if norms is None or maxabs is None or norms.dim() != 1 or maxabs.dim() != 1:
+        return None
+    if norms.numel() != len(names) + 1 or maxabs.numel() != len(names):
+        return None
+    n, m = norms.double(), maxabs.double()
+    if not (bool(torch.isfinite(n).all()) and bool(torch.isfinite(m).all())):
+        return None
+    if bool((n < 0).any()) or bool((m < 0).any()) or float(n[0]) <= 0.0:
+        return None
+    return DeltaStats(
+        float(n[0]),
+        {name: float(v) for name, v in zip(names, n[1:].tolist(), strict=True)},
+        {name: float(v) for name, v in zip(names, m.tolist(), strict=True)},
+    )

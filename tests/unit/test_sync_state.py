@@ -560,3 +560,42 @@ def test_a_follow_round_bounds_what_it_merges() -> None:
     assert not a.last_merge.applied and a.last_merge.refused[0].strike
     fresh = swarm(1, spec(codec="topk", topk_fraction=0.2))[1][0]
     assert not fresh.follow([], n_peers=1) and fresh.version == 0
+
+
+def test_a_peer_that_takes_a_state_judges_by_the_donors_reference_at_first() -> None:
+    """After a state transfer the taker's error feedback is empty: its first top-k deltas are
+    top-k of a near-empty accumulator, the others' of theirs (a real restarted peer: 0.047
+    against honest 1.53, refused as 16x outliers, a strike each). The donor's newest own
+    statistics travel with the state and are the floor of its reference for a few rounds, and
+    the reference of the rounds closed before it took the state."""
+    s = spec(codec="topk", topk_fraction=0.1)
+    replicas, states = swarm(2, s)
+    donor = states[0]
+    for t in replicas[0].values():  # the donor's steady-state deltas: large
+        t.add_(5.0)
+    donor.round_boundary([], n_peers=2)
+    saved = donor.state_tensors()
+    assert "sync.ref.norms" in saved
+    big = {n: torch.full_like(t, 4.0) for n, t in replicas[0].items()}  # an honest-size delta
+
+    def taker(d: dict[str, Tensor]) -> SyncState:
+        t = SyncState(params(seed=5), s, peer_id="p9")
+        t.load_state_tensors(d)
+        t.adopt()
+        train(t.params, seed=1)  # a small own delta: one step
+        t.round_boundary([], n_peers=2)
+        return t
+
+    joiner = taker(saved)
+    report = joiner.absorb([Contribution("p0", 1, 1, big)])
+    assert report.applied and not report.refused, report.refused  # judged by the floor
+    report = joiner.absorb([Contribution("p7", 0, 0, big)])  # closed before the transfer
+    assert report.applied and not report.refused, report.refused
+    # Without the donor's statistics (or with ones that do not read): an outlier, as before.
+    for bad in (None, torch.tensor([1.0, -2.0]), torch.full((len(SHAPES) + 1,), float("nan"))):
+        d = {k: v for k, v in saved.items() if not k.startswith("sync.ref")}
+        if bad is not None:
+            d |= {"sync.ref.norms": bad, "sync.ref.maxabs": saved["sync.ref.maxabs"]}
+        fresh = taker(d)
+        report = fresh.absorb([Contribution("p0", 1, 1, big)])
+        assert not report.applied and "outlier" in report.refused[0].reason
