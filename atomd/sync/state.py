@@ -191,6 +191,7 @@ class SyncState:
         self._sent: dict[str, Tensor] | None = None
         self._kept: dict[str, Tensor] = {}
         self._whole = False  # the own delta of this round is whole (``prepare(whole=True)``)
+        self._framed: dict[str, Tensor] = {}  # this round's delta as receivers decode it
         # After taking a state: the donor's reference statistics, the floor of this peer's own
         # until round ``_inherited_until`` (its error feedback starts empty: ``load_state``).
         self._inherited: DeltaStats | None = None
@@ -310,11 +311,13 @@ class SyncState:
         start = self.start_point()
         encoded: list[tuple[str, Encoded]] = []
         sent: dict[str, Tensor] = {}
+        framed: dict[str, Tensor] = {}  # what receivers decode: the robust rule's reference
         raw_bytes = 0
         for name, p in self.params.items():
             delta = p.detach().to("cpu", torch.float32) - start[name]
             enc, reconstructed = self.feedback.compress(name, delta)
             reconstructed = reconstructed.to("cpu", torch.float32).reshape(delta.shape)
+            framed[name] = reconstructed
             if whole:  # the residual is committed too: nothing waits
                 reconstructed = reconstructed + self.feedback.split(name, 1.0).reshape(delta.shape)
             elif self.spec.residual == "replica":  # the replica trains on with its share
@@ -322,7 +325,7 @@ class SyncState:
             encoded.append((name, enc))
             sent[name] = reconstructed.clone()
             raw_bytes += delta.numel() * 4
-        self._sent, self._whole = sent, whole
+        self._sent, self._whole, self._framed = sent, whole, framed
         return Outgoing(
             round=self.round,
             base_version=self.version,
@@ -353,12 +356,15 @@ class SyncState:
         if self._sent is None:
             raise RuntimeError("merge() needs prepare() first")
         own, self._sent = self._sent, None
+        framed, self._framed = self._framed, {}
         report = MergeReport(version=self.version)
         self._add_pending(self.version, own, 1.0)
         self._seen.add((self.peer_id, self.version))
         if self.screen is not None:  # the reference of this round's deltas is known now
             floor = self._inherited if self.version < self._inherited_until else None
-            self.screen.record_own(self.version, own, steps_short=steps_short, floor=floor)
+            # The reference is the frame (others' deltas are frames too), not a whole commit.
+            self.screen.record_own(self.version, framed or own, steps_short=steps_short,
+                                   floor=floor)  # fmt: skip
         held, self._held = self._held, []
         self._take([*held, *inbox], report)
         if self._whole and self._pending_count[self.version] == 1:

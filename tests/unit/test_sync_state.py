@@ -599,3 +599,22 @@ def test_a_peer_that_takes_a_state_judges_by_the_donors_reference_at_first() -> 
         fresh = taker(d)
         report = fresh.absorb([Contribution("p0", 1, 1, big)])
         assert not report.applied and "outlier" in report.refused[0].reason
+
+
+def test_a_whole_commit_keeps_the_frame_as_the_rounds_reference() -> None:
+    """Alone (or before a snapshot) a peer commits its whole delta, but the deltas it judges
+    are frames: its reference is its frame, not the whole delta (whose norm, handed to a joiner
+    as the floor of its reference, let a poisoned frame through: test_hostile)."""
+    s = spec(codec="topk", topk_fraction=0.05)
+    replica = params()
+    state = SyncState(replica, s)
+    train(replica, seed=0)
+    out = state.round_boundary([], n_peers=1)
+    frame = {n: decode(e) for n, e in out.tensors}
+    ref = state.screen.newest_own() if state.screen is not None else None
+    assert ref is not None and ref.norm == pytest.approx(rel_norm(frame), rel=1e-5)
+    assert int(state.state_tensors()["sync.version"]) == 1
+
+
+def rel_norm(t: dict[str, Tensor]) -> float:
+    return math.sqrt(sum(float(x.double().square().sum()) for x in t.values()))
