@@ -257,10 +257,9 @@ class Screen:
         only follows the others' last rounds): the newest own delta's statistics stand in for
         its reference (norms only: no direction to compare with). False, and nothing recorded,
         when there is no own delta to stand in."""
-        known = [b for b, x in self._rounds.items() if x.own is not None and x.own.norm > 0.0]
-        if not known:
+        newest = self.newest_own()
+        if newest is None:
             return False
-        newest = self._rounds[max(known)].own
         self._rounds.setdefault(base_version, _Round()).own = newest
         self._forget_before(base_version)
         return True

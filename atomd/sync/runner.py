@@ -421,7 +421,7 @@ class SyncPlugin:
         # Steps this round lasted (at least 1: a consolidation round repeats the last step).
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
         # Closed early (catching up with the swarm): the others' deltas of the round hold H.
-        short = self._every() / every if self.cadence.fixed is None else self.cadence.fixed / every
+        short = (self.cadence.fixed or self._every()) / every
         if self.guard is not None:
             out = self.guard.round_boundary(inbox, n_peers=n_peers, steps_short=short)
         else:

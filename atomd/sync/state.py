@@ -316,14 +316,14 @@ class SyncState:
         for name, p in self.params.items():
             delta = p.detach().to("cpu", torch.float32) - start[name]
             enc, reconstructed = self.feedback.compress(name, delta)
-            reconstructed = reconstructed.to("cpu", torch.float32).reshape(delta.shape)
-            framed[name] = reconstructed
+            framed[name] = reconstructed.to("cpu", torch.float32).reshape(delta.shape).clone()
             if whole:  # the residual is committed too: nothing waits
-                reconstructed = reconstructed + self.feedback.split(name, 1.0).reshape(delta.shape)
-            elif self.spec.residual == "replica":  # the replica trains on with its share
-                self._kept[name] = self.feedback.split(name, self.spec.ef_decay)
+                sent[name] = framed[name] + self.feedback.split(name, 1.0).reshape(delta.shape)
+            else:  # what is committed is what is sent (one tensor for both)
+                sent[name] = framed[name]
+                if self.spec.residual == "replica":  # the replica trains on with its share
+                    self._kept[name] = self.feedback.split(name, self.spec.ef_decay)
             encoded.append((name, enc))
-            sent[name] = reconstructed.clone()
             raw_bytes += delta.numel() * 4
         self._sent, self._whole, self._framed = sent, whole, framed
         return Outgoing(
@@ -363,8 +363,7 @@ class SyncState:
         if self.screen is not None:  # the reference of this round's deltas is known now
             floor = self._inherited if self.version < self._inherited_until else None
             # The reference is the frame (others' deltas are frames too), not a whole commit.
-            self.screen.record_own(self.version, framed or own, steps_short=steps_short,
-                                   floor=floor)  # fmt: skip
+            self.screen.record_own(self.version, framed, steps_short=steps_short, floor=floor)
         held, self._held = self._held, []
         self._take([*held, *inbox], report)
         if self._whole and self._pending_count[self.version] == 1:
