@@ -116,13 +116,18 @@ class LossGuard:
         return self._roll_back(report, moved, before, after)
 
     def round_boundary(
-        self, inbox: Sequence[Contribution], *, n_peers: int, steps_short: float = 1.0
+        self,
+        inbox: Sequence[Contribution],
+        *,
+        n_peers: int,
+        steps_short: float = 1.0,
+        expected: int | None = None,
     ) -> Outgoing:
         """``SyncState.round_boundary``, guarded; ``state.last_merge`` says what was applied."""
         return self._closing(
             inbox,
             lambda later: self.state.round_boundary(
-                later, n_peers=n_peers, steps_short=steps_short
+                later, n_peers=n_peers, steps_short=steps_short, expected=expected
             ),
         )
 

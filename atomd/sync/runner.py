@@ -133,14 +133,17 @@ class SyncPlugin:
         n_peers: Callable[[int], int],
         send: Callable[[RoundOut], None],
         absorbed: Callable[[str, MergeReport], None] | None = None,
+        n_expected: Callable[[int], int] | None = None,
     ) -> None:
         """``n_peers``: peers (this one included) that take part in the round on a base version;
         ``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
-        boundaries (job id, report), for the records."""
+        boundaries (job id, report), for the records; ``n_expected``: of those peers, the ones
+        whose delta of the round is expected (default: all; see ``SyncState.merge``)."""
         self.job_id = job_id
         self.spec = spec
         self.identity = identity
         self.n_peers = n_peers
+        self._n_expected = n_expected
         self.send = send
         self.absorbed = absorbed
         self.inbox = Inbox()
@@ -257,6 +260,11 @@ class SyncPlugin:
         log.info("step %d: the swarm has closed %d rounds this peer has not; closing "
                  "round %d early", step, behind, self.state.round)  # fmt: skip
         return True
+
+    def n_expected(self, base_version: int) -> int:
+        """Of the ``n_peers`` of the round on ``base_version``, those whose delta of it is
+        expected (``SyncState.merge``)."""
+        return (self._n_expected or self.n_peers)(base_version)
 
     def _every(self) -> int:
         """H of the current round (automatic cadence)."""
@@ -417,15 +425,20 @@ class SyncPlugin:
         self._settle()
         inbox = self._inbox()
         n_peers = 1 if alone else max(1, self.n_peers(self.state.version))
+        expected = min(n_peers, max(1, self.n_expected(self.state.version)))
         self._fit_fraction()
         # Steps this round lasted (at least 1: a consolidation round repeats the last step).
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
         # Closed early (catching up with the swarm): the others' deltas of the round hold H.
         short = (self.cadence.fixed or self._every()) / every
         if self.guard is not None:
-            out = self.guard.round_boundary(inbox, n_peers=n_peers, steps_short=short)
+            out = self.guard.round_boundary(
+                inbox, n_peers=n_peers, steps_short=short, expected=expected
+            )
         else:
-            out = self.state.round_boundary(inbox, n_peers=n_peers, steps_short=short)
+            out = self.state.round_boundary(
+                inbox, n_peers=n_peers, steps_short=short, expected=expected
+            )
         # The frame carries this peer's own proposal, not the swarm's period: a peer that sent
         # the largest period it heard would echo every peer's past proposals back to them, and
         # one slow round's proposal would then circulate, kept fresh, for the rest of the job.

@@ -178,6 +178,9 @@ class SyncState:
         self._pending: dict[int, dict[str, Tensor]] = {}
         self._pending_count: dict[int, int] = {}
         self._n_peers = 1  # as of the last merge: how rounds already committed are scaled
+        # As of the last merge: of those peers, how many are expected to send a delta of the
+        # last closed round (None: all). The start point estimates the others' as none.
+        self._expected: int | None = None
         self._seen: set[tuple[str, int]] = set()  # (sender, base_version) merged recently
         # Received deltas of rounds this peer has not closed: judged once its own delta of
         # that round is known (they touch nothing before: only closed rounds move the replica).
@@ -276,20 +279,31 @@ class SyncState:
             self._claims[c.sender] = c.base_version
 
     def round_boundary(
-        self, inbox: Sequence[Contribution], *, n_peers: int, steps_short: float = 1.0
+        self,
+        inbox: Sequence[Contribution],
+        *,
+        n_peers: int,
+        steps_short: float = 1.0,
+        expected: int | None = None,
     ) -> Outgoing:
         """Close this peer's round: compress its delta, merge it with ``inbox``, step the anchor.
 
         ``n_peers``: peers training the job (this one included); ``steps_short``: the round's
         steps over those this peer trained in it, when it closed the round early (see
-        ``robust.Screen.record_own``). Returns the encoded delta to send; ``last_merge`` says
-        what was applied or refused and why.
+        ``robust.Screen.record_own``); ``expected``: see ``merge``. Returns the encoded delta
+        to send; ``last_merge`` says what was applied or refused and why.
         """
         alone = n_peers == 1
         out = self.prepare(whole=alone)
         # Asynchronous: a peer holding a whole round cannot know the others do, so rounds are
         # committed a round later everywhere (alone, there is no one to disagree with).
-        self.merge(inbox, n_peers=n_peers, commit_complete=alone, steps_short=steps_short)
+        self.merge(
+            inbox,
+            n_peers=n_peers,
+            commit_complete=alone,
+            steps_short=steps_short,
+            expected=expected,
+        )
         return out
 
     @torch.no_grad()
@@ -342,8 +356,15 @@ class SyncState:
         n_peers: int,
         commit_complete: bool = True,
         steps_short: float = 1.0,
+        expected: int | None = None,
     ) -> MergeReport:
         """Second half: merge the own delta and ``inbox``, commit what is due, reset the replica.
+
+        ``expected``: of the ``n_peers``, those (this one included) whose delta of this round
+        is expected; None: all. A peer counted in the average that has never sent a delta (one
+        that joined and is still fetching the swarm's state) will send none of this round: the
+        start point then estimates its delta as none instead of as the others' mean, so that
+        the replica restarts where the commit will put it (see ``_scale``).
 
         ``commit_complete``: commit this round at once when all ``n_peers`` deltas are in (a
         synchronous swarm, where every peer has them). ``round_boundary`` passes False unless the
@@ -379,15 +400,22 @@ class SyncState:
             if b < self.version
             or (commit_complete and b == self.version and self._pending_count[b] >= n_peers)
         )
-        self._close(due, n_peers=n_peers, keep=self._kept)
+        self._close(due, n_peers=n_peers, keep=self._kept, expected=expected)
         self.round += 1
         self._kept = {}
         self.last_merge = report
         return report
 
-    def _close(self, due: Sequence[int], *, n_peers: int, keep: Mapping[str, Tensor]) -> None:
+    def _close(
+        self,
+        due: Sequence[int],
+        *,
+        n_peers: int,
+        keep: Mapping[str, Tensor],
+        expected: int | None = None,
+    ) -> None:
         """Commit the ``due`` rounds in one outer step and move on to the next version; the
-        replica restarts from the new start point plus ``keep``."""
+        replica restarts from the new start point plus ``keep`` (``expected``: see ``merge``)."""
         if due:
             # g = -(1/n) * sum_j w_j delta_j per round; n is at least the deltas the round has
             # (a peer that left after sending still counted in its round).
@@ -396,6 +424,7 @@ class SyncState:
             for b in due:
                 del self._pending[b], self._pending_count[b]
         self._n_peers = n_peers
+        self._expected = None if expected is None else max(1, min(expected, n_peers))
         self.version += 1
         self._restart_replica(keep=keep)
         floor = self.version - self.spec.max_staleness
@@ -574,10 +603,14 @@ class SyncState:
         }
 
     def _scale(self, base_version: int, count: int) -> float:
-        """The last closed round: 1 / its ``count`` deltas (their mean stands in for the rest).
-        An older round is committed already: a late delta of it will count 1 / n_peers."""
+        """The last closed round: its ``count`` deltas' mean stands in for each delta still
+        expected (1 / ``count`` when every peer's is), the deltas not expected count as none,
+        and the commit will divide by the peers counted. An older round is committed already:
+        a late delta of it will count 1 / n_peers."""
         if base_version == self.version - 1:
-            return 1.0 / count
+            if self._expected is None:
+                return 1.0 / count
+            return max(count, self._expected) / (count * max(count, self._n_peers))
         return 1.0 / max(count, self._n_peers)
 
     def average_from_now(self) -> None:

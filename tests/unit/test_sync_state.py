@@ -180,6 +180,43 @@ def test_start_point_is_the_anchor_the_commit_will_make(momentum: float) -> None
         torch.testing.assert_close(states[0].anchor, predicted, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.7])
+def test_a_counted_peer_that_is_not_expected_to_send_is_estimated_as_none(momentum: float) -> None:
+    """Issue #14: a peer counted in the average that has never sent (it joined and fetches the
+    swarm's state) sends no delta of the rounds before the one it takes. Estimated by the
+    others' mean, its delta put the replica at anchor + own delta, and the commit a round later
+    at anchor + own delta / 2: at every boundary the replica jumped back (with momentum, by
+    more). With ``expected`` the start point is where the commit puts the anchor; a delta of
+    it that comes after all counts in the estimate as the commit will count it."""
+    for expected, agrees in ((1, True), (None, False)):
+        replicas, states = swarm(1, spec(outer_momentum=momentum))
+        donor, state = replicas[0], states[0]
+        for rnd in range(3):
+            train(donor, seed=rnd)
+            state.round_boundary([], n_peers=2, expected=expected)
+            predicted = {k: v.clone() for k, v in state.start_point().items()}
+            for k in SHAPES:  # fp32: nothing kept, the replica restarts at the start point
+                torch.testing.assert_close(donor[k], predicted[k])
+            train(donor, seed=10 + rnd)
+            state.round_boundary([], n_peers=2, expected=expected)  # commits the round before
+            same = all(torch.allclose(state.anchor[k], predicted[k], atol=1e-6) for k in SHAPES)
+            assert same == agrees
+        if expected is None:
+            continue
+        # The joiner's delta of the last closed round comes after all: the start point takes
+        # it as the commit will (2 deltas of 2 peers counted), and the commit lands there.
+        g = torch.Generator().manual_seed(7)
+        late = {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+        before = {k: v.clone() for k, v in state.start_point().items()}
+        state.absorb([Contribution("j", 0, state.version - 1, late)])
+        predicted = {k: v.clone() for k, v in state.start_point().items()}
+        assert not torch.allclose(predicted["w"], before["w"], atol=1e-3)
+        state.prepare()
+        state.merge([], n_peers=2, expected=expected, commit_complete=False)
+        for k in SHAPES:
+            torch.testing.assert_close(state.anchor[k], predicted[k], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_absorb_between_boundaries_keeps_what_the_replica_trained(momentum: float) -> None:
     """A late delta absorbed mid-round moves the replica exactly as far as the start point moves;
