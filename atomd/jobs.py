@@ -99,6 +99,10 @@ class SwarmLink(Protocol):
 class DeltaLink(Protocol):
     """What the job manager needs from the delta exchange (``atomd.sync.exchange``)."""
 
+    def expect(self, job_id: str, spec: JobSpec) -> None:
+        """The job is about to train here: keep its frames until its plugin is attached."""
+        ...
+
     def plugin(self, job_id: str, spec: JobSpec) -> RoundPlugin:
         """The trainer-thread side of the exchange for one swarm job."""
         ...
@@ -573,6 +577,10 @@ class JobManager:
     def _launch(self, active: ActiveJob) -> None:
         assert self._tg is not None, "JobManager.run() is not running"
         self.active = active
+        if active.scope == "swarm" and self.swarm is not None and self.exchange is not None:
+            # From now on its frames are kept until its plugin exists: a restarted daemon
+            # loads torch for seconds while the others already send it their rounds.
+            self.exchange.expect(active.id, active.spec)
         self._tg.create_task(self._drive(active), name=f"job-{active.id}")
 
     def _train_blocking(self, active: ActiveJob, loop: asyncio.AbstractEventLoop) -> TrainSummary:
@@ -614,7 +622,7 @@ class JobManager:
             if self._hash_pending(active):
                 await self._pin_data(active)
             if active.scope == "swarm" and self.swarm is not None:
-                if self.exchange is not None:  # first: frames that come meanwhile are kept
+                if self.exchange is not None:  # first: the kept frames wait for its state
                     active.plugin = self.exchange.plugin(active.id, active.spec)
                 if not await self._take_swarm_state(active):
                     return
@@ -768,7 +776,7 @@ class JobManager:
         if self.active is not active:
             return
         self.active = None
-        if active.plugin is not None and self.exchange is not None:
+        if self.exchange is not None and active.scope == "swarm":
             self.exchange.release(active.id)
 
     async def _finish(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> None:

@@ -9,9 +9,10 @@ A delta's whole path stays in ``atomd.sync``:
    as one burst; one retry on a network error, none on a refusal);
 3. on each receiver the peer plane hands the body to ``DeltaExchange.receive``, which checks it
    whole off the event loop (``wire.FrameDecoder``, the replay guard) and queues it in the job's
-   plugin inbox; the plugin merges it after the next optimizer step. A frame that comes while
-   the job is fetching its state (its plugin not attached yet) is kept, bounded, and checked
-   once it is (``_drain_early``): lost, its delta would be in every anchor but this one's;
+   plugin inbox; the plugin merges it after the next optimizer step. A frame that comes before
+   the job's plugin is attached (a starting or restarted daemon loading torch, ``expect``, then
+   fetching the swarm's state) is kept, bounded, and checked once it is (``_drain_early``):
+   lost, its delta would be in every anchor but this one's;
 4. every delta sent, received, applied or refused is recorded in one place (``_record``).
 
 The exchange depends downward only: on the peer client that signs requests and on two narrow
@@ -200,6 +201,13 @@ class DeltaExchange:
         loop.call_soon_threadsafe(self._spawn, coro, name)
 
     # -- the trainer's side ------------------------------------------------------------------
+
+    def expect(self, job_id: str, spec: JobSpec) -> None:
+        """``job_id`` is about to train here: its frames are kept from now on, until its
+        plugin is attached (``plugin``) or the job is released. Called before the trainer's
+        modules load (seconds on a busy machine), so that a restarted daemon does not refuse
+        the frames the others send it meanwhile."""
+        self._numel[job_id] = num_parameters(spec.model_shape)
 
     def plugin(self, job_id: str, spec: JobSpec) -> SyncPlugin:
         """The trainer-thread side of the exchange for one job, wired to this exchange."""
@@ -424,10 +432,10 @@ class DeltaExchange:
         if why is not None:  # refused before anything is decoded; counted, not recorded a row
             self.telemetry.rounds.labels("received", "false").inc()
             raise PeerAuthError(f"peer {signer} is {why}", status=403)
-        plugin = self.plugins.get(job_id)
-        if plugin is None or not (self.jobs and self.jobs.trains(job_id)):
+        if job_id not in self._numel or not (self.jobs and self.jobs.trains(job_id)):
             raise NotFoundError(f"not training job {job_id} here")
-        if plugin.state is None:  # fetching its state: checked once the plugin is attached
+        plugin = self.plugins.get(job_id)
+        if plugin is None or plugin.state is None:  # checked once the plugin is attached
             return self._keep_early(job_id, signer, body)
         return await self._accept(job_id, plugin, body, signer)
 

@@ -334,6 +334,52 @@ async def test_frames_that_come_during_the_state_transfer_are_kept_and_checked_a
     assert not ex._early and ex.max_frame_bytes(JOB) == 0
 
 
+async def test_frames_that_come_while_the_trainer_loads_are_kept_for_its_plugin(
+    sessions: Any,
+) -> None:
+    """A restarted daemon resumes its job and loads torch (seconds on a busy machine) before
+    the job's plugin exists; the others already send it their rounds. From ``expect`` on they
+    are kept, and queued once the plugin is attached. A job nobody expects still gets 404."""
+    sender = Identity.generate()
+    keys = {sender.peer_id: sender.public_key_hex}
+    ex = exchange(sessions, FakeClient(), FakePeers([Peer(sender.peer_id, "http://s")], keys))
+    spec = JobSpec(sync={"codec": "fp32", "every": 1})
+    theirs = exchange(sessions, FakeClient(), FakePeers([]))
+    theirs.identity = sender
+    sent: list[Any] = []
+    mine = attach(theirs)
+    mine.send = sent.append
+    mine.after_step(1)
+    frame = sent[0].frame
+
+    assert ex.max_frame_bytes(JOB) == 0
+    with pytest.raises(NotFoundError):  # not expected: refused before anything is kept
+        await ex.receive(JOB, frame, sender.peer_id)
+    ex.expect(JOB, spec)
+    assert ex.max_frame_bytes(JOB) > 0  # the peer plane bounds the body from the spec
+    assert await ex.receive(JOB, frame, sender.peer_id) == len(frame)
+    assert JOB not in ex.plugins and not await rounds(sessions)
+
+    plugin = ex.plugin(JOB, spec)  # torch is loaded; then the state transfer
+    async with running(ex):
+        torch.manual_seed(0)
+        plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+
+        async def queued() -> bool:
+            return len(plugin.inbox) == 1
+
+        await until(queued, "the frame kept while the trainer loaded queued")
+    assert [c.sender for c in plugin.inbox.take()] == [sender.peer_id]
+    # Released before its plugin existed (the job failed to start): nothing kept, 404 again.
+    ex.release(JOB)
+    ex.expect(JOB, spec)
+    await ex.receive(JOB, frame, sender.peer_id)
+    ex.release(JOB)
+    assert not ex._early and ex.max_frame_bytes(JOB) == 0
+    with pytest.raises(NotFoundError):
+        await ex.receive(JOB, frame, sender.peer_id)
+
+
 async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> None:
     """A peer done with the job says so in its last frame: nobody waits for its deltas after
     that round (it no longer counts among the job's peers), but it is still sent the later

@@ -282,3 +282,47 @@ async def test_a_donor_refuses_a_state_younger_than_asked_or_before_its_first_ro
             break
     snaps.serve(lambda: 50)
     assert await task is True
+
+
+async def test_a_swarm_job_expects_its_frames_from_its_launch_until_its_release(
+    tmp_path: Path,
+) -> None:
+    """The job manager tells the exchange as it launches a swarm job (before torch loads and
+    before the plugin exists), and releases the job when it ends; local jobs stay out of it."""
+    from atomd.jobs import ActiveJob, JobManager
+    from atomd.spec import JobSpec
+    from atomd.telemetry import Telemetry
+
+    calls: list[tuple[str, str]] = []
+    exchange = SimpleNamespace(
+        expect=lambda job_id, spec: calls.append(("expect", job_id)),
+        release=lambda job_id: calls.append(("release", job_id)),
+    )
+    jobs = JobManager(jobs_dir=tmp_path, sessions=None, telemetry=Telemetry(),  # type: ignore[arg-type]
+                      device="cpu", peer_id="p" * 32)  # fmt: skip
+    jobs.exchange = exchange  # type: ignore[assignment]
+    jobs.swarm = SimpleNamespace()  # type: ignore[assignment]
+    driven: list[str] = []
+
+    async def drive(active: ActiveJob) -> None:
+        driven.append(active.id)
+        # the exchange already knows of a swarm job, before anything of it ran
+        assert calls == ([("expect", active.id)] if active.scope == "swarm" else [])
+
+    jobs._drive = drive  # type: ignore[method-assign]
+    async with asyncio.TaskGroup() as tg:
+        jobs._tg = tg
+        swarm_job = ActiveJob(id="s" * 32, spec=JobSpec(preset="tiny"), out_dir=tmp_path,
+                              resume=True, scope="swarm")  # fmt: skip
+        jobs._launch(swarm_job)
+    assert driven == ["s" * 32]
+    jobs._release(swarm_job)
+    assert calls == [("expect", "s" * 32), ("release", "s" * 32)] and jobs.active is None
+    calls.clear()
+    async with asyncio.TaskGroup() as tg:
+        jobs._tg = tg
+        local = ActiveJob(id="l" * 32, spec=JobSpec(preset="tiny"), out_dir=tmp_path,
+                          resume=False, scope="local")  # fmt: skip
+        jobs._launch(local)
+    jobs._release(local)
+    assert calls == [] and driven == ["s" * 32, "l" * 32]
