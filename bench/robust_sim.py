@@ -17,8 +17,9 @@ ratio to ``absent``, the largest relative distance between two honest peers' anc
 the defence refused, clipped and rolled back. A run whose honest loss became non-finite reports
 ``val_loss`` null and the step (``diverged_at``).
 
-Also reported: the cosines of the received deltas with the receiver's own delta of the round
-(quantiles, honest senders and the hostile one apart), what the direction check of the rule
+Also reported: the cosines of the received deltas with the receiver's own progress (what it
+trained that the swarm does not hold yet; before 2026-12-03, its own delta of the round), in
+quantiles, honest senders and the hostile one apart: what the direction check of the rule
 judges by.
 
 ``python -m atomd_bench.robust_sim [--quick] [--attacks a,b] [--defences d,e]
@@ -174,7 +175,7 @@ def run_one(
     inbox: dict[tuple[int, int], list[Contribution]] = {}
     counts = {"refused": 0, "clipped": 0, "strikes": 0, "hostile_applied": 0, "honest_refused": 0}
     divergences: list[float] = []
-    # Cosines of received deltas with the receiver's own delta of the round, by sender kind.
+    # Cosines of received deltas with the receiver's own progress, by sender kind.
     cosines: dict[str, list[float]] = {"honest": [], "hostile": []}
     diverged_at: int | None = None
     if not isinstance(sync.every, int):

@@ -27,18 +27,26 @@ the signal away):
    its tensor (top-k and int8 deltas are made of few large entries; one entry of 1e3 would
    otherwise pass in a large model).
 
-4. *Direction* (``direction``): the cosine between the delta and this peer's own delta of the
-   same round (dense: zero outside a top-k support). Two independent random directions in n
-   dimensions have a cosine of about N(0, 1/n), so ``c`` = ``chance_z`` / sqrt(n) (5 sigma) is
-   what chance gives. A delta whose cosine is below -c points against this round's progress
-   (a sign-flipped delta of honest size): refused, a strike. A delta whose cosine is within
-   +-c shows no sign of pointing where training goes (noise): it is held to
-   ``unaligned_ratio`` (1) times the reference instead of ``clip_ratio`` (4), and clipped
-   below half its size it strikes. Measured on the tiny model, top-k 1 %, 0.83 M weights
-   (``bench/robust_sim.py``, c = 0.0055): honest cosines 0.011 .. 0.063 (never below
-   +10 sigma), sign-flipped -0.055 .. -0.015, noise within +-0.0032. Skipped where c >
-   ``max_chance`` (models under 10,000 weights, where every cosine is within chance) and in
+4. *Direction* (``direction``): the cosine between the delta and this peer's own progress that
+   the swarm does not hold yet (``toward``: its replica minus its start point, plus any
+   error-feedback residual; dense, what its own training moved and it has not had merged).
+   Two independent random directions in n dimensions have a cosine of about N(0, 1/n), so
+   ``c`` = ``chance_z`` / sqrt(n) (5 sigma) is what chance gives. A delta whose cosine is below
+   -c points against where this peer trains (a sign-flipped delta of honest size): refused, a
+   strike. A delta whose cosine is within +-c shows no sign of pointing where training goes
+   (noise): it is held to ``unaligned_ratio`` (1) times the reference instead of
+   ``clip_ratio`` (4), and clipped below half its size it strikes. Skipped where c >
+   ``max_chance`` (models under 10,000 weights, where every cosine is within chance), where
+   the peer has no progress of its own to compare with (just after taking a state), and in
    consolidation rounds (each peer sends its difference from the mean: opposed by design).
+
+   Why the own progress and not the own *frame* of the round (the rule before 2026-12-03): two
+   peers' top-k frames share few entries, and at the small shares a slow link gets (0.25 %)
+   honest cosines between frames fell within chance (28 of 720 judgements in
+   ``atomd bench sync`` at top-k 0.25 %, H=10: as low as 0.0028 against c = 0.0054). Honest
+   deltas were then clipped by some peers and not by others, and the anchors drifted apart
+   (9e-4). Against the dense own progress the same deltas' cosines were at least 0.037
+   (6.8 c; median 0.052). It costs no memory either: nothing of the own frames is kept.
 
 Honest deltas of peers at the same pace differ in norm by a few percent (the study in
 ``bench/robust_sim.py``: within 3%, per tensor within 1.5x), so at these ratios an honest
@@ -76,7 +84,7 @@ class RobustRule:
     strike_scale: float = 0.5
     """A delta scaled by less than this counts as a strike too (far outside the swarm)."""
     direction: bool = True
-    """Judge a delta's direction against this peer's own delta of the round: one that points
+    """Judge a delta's direction against this peer's own progress: one that points
     against it beyond chance is refused (a strike); one that does not point along it beyond
     chance is held to ``unaligned_ratio`` (not ``clip_ratio``) times the reference."""
     chance_z: float = 5.0
@@ -86,7 +94,7 @@ class RobustRule:
     """The direction check runs only where that chance bound is below this (n >= 10,000 at
     z = 5): in a toy model of a few dozen weights every cosine is within chance."""
     unaligned_ratio: float = 1.0
-    """The norm bound of a delta that does not point along the own delta beyond chance, as a
+    """The norm bound of a delta that does not point along the own progress beyond chance, as a
     multiple of the reference: what an honest peer of equal pace sends."""
 
     def __post_init__(self) -> None:
@@ -150,7 +158,7 @@ class Judgement:
     scale: float  # the overall factor applied (1: not clipped)
     strike: bool  # counts against the sender (quarantine)
     stats: DeltaStats | None = None  # of ``tensors``, as the reference now holds them
-    cosine: float | None = None  # with this peer's own delta of the round (None: not known)
+    cosine: float | None = None  # with this peer's own progress (None: not judged)
 
     @property
     def accepted(self) -> bool:
@@ -164,31 +172,30 @@ def lower_median(values: list[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
-# A tensor of the own delta as kept for the direction check: its non-zero entries (flat
-# indices, values) when it is sparse (top-k), else (None, the flat values).
-_Kept = tuple[Tensor | None, Tensor]
-
-
-def _keep(t: Tensor) -> _Kept:
-    flat = t.detach().reshape(-1).to("cpu", torch.float32)
-    idx = flat.nonzero().reshape(-1)
-    if 3 * idx.numel() < flat.numel():  # int64 index + fp32 value: smaller below 1/3
-        return idx, flat[idx].clone()
-    return None, flat.clone()
-
-
-def _dot(kept: _Kept, t: Tensor) -> float:
-    idx, vals = kept
-    flat = t.detach().reshape(-1).to("cpu", torch.float32)
-    picked = flat if idx is None else flat[idx]
-    return float(picked.double().dot(vals.double()))
+def cosine(
+    tensors: Mapping[str, Tensor], toward: Mapping[str, Tensor], norm: float | None = None
+) -> float | None:
+    """The cosine between a delta and ``toward`` (dense, same names and sizes; names missing
+    from ``toward`` count as zero), or None when either is zero. ``norm``: the delta's, when
+    known."""
+    if norm is None:
+        norm = DeltaStats.of(tensors).norm
+    dot = other = 0.0
+    for name, t in toward.items():
+        flat = t.detach().reshape(-1).to("cpu", torch.float64)
+        other += float(flat.dot(flat))
+        x = tensors.get(name)
+        if x is not None:
+            dot += float(x.detach().reshape(-1).to("cpu", torch.float64).dot(flat))
+    if norm <= 0.0 or other <= 0.0:
+        return None
+    return max(-1.0, min(1.0, dot / (norm * math.sqrt(other))))
 
 
 @dataclass
 class _Round:
     own: DeltaStats | None = None
     accepted: list[DeltaStats] = field(default_factory=list)
-    own_vector: dict[str, _Kept] | None = None  # for the direction check
 
 
 class Screen:
@@ -198,14 +205,9 @@ class Screen:
     the deltas of that round. Keeps the statistics of the last ``keep_rounds`` rounds (norms
     only, a few floats per tensor)."""
 
-    def __init__(
-        self, rule: RobustRule | None = None, *, keep_rounds: int = 16, keep_vectors: int = 5
-    ) -> None:
-        """``keep_vectors``: rounds whose own delta is kept whole for the direction check (the
-        rounds whose deltas may still arrive: ``max_staleness`` + 1)."""
+    def __init__(self, rule: RobustRule | None = None, *, keep_rounds: int = 16) -> None:
         self.rule = rule or RobustRule()
         self.keep_rounds = keep_rounds
-        self.keep_vectors = keep_vectors
         self._rounds: dict[int, _Round] = {}
 
     def knows(self, base_version: int) -> bool:
@@ -232,12 +234,7 @@ class Screen:
         r = self._rounds.setdefault(base_version, _Round())
         own = DeltaStats.of(tensors).scaled(max(1.0, steps_short))
         r.own = own if floor is None else own.maximum(floor)
-        # Kept also with the check off: the cosines are reported (and measured) all the same.
-        r.own_vector = {name: _keep(t) for name, t in tensors.items()}
         self._forget_before(base_version)
-        for b, x in self._rounds.items():
-            if b <= base_version - self.keep_vectors:
-                x.own_vector = None
 
     def newest_own(self) -> DeltaStats | None:
         """The statistics of the newest round with an own delta (None if none)."""
@@ -269,23 +266,6 @@ class Screen:
         for old in [b for b in self._rounds if b <= base_version - self.keep_rounds]:
             del self._rounds[old]
 
-    def cosine(
-        self, base_version: int, tensors: Mapping[str, Tensor], norm: float | None = None
-    ) -> float | None:
-        """The cosine between a delta of round ``base_version`` and this peer's own delta of
-        that round (dense: zero outside a sparse delta's support), or None when the own delta
-        is not kept or either is zero."""
-        r = self._rounds.get(base_version)
-        if r is None or r.own is None or r.own_vector is None or r.own.norm <= 0.0:
-            return None
-        if norm is None:
-            norm = DeltaStats.of(tensors).norm
-        if norm <= 0.0:
-            return None
-        kept = r.own_vector
-        dot = sum(_dot(kept[name], t) for name, t in tensors.items() if name in kept)
-        return max(-1.0, min(1.0, dot / (norm * r.own.norm)))
-
     def forget(self, base_version: int, stats: DeltaStats) -> None:
         """Drop an accepted delta from its round's reference (it was retracted)."""
         r = self._rounds.get(base_version)
@@ -309,12 +289,17 @@ class Screen:
 
     @torch.no_grad()
     def judge(
-        self, base_version: int, tensors: Mapping[str, Tensor], *, direction: bool = True
+        self,
+        base_version: int,
+        tensors: Mapping[str, Tensor],
+        *,
+        toward: Mapping[str, Tensor] | None = None,
     ) -> Judgement:
         """Bound one delta of round ``base_version`` (see the module docstring). The delta's
-        tensors are not modified; a clipped delta comes back as new tensors. ``direction``:
-        False where deltas legitimately point against each other (consolidation rounds, where
-        each peer sends its difference from the mean)."""
+        tensors are not modified; a clipped delta comes back as new tensors. ``toward``: this
+        peer's own progress the swarm does not hold yet, for the direction check (None: no
+        check, where deltas legitimately point against it: consolidation rounds, where each
+        peer sends its difference from the mean, or rounds followed after the last step)."""
         rule = self.rule
         own, accepted = self._reference(base_version)
         stats = DeltaStats.of(tensors)
@@ -338,15 +323,15 @@ class Screen:
                 0.0,
                 True,
             )
-        cos = self.cosine(base_version, tensors, stats.norm)
+        cos = None if toward is None else cosine(tensors, toward, stats.norm)
         limit, notes = rule.clip_ratio, []
         chance = rule.chance_z / math.sqrt(max(1, sum(t.numel() for t in tensors.values())))
-        if rule.direction and direction and cos is not None and chance <= rule.max_chance:
+        if rule.direction and cos is not None and chance <= rule.max_chance:
             if cos < -chance:
                 return Judgement(
                     None,
-                    f"opposed: its cosine with this peer's own delta of round {base_version} is "
-                    f"{cos:.3g}, below -{chance:.2g} (what chance gives): it undoes the round",
+                    f"opposed: its cosine with this peer's own progress is {cos:.3g}, below "
+                    f"-{chance:.2g} (what chance gives): it undoes what the swarm trains",
                     0.0,
                     True,
                     cosine=cos,

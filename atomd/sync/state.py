@@ -187,9 +187,7 @@ class SyncState:
         self._held: list[Contribution] = []
         # sender -> the newest base version it sent (accepted or refused as ahead)
         self._claims: dict[str, int] = {}
-        self.screen = (
-            Screen(robust, keep_vectors=spec.max_staleness + 1) if robust is not None else None
-        )
+        self.screen = Screen(robust) if robust is not None else None
         # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
         self._sent: dict[str, Tensor] | None = None
         self._kept: dict[str, Tensor] = {}
@@ -540,6 +538,11 @@ class SyncState:
 
         Returns the deltas taken, as merged, by round."""
         taken: dict[int, list[Taken]] = {}
+        # The direction reference, made once for the inbox (before any of it moves the start
+        # point); none where deltas point against it by design (consolidation) or no own
+        # progress is trained any more (following the others' last rounds).
+        toward: dict[str, Tensor] | None = None
+        judge_direction = not (self.averaging or self._following)
         for c in inbox:
             reason, strike = self._refusal(c)
             if reason is None or reason.startswith("ahead"):
@@ -550,9 +553,9 @@ class SyncState:
                     self._held.append(c)  # judged when this peer closes that round
                     continue
                 # Consolidation rounds send differences from the mean: opposed by design.
-                judged = self.screen.judge(
-                    c.base_version, c.tensors, direction=not (self.averaging or self._following)
-                )
+                if toward is None and judge_direction:
+                    toward = self.own_progress()
+                judged = self.screen.judge(c.base_version, c.tensors, toward=toward)
                 cos = judged.cosine
                 if judged.tensors is None:
                     reason, strike = judged.reason or "refused", judged.strike
@@ -572,6 +575,21 @@ class SyncState:
             report.taken.append(t)
             taken.setdefault(c.base_version, []).append(t)
         return taken
+
+    @torch.no_grad()
+    def own_progress(self) -> dict[str, Tensor]:
+        """What this peer trained that the swarm does not hold yet: its replica minus its start
+        point, plus the error feedback's residual (float32, CPU). Deltas merged here move the
+        replica and the start point alike, so only this peer's own steps and the part of its
+        own deltas not sent are in it (``robust.Screen.judge``'s direction reference)."""
+        start = self.start_point()
+        residual = self.feedback.state_tensors()
+        out = {}
+        for name, p in self.params.items():
+            x = p.detach().to("cpu", torch.float32).reshape(start[name].shape) - start[name]
+            r = residual.get(name)
+            out[name] = x if r is None else x + r.reshape(x.shape)
+        return out
 
     def _add_pending(self, base_version: int, tensors: Mapping[str, Tensor], w: float) -> None:
         acc = self._pending.get(base_version)

@@ -655,3 +655,29 @@ def test_a_whole_commit_keeps_the_frame_as_the_rounds_reference() -> None:
 
 def rel_norm(t: dict[str, Tensor]) -> float:
     return math.sqrt(sum(float(x.double().square().sum()) for x in t.values()))
+
+
+@pytest.mark.parametrize("residual", ["replica", "feedback"])
+def test_own_progress_is_what_this_peer_trained_and_has_not_sent(residual: str) -> None:
+    """The direction reference of the robust rule: the own steps since the boundary plus the
+    part of the own delta top-k did not send (kept in the replica or in the error feedback),
+    and nothing of the others' deltas, which move the replica and the start point alike."""
+    s = spec(codec="topk", topk_fraction=0.1, residual=residual, outer_momentum=0.5)
+    replicas, states = swarm(2, s)
+    train(replicas[0], seed=1)
+    train(replicas[1], seed=2)
+    before = {k: v.clone() for k, v in replicas[0].items()}
+    outs = [st.prepare() for st in states]
+    states[0].merge([], n_peers=2)  # p1's delta of round 0 comes later
+    sent = {n: decode(e) for n, e in outs[0].tensors}
+    step = {k: 0.01 * torch.ones_like(v) for k, v in before.items()}
+    for k in SHAPES:
+        replicas[0][k].add_(step[k])
+    expected = {k: before[k] - params()[k] - sent[k] + step[k] for k in SHAPES}
+    progress = states[0].own_progress()
+    for k in SHAPES:
+        torch.testing.assert_close(progress[k], expected[k], rtol=0, atol=1e-5)
+    states[0].absorb([received("p1", outs[1])])  # moves the replica, not the own progress
+    assert any(not torch.equal(replicas[0][k], before[k] + step[k]) for k in SHAPES)
+    for k in SHAPES:
+        torch.testing.assert_close(states[0].own_progress()[k], expected[k], rtol=0, atol=1e-5)
