@@ -111,6 +111,19 @@ def attach(ex: DeltaExchange) -> Any:
     return plugin
 
 
+def frames_of(sessions: Any, sender: Identity, steps: int) -> list[bytes]:
+    """The frames ``sender``'s own exchange sends after each of ``steps`` steps (every=1, the
+    test model's shape), signed with its identity."""
+    theirs = exchange(sessions, FakeClient(), FakePeers([]))
+    theirs.identity = sender
+    sent: list[Any] = []
+    mine = attach(theirs)
+    mine.send = sent.append
+    for step in range(1, steps + 1):
+        mine.after_step(step)
+    return [o.frame for o in sent]
+
+
 async def rounds(sessions: Any) -> list[Any]:
     async with sessions() as s:
         return list(await repo.list_rounds(s, job_id=JOB, limit=100))
@@ -239,15 +252,7 @@ async def test_received_frames_are_checked_queued_and_recorded(sessions: Any) ->
     peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
     ex = exchange(sessions, FakeClient(), peers)
     plugin = attach(ex)
-    # The sender's own exchange makes the frame: same model shape, its identity.
-    other = exchange(sessions, FakeClient(), FakePeers([]))
-    other.identity = sender
-    sent: list[Any] = []
-    mine = attach(other)
-    mine.send = sent.append
-    mine.after_step(1)
-    mine.after_step(2)
-    frame, later = sent[0].frame, sent[1].frame
+    frame, later = frames_of(sessions, sender, 2)  # its own exchange's: same model shape
 
     size = await ex.receive(JOB, frame, sender.peer_id)
     assert size == len(frame) and len(plugin.inbox) == 1
@@ -297,14 +302,7 @@ async def test_frames_that_come_during_the_state_transfer_are_kept_and_checked_a
     spec = JobSpec(sync={"codec": "fp32", "every": 1})
     plugin = ex.plugin(JOB, spec)  # not attached: the job is fetching its state
     assert ex.max_frame_bytes(JOB) > 0  # bounded from the spec before the model exists
-    theirs = exchange(sessions, FakeClient(), FakePeers([]))
-    theirs.identity = sender
-    sent: list[Any] = []
-    mine = attach(theirs)
-    mine.send = sent.append
-    for step in range(1, EARLY_PER_SENDER + 3):
-        mine.after_step(step)
-    frames = [o.frame for o in sent]
+    frames = frames_of(sessions, sender, EARLY_PER_SENDER + 2)
     for f in frames:
         assert await ex.receive(JOB, f, sender.peer_id) == len(f)
     assert await ex.receive(JOB, b"garbage", other_sender.peer_id) == len(b"garbage")
@@ -344,13 +342,7 @@ async def test_frames_that_come_while_the_trainer_loads_are_kept_for_its_plugin(
     keys = {sender.peer_id: sender.public_key_hex}
     ex = exchange(sessions, FakeClient(), FakePeers([Peer(sender.peer_id, "http://s")], keys))
     spec = JobSpec(sync={"codec": "fp32", "every": 1})
-    theirs = exchange(sessions, FakeClient(), FakePeers([]))
-    theirs.identity = sender
-    sent: list[Any] = []
-    mine = attach(theirs)
-    mine.send = sent.append
-    mine.after_step(1)
-    frame = sent[0].frame
+    (frame,) = frames_of(sessions, sender, 1)
 
     assert ex.max_frame_bytes(JOB) == 0
     with pytest.raises(NotFoundError):  # not expected: refused before anything is kept
