@@ -229,7 +229,7 @@ class DeltaExchange:
         plugin.excluded = lambda sender: self.peers.exclusion(sender) is not None
         plugin.on_attached = lambda: self._from_trainer(self._drain_early(job_id), "early")
         self.plugins[job_id] = plugin
-        self._numel[job_id] = num_parameters(spec.model_shape)
+        self.expect(job_id, spec)  # the same bound, if the manager has not expected it
         return plugin
 
     def drop_sender(self, peer_id: str) -> None:

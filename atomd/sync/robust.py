@@ -172,24 +172,34 @@ def lower_median(values: list[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def cosine(
-    tensors: Mapping[str, Tensor], toward: Mapping[str, Tensor], norm: float | None = None
-) -> float | None:
-    """The cosine between a delta and ``toward`` (dense, same names and sizes; names missing
-    from ``toward`` count as zero), or None when either is zero. ``norm``: the delta's, when
-    known."""
-    if norm is None:
-        norm = DeltaStats.of(tensors).norm
-    dot = other = 0.0
-    for name, t in toward.items():
-        flat = t.detach().reshape(-1).to("cpu", torch.float64)
-        other += float(flat.dot(flat))
-        x = tensors.get(name)
-        if x is not None:
-            dot += float(x.detach().reshape(-1).to("cpu", torch.float64).dot(flat))
-    if norm <= 0.0 or other <= 0.0:
-        return None
-    return max(-1.0, min(1.0, dot / (norm * math.sqrt(other))))
+@dataclass(frozen=True)
+class Progress:
+    """The direction reference of the rule (``toward``): this peer's own progress the swarm
+    does not hold yet, as dense tensors, and their L2 norm (computed once for every delta
+    judged against it)."""
+
+    tensors: Mapping[str, Tensor]
+    norm: float
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, tensors: Mapping[str, Tensor]) -> Progress:
+        return cls(tensors, DeltaStats.of(tensors).norm)
+
+    def cosine(self, tensors: Mapping[str, Tensor], norm: float | None = None) -> float | None:
+        """The cosine between a delta and this progress (names missing from the progress count
+        as zero), or None when either is zero. ``norm``: the delta's, when known."""
+        if norm is None:
+            norm = DeltaStats.of(tensors).norm
+        if norm <= 0.0 or self.norm <= 0.0:
+            return None
+        dot = 0.0
+        for name, t in self.tensors.items():
+            x = tensors.get(name)
+            if x is not None:
+                flat = t.detach().reshape(-1).to("cpu", torch.float64)
+                dot += float(x.detach().reshape(-1).to("cpu", torch.float64).dot(flat))
+        return max(-1.0, min(1.0, dot / (norm * self.norm)))
 
 
 @dataclass
@@ -293,7 +303,7 @@ class Screen:
         base_version: int,
         tensors: Mapping[str, Tensor],
         *,
-        toward: Mapping[str, Tensor] | None = None,
+        toward: Progress | None = None,
     ) -> Judgement:
         """Bound one delta of round ``base_version`` (see the module docstring). The delta's
         tensors are not modified; a clipped delta comes back as new tensors. ``toward``: this
@@ -323,7 +333,7 @@ class Screen:
                 0.0,
                 True,
             )
-        cos = None if toward is None else cosine(tensors, toward, stats.norm)
+        cos = None if toward is None else toward.cosine(tensors, stats.norm)
         limit, notes = rule.clip_ratio, []
         chance = rule.chance_z / math.sqrt(max(1, sum(t.numel() for t in tensors.values())))
         if rule.direction and cos is not None and chance <= rule.max_chance:

@@ -47,7 +47,7 @@ from atomd.logs import get_logger
 from atomd.spec import SyncSpec
 from atomd.sync.codecs import Codec, Encoded, ErrorFeedback, make_codec
 from atomd.sync.outer import NesterovOuter, staleness_weight
-from atomd.sync.robust import DeltaStats, RobustRule, Screen, lower_median
+from atomd.sync.robust import DeltaStats, Progress, RobustRule, Screen, lower_median
 
 log = get_logger(__name__)
 
@@ -541,7 +541,7 @@ class SyncState:
         # The direction reference, made once for the inbox (before any of it moves the start
         # point); none where deltas point against it by design (consolidation) or no own
         # progress is trained any more (following the others' last rounds).
-        toward: dict[str, Tensor] | None = None
+        toward: Progress | None = None
         judge_direction = not (self.averaging or self._following)
         for c in inbox:
             reason, strike = self._refusal(c)
@@ -554,7 +554,7 @@ class SyncState:
                     continue
                 # Consolidation rounds send differences from the mean: opposed by design.
                 if toward is None and judge_direction:
-                    toward = self.own_progress()
+                    toward = Progress.of(self.own_progress())
                 judged = self.screen.judge(c.base_version, c.tensors, toward=toward)
                 cos = judged.cosine
                 if judged.tensors is None:

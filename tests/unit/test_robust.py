@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from atomd.sync.guard import LossGuard
-from atomd.sync.robust import RobustRule, Screen, lower_median
+from atomd.sync.robust import Progress, RobustRule, Screen, lower_median
 from atomd.sync.state import MAX_CLAIM_AHEAD, Contribution, SyncState
 from tests.unit.test_sync_state import SHAPES, received, spec, swarm, train
 
@@ -230,13 +230,13 @@ def test_a_sign_flipped_honest_delta_is_refused_as_a_strike(sparse: bool) -> Non
     screen = Screen()
     screen.record_own(0, keep(drift(0)))
     flipped = {n: -t for n, t in keep(drift(1)).items()}
-    j = screen.judge(0, flipped, toward=drift(0))
+    j = screen.judge(0, flipped, toward=Progress.of(drift(0)))
     assert not j.accepted and j.strike and j.reason is not None and "opposed" in j.reason
     assert j.cosine is not None and j.cosine < -0.05
     # Without the direction check it passed untouched: what the check adds.
     plain = Screen(RobustRule(direction=False))
     plain.record_own(0, keep(drift(0)))
-    j = plain.judge(0, flipped, toward=drift(0))
+    j = plain.judge(0, flipped, toward=Progress.of(drift(0)))
     assert j.accepted and j.reason is None and not j.strike
 
 
@@ -252,14 +252,14 @@ def test_a_noise_delta_is_held_to_the_own_norm_and_strikes(sparse: bool) -> None
     assert 2.5 * norm(own) < norm(bad) < 3.5 * norm(own)
     screen = Screen(rule)
     screen.record_own(0, own)
-    j = screen.judge(0, bad, toward=drift(0))
+    j = screen.judge(0, bad, toward=Progress.of(drift(0)))
     assert j.accepted and j.tensors is not None and j.reason and "unaligned" in j.reason
     assert j.cosine is not None and abs(j.cosine) < 0.02
     assert norm(j.tensors) <= rule.unaligned_ratio * norm(own) * 1.0001
     assert j.strike
     plain = Screen(RobustRule(direction=False))  # the rule without the direction check
     plain.record_own(0, own)
-    j = plain.judge(0, bad, toward=drift(0))
+    j = plain.judge(0, bad, toward=Progress.of(drift(0)))
     assert j.accepted and j.reason is None and not j.strike
 
 
@@ -274,7 +274,7 @@ def test_honest_deltas_at_every_pace_pass_the_direction_check_untouched(
     screen = Screen()
     screen.record_own(0, keep(drift(0)))
     d = keep(drift(1, steps=steps))
-    j = screen.judge(0, d, toward=drift(0))
+    j = screen.judge(0, d, toward=Progress.of(drift(0)))
     assert j.accepted and j.reason is None and j.scale == 1.0 and not j.strike, j.reason
     assert j.tensors is not None and all(torch.equal(j.tensors[n], d[n]) for n in BIG)
     assert j.cosine is not None and j.cosine > 0.05
@@ -286,7 +286,7 @@ def test_a_weakly_aligned_honest_delta_still_gets_the_pace_allowance() -> None:
     screen = Screen()
     screen.record_own(0, drift(0, share=0.5))
     d = drift(1, steps=4.0, share=0.5)
-    j = screen.judge(0, d, toward=drift(0, share=0.5))
+    j = screen.judge(0, d, toward=Progress.of(drift(0, share=0.5)))
     assert j.cosine is not None and 0.05 < j.cosine < 0.5
     assert j.accepted and j.reason is None and j.scale == 1.0
 
@@ -299,7 +299,7 @@ def test_in_few_dimensions_a_cosine_is_no_evidence() -> None:
     screen = Screen()
     screen.record_own(0, own)
     other = {"w": -own["w"] + 2.0 * torch.randn(9, 5, generator=g)}  # cosine ~ -0.4
-    j = screen.judge(0, other, toward=own)
+    j = screen.judge(0, other, toward=Progress.of(own))
     assert j.cosine is not None and -0.75 < j.cosine < -0.1
     assert j.accepted and j.reason is None
 
@@ -323,7 +323,7 @@ def test_consolidation_deltas_are_not_judged_by_direction() -> None:
     # judged by it, the difference from the mean would have been refused as opposed
     opposed = Screen()
     opposed.record_own(0, {"w": step})
-    assert not opposed.judge(0, {"w": -step}, toward={"w": step}).accepted
+    assert not opposed.judge(0, {"w": -step}, toward=Progress.of({"w": step})).accepted
 
 
 def test_a_sign_flipping_member_is_refused_by_real_sync_states() -> None:
@@ -390,15 +390,15 @@ def test_a_round_closed_early_judges_by_the_steps_the_round_holds() -> None:
     theirs = drift(1, steps=5.0, share=0.0)
     screen = Screen()
     screen.record_own(0, own)
-    j = screen.judge(0, theirs, toward=own)
+    j = screen.judge(0, theirs, toward=Progress.of(own))
     assert j.strike and j.reason and "unaligned" in j.reason  # what happened before
     screen = Screen()
     screen.record_own(0, own, steps_short=5.0)
-    j = screen.judge(0, theirs, toward=own)
+    j = screen.judge(0, theirs, toward=Progress.of(own))
     assert j.accepted and j.reason is None and j.scale == 1.0 and not j.strike
     # Still bounded: noise of 3x the round's reference (15x the own 1-step delta) is held to
     # the reference, a strike.
-    j = screen.judge(0, noise(15.0, own, seed=3), toward=own)
+    j = screen.judge(0, noise(15.0, own, seed=3), toward=Progress.of(own))
     assert j.accepted and j.reason and "unaligned" in j.reason and j.strike
 
 
