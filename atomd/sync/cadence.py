@@ -9,22 +9,26 @@
   from the hand-off to the event loop to the last upload that succeeded (the largest of the last
   few rounds: a link that fills shows at once, a burst is forgotten after a few rounds);
 
-and proposes a round period, in seconds::
+and proposes a round period, in seconds of wall time from one round's close to the next::
 
-    T_i = max(MARGIN * traffic_s, work_s / WORK_SHARE, step_s)
+    T_i = max(MARGIN * traffic_s, work_s * (1 + 1 / WORK_SHARE), step_s + work_s)
 
-the shortest period at which its round's traffic fits MARGIN times into the compute between two
-rounds and its own round work takes at most WORK_SHARE of that compute. Every frame carries its
-sender's proposal; the swarm's period T is the largest proposal heard recently (this peer's own
-included), so the slowest link or the busiest peer sets the pace of everyone's rounds and no
-peer's rounds outrun the others' deltas. A proposal heard counts for at most ``CLAIM_CAP``
-times the lower median of the current proposals, so one member cannot stall the swarm's
-rounds by declaring a huge period. A peer closes a round every
+the shortest period at which its round's traffic fits MARGIN times into the time between two
+rounds and its own round work takes at most WORK_SHARE of the compute between them. Every
+frame carries its sender's proposal; the swarm's period T is the largest proposal heard
+recently (this peer's own included), so the slowest link or the busiest peer sets the pace of
+everyone's rounds and no peer's rounds outrun the others' deltas. A proposal heard counts for
+at most ``CLAIM_CAP`` times the lower median of the current proposals, so one member cannot
+stall the swarm's rounds by declaring a huge period. A round of H steps lasts
+H * step_s + work_s, so a peer closes a round every
 
-    H_i = clamp(round(T / step_s_i), 1, MAX_EVERY)
+    H_i = clamp(round((T - work_s_i) / step_s_i), 1, MAX_EVERY)
 
 steps: rounds come at the same rate in wall time on fast and slow peers (a slower peer puts fewer
-steps into each round instead of falling behind). Conditions are re-measured all the time, so T
+steps into each round instead of falling behind). Until 2026-12-03 H was T / step_s: the round
+work was left out of the conversion and rounds came later than the period said (4 real daemons
+at 256 kbit/s: a period of 2.9 s, rounds every 4.2 s, the link a third used). Conditions are
+re-measured all the time, so T
 follows a peer that slows down or a link that fills (or frees up).
 
 And at most one round in flight: a peer does not close a round while its previous round's frame
@@ -32,7 +36,8 @@ is still being uploaded. It keeps training meanwhile (nobody waits): a link slow
 stretches the round instead of queueing frames behind each other.
 
 Where the link is what spaces the rounds, a sparse codec sends fewer entries (``frame_budget``,
-``fit_fraction``): a frame small enough for a round every LINK_EVERY steps at the measured rate,
+``fit_fraction``): a frame small enough for a round every LINK_EVERY steps (and their round's
+work) at the measured rate,
 down to MIN_FRACTION of the entries; its traffic time then falls and H with it.
 
 Why the anchors still agree: the cadence changes only *when* a peer closes a round, never what a
@@ -152,13 +157,17 @@ class Cadence:
         with self._lock:
             return statistics.median(self._steps) if self._steps else None
 
+    def work_s(self) -> float:
+        """What one round costs the trainer thread (the median of the last rounds; 0 before)."""
+        with self._lock:
+            return statistics.median(self._work) if self._work else 0.0
+
     def proposal(self) -> float:
         """This peer's period T_i in seconds (0 before anything is measured)."""
-        step = self.step_s()
+        step, work = self.step_s(), self.work_s()
         with self._lock:
             traffic = max(self._traffic, default=0.0)
-            work = statistics.median(self._work) if self._work else 0.0
-        return max(MARGIN * traffic, work / WORK_SHARE, step or 0.0)
+        return max(MARGIN * traffic, _work_period(work), (step or 0.0) + work)
 
     def period(self, *, now: float | None = None) -> float:
         """The swarm's period T: the largest recent proposal, this peer's own included."""
@@ -180,18 +189,17 @@ class Cadence:
     def frame_budget(self) -> float | None:
         """The largest frame, in bytes, whose traffic would let rounds come every LINK_EVERY
         steps, or as often as the round work allows if that is rarer (the traffic fits MARGIN
-        times into the compute between rounds, as in ``proposal``), at the slowest rate of
+        times into the time between rounds, as in ``proposal``), at the slowest rate of
         the last rounds' frames; None with a fixed H or before a frame's size and time are
         measured."""
-        step = self.step_s()
+        step, work = self.step_s(), self.work_s()
         if self.fixed is not None or step is None:
             return None
         with self._lock:
             rate = min(self._rates, default=None)
-            work = statistics.median(self._work) if self._work else 0.0
         if rate is None:
             return None
-        target = max(LINK_EVERY * step, work / WORK_SHARE)
+        target = max(LINK_EVERY * step + work, _work_period(work))
         return target * rate / MARGIN
 
     def every(self, *, now: float | None = None) -> int:
@@ -201,13 +209,19 @@ class Cadence:
         step = self.step_s()
         if not step:
             return 1
-        return max(1, min(MAX_EVERY, round(self.period(now=now) / step)))
+        steps = (self.period(now=now) - self.work_s()) / step
+        return max(1, min(MAX_EVERY, round(steps)))
 
     def view(self) -> CadenceView:
         if self.fixed is not None:
             return CadenceView(every=self.fixed, period_s=None, auto=False)
         step = self.step_s()
         return CadenceView(every=self.every() if step else None, period_s=self.period(), auto=True)
+
+
+def _work_period(work_s: float) -> float:
+    """The shortest period in which a round's work takes at most WORK_SHARE of the compute."""
+    return work_s * (1 + 1 / WORK_SHARE)
 
 
 def fit_fraction(ceiling: float, budget: float, size: Callable[[float], float]) -> float:

@@ -57,8 +57,23 @@ def test_traffic_fits_margin_times_between_rounds() -> None:
 
 def test_round_work_takes_at_most_its_share_of_the_compute() -> None:
     c = measured(0.2, work=0.2)
-    assert c.proposal() == pytest.approx(0.2 / WORK_SHARE)
+    assert c.proposal() == pytest.approx(0.2 + 0.2 / WORK_SHARE)  # work, then its compute
     assert c.every() == round(0.2 / WORK_SHARE / 0.2) == 2
+
+
+def test_a_round_lasts_its_steps_and_its_work_so_h_leaves_room_for_the_work() -> None:
+    """The period is wall time between two rounds' closes; a round of H steps lasts
+    H * step_s + work_s. 4 real daemons at 256 kbit/s (bench/results-swarm-2026-12-03ai.json)
+    proposed 2.9 s and closed rounds every 4.2 s while H was T / step_s."""
+    c = measured(0.5, traffic=2.4, work=0.5)  # 3 s: traffic-bound
+    assert c.proposal() == pytest.approx(MARGIN * 2.4)
+    assert c.every() == 5  # 5 steps and the round's work: 3 s; T / step_s would give 6
+    h = c.every()
+    assert h * 0.5 + 0.5 == pytest.approx(c.period())
+    busy = measured(0.5, traffic=0.1, work=2.0)  # the work is longer than any step
+    assert busy.every() == round(2.0 / WORK_SHARE / 0.5) == 8
+    light = measured(0.5, work=0.1)  # the floor: one step and the round's work
+    assert light.proposal() == pytest.approx(0.5 + 0.1) and light.every() == 1
 
 
 def test_the_step_time_is_a_median_and_evaluations_do_not_count() -> None:
@@ -115,8 +130,11 @@ def test_the_frame_budget_fits_a_round_every_link_every_steps_into_the_measured_
     assert c.frame_budget() == pytest.approx(LINK_EVERY * 0.25 * 10_000 / MARGIN)
     c.traffic(0.3, 30_000)  # a faster round: the slowest of the last ones still counts
     assert c.frame_budget() == pytest.approx(LINK_EVERY * 0.25 * 10_000 / MARGIN)
+    c.round_work(0.5)  # a round lasts its steps and its work: the work's time is link time too
+    assert c.frame_budget() == pytest.approx((LINK_EVERY * 0.25 + 0.5) * 10_000 / MARGIN)
     c.round_work(4.0)  # rounds cannot come more often than their work allows: more bytes fit
-    assert c.frame_budget() == pytest.approx(4.0 / WORK_SHARE * 10_000 / MARGIN)
+    c.round_work(4.0)  # (the median of the rounds' work)
+    assert c.frame_budget() == pytest.approx(4.0 * (1 + 1 / WORK_SHARE) * 10_000 / MARGIN)
 
 
 def test_fit_fraction_steps_down_three_rungs_a_halving_to_its_floor() -> None:
