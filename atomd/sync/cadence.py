@@ -6,8 +6,8 @@
   an evaluation or a checkpoint does not count), sync work excluded;
 - ``work_s``: what one round costs its trainer thread (closing it, merging deltas);
 - ``traffic_s``: how long its last rounds' frames took to reach every peer training the job,
-  from the hand-off to the event loop to the last upload that succeeded (the largest of the last
-  few rounds: a link that fills shows at once, a burst is forgotten after a few rounds);
+  from the hand-off to the event loop to the last upload that succeeded (the median of the
+  last few rounds: one slow round does not set the pace, a link that fills shows in three);
 
 and proposes a round period, in seconds of wall time from one round's close to the next::
 
@@ -70,7 +70,12 @@ MARGIN = 1.25
 WORK_SHARE = 0.5
 MAX_EVERY = 1000
 STEP_SAMPLES = 16  # steps whose median is the step time
-TRAFFIC_SAMPLES = 3  # rounds whose largest traffic time counts
+# Rounds whose median traffic time (and rate) counts: a link that fills is seen after three of
+# them (meanwhile the one-round-in-flight rule stretches the rounds), and one slow round does
+# not set the swarm's pace. The largest of the last 3 until 2026-12-03: the swarm's period is
+# the largest proposal, so the slowest of 4 x 3 rounds set it, 1.9x the mean traffic time
+# (4 real daemons at 256 kbit/s, bench/results-swarm-2026-12-03aj.json).
+TRAFFIC_SAMPLES = 5
 WORK_SAMPLES = 8
 PROPOSAL_TTL_S = 10.0  # a peer's proposal counts this long, plus 3 swarm periods
 # A proposal heard from another peer counts for at most this many times the lower median of
@@ -166,7 +171,7 @@ class Cadence:
         """This peer's period T_i in seconds (0 before anything is measured)."""
         step, work = self.step_s(), self.work_s()
         with self._lock:
-            traffic = max(self._traffic, default=0.0)
+            traffic = statistics.median(self._traffic) if self._traffic else 0.0
         return max(MARGIN * traffic, _work_period(work), (step or 0.0) + work)
 
     def period(self, *, now: float | None = None) -> float:
@@ -189,14 +194,14 @@ class Cadence:
     def frame_budget(self) -> float | None:
         """The largest frame, in bytes, whose traffic would let rounds come every LINK_EVERY
         steps, or as often as the round work allows if that is rarer (the traffic fits MARGIN
-        times into the time between rounds, as in ``proposal``), at the slowest rate of
+        times into the time between rounds, as in ``proposal``), at the median rate of
         the last rounds' frames; None with a fixed H or before a frame's size and time are
         measured."""
         step, work = self.step_s(), self.work_s()
         if self.fixed is not None or step is None:
             return None
         with self._lock:
-            rate = min(self._rates, default=None)
+            rate = statistics.median(self._rates) if self._rates else None
         if rate is None:
             return None
         target = max(LINK_EVERY * step + work, _work_period(work))

@@ -12,6 +12,7 @@ from atomd.sync.cadence import (
     MIN_FRACTION,
     PROPOSAL_TTL_S,
     RUNG,
+    TRAFFIC_SAMPLES,
     WORK_SHARE,
     Cadence,
     fit_fraction,
@@ -48,11 +49,17 @@ def test_traffic_fits_margin_times_between_rounds() -> None:
     c = measured(0.25, traffic=3.0)  # 3 s of uploads per round at 0.25 s per step
     assert c.proposal() == pytest.approx(MARGIN * 3.0)
     assert c.every() == round(MARGIN * 3.0 / 0.25)
-    c.traffic(0.1)  # a burst is forgotten only once it leaves the last few rounds
-    assert c.every() == round(MARGIN * 3.0 / 0.25)
-    for _ in range(3):
-        c.traffic(0.1)
+    c.traffic(0.1)  # rounds faster than the link's median: not yet
+    assert c.every() == round(MARGIN * (3.0 + 0.1) / 2 / 0.25)  # the median of two
+    c.traffic(0.1)
     assert c.every() == 1
+    for _ in range(TRAFFIC_SAMPLES - 1):
+        c.traffic(3.0)
+    c.traffic(30.0)  # one slow round among the last ones does not set the pace
+    assert c.proposal() == pytest.approx(MARGIN * 3.0)
+    for _ in range(TRAFFIC_SAMPLES // 2):
+        c.traffic(30.0)  # a link that fills is seen within a few rounds
+    assert c.proposal() == pytest.approx(MARGIN * 30.0)
 
 
 def test_round_work_takes_at_most_its_share_of_the_compute() -> None:
@@ -128,7 +135,8 @@ def test_the_frame_budget_fits_a_round_every_link_every_steps_into_the_measured_
     assert c.frame_budget() is None
     c.traffic(3.0, 30_000)  # 10 kB/s
     assert c.frame_budget() == pytest.approx(LINK_EVERY * 0.25 * 10_000 / MARGIN)
-    c.traffic(0.3, 30_000)  # a faster round: the slowest of the last ones still counts
+    c.traffic(3.0, 30_000)
+    c.traffic(0.3, 30_000)  # one faster round: the median of the last ones counts
     assert c.frame_budget() == pytest.approx(LINK_EVERY * 0.25 * 10_000 / MARGIN)
     c.round_work(0.5)  # a round lasts its steps and its work: the work's time is link time too
     assert c.frame_budget() == pytest.approx((LINK_EVERY * 0.25 + 0.5) * 10_000 / MARGIN)
