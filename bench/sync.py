@@ -535,6 +535,9 @@ def extra_runs() -> list[RunSpec]:
                 (0.015, 5, 0.0),
             )
         ),
+        # Issue #14, 256 kbit/s (2026-12-03): real daemons settle at top-k 1 % every ~6 steps
+        # (``LINK_EVERY`` = 5 sizes the frame); half the share at ~2/3 of the H, at the same
+        # bytes a step: would a smaller LINK_EVERY pay? (topk-f1-h6-m7, topk-f0.5-h4-m7)
         # Issue #14, item 5 read per step: a link 100x slower than one that carries the fp32
         # model every 50 steps (674 B a step). What the automatic cadence sends there (top-k's
         # smallest shares, momentum 0.7), at an H whose frames fit: 4-bit values with gap-coded
@@ -546,7 +549,7 @@ def extra_runs() -> list[RunSpec]:
                 every=h,
                 sync={"topk_fraction": f, "outer_momentum": 0.7},
             )
-            for f, h in ((0.0025, 10), (0.005, 15))
+            for f, h in ((0.0025, 10), (0.005, 15), (0.01, 6), (0.005, 4))
         ),
         # A free link: a larger share of top-k's entries with less amplification.
         RunSpec(
