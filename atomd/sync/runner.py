@@ -41,13 +41,15 @@ MAX_IN_FLIGHT_S = 90.0
 # Alone (no other peer trains the job) a round has nobody to tell: the automatic cadence closes
 # one only every ALONE_EVERY steps, so that a lone peer does not pay for rounds every step.
 ALONE_EVERY = 50
-# The automatic cadence merges deltas between boundaries only when the next boundary is at least
-# ABSORB_AHEAD steps away, and then only once the last closed round is complete or its first
-# waiting delta has waited ABSORB_AFTER steps; otherwise they wait for the boundary. So a round's
-# deltas are merged (and guarded, one probe pass each: ``guard``) in one or two passes instead of
-# one pass per arrival.
+# The automatic cadence merges deltas of closed rounds after the step they arrive in, unless the
+# next boundary is less than ABSORB_AHEAD steps away: then they wait for it and it merges them in
+# the same guarded pass as the round's own delta (one probe pass, ``guard``, instead of two). At
+# H=2 (a free link) that is every delta. Until 2026-12-03 they also waited, mid-round, for the
+# last closed round to be complete or for 4 steps: at a slow link (H ~6, a frame reaching its
+# third receiver ~2 s after it leaves) the replicas trained on the swarm's model of several
+# steps before, and 4 real daemons at 256 kbit/s ended at 1.837-1.838 (gain 0.35; merged after
+# the next step: 1.798, 0.53; bench/results-swarm-256kbit-no-defer-2026-12-03am.json).
 ABSORB_AHEAD = 2
-ABSORB_AFTER = 4
 # In phase: a round that is due while this peer's previous round still misses deltas is held
 # (training goes on) for at most max(H, HOLD_MIN) more steps.
 HOLD_MIN = 2
@@ -163,7 +165,6 @@ class SyncPlugin:
         self.follow_s = 0.0  # the time that took
         self.final_model: str | None = None  # "swarm" or "own": what the job ended on
         self._deferred: list[Contribution] = []  # received, left for the next boundary
-        self._deferred_at: int | None = None  # the step the oldest of them was first left at
         self._last_step = 0
         self._round_start: int | None = None  # the step the current round started at
         self._round_work = 0.0  # trainer-thread sync time spent on the current round
@@ -193,7 +194,6 @@ class SyncPlugin:
 
     def _inbox(self) -> list[Contribution]:
         items, self._deferred = [*self._deferred, *self.inbox.take()], []
-        self._deferred_at = None
         return [c for c in items if not self.excluded(c.sender)]
 
     def _settle(self) -> None:
@@ -274,14 +274,11 @@ class SyncPlugin:
         return every
 
     def _defer(self, step: int) -> bool:
-        """Whether deltas of closed rounds wait for a later merge (automatic cadence only: a
-        fixed H merges them after every step)."""
+        """Whether deltas of closed rounds wait for the boundary: with the automatic cadence
+        when it is less than ABSORB_AHEAD steps away (a fixed H merges them after every step)."""
         if self.cadence.fixed is not None or self._round_start is None or self.state is None:
             return False
-        if self._every() - (step - self._round_start) < ABSORB_AHEAD:
-            return True  # the boundary is near: it merges them
-        waited = self._deferred_at is not None and step - self._deferred_at >= ABSORB_AFTER
-        return not waited and self._previous_open()
+        return self._every() - (step - self._round_start) < ABSORB_AHEAD
 
     def _round_due(self, step: int) -> bool:
         if self.cadence.fixed is not None:
@@ -383,14 +380,11 @@ class SyncPlugin:
         merge (``_defer`` says when); those of rounds it has not closed are only held."""
         if self.state is None or not (len(self.inbox) or (self._deferred and not defer)):
             return
-        since = self._deferred_at
         inbox = self._inbox()
         if defer:
             version = self.state.version
             self._deferred = [c for c in inbox if c.base_version < version]
             inbox = [c for c in inbox if c.base_version >= version]
-            if self._deferred:
-                self._deferred_at = self._last_step if since is None else since
             if not inbox:
                 return
         self._settle()

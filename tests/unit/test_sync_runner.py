@@ -634,9 +634,10 @@ def test_deltas_wait_for_a_boundary_that_is_near() -> None:
     assert [a.sender for a in sent[-1].merge.applied] == ["third"]
 
 
-def test_deltas_of_an_incomplete_round_are_merged_together_or_after_a_while() -> None:
-    """Mid-round, the automatic cadence merges a closed round's deltas once all are in (one
-    guarded pass), or once the first has waited ABSORB_AFTER steps."""
+def test_mid_round_a_closed_rounds_deltas_are_merged_as_they_arrive() -> None:
+    """Issue #14: mid-round, each delta of a closed round is merged after the step it arrives
+    in, not kept until the round is complete (4 real daemons at 256 kbit/s, where a round's
+    frames arrive over ~2 s: gain 0.35 while they waited, 0.53 merged at once)."""
     sent: list[RoundOut] = []
     absorbed: list[MergeReport] = []
     me = auto_plugin(sent, n_peers=4, in_phase=False)
@@ -647,21 +648,19 @@ def test_deltas_of_an_incomplete_round_are_merged_together_or_after_a_while() ->
     me.delivered(0, 0.1)
     assert me.state is not None and [o.step for o in sent] == [12]
     me.inbox.put(_other_delta(me, 0, "p1"))
-    _train(me, 13)  # 1 of the 3 others' deltas: it waits
+    _train(me, 13)  # 1 of the 3 others' deltas: merged at once
+    assert [len(m.applied) for m in absorbed] == [1] and me.state.deltas_in(0) == 2
     me.inbox.put(_other_delta(me, 0, "p2"))
     _train(me, 14)
-    assert absorbed == [] and me.state.deltas_in(0) == 1
-    me.inbox.put(_other_delta(me, 0, "p3"))
-    _train(me, 15)  # the round is complete: all three in one merge
-    assert [len(m.applied) for m in absorbed] == [3] and me.state.deltas_in(0) == 4
-    _train(me, 24)  # round 1 (12 steps) closes
-    me.delivered(1, 0.1)
-    me.inbox.put(_other_delta(me, 1, "p1"))
-    for step in range(25, 29):
+    assert [len(m.applied) for m in absorbed] == [1, 1] and me.state.deltas_in(0) == 3
+    for step in range(15, 23):
         _train(me, step)
-    assert len(absorbed) == 1  # waited 3 steps
-    _train(me, 29)  # 4 steps: merged without the others
-    assert [len(m.applied) for m in absorbed] == [3, 1]
+    me.inbox.put(_other_delta(me, 0, "p3"))
+    _train(me, 23)  # 1 step to the boundary: it waits for it
+    assert len(absorbed) == 2 and me.state.deltas_in(0) == 3
+    _train(me, 24)  # the boundary merges it with the round's own delta
+    assert [o.step for o in sent] == [12, 24]
+    assert [a.sender for a in sent[-1].merge.applied] == ["p3"]
 
 
 class SlowLinkCadence(Cadence):
