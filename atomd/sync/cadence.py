@@ -53,8 +53,9 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import TypeVar
 
 # A round's traffic may fill at most 1/MARGIN of the time between rounds: the rest is headroom
 # for membership on the same link and a link that slows down (a round's frames go out one after
@@ -94,6 +95,9 @@ MIN_FRACTION = 0.0025
 # The shares ``fit_fraction`` chooses from: the spec's, then each RUNG times the last (three
 # rungs a halving), down to MIN_FRACTION. Halvings wasted up to half the link's budget.
 RUNG = 2 ** (-1 / 3)
+
+
+_Empty = TypeVar("_Empty", float, None)
 
 
 @dataclass(frozen=True)
@@ -160,18 +164,18 @@ class Cadence:
 
     def step_s(self) -> float | None:
         with self._lock:
-            return statistics.median(self._steps) if self._steps else None
+            return _median(self._steps, None)
 
     def work_s(self) -> float:
         """What one round costs the trainer thread (the median of the last rounds; 0 before)."""
         with self._lock:
-            return statistics.median(self._work) if self._work else 0.0
+            return _median(self._work, 0.0)
 
     def proposal(self) -> float:
         """This peer's period T_i in seconds (0 before anything is measured)."""
         step, work = self.step_s(), self.work_s()
         with self._lock:
-            traffic = statistics.median(self._traffic) if self._traffic else 0.0
+            traffic = _median(self._traffic, 0.0)
         return max(MARGIN * traffic, _work_period(work), (step or 0.0) + work)
 
     def period(self, *, now: float | None = None) -> float:
@@ -201,7 +205,7 @@ class Cadence:
         if self.fixed is not None or step is None:
             return None
         with self._lock:
-            rate = statistics.median(self._rates) if self._rates else None
+            rate = _median(self._rates, None)
         if rate is None:
             return None
         target = max(LINK_EVERY * step + work, _work_period(work))
@@ -222,6 +226,11 @@ class Cadence:
             return CadenceView(every=self.fixed, period_s=None, auto=False)
         step = self.step_s()
         return CadenceView(every=self.every() if step else None, period_s=self.period(), auto=True)
+
+
+def _median(values: Collection[float], empty: _Empty) -> float | _Empty:
+    """The median of the last samples, ``empty`` before any."""
+    return statistics.median(values) if values else empty
 
 
 def _work_period(work_s: float) -> float:
