@@ -558,6 +558,10 @@ def extra_runs() -> list[RunSpec]:
             every=2,
             sync={"topk_fraction": 0.02, "outer_momentum": 0.5},
         ),
+        # The free link's neighbours: what a round every step, or every third, gives with the
+        # defaults (real daemons close rounds every 2 or 3 steps, the round's work sets which).
+        RunSpec("topk-h1", codec="topk", every=1),
+        RunSpec("topk-h3", codec="topk", every=3),
     ]
 
 
