@@ -13,11 +13,19 @@ Nothing is written from a poisoned replica: the guard runs inside the merge, on 
 thread, before the next training step and before any checkpoint. Cost: one forward pass of the
 probe batch per merge that brings deltas (none when nothing arrived), two when the last probe is
 too old, and the rollback's passes only when a merge is refused. The loss *before* a merge is the
-probe's value after the previous merge when at most ``REUSE_STEPS`` training steps have moved the
-replica since (the runner reports each step: ``stepped``): what a few steps of training change
-in the probe loss is small against a jump of ``MAX_RISE`` = 0.5 nats (the rise a merge is judged
-by is off by at most that change), and a round's work on the trainer thread (which the automatic
-cadence charges) halves.
+probe's value after the previous merge when at most ``REUSE_STEPS`` moves of the replica lie
+between them: training steps (the runner reports each: ``stepped``) and round boundaries (the
+restart from the anchor, which moves the replica by the deltas merged, each judged already, and
+the outer step). What a few of them change in the probe loss is small against a jump of
+``MAX_RISE`` = 0.5 nats, and a round's work on the trainer thread (which the automatic cadence
+charges) shrinks: the probe is 60 % of a round's work on the tiny model (forward passes of 8
+sequences; a training step is 16 with a backward), and until 2026-12-03 a boundary voided the
+last probe, so a round at H=2 ran two (the loss before its merge and after) where it now runs
+one. A jump judged against an older probe is judged again against a fresh one before anything
+is refused: the replica without the merged deltas is probed, then each delta is merged back
+alone (``_roll_back``), so an older probe can start that careful path but never refuse a delta
+by itself (a hostile delta that raises the loss by less than a jump, amplified by the outer
+step at the next boundary, cannot get the honest deltas merged after it refused).
 
 Deltas enter the replica in two ways, and both are guarded: ``absorb`` (between boundaries,
 deltas of rounds this peer has closed) and the round boundary (the deltas of the round it
@@ -68,14 +76,21 @@ class LossGuard:
         self.rollbacks = 0  # merges rolled back (for the records and tests)
         self.largest_rise = 0.0  # the largest rise of a merge that was kept, in nats
         self.probes = 0  # probe passes run (for the records and tests)
-        # The probe loss of the replica as it was after the last merge, and the training steps
-        # since; None when something else moved the replica (a round boundary's restart).
+        # The probe loss of the replica as it was after the last merge, and the moves of the
+        # replica since (training steps and round boundaries); None before the first probe.
         self._last: tuple[float, int] | None = None
+        # Whether the loss before the merge being judged is an older probe's (not measured on
+        # the replica as it was just before the merge): a jump against it is judged again.
+        self._reused = False
 
     def stepped(self) -> None:
-        """The replica has trained one more step since the last probe."""
+        """The replica has moved once more since the last probe (a training step, a restart)."""
         if self._last is not None:
             self._last = (self._last[0], self._last[1] + 1)
+
+    def forget(self) -> None:
+        """The replica was replaced (a state taken from another peer): no probe stands for it."""
+        self._last = None
 
     def _measure(self) -> float:
         self.probes += 1
@@ -87,7 +102,9 @@ class LossGuard:
         """The probe loss before a merge: the last one while it is recent enough."""
         last = self._last
         if last is not None and last[1] <= self.reuse_steps:
+            self._reused = last[1] > 0
             return last[0]
+        self._reused = False
         return self._measure()
 
     def jumped(self, before: float, after: float) -> bool:
@@ -150,7 +167,8 @@ class LossGuard:
         if state.version == version:  # nothing closed (a follow with nothing to judge by)
             state.last_merge = early
             return out
-        self._last = None  # the boundary restarted the replica
+        self.stepped()  # the boundary restarted the replica: one more move since the probe
+        self._reused = True  # ``before`` was measured before that restart
         report = state.last_merge
         closing = [t for t in report.taken if t.contribution.base_version == state.version - 1]
         if closing:
@@ -170,11 +188,14 @@ class LossGuard:
         state = self.state
         self.rollbacks += 1
         log.warning(
-            "the probe loss went %.4g -> %.4g after merging %d delta(s); rolled back, "
+            "the probe loss went %.4g -> %.4g after merging %d delta(s)%s; rolled back, "
             "merging them one at a time",
-            before, after, len(moved),
+            before, after, len(moved), " (the loss before: an older probe's)" if self._reused
+            else "",
         )  # fmt: skip
         state.retract(moved)
+        if self._reused:  # judge each delta against the replica as it is without them
+            before = self._measure()
         out = MergeReport(version=report.version, refused=list(report.refused))
         ids = {id(t) for t in moved}
         for a, t in zip(report.applied, report.taken, strict=True):

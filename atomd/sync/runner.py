@@ -632,3 +632,5 @@ class SyncPlugin:
             return
         self._settle()
         self.state.adopt()
+        if self.guard is not None:
+            self.guard.forget()

@@ -185,6 +185,69 @@ def test_the_loss_guard_reuses_a_recent_probe_as_the_loss_before_a_merge() -> No
     assert guard.probes == 5
 
 
+def test_a_round_boundary_counts_as_one_move_and_keeps_the_last_probe() -> None:
+    """At a round every 2 steps the deltas of the round before are merged at the boundary:
+    until 2026-12-03 the restart voided the last probe, so each round ran two passes (the
+    loss before its merge and after). The restart now counts as one move of the replica."""
+    replicas, states, honest, sent = _round_zero()
+    me = states[0]
+    calls: list[int] = []
+
+    def probe() -> float:
+        calls.append(1)
+        return 2.0
+
+    guard = LossGuard(me, probe, reuse_steps=4)
+    guard.absorb([honest])
+    assert guard.probes == 2  # nothing measured yet: before and after
+    for round_ in range(3):
+        for _ in range(2):
+            train(replicas[0], seed=20 + round_)
+            guard.stepped()
+        out = guard.round_boundary([sent] if round_ == 0 else [], n_peers=3)
+        assert out.round == round_ + 1
+    # Round 1's boundary merged p2's delta of round 0 (3 moves after the last probe: the
+    # older probe stood for the loss before, 1 pass); the two after it merged nothing.
+    assert guard.probes == len(calls) == 3
+    assert [a.sender for a in me.last_merge.applied] == []
+    for _ in range(2):
+        guard.stepped()
+    guard.forget()  # a state taken from another peer: nothing stands for it any more
+    late = Contribution("p1", 1, 1, honest.tensors)
+    guard.absorb([late])
+    assert guard.probes == 5
+
+
+def test_a_jump_against_an_older_probe_is_judged_again_before_a_delta_is_refused() -> None:
+    """The loss rose since the last probe without any delta (the replica moved: training or a
+    boundary's outer step), then an honest delta arrives. Judged against the older probe it
+    looks like a jump; the guard measures the replica without it and keeps it: no strike."""
+    _, states, honest, _ = _round_zero()
+    level = [1.0]
+    guard = LossGuard(states[0], lambda: level[0], max_rise=0.5, max_rise_ratio=0.15)
+    guard.absorb([honest])  # measured: 1.0 before and after
+    assert guard.probes == 2
+    guard.stepped()
+    level[0] = 2.0  # the replica's loss rose by 1 nat without a merge
+    hostile_looking = Contribution("p2", honest.round, honest.base_version, honest.tensors)
+    report = guard.absorb([hostile_looking])
+    assert guard.rollbacks == 1  # the careful path ran ...
+    assert [a.sender for a in report.applied] == ["p2"]  # ... and kept the delta
+    assert report.refused == []
+    assert guard.probes == 5  # after (jump?), the replica without it, with it alone
+    # A real jump against a fresh probe is still refused, a strike.
+    bad = Contribution("p3", honest.round, honest.base_version, honest.tensors)
+
+    def jumping() -> float:  # the loss jumps once p3's delta is merged
+        return 10.0 if states[0].deltas_in(0) > 3 else 2.0
+
+    guard.probe = jumping
+    guard.forget()
+    report = guard.absorb([bad])
+    assert [(r.sender, r.strike) for r in report.refused] == [("p3", True)]
+    assert states[0].deltas_in(0) == 3
+
+
 # -- the direction check (issue #15: a delta of honest size pointed the wrong way) ------------
 
 BIG = {"w": (200, 150), "b": (150,), "e": (80, 64)}  # 35,270 entries: chance 5/sqrt(n) = 0.027
