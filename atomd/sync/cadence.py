@@ -11,10 +11,11 @@
 
 and proposes a round period, in seconds of wall time from one round's close to the next::
 
-    T_i = max(MARGIN * traffic_s, work_s * (1 + 1 / WORK_SHARE), step_s + work_s)
+    T_i = max(MARGIN * traffic_s, work_s * (1 + 1 / WORK_SHARE), MIN_EVERY * step_s + work_s)
 
 the shortest period at which its round's traffic fits MARGIN times into the time between two
-rounds and its own round work takes at most WORK_SHARE of the compute between them. Every
+rounds, its own round work takes at most WORK_SHARE of the compute between them, and a round
+holds at least MIN_EVERY of its steps. Every
 frame carries its sender's proposal; the swarm's period T is the largest proposal heard
 recently (this peer's own included), so the slowest link or the busiest peer sets the pace of
 everyone's rounds and no peer's rounds outrun the others' deltas. A proposal heard counts for
@@ -78,6 +79,13 @@ STEP_SAMPLES = 16  # steps whose median is the step time
 # (4 real daemons at 256 kbit/s, bench/results-swarm-2026-12-03aj.json).
 TRAFFIC_SAMPLES = 5
 WORK_SAMPLES = 8
+# The shortest round, in steps, the automatic cadence proposes. With top-k's outer step
+# (momentum 0.7) a round every step is no better than one every 3 and worse than one every 2,
+# at twice the rounds' work: `atomd bench sync`, the defaults at H = 1 / 2 / 3: 1.7357 / 1.7242 /
+# 1.7368 (bench/results-sync-h1-h3-2026-12-03.json, -direction-progress-); at 2026-12-01's
+# defaults 1.7541 / 1.7245 (-momentum-, -h2-codec-). A slower peer still takes fewer steps a
+# round (H_i below): the floor is on the swarm's period, not on each peer's H.
+MIN_EVERY = 2
 PROPOSAL_TTL_S = 10.0  # a peer's proposal counts this long, plus 3 swarm periods
 # A proposal heard from another peer counts for at most this many times the lower median of
 # all current proposals (this peer's own included; issue #15): the largest proposal sets the
@@ -176,7 +184,7 @@ class Cadence:
         step, work = self.step_s(), self.work_s()
         with self._lock:
             traffic = _median(self._traffic, 0.0)
-        return max(MARGIN * traffic, _work_period(work), (step or 0.0) + work)
+        return max(MARGIN * traffic, _work_period(work), MIN_EVERY * (step or 0.0) + work)
 
     def period(self, *, now: float | None = None) -> float:
         """The swarm's period T: the largest recent proposal, this peer's own included."""

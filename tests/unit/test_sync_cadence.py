@@ -9,6 +9,7 @@ from atomd.sync.cadence import (
     LINK_EVERY,
     MARGIN,
     MAX_EVERY,
+    MIN_EVERY,
     MIN_FRACTION,
     PROPOSAL_TTL_S,
     RUNG,
@@ -40,9 +41,21 @@ def test_a_fixed_every_is_kept() -> None:
         Cadence(0)
 
 
-def test_rounds_every_step_until_something_says_otherwise() -> None:
+def test_rounds_every_min_every_steps_until_something_says_otherwise() -> None:
     assert Cadence(None).every() == 1  # nothing measured: the first round after one step
-    assert measured(0.2).every() == 1  # a free link and free rounds: every step
+    assert MIN_EVERY == 2
+    assert measured(0.2).every() == MIN_EVERY  # a free link and free rounds: the shortest
+    assert Cadence(1).every() == 1  # a fixed H of 1 is still one
+
+
+def test_the_floor_is_on_the_period_so_peers_keep_one_pace() -> None:
+    """The swarm's period holds MIN_EVERY steps of the slowest peer; a peer twice as fast puts
+    twice the steps into a round of the same length (rounds at one rate in wall time)."""
+    fast, slow = measured(0.2), measured(0.4)
+    fast.heard("slow", slow.proposal(), now=100.0)
+    slow.heard("fast", fast.proposal(), now=100.0)
+    assert fast.period(now=100.0) == slow.period(now=100.0) == pytest.approx(2 * 0.4)
+    assert (fast.every(now=100.0), slow.every(now=100.0)) == (4, 2)
 
 
 def test_traffic_fits_margin_times_between_rounds() -> None:
@@ -52,7 +65,7 @@ def test_traffic_fits_margin_times_between_rounds() -> None:
     c.traffic(0.1)  # rounds faster than the link's median: not yet
     assert c.every() == round(MARGIN * (3.0 + 0.1) / 2 / 0.25)  # the median of two
     c.traffic(0.1)
-    assert c.every() == 1
+    assert c.every() == MIN_EVERY  # the link no longer sets the pace
     for _ in range(TRAFFIC_SAMPLES - 1):
         c.traffic(3.0)
     c.traffic(30.0)  # one slow round among the last ones does not set the pace
@@ -79,8 +92,9 @@ def test_a_round_lasts_its_steps_and_its_work_so_h_leaves_room_for_the_work() ->
     assert h * 0.5 + 0.5 == pytest.approx(c.period())
     busy = measured(0.5, traffic=0.1, work=2.0)  # the work is longer than any step
     assert busy.every() == round(2.0 / WORK_SHARE / 0.5) == 8
-    light = measured(0.5, work=0.1)  # the floor: one step and the round's work
-    assert light.proposal() == pytest.approx(0.5 + 0.1) and light.every() == 1
+    light = measured(0.5, work=0.1)  # the floor: MIN_EVERY steps and the round's work
+    assert light.proposal() == pytest.approx(MIN_EVERY * 0.5 + 0.1)
+    assert light.every() == MIN_EVERY
 
 
 def test_the_step_time_is_a_median_and_evaluations_do_not_count() -> None:
@@ -96,7 +110,7 @@ def test_the_swarm_follows_its_slowest_proposal_until_it_goes_quiet() -> None:
     c.heard("fast", 0.1, now=100.0)
     assert c.period(now=101.0) == 4.0  # the largest proposal wins
     gone = 100.0 + PROPOSAL_TTL_S + 3 * 4.0 + 0.1
-    assert c.period(now=gone) == 0.25  # it left: back to our own (a step: traffic is 0.2)
+    assert c.period(now=gone) == MIN_EVERY * 0.25  # it left: back to our own proposal
     view = c.view()
     assert view.auto and view.every == c.every()
 
@@ -104,13 +118,13 @@ def test_the_swarm_follows_its_slowest_proposal_until_it_goes_quiet() -> None:
 def test_a_member_cannot_stall_the_rounds_by_declaring_a_huge_period() -> None:
     """Issue #15: the largest proposal sets the pace; one heard proposal counts for at most
     CLAIM_CAP times the lower median of the proposals (ours included)."""
-    c = measured(0.25, traffic=0.1)
+    c = measured(0.25, traffic=0.1)  # proposes 2 steps: 0.5 s
     c.heard("liar", 86_400.0, now=100.0)  # the largest period a frame may carry
-    assert c.period(now=100.0) == CLAIM_CAP * 0.25 and c.every(now=100.0) == 16
-    c.heard("honest", 0.5, now=100.0)  # the median is an honest proposal's
-    assert c.period(now=100.0) == CLAIM_CAP * 0.5
-    c.heard("honest-2", 0.6, now=100.0)
-    assert c.period(now=100.0) == CLAIM_CAP * 0.5
+    assert c.period(now=100.0) == CLAIM_CAP * 0.5 and c.every(now=100.0) == 32
+    c.heard("honest", 0.6, now=100.0)  # the median is an honest proposal's
+    assert c.period(now=100.0) == CLAIM_CAP * 0.6
+    c.heard("honest-2", 0.7, now=100.0)
+    assert c.period(now=100.0) == CLAIM_CAP * 0.6
     alone = measured(0.25, traffic=0.1)
     alone.heard("slow", 3.0, now=100.0)  # an honest slower link under the cap: followed
     assert alone.period(now=100.0) == 3.0
