@@ -50,8 +50,10 @@ class JobPublic(BaseModel):
         "round, period_s: the swarm's round period, auto) and the trainer's time in sync "
         "(busy_s: merging and sending, wait_s: blocked waiting for deltas), rounds closed, "
         "fraction: the share of entries a sparse codec sends now (it follows the link), "
-        "and once the job has ended final_model: 'swarm' (it ended on the swarm's model) or "
-        "'own' (on this peer's replica, which the guard's probe preferred)",
+        "and once the job has ended final_model: 'swarm' (it ended on the swarm's model), "
+        "'own' (on this peer's replica) or 'average' (on the average of the peers' models), "
+        "whichever the guard's probe preferred, with average_shares (the other peers' shares "
+        "in that average) and average_s (its time) when there was one",
     )
     created_at: datetime
     started_at: datetime | None = None

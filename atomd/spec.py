@@ -157,6 +157,13 @@ class SyncSpec(_Spec):
         "a lossy codec has not sent yet of their progress, so that their final models converge "
         "to the average of all of them (stops early when a round's deltas do not all arrive).",
     )
+    final_average: bool = Field(
+        True,
+        description="After the last round, each peer sends the others once what it trained that "
+        "the swarm's model does not hold (as much of it as the measured link carries in ~20 s), "
+        "and the job may end on the swarm's model plus the mean of them all: the average of the "
+        "peers' models, where the probe batch prefers it (off with consolidate_rounds).",
+    )
 
     @model_validator(mode="after")
     def _codec_defaults(self) -> SyncSpec:

@@ -468,7 +468,10 @@ def _peer_report(d: Daemon, job_id: str) -> dict[str, Any]:
         "sync_wait_s": sync.get("wait_s"),
         "sync_held_steps": sync.get("held_steps"),  # due rounds held for the previous one
         "sync_probes": sync.get("probes"),  # the loss guard's probe passes
-        "final_model": sync.get("final_model"),  # the swarm's model, or its own replica
+        "final_model": sync.get("final_model"),  # the swarm's model, its own, or the average
+        # The final average: the others' shares in it, and its time (sending, waiting, making).
+        "average_shares": sync.get("average_shares"),
+        "average_s": sync.get("average_s"),
         "fraction_final": sync.get("fraction"),  # a sparse codec's share of entries at the end
         # Each upload until its answer, and a round's whole traffic (the cadence's measure).
         **_mean_seconds(d.request("GET", "/metrics").text),

@@ -179,6 +179,12 @@ class Cadence:
         with self._lock:
             return _median(self._work, 0.0)
 
+    def rate(self) -> float | None:
+        """Bytes a second that the last rounds' frames reached every peer at (their size over
+        their traffic time; the median), None before one is measured."""
+        with self._lock:
+            return _median(self._rates, None)
+
     def proposal(self) -> float:
         """This peer's period T_i in seconds (0 before anything is measured)."""
         step, work = self.step_s(), self.work_s()
@@ -212,8 +218,7 @@ class Cadence:
         step, work = self.step_s(), self.work_s()
         if self.fixed is not None or step is None:
             return None
-        with self._lock:
-            rate = _median(self._rates, None)
+        rate = self.rate()
         if rate is None:
             return None
         target = max(LINK_EVERY * step + work, _work_period(work))

@@ -225,6 +225,10 @@ class DeltaExchange:
             absorbed=lambda job, merge: self._from_trainer(
                 self._record_merge(job, merge), "absorbed"
             ),
+            send_average=lambda frame: self._from_trainer(
+                self._deliver_average(job_id, frame), "average"
+            ),
+            finishers=lambda: self._finishers(job_id),
         )
         plugin.excluded = lambda sender: self.peers.exclusion(sender) is not None
         plugin.on_attached = lambda: self._from_trainer(self._drain_early(job_id), "early")
@@ -244,6 +248,11 @@ class DeltaExchange:
         return [
             p for p in self.peers.job_peers(job_id) if last.get(p.id, base_version) >= base_version
         ]
+
+    def _finishers(self, job_id: str) -> list[str]:
+        """The live peers of ``job_id`` that have sent their last delta for it."""
+        last = self._finished.get(job_id, {})
+        return [p.id for p in self.peers.job_peers(job_id) if p.id in last]
 
     def _counted(self, job_id: str, base_version: int) -> list[PeerRef]:
         """The peers whose deltas the round on ``base_version`` is averaged over (``n_peers``):
@@ -316,42 +325,12 @@ class DeltaExchange:
         # Every peer with the job, also one that has sent its last delta: it follows the
         # rounds the others still train (``SyncPlugin._follow``) until it ends the job.
         targets = list(self.peers.job_peers(out.job_id))
-        path = paths.job_deltas(out.job_id)
         arrived: list[float] = []  # time.monotonic() of each accepted upload
-
-        async def one(peer: PeerRef) -> str | None:
-            for attempt in range(UPLOAD_ATTEMPTS):
-                started = time.monotonic()
-                try:
-                    await self.client.post_bytes(
-                        peer.url, path, out.frame, DeltaAccepted, target=peer.id,
-                        timeout=UPLOAD_TIMEOUT_S,
-                    )  # fmt: skip
-                    arrived.append(time.monotonic())
-                    elapsed = arrived[-1] - started
-                    self.telemetry.upload_seconds.observe(elapsed)
-                    if elapsed > 0:
-                        self._rates.append(len(out.frame) / elapsed)
-                    return None
-                except PeerRequestError as e:
-                    if e.status is not None and 400 <= e.status < 500:
-                        return str(e)  # refused: retrying the same frame cannot help
-                    if attempt == UPLOAD_ATTEMPTS - 1:
-                        return str(e)
-                    await asyncio.sleep(RETRY_DELAY_S)
-            return "unreachable"
-
         # Who is first turns with the round, so that no peer always gets the frame last.
         turn = out.outgoing.round % len(targets) if targets else 0
         order = targets[turn:] + targets[:turn]
-        pace = self._pace(len(out.frame))
         try:
-            async with asyncio.TaskGroup() as tg:
-                uploads = []
-                for p in order:
-                    uploads.append(task := tg.create_task(one(p)))
-                    await asyncio.wait({task}, timeout=pace)
-            errors = [task.result() for task in uploads]
+            errors = await self._upload_all(out.job_id, out.frame, order, arrived)
         finally:
             plugin = self.plugins.get(out.job_id)
             if plugin is not None:  # the next round may close now; -1: nothing measured
@@ -366,9 +345,55 @@ class DeltaExchange:
             for p, error in zip(order, errors, strict=True)
         ]  # fmt: skip
         await self._record(out.job_id, rows, ratio_of=out.outgoing.raw_bytes)
-        for error in errors:
-            if error is None:
-                self.telemetry.bytes_sent.inc(len(out.frame))
+
+    async def _upload_all(
+        self, job_id: str, frame: bytes, order: Sequence[PeerRef], arrived: list[float]
+    ) -> list[str | None]:
+        """Upload ``frame`` to each of ``order``, one after another (``_pace``): what went
+        wrong with each (None: accepted); ``arrived`` gets the time of each accepted upload."""
+        path = paths.job_deltas(job_id)
+
+        async def one(peer: PeerRef) -> str | None:
+            for attempt in range(UPLOAD_ATTEMPTS):
+                started = time.monotonic()
+                try:
+                    await self.client.post_bytes(
+                        peer.url, path, frame, DeltaAccepted, target=peer.id,
+                        timeout=UPLOAD_TIMEOUT_S,
+                    )  # fmt: skip
+                    arrived.append(time.monotonic())
+                    elapsed = arrived[-1] - started
+                    self.telemetry.upload_seconds.observe(elapsed)
+                    self.telemetry.bytes_sent.inc(len(frame))
+                    if elapsed > 0:
+                        self._rates.append(len(frame) / elapsed)
+                    return None
+                except PeerRequestError as e:
+                    if e.status is not None and 400 <= e.status < 500:
+                        return str(e)  # refused: retrying the same frame cannot help
+                    if attempt == UPLOAD_ATTEMPTS - 1:
+                        return str(e)
+                    await asyncio.sleep(RETRY_DELAY_S)
+            return "unreachable"
+
+        pace = self._pace(len(frame))
+        async with asyncio.TaskGroup() as tg:
+            uploads = []
+            for p in order:
+                uploads.append(task := tg.create_task(one(p)))
+                await asyncio.wait({task}, timeout=pace)
+        return [task.result() for task in uploads]
+
+    async def _deliver_average(self, job_id: str, frame: bytes) -> None:
+        """Send the job's average frame (``atomd.sync.average``) to every peer that has the
+        job. Not a round: nothing is recorded in ``sync_rounds``, the cadence is not told."""
+        started = time.monotonic()
+        order = list(self.peers.job_peers(job_id))
+        errors = await self._upload_all(job_id, frame, order, [])
+        failed = [f"{p.id}: {e}" for p, e in zip(order, errors, strict=True) if e is not None]
+        log.info("job %s: average frame (%d bytes) sent to %d of %d peer(s) in %.1f s%s", job_id,
+                 len(frame), len(order) - len(failed), len(order), time.monotonic() - started,
+                 f"; failed: {'; '.join(failed)}" if failed else "")  # fmt: skip
 
     async def _record_merge(self, job_id: str, merge: MergeReport) -> None:
         """Record what a merge did with the deltas it was given (applied, clipped, or why
@@ -504,13 +529,20 @@ class DeltaExchange:
             if e.reason in STRIKING_WIRE_ERRORS:  # signed by a member: no honest peer sends it
                 await self.peers.judge(signer, True, str(e))
             raise
+        self.telemetry.bytes_received.inc(frame.wire_bytes)
+        if frame.average:  # never a delta: kept apart for the job's final average
+            from atomd.sync.average import Share
+
+            # Kept as it travelled (checked: ``tensors`` decoded it), decoded again when used.
+            if not plugin.averages.put(Share(frame.sender, frame.base_version, frame.tensors)):
+                log.warning("job %s: average frame from %s dropped (too many)", job_id, signer)
+            return frame.wire_bytes
         every = frame.cadence.every if frame.cadence is not None else None
         self._received[(job_id, frame.sender, frame.round)] = (frame.wire_bytes, every)
         if frame.cadence is not None:
             plugin.heard(frame.sender, frame.cadence.period_s)
         if frame.final:
             self._finished.setdefault(job_id, {})[frame.sender] = frame.base_version
-        self.telemetry.bytes_received.inc(frame.wire_bytes)
         if not plugin.inbox.put(
             Contribution(frame.sender, frame.round, frame.base_version, tensors)
         ):

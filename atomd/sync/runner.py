@@ -12,15 +12,17 @@ estimate does and keeps what it trained. The trainer never waits for the network
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from atomd.logs import get_logger
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec
+from atomd.sync import average
 from atomd.sync.cadence import Cadence, fit_fraction
 from atomd.sync.guard import LossGuard
 from atomd.sync.state import Contribution, MergeReport, Outgoing, SyncState
@@ -136,11 +138,16 @@ class SyncPlugin:
         send: Callable[[RoundOut], None],
         absorbed: Callable[[str, MergeReport], None] | None = None,
         n_expected: Callable[[int], int] | None = None,
+        send_average: Callable[[bytes], None] | None = None,
+        finishers: Callable[[], Collection[str]] | None = None,
     ) -> None:
         """``n_peers``: peers (this one included) that take part in the round on a base version;
         ``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
         boundaries (job id, report), for the records; ``n_expected``: of those peers, the ones
-        whose delta of the round is expected (default: all; see ``SyncState.merge``)."""
+        whose delta of the round is expected (default: all; see ``SyncState.merge``);
+        ``send_average``: hand the job's average frame to the loop (``average``; None: no final
+        average); ``finishers``: the other live peers of the job that have sent their last
+        delta (whose average frames ``finish`` waits for)."""
         self.job_id = job_id
         self.spec = spec
         self.identity = identity
@@ -148,7 +155,12 @@ class SyncPlugin:
         self._n_expected = n_expected
         self.send = send
         self.absorbed = absorbed
+        self.send_average = send_average
+        self._finishers = finishers or (lambda: ())
         self.inbox = Inbox()
+        self.averages = average.Averages()  # the others' average frames (loop puts)
+        self.average_s = 0.0  # time spent on the final average (sending, waiting, combining)
+        self.average_used: int | None = None  # the others' shares in the average candidate
         self.state: SyncState | None = None
         self.engine: StepEngine | None = None
         self.guard: LossGuard | None = None
@@ -368,6 +380,11 @@ class SyncPlugin:
             "fraction": self.state.fraction if self.state is not None else None,
             **({"final_model": self.final_model} if self.final_model is not None else {}),
             **(
+                {"average_shares": self.average_used, "average_s": round(self.average_s, 4)}
+                if self.average_used is not None
+                else {}
+            ),
+            **(
                 {"followed": self.followed, "follow_s": round(self.follow_s, 4)}
                 if self.followed
                 else {}
@@ -474,12 +491,16 @@ class SyncPlugin:
         others' deltas of the round. From the last boundary on the outer step is the plain
         average (``SyncState.average_from_now``), so the mean of the peers' models stays where
         it is while their differences (the unsent residuals) shrink, and the final models
-        converge to the average of them all. A round whose deltas do not all arrive ends it."""
+        converge to the average of them all. A round whose deltas do not all arrive ends it.
+
+        Without consolidation rounds, the final average (``atomd.sync.average``): this peer
+        sends the others what it trained that the swarm's model does not hold, waits for
+        theirs, and the job may end on the swarm's model plus the mean of them all."""
         if self.state is None:
             return
         self._last_rounds(step, stop)
         if not stop.is_set():
-            self._end_on_the_better_model()
+            self._end_on_the_better_model(self._final_average(stop))
 
     def _last_rounds(self, step: int, stop: threading.Event) -> None:
         assert self.state is not None
@@ -543,8 +564,75 @@ class SyncPlugin:
                 log.info("followed the swarm's last %d round(s) in %.1f s",
                          self.followed, self.follow_s)  # fmt: skip
 
-    def _end_on_the_better_model(self) -> None:
-        """The job's final model: the swarm's or this peer's own, whichever the probe prefers.
+    def _final_average(self, stop: threading.Event) -> dict[str, Tensor] | None:
+        """Send this peer's share of the final average, wait for the others' (every peer that
+        has sent its last delta, for at most ``final_wait_s``), and return the average
+        candidate, or None when there is none (alone, turned off, nothing came)."""
+        state, spec = self.state, self.spec
+        if (
+            state is None
+            or self.guard is None  # nothing to judge the candidate by
+            or self.send_average is None
+            or not spec.final_average
+            or spec.consolidate_rounds
+            or not self._finishers()
+        ):
+            return None
+        from atomd.sync.codecs import decode
+
+        started = time.perf_counter()
+        try:
+            self._settle()
+            version = state.version
+            codec = state.codec
+            if spec.codec == "topk" and state.fraction is not None:
+                rate = self.cadence.rate()
+                packed, overhead = self._packed, self._overhead or 0
+                codec = state.codec_at(
+                    average.fraction_for(
+                        None if rate is None else average.UPLOAD_S * rate,
+                        lambda f: state.payload_estimate(f) * packed + overhead,
+                        state.fraction,
+                    )
+                )
+            own = {name: codec.encode(t) for name, t in state.own_progress().items()}
+            frame = encode_frame(
+                identity=self.identity,
+                job_id=self.job_id,
+                round=state.round,
+                base_version=version,
+                tensors=list(own.items()),
+                average=True,
+            )
+            log.info("final average: sending %d bytes (%s) of this peer's unsent progress",
+                     len(frame), codec)  # fmt: skip
+            self.send_average(frame)
+            deadline = time.monotonic() + spec.final_wait_s
+            while not stop.is_set():
+                missing = set(self._finishers()) - self.averages.senders()
+                if not missing:
+                    break
+                if time.monotonic() >= deadline:
+                    log.info("final average: no frame from %d peer(s); not waiting longer",
+                             len(missing))  # fmt: skip
+                    break
+                stop.wait(0.05)
+            shares = [s for s in self.averages.on(version) if not self.excluded(s.sender)]
+            if not shares:
+                return None
+            combined = average.combine(
+                state.start_point(), {name: decode(enc) for name, enc in own.items()}, shares
+            )
+            for sender, why in combined.left_out:
+                log.warning("final average: the share of %s left out: %s", sender, why)
+            self.average_used = len(combined.used)
+            return combined.model
+        finally:
+            self.average_s += time.perf_counter() - started
+
+    def _end_on_the_better_model(self, averaged: dict[str, Tensor] | None = None) -> None:
+        """The job's final model: the swarm's, this peer's own, or the average of the peers'
+        (``averaged``, when there is one), whichever the probe prefers.
 
         After the last round the replica is the swarm's model (the start point: the anchor with
         every delta in, the same at every peer once all last deltas have arrived) plus this
@@ -554,27 +642,28 @@ class SyncPlugin:
         sync` at H=2: 1.7245 against 1.7200). Where they were rare it holds most of what a
         peer learned (`atomd bench sync` at H=50: replicas 1.955, anchor 3.918). The loss
         guard's probe (a fixed batch, forward only) decides, as it decides every merge: two
-        forward passes, once per job."""
+        forward passes, once per job (three with the average)."""
         state, guard = self.state, self.guard
         if state is None or guard is None:
             return
-        import torch
-
         self._settle()
         own = guard.probe()
         kept = {name: p.detach().clone() for name, p in state.params.items()}
         state.reset_replica()
-        swarm = guard.probe()
-        if swarm <= own:
-            self.final_model = "swarm"
-        else:
-            self.final_model = "own"
-            with torch.no_grad():
-                for name, p in state.params.items():
-                    p.copy_(kept[name])
-        log.info("final model: %s (probe loss: the swarm's %.4f, this peer's own %.4f)",
-                 "the swarm's" if self.final_model == "swarm" else "this peer's own",
-                 swarm, own)  # fmt: skip
+        probes = {"own": own, "swarm": guard.probe()}
+        if averaged is not None:
+            _load(state.params, averaged)
+            probes["average"] = guard.probe()
+        # The swarm's model wins ties (the same at every peer), then the average.
+        self.final_model = min(("swarm", "average", "own"), key=lambda m: probes.get(m, math.inf))
+        if self.final_model == "own":
+            _load(state.params, kept)
+        elif self.final_model == "swarm" and averaged is not None:
+            state.reset_replica()
+        log.info("final model: %s (probe loss: %s)",
+                 {"swarm": "the swarm's", "own": "this peer's own",
+                  "average": "the average of the peers'"}[self.final_model],
+                 ", ".join(f"{m} {v:.4f}" for m, v in probes.items()))  # fmt: skip
 
     def _timed_boundary(self, step: int, *, final: bool = False, alone: bool = False) -> None:
         t0 = time.perf_counter()
@@ -634,3 +723,12 @@ class SyncPlugin:
         self.state.adopt()
         if self.guard is not None:
             self.guard.forget()
+
+
+def _load(params: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
+    """Copy ``tensors`` into the live parameters ``params`` (same names), in place."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name].reshape(p.shape))

@@ -215,6 +215,10 @@ class SyncState:
             self.codec = self._codec(fraction, zstd=self.spec.zstd)
             self.feedback.codec = self.codec
 
+    def codec_at(self, fraction: float) -> Codec:
+        """The job's codec sending ``fraction`` of the entries (a sparse codec's)."""
+        return self._codec(fraction, zstd=self.spec.zstd)
+
     def _codec(self, fraction: float, *, zstd: bool) -> Codec:
         """The job's codec sending ``fraction`` of the entries (a sparse codec's)."""
         s = self.spec

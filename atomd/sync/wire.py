@@ -13,7 +13,10 @@ Version 2 (the header as plain JSON) is still read.
 The header names the job, the sender, its round and base version (the anchor version the delta is
 relative to), and every tensor (name, shape, codec, meta, nbytes); since version 2 it may also
 carry the sender's cadence (``{"period_s": its proposed round period, "every": steps in this
-round}``, see ``cadence.py``) and ``"final": true`` on the last delta it sends for the job. The
+round}``, see ``cadence.py``) and ``"final": true`` on the last delta it sends for the job;
+``"average": true`` marks a frame that is not a delta at all but the sender's share of the
+job's final average (``SyncPlugin.finish``: what it trained that the swarm's model does not
+hold, sent once after its last round; never merged into a round). The
 payload is the tensors' payloads concatenated in header order. The header travels in canonical
 form (sorted keys, no spaces, ASCII) and the sender signs it without its ``signature`` field
 with its Ed25519 key; the signed part holds ``payload_sha256``, so the signature covers the
@@ -70,7 +73,7 @@ _HEADER_KEYS = frozenset(
         "signature",
     }
 )
-_OPTIONAL_KEYS = frozenset({"cadence", "final"})
+_OPTIONAL_KEYS = frozenset({"cadence", "final", "average"})
 _TENSOR_KEYS = frozenset({"name", "shape", "codec", "meta", "nbytes"})
 _CADENCE_KEYS = frozenset({"period_s", "every"})
 MAX_PERIOD_S = 86_400.0
@@ -91,6 +94,7 @@ class DeltaFrame:
     wire_bytes: int  # the whole frame
     cadence: Cadence | None = None  # the sender's, when it sent one
     final: bool = False  # the sender's last delta for the job
+    average: bool = False  # not a delta: the sender's share of the job's final average
 
 
 class Cadence(NamedTuple):
@@ -110,9 +114,11 @@ def encode_frame(
     now: float | None = None,
     cadence: Mapping[str, float | int] | None = None,
     final: bool = False,
+    average: bool = False,
 ) -> bytes:
     """One signed frame holding ``tensors`` (name, encoded), in that order, and the sender's
-    ``cadence`` (``period_s``, ``every``) when given; ``final``: its last for the job."""
+    ``cadence`` (``period_s``, ``every``) when given; ``final``: its last for the job;
+    ``average``: its share of the job's final average, not a delta."""
     names = [name for name, _ in tensors]
     if not names or len(set(names)) != len(names):
         raise ValueError(f"a frame holds one or more tensors with distinct names, got {names}")
@@ -146,6 +152,8 @@ def encode_frame(
         _cadence(header["cadence"])  # refuse here what a receiver would refuse
     if final:
         header["final"] = True
+    if average:
+        header["average"] = True
     header["signature"] = identity.sign(_canonical(header)).hex()
     head = _canonical(header)
     if len(head) > MAX_HEADER_BYTES:
@@ -229,6 +237,7 @@ class _Header:
     signature: str
     cadence: Cadence | None
     final: bool
+    average: bool
 
 
 class FrameDecoder:
@@ -451,6 +460,7 @@ class FrameDecoder:
             wire_bytes=self._received,
             cadence=header.cadence,
             final=header.final,
+            average=header.average,
         )
 
 
@@ -596,12 +606,13 @@ def _validate(obj: dict[str, Any]) -> _Header:
         payload_sha256=obj["payload_sha256"],
         signature=obj["signature"],
         cadence=_cadence(obj["cadence"]) if "cadence" in obj else None,
-        final=_final(obj.get("final", False)),
+        final=_flag("final", obj.get("final", False)),
+        average=_flag("average", obj.get("average", False)),
     )
 
 
-def _final(value: Any) -> bool:
-    _expect(value is True or value is False, "final", "true or false", value)
+def _flag(key: str, value: Any) -> bool:
+    _expect(value is True or value is False, key, "true or false", value)
     return bool(value)
 
 

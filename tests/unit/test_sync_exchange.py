@@ -408,6 +408,49 @@ async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> Non
     assert len(client.posts) == 3
 
 
+async def test_an_average_frame_is_kept_apart_from_the_deltas_and_sent_without_a_round(
+    sessions: Any,
+) -> None:
+    """The job's final average travels in a frame of its own: received, it never enters the
+    round inbox (it is kept for the average); sent, it goes to every peer with the job and is
+    not recorded as a round."""
+    from atomd.sync.guard import LossGuard
+
+    sender = Identity.generate()
+    peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
+    ex = exchange(sessions, FakeClient(), peers)
+    plugin = attach(ex)
+    other = exchange(sessions, FakeClient(), FakePeers([]))
+    other.identity = sender
+    frames: list[bytes] = []
+    theirs = attach(other)
+    assert theirs.state is not None
+    theirs.send = lambda out: frames.append(out.frame)
+    theirs.send_average = frames.append
+    theirs._finishers = lambda: ["a-peer-that-never-answers"]
+    theirs.guard = LossGuard(theirs.state, lambda: 0.0)
+    theirs.spec = theirs.spec.model_copy(update={"final_wait_s": 0.1})
+    theirs.after_step(1)
+    theirs.finish(2, threading.Event())  # round 0, its last round 1, then its average frame
+    assert len(frames) == 3
+    for frame in frames:
+        await ex.receive(JOB, frame, sender.peer_id)
+    assert len(plugin.inbox) == 2  # the two deltas
+    (share,) = plugin.averages.on(2)  # made on its anchor after its last round
+    assert share.sender == sender.peer_id and set(share.tensors) == {"weight", "bias"}
+    with pytest.raises(WireError, match="replayed"):
+        await ex.receive(JOB, frames[2], sender.peer_id)
+
+    client = cast(FakeClient, ex.client)
+    before = await rounds(sessions)
+    async with running(ex):
+        assert plugin.send_average is not None
+        plugin.send_average(frames[2])  # the exchange's own: to every peer with the job
+        await until(lambda: _async_true(len(client.posts) == 1), "the upload")
+    assert client.posts == [("http://s", f"/p2p/v1/jobs/{JOB}/deltas", len(frames[2]))]
+    assert len(await rounds(sessions)) == len(before)
+
+
 async def test_a_silent_peer_stops_counting_in_the_rounds_and_counts_again_when_it_sends(
     sessions: Any,
 ) -> None:

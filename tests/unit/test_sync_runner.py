@@ -317,6 +317,133 @@ def test_consolidation_rounds_bring_the_peers_models_to_their_average() -> None:
     assert time.monotonic() - t0 < 3 and lone.state is not None and lone.state.version == 32
 
 
+def _three_peers_that_finish_together(
+    spec: SyncSpec, probe_target: list[dict[str, torch.Tensor]]
+) -> list[SyncPlugin]:
+    """Three peers of one job, wired in process: round frames go to the others' inboxes and
+    average frames, through the wire's decoder, to the others' ``averages``. Each has trained
+    differently; their guard's probe is the distance to ``probe_target[0]``."""
+    from atomd.sync.average import Share
+    from atomd.sync.wire import decode_tensors
+
+    peers: list[SyncPlugin] = []
+    ids = [Identity.generate() for _ in range(3)]
+    keys = {i.peer_id: i.public_key_hex for i in ids}
+
+    def to_others(me: int) -> Any:
+        def send(out: RoundOut) -> None:
+            o = out.outgoing
+            tensors = {n: decode(enc) for n, enc in o.tensors}
+            for j, p in enumerate(peers):
+                if j != me:
+                    p.inbox.put(Contribution(ids[me].peer_id, o.round, o.base_version, tensors))
+
+        def send_average(frame: bytes) -> None:
+            for j, p in enumerate(peers):
+                if j != me:
+                    got = FrameDecoder(
+                        job_id=p.job_id, public_key_of=keys.get,
+                        expected_shapes=p.expected_shapes, max_bytes=1 << 22,
+                    )  # fmt: skip
+                    got.feed(frame)
+                    f = got.finish()
+                    assert f.average
+                    decode_tensors(f, p.expected_shapes)  # the exchange's checks
+                    p.averages.put(Share(f.sender, f.base_version, f.tensors))
+
+        return send, send_average
+
+    for me in range(3):
+        send, send_average = to_others(me)
+        p = SyncPlugin(
+            job_id="j" * 32,
+            spec=spec,
+            identity=ids[me],
+            n_peers=lambda base: 3 if base == 0 else 1,  # round 0 is everyone's last
+            send=send,
+            send_average=send_average,
+            finishers=lambda me=me: [ids[j].peer_id for j in range(3) if j != me],
+        )
+        torch.manual_seed(0)  # the same initial model
+        p.attach(fake_engine(torch.nn.Linear(64, 64)))
+        state = p.state
+        assert state is not None
+        with torch.no_grad():  # "training": different progress on each peer
+            state.params["weight"].add_(
+                torch.randn(64, 64, generator=torch.Generator().manual_seed(me))
+            )
+
+        def probe(state: Any = state) -> float:
+            return sum(
+                float((q.detach() - probe_target[0][n]).square().sum())
+                for n, q in state.params.items()
+            )
+
+        p.guard = LossGuard(state, probe, max_rise=1e30)  # judges the end, never a merge
+        p.cadence.traffic(0.01, 100_000_000)  # a free link: the average frames go dense
+        peers.append(p)
+    return peers
+
+
+def _finish_all(peers: list[SyncPlugin]) -> None:
+    threads = [threading.Thread(target=p.finish, args=(3, threading.Event())) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_after_the_last_round_the_peers_end_on_the_average_of_their_models() -> None:
+    """Top-k sends a tenth of each peer's progress in the last round; the rest stays in the
+    replicas, which end far apart. Each then sends the others its unsent progress once, and
+    all three end on the swarm's model plus the mean of it: the average of their models (to
+    the codec's 4-bit rounding), the same model at every peer. (The outer step is the plain
+    average here, so that the swarm's model is the mean of what was sent; with momentum the
+    average is the replicas', the swarm's model being ahead of the mean.)"""
+    spec = SyncSpec(codec="topk", topk_fraction=0.1, every=3, final_wait_s=10.0, outer_momentum=0.0)
+    target: list[dict[str, torch.Tensor]] = [{}]
+    peers = _three_peers_that_finish_together(spec, target)
+    models = [{n: q.detach().clone() for n, q in p.state.params.items()} for p in peers if p.state]
+    mean = {n: torch.stack([m[n] for m in models]).mean(0) for n in models[0]}
+    target[0] = mean  # the probe prefers the exact average
+    _finish_all(peers)
+    assert [p.final_model for p in peers] == ["average"] * 3
+    assert all(p.stats()["average_shares"] == 2 for p in peers)
+    finals = [{n: q.detach() for n, q in p.state.params.items()} for p in peers if p.state]
+    spread = float((models[0]["weight"] - mean["weight"]).norm())
+    for f in finals:
+        assert float((f["weight"] - mean["weight"]).norm()) < 0.1 * spread
+        torch.testing.assert_close(f["weight"], finals[0]["weight"], atol=1e-5, rtol=0)
+
+
+def test_the_average_is_not_the_final_model_where_the_probe_prefers_another() -> None:
+    """The probe judges the average as it judges the other two: here it prefers each peer's
+    own replica, which stays exactly as it was; and with the average turned off nothing is
+    sent at all."""
+    spec = SyncSpec(codec="topk", topk_fraction=0.1, every=3, final_wait_s=10.0)
+    target: list[dict[str, torch.Tensor]] = [{}]
+    peers = _three_peers_that_finish_together(spec, target)
+    mine = (
+        {n: q.detach().clone() for n, q in peers[0].state.params.items()} if peers[0].state else {}
+    )
+    target[0] = mine
+    _finish_all(peers)
+    assert peers[0].final_model == "own" and peers[1].final_model != "own"
+    assert peers[0].state is not None and peers[1].state is not None
+    gap = peers[0].state.params["weight"].detach() - peers[1].state.params["weight"].detach()
+    assert float(gap.norm()) > 1.0  # it kept its replica: not the model the others ended on
+
+    off = spec.model_copy(update={"final_average": False})
+    peers = _three_peers_that_finish_together(off, target)
+    sent: list[bytes] = []
+    for p in peers:
+        p.send_average = sent.append
+    _finish_all(peers)
+    assert sent == [] and all(p.final_model in ("swarm", "own") for p in peers)
+    assert all("average_shares" not in p.stats() for p in peers)
+
+
 class SetCadence(Cadence):
     """The automatic cadence with H set by the test (what the measurements would give)."""
 

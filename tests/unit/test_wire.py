@@ -246,6 +246,20 @@ def test_the_senders_cadence_travels_signed() -> None:
     refused(join(header, payload), "bad_signature")
 
 
+def test_an_average_frame_says_so_signed() -> None:
+    """The job's final average (``atomd.sync.average``) travels as a frame that says it is
+    not a delta; the flag is signed like the rest of the header."""
+    data = encode_frame(
+        identity=ME, job_id=JOB, round=7, base_version=6, tensors=encoded(), average=True
+    )
+    got = receive(data)
+    assert got.average and not got.final and got.base_version == 6
+    assert not receive(frame(round=8)).average  # optional
+    _, header, payload = split(data)
+    del header["average"]  # taken away without the key: not signed
+    refused(join(header, payload), "bad_signature")
+
+
 def test_unknown_sender() -> None:
     e = refused(frame(), "unknown_sender", keys={OTHER.peer_id: OTHER.public_key_hex}.get)
     assert ME.peer_id in str(e)
@@ -367,6 +381,9 @@ def test_decode_tensors_checks_shapes() -> None:
         {"cadence": {"period_s": 1e9, "every": 2}},
         {"cadence": {"period_s": "1", "every": 2}},
         {"cadence": {"period_s": 1.0, "every": 2, "x": 1}},
+        {"final": 1},
+        {"average": "yes"},
+        {"average": None},
     ],
     ids=str,
 )

@@ -1,0 +1,151 @@
+"""The job's final average: after the last round, each peer's unsent progress, once.
+
+Where rounds are rare (a slow link), every replica ends holding several steps of progress the
+codec has not sent, and the peers end far apart: 4 real daemons at 256 kbit/s ended at
+1.795-1.825 (run an) and 1.813-1.875 (run ak), each on its own replica or the swarm's model,
+while the exact average of their four final models reached 1.796 and 1.814 (gain 0.46 -> 0.54
+and 0.35 -> 0.46; ``bench/results-swarm-2026-12-03an.json``, ``-ak.json``, the final
+checkpoints evaluated on the same validation windows). In the in-process harness the mean model
+beats the replicas by 0.010 at a round every 6 steps and by 0.007 at every 2.
+
+So after its last round (and the rounds of the others it follows) each peer sends every other
+peer one *average frame*: its own progress that the swarm's model does not hold
+(``SyncState.own_progress``), in the job's codec, with as many of the entries as the measured
+link carries in ``UPLOAD_S`` (all of them on a free link: the job's sparse codec at a share of 1
+is dense at 4 bits a value). Once the others' frames are in (or ``final_wait_s`` has passed),
+the candidate final model is the swarm's model plus the mean of every share: the average of the
+peers' models (exactly, up to the codec's rounding, when all shares are whole). The loss
+guard's probe then picks the final model among this peer's own replica, the swarm's model and
+the average, as it picks between the first two without it.
+
+Why it is safe. An average frame is never a delta: it is kept apart from the round inbox
+(``Averages``) and only ever enters the candidate, which the probe judges against the two
+models the peer had anyway. Its round is one the sender never sends a delta of and its base
+version the sender's anchor version after its last round: a share made on another version (a
+peer that stopped following early, or one still training) is heard but not used, since the
+swarm's models it is relative to differ. A share more than ``MAX_RATIO`` times the lower median
+of the shares' norms (this peer's own included) is left out, so one member cannot swamp the
+mean; whatever it sends within that bound moves the candidate by at most that bound over the
+number of peers, and the probe refuses a candidate worse than the swarm's model or the replica.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from atomd.sync.codecs import Encoded, decode
+from atomd.sync.robust import lower_median
+
+# The longest the average frame's uploads (to every other peer, one after another) may take at
+# the rate measured for the job's rounds: on a free link the whole progress goes (a dense frame
+# of the tiny model at 4 bits a value, ~0.45 MB, well under a second), at 256 kbit/s about an
+# eighth of its entries.
+UPLOAD_S = 20.0
+# A share more than this many times the lower median of the shares' norms is left out.
+MAX_RATIO = 4.0
+# The shares of entries a sparse codec's average frame chooses from, halving from all of them.
+LADDER = tuple(2.0**-i for i in range(12))
+# Senders whose share is kept (each as it travelled: at most a model's size at 4 bits a value
+# with a sparse codec, its codec's size with a dense one).
+MAX_SENDERS = 64
+
+
+@dataclass
+class Share:
+    """One peer's share of the average: its progress relative to the swarm's model on
+    ``base_version``, encoded as it travelled (checked already: shapes, finite values), decoded
+    one share at a time when the candidate is made."""
+
+    sender: str
+    base_version: int
+    tensors: Mapping[str, Encoded]
+
+    def decoded(self) -> dict[str, Tensor]:
+        return {name: decode(enc) for name, enc in self.tensors.items()}
+
+
+class Averages:
+    """The average frames received for one job (loop puts, trainer takes): the newest of each
+    sender, at most ``max_senders`` senders."""
+
+    def __init__(self, max_senders: int = MAX_SENDERS) -> None:
+        self.max_senders = max_senders
+        self._shares: dict[str, Share] = {}
+        self._lock = threading.Lock()
+
+    def put(self, share: Share) -> bool:
+        """Keep ``share`` (replacing its sender's older one); False if refused (full)."""
+        with self._lock:
+            if share.sender not in self._shares and len(self._shares) >= self.max_senders:
+                return False
+            self._shares[share.sender] = share
+            return True
+
+    def senders(self) -> set[str]:
+        """Every sender heard from, whatever its base version."""
+        with self._lock:
+            return set(self._shares)
+
+    def on(self, base_version: int) -> list[Share]:
+        """The shares made on ``base_version``."""
+        with self._lock:
+            return [s for s in self._shares.values() if s.base_version == base_version]
+
+
+def fraction_for(budget_bytes: float | None, size: Callable[[float], float], floor: float) -> float:
+    """The share of entries a sparse codec's average frame sends: the largest of ``LADDER``
+    (1, 1/2, 1/4, ...) whose frame ``size(share)`` fits ``budget_bytes``, never below
+    ``floor`` (the job's own share); ``floor`` when nothing is measured."""
+    if budget_bytes is None:
+        return floor
+    return next((f for f in LADDER if f > floor and size(f) <= budget_bytes), floor)
+
+
+@dataclass
+class Combined:
+    """The average candidate, and which shares went into it."""
+
+    model: dict[str, Tensor]
+    used: list[str] = field(default_factory=list)  # senders, this peer's own share excluded
+    left_out: list[tuple[str, str]] = field(default_factory=list)  # (sender, why)
+
+
+def norm(tensors: Mapping[str, Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors.values()))
+
+
+@torch.no_grad()
+def combine(
+    start: Mapping[str, Tensor], own: Mapping[str, Tensor], shares: Sequence[Share]
+) -> Combined:
+    """``start`` plus the mean of ``own`` and every share not left out (``MAX_RATIO``). The
+    shares are decoded one at a time (twice: for their norms, then for the sum)."""
+    norms = {s.sender: norm(s.decoded()) for s in shares}
+    reference = lower_median([norm(own), *norms.values()])
+    used: list[Share] = []
+    left_out: list[tuple[str, str]] = []
+    for s in shares:
+        if norms[s.sender] > MAX_RATIO * reference:
+            why = (
+                f"its share's norm {norms[s.sender]:.3g} is over {MAX_RATIO:g}x the lower "
+                f"median of the shares' ({reference:.3g})"
+            )
+            left_out.append((s.sender, why))
+        else:
+            used.append(s)
+    n = 1 + len(used)
+    model = {}
+    for name, x in start.items():
+        model[name] = own[name].reshape(x.shape).clone()
+    for s in used:
+        for name, t in s.decoded().items():
+            model[name].add_(t.reshape(model[name].shape))
+    for name, x in start.items():
+        model[name] = x.add(model[name], alpha=1.0 / n)
+    return Combined(model, [s.sender for s in used], left_out)

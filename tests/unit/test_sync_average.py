@@ -1,0 +1,81 @@
+"""The job's final average (atomd.sync.average): the share of entries that fits the link, the
+candidate model, and what is left out of it. Three in-process peers end on the average in
+tests/unit/test_sync_runner.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from atomd.sync.average import (
+    LADDER,
+    MAX_RATIO,
+    UPLOAD_S,
+    Averages,
+    Share,
+    combine,
+    fraction_for,
+    norm,
+)
+from atomd.sync.codecs import make_codec
+
+FP32 = make_codec("fp32")
+
+
+def share(sender: str, base_version: int, tensors: dict[str, Tensor]) -> Share:
+    """A share as the exchange keeps it: encoded (fp32 here, so exactly)."""
+    return Share(sender, base_version, {n: FP32.encode(t) for n, t in tensors.items()})
+
+
+def test_the_share_of_entries_is_the_largest_that_fits_never_below_the_jobs() -> None:
+    def size(f: float) -> float:  # bytes of a frame at share f
+        return 1_000_000 * f
+
+    assert LADDER[0] == 1.0
+    assert fraction_for(None, size, 0.01) == 0.01  # nothing measured: the job's own share
+    assert fraction_for(2_000_000, size, 0.01) == 1.0  # a free link: every entry
+    assert fraction_for(300_000, size, 0.01) == 0.25
+    assert fraction_for(100, size, 0.01) == 0.01  # a link slower than the rounds': the floor
+    # At 256 kbit/s the rounds' frames reach 3 peers at ~10 kB/s: ~200 kB in UPLOAD_S.
+    assert fraction_for(UPLOAD_S * 10_000, size, 0.01) == 0.125
+
+
+def test_the_candidate_is_the_start_plus_the_mean_of_the_shares() -> None:
+    start = {"w": torch.zeros(3), "b": torch.ones(2)}
+    own = {"w": torch.tensor([3.0, 0.0, 0.0]), "b": torch.zeros(2)}
+    shares = [
+        share("p1", 5, {"w": torch.tensor([0.0, 3.0, 0.0]), "b": torch.zeros(2)}),
+        share("p2", 5, {"w": torch.tensor([0.0, 0.0, 3.0]), "b": torch.full((2,), 3.0)}),
+    ]
+    got = combine(start, own, shares)
+    torch.testing.assert_close(got.model["w"], torch.ones(3))
+    torch.testing.assert_close(got.model["b"], torch.full((2,), 2.0))
+    assert got.used == ["p1", "p2"] and got.left_out == []
+    assert start["w"].sum() == 0  # the start point is not touched
+
+
+def test_a_share_far_larger_than_the_others_is_left_out() -> None:
+    """One member cannot swamp the mean: a share over MAX_RATIO x the lower median of the
+    shares' norms (this peer's own included) stays out; the candidate is the others' mean."""
+    start = {"w": torch.zeros(4)}
+    own = {"w": torch.tensor([1.0, 0.0, 0.0, 0.0])}
+    honest = share("p1", 0, {"w": torch.tensor([0.0, 1.0, 0.0, 0.0])})
+    huge = share("evil", 0, {"w": torch.full((4,), 1e6)})
+    got = combine(start, own, [honest, huge])
+    assert got.used == ["p1"] and [s for s, _ in got.left_out] == ["evil"]
+    assert "lower median" in got.left_out[0][1]
+    torch.testing.assert_close(got.model["w"], torch.tensor([0.5, 0.5, 0.0, 0.0]))
+    within = share("p2", 0, {"w": torch.tensor([0.0, 0.0, MAX_RATIO * 0.99, 0.0])})
+    assert combine(start, own, [honest, within]).used == ["p1", "p2"]
+    assert norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}) == pytest.approx(5.0)
+
+
+def test_the_received_shares_are_bounded_and_the_newest_of_a_sender_counts() -> None:
+    kept = Averages(max_senders=2)
+    t = {"w": torch.zeros(1)}
+    assert kept.put(share("a", 3, t)) and kept.put(share("b", 4, t))
+    assert not kept.put(share("c", 3, t))  # full: a new sender is refused
+    assert kept.put(share("a", 4, t))  # a known sender's newer share replaces its older
+    assert kept.senders() == {"a", "b"}
+    assert [s.sender for s in kept.on(4)] == ["a", "b"] and kept.on(3) == []
