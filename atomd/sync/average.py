@@ -1,4 +1,4 @@
-"""The job's final average: after the last round, each peer's unsent progress, once.
+"""The job's final average: after the last round, each peer's model beyond the anchor, once.
 
 Where rounds are rare (a slow link), every replica ends holding several steps of progress the
 codec has not sent, and the peers end far apart: 4 real daemons at 256 kbit/s ended at
@@ -9,21 +9,31 @@ checkpoints evaluated on the same validation windows). In the in-process harness
 beats the replicas by 0.010 at a round every 6 steps and by 0.007 at every 2.
 
 So after its last round (and the rounds of the others it follows) each peer sends every other
-peer one *average frame*: its own progress that the swarm's model does not hold
-(``SyncState.own_progress``), in the job's codec, with as many of the entries as the measured
-link carries in ``UPLOAD_S`` (all of them on a free link: the job's sparse codec at a share of 1
-is dense at 4 bits a value). Once the others' frames are in (or ``final_wait_s`` has passed),
-the candidate final model is the swarm's model plus the mean of every share: the average of the
-peers' models (exactly, up to the codec's rounding, when all shares are whole). The loss
-guard's probe then picks the final model among this peer's own replica, the swarm's model and
-the average, as it picks between the first two without it.
+peer one *average frame*: its model beyond its anchor (``SyncState.unsent_from_anchor``: the
+replica minus the anchor), in the job's codec, with as many of the entries as the measured link
+carries in ``upload_budget_s`` (all of them on a free link: the job's sparse codec at a share
+of 1 is dense at 4 bits a value). Once the others' frames are in (or the wait is over), the
+candidate final model is the anchor plus the mean of every share: the average of the peers'
+models (exactly, up to the codec's rounding, when all shares are whole). The loss guard's probe
+then picks the final model among this peer's own replica, the swarm's model and the average, as
+it picks between the first two without it.
+
+Why the anchor, not the swarm's model (the start point): the start points also hold each
+peer's estimate of the deltas it still misses, amplified by the outer step's look-ahead. Made
+relative to them, the first real-daemon run at 256 kbit/s (run ar: 4 peers, 6-12 % of the
+entries sent) gave candidates worse than every peer's own model (probes 1.767-1.826 against
+1.744-1.786). The anchors agree only where every delta was merged alike (a delta 2+ rounds late
+counts 1/staleness, on each receiver's own count): in that run's final checkpoints they were
+4-7 % apart (the replicas 11-13 %), so the candidate is the mean model only approximately. On
+those checkpoints: the exact mean of the four models 1.7915, the anchor-relative candidates
+(dense shares) 1.797-1.834, the models themselves 1.803-1.842. The probe keeps the better.
 
 Why it is safe. An average frame is never a delta: it is kept apart from the round inbox
 (``Averages``) and only ever enters the candidate, which the probe judges against the two
 models the peer had anyway. Its round is one the sender never sends a delta of and its base
 version the sender's anchor version after its last round: a share made on another version (a
 peer that stopped following early, or one still training) is heard but not used, since the
-swarm's models it is relative to differ. A share more than ``MAX_RATIO`` times the lower median
+anchors it is relative to differ. A share more than ``MAX_RATIO`` times the lower median
 of the shares' norms (this peer's own included) is left out, so one member cannot swamp the
 mean; whatever it sends within that bound moves the candidate by at most that bound over the
 number of peers, and the probe refuses a candidate worse than the swarm's model or the replica.
@@ -39,14 +49,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from atomd.sync.codecs import Encoded, decode
+from atomd.sync.codecs import Codec, Encoded, decode
 from atomd.sync.robust import lower_median
 
 # The longest the average frame's uploads (to every other peer, one after another) may take at
-# the rate measured for the job's rounds: on a free link the whole progress goes (a dense frame
-# of the tiny model at 4 bits a value, ~0.45 MB, well under a second), at 256 kbit/s about an
-# eighth of its entries.
+# the rate measured for the job's rounds: UPLOAD_S, or WALL_SHARE of the job's time here if
+# longer. On a free link all of this peer's model beyond the anchor goes (the tiny model at 4
+# bits a value: ~0.45 MB, under a second); at 256 kbit/s, after a job of ~6 minutes, half of it.
 UPLOAD_S = 20.0
+WALL_SHARE = 0.1
 # A share more than this many times the lower median of the shares' norms is left out.
 MAX_RATIO = 4.0
 # The shares of entries a sparse codec's average frame chooses from, halving from all of them.
@@ -98,13 +109,50 @@ class Averages:
             return [s for s in self._shares.values() if s.base_version == base_version]
 
 
-def fraction_for(budget_bytes: float | None, size: Callable[[float], float], floor: float) -> float:
-    """The share of entries a sparse codec's average frame sends: the largest of ``LADDER``
-    (1, 1/2, 1/4, ...) whose frame ``size(share)`` fits ``budget_bytes``, never below
-    ``floor`` (the job's own share); ``floor`` when nothing is measured."""
-    if budget_bytes is None:
-        return floor
-    return next((f for f in LADDER if f > floor and size(f) <= budget_bytes), floor)
+def upload_budget_s(wall_s: float) -> float:
+    """Seconds the average frame's uploads may take after a job of ``wall_s`` seconds here."""
+    return max(UPLOAD_S, WALL_SHARE * wall_s)
+
+
+@dataclass
+class Sized:
+    """This peer's share, encoded as it travels, and the codec that encoded it."""
+
+    tensors: dict[str, Encoded]
+    codec: Codec
+
+    def decoded(self) -> dict[str, Tensor]:
+        """The share as the others decode it (the candidate uses the same at every peer)."""
+        return {name: decode(enc) for name, enc in self.tensors.items()}
+
+
+def encode_share(
+    tensors: Mapping[str, Tensor],
+    codec_at: Callable[[float], Codec] | None,
+    codec: Codec,
+    *,
+    floor: float,
+    budget_bytes: float | None,
+    overhead: int = 0,
+) -> Sized:
+    """Encode this peer's share: with ``codec_at`` (a sparse codec at a share of the entries),
+    at the largest share of ``LADDER`` (1, 1/2, 1/4, ...) whose encoding, plus ``overhead``
+    bytes of framing, fits ``budget_bytes``, never below ``floor`` (the job's own share), and
+    at ``floor`` when nothing is measured; else with ``codec`` (a dense one)."""
+
+    def at(c: Codec) -> Sized:
+        return Sized({name: c.encode(t) for name, t in tensors.items()}, c)
+
+    if codec_at is None:
+        return at(codec)
+    if budget_bytes is not None:
+        for f in LADDER:
+            if f <= floor:
+                break
+            sized = at(codec_at(f))
+            if overhead + sum(len(e.payload) for e in sized.tensors.values()) <= budget_bytes:
+                return sized
+    return at(codec_at(floor))
 
 
 @dataclass

@@ -186,10 +186,12 @@ class SyncPlugin:
         # The last frame's payload over the codec's estimate before zstd (what zstd keeps).
         self._packed = 1.0
         self._last_step_end: float | None = None
+        self._attached_at = time.monotonic()  # the job's time here, for the average's budget
 
     def attach(self, engine: StepEngine) -> None:
         """Build the anchor from the engine's live parameters (host masters when swapping)."""
         self.engine = engine
+        self._attached_at = time.monotonic()
         engine.settle()
         params = {n: p for n, p in engine.model.named_parameters()}
         self.state = SyncState(params, self.spec, peer_id=self.identity.peer_id)
@@ -566,8 +568,9 @@ class SyncPlugin:
 
     def _final_average(self, stop: threading.Event) -> dict[str, Tensor] | None:
         """Send this peer's share of the final average, wait for the others' (every peer that
-        has sent its last delta, for at most ``final_wait_s``), and return the average
-        candidate, or None when there is none (alone, turned off, nothing came)."""
+        has sent its last delta, for at most ``final_wait_s`` plus this peer's own upload
+        budget), and return the average candidate, or None when there is none (alone, turned
+        off, nothing came)."""
         state, spec = self.state, self.spec
         if (
             state is None
@@ -578,36 +581,33 @@ class SyncPlugin:
             or not self._finishers()
         ):
             return None
-        from atomd.sync.codecs import decode
-
         started = time.perf_counter()
         try:
             self._settle()
             version = state.version
-            codec = state.codec
-            if spec.codec == "topk" and state.fraction is not None:
-                rate = self.cadence.rate()
-                packed, overhead = self._packed, self._overhead or 0
-                codec = state.codec_at(
-                    average.fraction_for(
-                        None if rate is None else average.UPLOAD_S * rate,
-                        lambda f: state.payload_estimate(f) * packed + overhead,
-                        state.fraction,
-                    )
-                )
-            own = {name: codec.encode(t) for name, t in state.own_progress().items()}
+            own = state.unsent_from_anchor()
+            rate = self.cadence.rate()
+            budget_s = average.upload_budget_s(time.monotonic() - self._attached_at)
+            sized = average.encode_share(
+                own,
+                state.codec_at if spec.codec == "topk" and state.fraction is not None else None,
+                state.codec,
+                floor=state.fraction or 1.0,
+                budget_bytes=None if rate is None else budget_s * rate,
+                overhead=self._overhead or 0,
+            )
             frame = encode_frame(
                 identity=self.identity,
                 job_id=self.job_id,
                 round=state.round,
                 base_version=version,
-                tensors=list(own.items()),
+                tensors=list(sized.tensors.items()),
                 average=True,
             )
-            log.info("final average: sending %d bytes (%s) of this peer's unsent progress",
-                     len(frame), codec)  # fmt: skip
+            log.info("final average: sending %d bytes (%s) of this peer's model beyond the "
+                     "anchor", len(frame), sized.codec)  # fmt: skip
             self.send_average(frame)
-            deadline = time.monotonic() + spec.final_wait_s
+            deadline = time.monotonic() + spec.final_wait_s + budget_s
             while not stop.is_set():
                 missing = set(self._finishers()) - self.averages.senders()
                 if not missing:
@@ -620,9 +620,7 @@ class SyncPlugin:
             shares = [s for s in self.averages.on(version) if not self.excluded(s.sender)]
             if not shares:
                 return None
-            combined = average.combine(
-                state.start_point(), {name: decode(enc) for name, enc in own.items()}, shares
-            )
+            combined = average.combine(state.anchor, sized.decoded(), shares)
             for sender, why in combined.left_out:
                 log.warning("final average: the share of %s left out: %s", sender, why)
             self.average_used = len(combined.used)

@@ -586,11 +586,23 @@ class SyncState:
         point, plus the error feedback's residual (float32, CPU). Deltas merged here move the
         replica and the start point alike, so only this peer's own steps and the part of its
         own deltas not sent are in it (``robust.Screen.judge``'s direction reference)."""
-        start = self.start_point()
+        return self._beyond(self.start_point())
+
+    def unsent_from_anchor(self) -> dict[str, Tensor]:
+        """This peer's model beyond its anchor: the replica minus the anchor, plus the error
+        feedback's residual (float32, CPU). Peers that have committed the same rounds hold the
+        same anchor (to ~1e-8), so the anchor plus the mean of these over the peers is the
+        average of their models (``atomd.sync.average``); their start points may differ (each
+        estimates the deltas it still misses)."""
+        return self._beyond(self.anchor)
+
+    @torch.no_grad()
+    def _beyond(self, reference: Mapping[str, Tensor]) -> dict[str, Tensor]:
         residual = self.feedback.state_tensors()
         out = {}
         for name, p in self.params.items():
-            x = p.detach().to("cpu", torch.float32).reshape(start[name].shape) - start[name]
+            ref = reference[name]
+            x = p.detach().to("cpu", torch.float32).reshape(ref.shape) - ref
             r = residual.get(name)
             out[name] = x if r is None else x + r.reshape(x.shape)
         return out

@@ -12,13 +12,16 @@ from atomd.sync.average import (
     LADDER,
     MAX_RATIO,
     UPLOAD_S,
+    WALL_SHARE,
     Averages,
     Share,
+    Sized,
     combine,
-    fraction_for,
+    encode_share,
     norm,
+    upload_budget_s,
 )
-from atomd.sync.codecs import make_codec
+from atomd.sync.codecs import Codec, make_codec
 
 FP32 = make_codec("fp32")
 
@@ -29,19 +32,34 @@ def share(sender: str, base_version: int, tensors: dict[str, Tensor]) -> Share:
 
 
 def test_the_share_of_entries_is_the_largest_that_fits_never_below_the_jobs() -> None:
-    def size(f: float) -> float:  # bytes of a frame at share f
-        return 1_000_000 * f
+    x = {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(0))}
 
+    def codec_at(f: float) -> Codec:
+        return make_codec("topk", topk_fraction=f)
+
+    def payload(sized: Sized) -> int:
+        return sum(len(e.payload) for e in sized.tensors.values())
+
+    dense = make_codec("int8")
     assert LADDER[0] == 1.0
-    assert fraction_for(None, size, 0.01) == 0.01  # nothing measured: the job's own share
-    assert fraction_for(2_000_000, size, 0.01) == 1.0  # a free link: every entry
-    assert fraction_for(300_000, size, 0.01) == 0.25
-    assert fraction_for(100, size, 0.01) == 0.01  # a link slower than the rounds': the floor
-    # At 256 kbit/s the rounds' frames reach 3 peers at ~10 kB/s: ~200 kB in UPLOAD_S.
-    assert fraction_for(UPLOAD_S * 10_000, size, 0.01) == 0.125
+    # Nothing measured: the job's own share; a free link: every entry.
+    assert encode_share(x, codec_at, dense, floor=0.01, budget_bytes=None).codec.fraction == 0.01
+    whole = encode_share(x, codec_at, dense, floor=0.01, budget_bytes=1e9)
+    assert whole.codec.fraction == 1.0
+    torch.testing.assert_close(whole.decoded()["w"], x["w"], atol=0.3, rtol=0)  # 4-bit values
+    # A budget between two rungs: the larger share that fits, its framing counted.
+    full = payload(whole)  # (every entry: the gaps are all 0, cheaper than half of them)
+    fits = encode_share(x, codec_at, dense, floor=0.01, budget_bytes=full + 700, overhead=700)
+    assert fits.codec.fraction == 1.0
+    short = encode_share(x, codec_at, dense, floor=0.01, budget_bytes=full + 699, overhead=700)
+    assert 0.01 < short.codec.fraction < 1.0 and payload(short) + 700 <= full + 699
+    assert encode_share(x, codec_at, dense, floor=0.01, budget_bytes=10).codec.fraction == 0.01
+    # A dense codec sends every entry whatever the budget.
+    assert encode_share(x, None, dense, floor=1.0, budget_bytes=10).codec is dense
+    assert upload_budget_s(60.0) == UPLOAD_S and upload_budget_s(3600.0) == WALL_SHARE * 3600
 
 
-def test_the_candidate_is_the_start_plus_the_mean_of_the_shares() -> None:
+def test_the_candidate_is_the_anchor_plus_the_mean_of_the_shares() -> None:
     start = {"w": torch.zeros(3), "b": torch.ones(2)}
     own = {"w": torch.tensor([3.0, 0.0, 0.0]), "b": torch.zeros(2)}
     shares = [

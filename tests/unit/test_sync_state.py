@@ -681,3 +681,28 @@ def test_own_progress_is_what_this_peer_trained_and_has_not_sent(residual: str) 
     assert any(not torch.equal(replicas[0][k], before[k] + step[k]) for k in SHAPES)
     for k in SHAPES:
         torch.testing.assert_close(states[0].own_progress()[k], expected[k], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("residual", ["replica", "feedback"])
+def test_the_model_beyond_the_anchor_averages_to_the_mean_model(residual: str) -> None:
+    """The final average's share (``atomd.sync.average``): the replica minus the anchor, plus
+    the error feedback's residual. Where the anchors agree (every delta merged alike), the
+    anchor plus the mean of the shares is the mean of the peers' models, whatever top-k has
+    sent of them and however the outer step amplified it."""
+    s = spec(codec="topk", topk_fraction=0.1, residual=residual, outer_momentum=0.7)
+    replicas, states = swarm(2, s)
+    for r in range(2):
+        train(replicas[0], seed=10 * r + 1)
+        train(replicas[1], seed=10 * r + 2)
+        outs = [st.prepare() for st in states]
+        states[0].merge([received("p1", outs[1])], n_peers=2)
+        states[1].merge([received("p0", outs[0])], n_peers=2)
+    fb = [st.feedback.state_tensors() for st in states]
+    models = [{k: r[k] + fb[i].get(k, torch.zeros_like(r[k])) for k in SHAPES}
+              for i, r in enumerate(replicas)]  # fmt: skip
+    shares = [st.unsent_from_anchor() for st in states]
+    for k in SHAPES:
+        torch.testing.assert_close(states[0].anchor[k], states[1].anchor[k])
+        torch.testing.assert_close(shares[0][k], models[0][k] - states[0].anchor[k])
+        got = states[0].anchor[k] + (shares[0][k] + shares[1][k]) / 2
+        torch.testing.assert_close(got, (models[0][k] + models[1][k]) / 2, rtol=0, atol=1e-5)
