@@ -312,10 +312,40 @@ def run_scenario(
             d.stop()
         net.close()
     wall = seen.ended - seen.started
-    return _scenario_report(
+    report = _scenario_report(
         task, scenario, net.mode, netem, peers, idle, at_start, at_end, seen, wall,
         load_start, _load(),
     )  # fmt: skip
+    if seen.job_id is not None:
+        report["anchor_divergence_final"] = anchor_divergence(
+            [d.data_dir for d in daemons], seen.job_id
+        )
+    return report
+
+
+def anchor_divergence(data_dirs: Sequence[Path], job_id: str) -> float | None:
+    """The largest relative L2 distance between two peers' anchors (``sync.anchor.*``) in
+    their newest checkpoints of the job, each written as the peer ended it: ~0 where every
+    peer commits the same sums (``atomd bench sync``: ~1e-8); None with fewer than two."""
+    from safetensors.torch import load_file
+
+    anchors = []
+    for d in data_dirs:
+        steps = sorted((d / "jobs" / job_id / "checkpoints").glob("step-*"))
+        state = steps[-1] / "state.safetensors" if steps else None
+        if state is None or not state.exists():
+            continue
+        tensors = load_file(str(state))
+        anchors.append({k: v.double() for k, v in tensors.items() if k.startswith("sync.anchor.")})
+    if len(anchors) < 2 or not anchors[0]:
+        return None
+
+    def rel(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+        num = sum(float((a[k] - b[k]).square().sum()) for k in a)
+        den = sum(float(a[k].square().sum()) for k in a)
+        return (num / den) ** 0.5 if den > 0 else 0.0
+
+    return max(rel(a, b) for i, a in enumerate(anchors) for b in anchors[i + 1 :])
 
 
 def wait_formed(daemons: list[Daemon], *, deadline: float) -> None:

@@ -108,3 +108,4 @@ def test_a_small_swarm_of_real_daemons_reports_its_figures(tmp_path: Path) -> No
     # judged the average of their models beside the swarm's and its own.
     assert all(p["final_model"] in ("swarm", "own", "average") for p in peers)
     assert any(p["average_shares"] == 1 for p in peers), [p["average_shares"] for p in peers]
+    assert isinstance(report["anchor_divergence_final"], float)

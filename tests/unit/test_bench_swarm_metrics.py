@@ -31,3 +31,29 @@ def test_a_folder_kept_by_an_earlier_run_is_refused_before_anything_starts(tmp_p
     (tmp_path / "unlimited").mkdir()
     with pytest.raises(ValueError, match="used by an earlier run"):
         run(scenarios=["unlimited"], root=tmp_path)
+
+
+def test_the_anchors_divergence_is_read_from_each_peers_newest_checkpoint(tmp_path: Path) -> None:
+    """The swarm benchmark reports how far apart the peers' anchors ended (they commit the same
+    sums, so ~0 is expected): from each peer's newest checkpoint of the job."""
+    import torch
+    from safetensors.torch import save_file
+
+    from atomd_bench.swarm import anchor_divergence
+
+    job = "a" * 32
+
+    def checkpoint(peer: int, step: int, w: list[float]) -> Path:
+        d = tmp_path / f"peer{peer}" / "jobs" / job / "checkpoints" / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        save_file({"sync.anchor.w": torch.tensor(w), "sync.ef.w": torch.ones(2)},
+                  str(d / "state.safetensors"))  # fmt: skip
+        return tmp_path / f"peer{peer}"
+
+    a = checkpoint(0, 600, [3.0, 4.0])
+    checkpoint(1, 200, [100.0, 100.0])  # an older checkpoint: not the one read
+    b = checkpoint(1, 600, [3.0, 4.0])
+    assert anchor_divergence([a, b], job) == 0.0
+    c = checkpoint(2, 600, [3.0, 4.5])
+    assert anchor_divergence([a, b, c], job) == pytest.approx(0.1)  # |(0, 0.5)| / |(3, 4)|
+    assert anchor_divergence([a, tmp_path / "nobody"], job) is None
