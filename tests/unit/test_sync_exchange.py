@@ -372,18 +372,24 @@ async def test_frames_that_come_while_the_trainer_loads_are_kept_for_its_plugin(
         await ex.receive(JOB, frame, sender.peer_id)
 
 
-async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> None:
-    """A peer done with the job says so in its last frame: nobody waits for its deltas after
-    that round (it no longer counts among the job's peers), but it is still sent the later
-    rounds' frames (it follows them to the end) for as long as it has the job."""
+def _ours_and_theirs(sessions: Any) -> tuple[Identity, FakePeers, DeltaExchange, Any, Any]:
+    """Our exchange with its job's plugin, and another peer's plugin (its own exchange, signed
+    by ``sender``, whom ours knows as its only peer)."""
     sender = Identity.generate()
     peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
     ex = exchange(sessions, FakeClient(), peers)
     plugin = attach(ex)
     other = exchange(sessions, FakeClient(), FakePeers([]))
     other.identity = sender
+    return sender, peers, ex, plugin, attach(other)
+
+
+async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> None:
+    """A peer done with the job says so in its last frame: nobody waits for its deltas after
+    that round (it no longer counts among the job's peers), but it is still sent the later
+    rounds' frames (it follows them to the end) for as long as it has the job."""
+    sender, peers, ex, plugin, theirs = _ours_and_theirs(sessions)
     sent: list[Any] = []
-    theirs = attach(other)
     theirs.send = sent.append
     theirs.after_step(1)
     theirs.finish(2, threading.Event())  # alone there: no wait; its last frame says final
@@ -416,14 +422,8 @@ async def test_an_average_frame_is_kept_apart_from_the_deltas_and_sent_without_a
     not recorded as a round."""
     from atomd.sync.guard import LossGuard
 
-    sender = Identity.generate()
-    peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
-    ex = exchange(sessions, FakeClient(), peers)
-    plugin = attach(ex)
-    other = exchange(sessions, FakeClient(), FakePeers([]))
-    other.identity = sender
+    sender, _, ex, plugin, theirs = _ours_and_theirs(sessions)
     frames: list[bytes] = []
-    theirs = attach(other)
     assert theirs.state is not None
     theirs.send = lambda out: frames.append(out.frame)
     theirs.send_average = frames.append
