@@ -159,9 +159,9 @@ class SyncSpec(_Spec):
     )
     final_average: bool = Field(
         True,
-        description="After the last round, each peer sends the others once what it trained that "
-        "the swarm's model does not hold (as much of it as the measured link carries in ~20 s), "
-        "and the job may end on the swarm's model plus the mean of them all: the average of the "
+        description="After the last round, each peer sends the others once its model beyond its "
+        "anchor (as much of it as the measured link carries in 20 s or a tenth of the job's "
+        "time), and the job may end on the anchor plus the mean of them all, the average of the "
         "peers' models, where the probe batch prefers it (off with consolidate_rounds).",
     )
 

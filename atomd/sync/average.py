@@ -55,7 +55,7 @@ from atomd.sync.robust import lower_median
 # The longest the average frame's uploads (to every other peer, one after another) may take at
 # the rate measured for the job's rounds: UPLOAD_S, or WALL_SHARE of the job's time here if
 # longer. On a free link all of this peer's model beyond the anchor goes (the tiny model at 4
-# bits a value: ~0.45 MB, under a second); at 256 kbit/s, after a job of ~6 minutes, half of it.
+# bits a value: ~0.4 MB, under a second); at 256 kbit/s, after a job of ~6 minutes, a quarter.
 UPLOAD_S = 20.0
 WALL_SHARE = 0.1
 # A share more than this many times the lower median of the shares' norms is left out.

@@ -496,8 +496,8 @@ class SyncPlugin:
         converge to the average of them all. A round whose deltas do not all arrive ends it.
 
         Without consolidation rounds, the final average (``atomd.sync.average``): this peer
-        sends the others what it trained that the swarm's model does not hold, waits for
-        theirs, and the job may end on the swarm's model plus the mean of them all."""
+        sends the others its model beyond its anchor, waits for theirs, and the job may end
+        on the anchor plus the mean of them all."""
         if self.state is None:
             return
         self._last_rounds(step, stop)
