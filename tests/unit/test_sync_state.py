@@ -248,8 +248,9 @@ def test_absorb_between_boundaries_keeps_what_the_replica_trained(momentum: floa
 
 
 def test_a_delta_of_a_round_already_committed_counts_as_its_commit_will() -> None:
-    """Two rounds late (weight 1/2): absorbed mid-round at the scale the next commit gives it
-    (1/n_peers, not as the mean of a round), so the boundary does not move it again."""
+    """Two rounds late (in full, as every receiver counts it): absorbed mid-round at the scale
+    the next commit gives it (1/n_peers, not as the mean of a round), so the boundary does not
+    move it again."""
     replicas, states = swarm(3, spec())
     me, other = states[0], states[1]
     train(replicas[1], seed=5)
@@ -261,9 +262,9 @@ def test_a_delta_of_a_round_already_committed_counts_as_its_commit_will() -> Non
     d1 = {k: replicas[0][k] - me.anchor[k] for k in SHAPES}  # the round-1 estimate: my delta
     before = {k: v.clone() for k, v in replicas[0].items()}
     report = me.absorb([old])
-    assert [(a.staleness, a.weight) for a in report.applied] == [(2, 0.5)]
+    assert [(a.staleness, a.weight) for a in report.applied] == [(2, 1.0)]
     for k in SHAPES:
-        torch.testing.assert_close(replicas[0][k] - before[k], 0.5 * old.tensors[k] / 3)
+        torch.testing.assert_close(replicas[0][k] - before[k], old.tensors[k] / 3)
     mid = {k: v.clone() for k, v in replicas[0].items()}
     me.round_boundary([], n_peers=3)  # nothing trained: commits rounds 0 (late part) and 1
     for k in SHAPES:  # only round 1 moves: its estimate (my delta, whole) becomes 1/3 of it
@@ -497,7 +498,7 @@ def test_nesterov_step_matches_the_formula() -> None:
 
 def test_staleness_weight() -> None:
     assert staleness_weight(0) == staleness_weight(1) == 1.0
-    assert staleness_weight(4) == 0.25
+    assert staleness_weight(4) == 1.0  # late deltas count in full: the anchors' sums agree
     with pytest.raises(ValueError):
         staleness_weight(-1)
 
