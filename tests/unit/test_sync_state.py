@@ -707,3 +707,31 @@ def test_the_model_beyond_the_anchor_averages_to_the_mean_model(residual: str) -
         torch.testing.assert_close(shares[0][k], models[0][k] - states[0].anchor[k])
         got = states[0].anchor[k] + (shares[0][k] + shares[1][k]) / 2
         torch.testing.assert_close(got, (models[0][k] + models[1][k]) / 2, rtol=0, atol=1e-5)
+
+
+def test_a_delta_two_rounds_late_at_one_peer_leaves_the_anchors_in_agreement() -> None:
+    """p1's delta of round 0 reaches p0 in time and p2 two rounds late. Every delta counts in
+    full wherever it lands, so once all are in the anchors agree (until 2026-12-03 the late
+    one counted 1/2 at p2 only, and the anchors stayed apart for good). With outer momentum
+    they differ for a while by when each committed it, a difference that decays."""
+    replicas, states = swarm(3, spec())
+    outs = []
+    for i in range(3):
+        train(replicas[i], seed=i)
+    outs = [st.round_boundary([], n_peers=3) for st in states]  # round 0
+    late = received("p1", outs[1])
+    inbox: list[list[Contribution]] = [
+        [received(f"p{j}", outs[j]) for j in range(3) if j != i and (i, j) != (2, 1)]
+        for i in range(3)
+    ]
+    for _ in range(1):  # round 1: on time everywhere
+        for i in range(3):
+            train(replicas[i], seed=10 + i)
+        outs = [st.round_boundary(inbox[i], n_peers=3) for i, st in enumerate(states)]
+        inbox = [[received(f"p{j}", outs[j]) for j in range(3) if j != i] for i in range(3)]
+    report = states[2].absorb([late])
+    assert [(a.sender, a.staleness, a.weight) for a in report.applied] == [("p1", 2, 1.0)]
+    for i in range(3):  # round 2 commits the rest everywhere
+        states[i].round_boundary(inbox[i], n_peers=3)
+    assert states[0].divergence(states[2].anchor) < 1e-6
+    assert states[0].divergence(states[1].anchor) < 1e-6
