@@ -22,8 +22,9 @@ Why the anchor, not the swarm's model (the start point): the start points also h
 peer's estimate of the deltas it still misses, amplified by the outer step's look-ahead. Made
 relative to them, the first real-daemon run at 256 kbit/s (run ar: 4 peers, 6-12 % of the
 entries sent) gave candidates worse than every peer's own model (probes 1.767-1.826 against
-1.744-1.786). The anchors agree only where every delta was merged alike (a delta 2+ rounds late
-counts 1/staleness, on each receiver's own count): in that run's final checkpoints they were
+1.744-1.786). The anchors agree only where every delta was merged alike (until 2026-12-03 a
+delta 2+ rounds late counted 1/staleness, on each receiver's own count): in that run's final
+checkpoints they were
 4-7 % apart (the replicas 11-13 %), so the candidate is the mean model only approximately. On
 those checkpoints: the exact mean of the four models 1.7915, the anchor-relative candidates
 (dense shares) 1.797-1.834, the models themselves 1.803-1.842. The probe keeps the better.

@@ -9,7 +9,7 @@ A round r closes, for a peer whose anchor holds every round before r-1, like thi
 1. own delta = replica - start point of the round; compressed. What receivers reconstruct
    (``sent``) is what this peer merges too, so all peers sum the same deltas.
 2. each received delta's staleness s = version - base_version; refused beyond ``max_staleness``,
-   otherwise weighted by ``outer.staleness_weight(s)`` (1 for s <= 1).
+   otherwise weighted by ``outer.staleness_weight(s)`` (1: every delta counts in full).
 3. *commit*: the deltas of every round before r (own and received), and those of round r when
    a synchronous swarm has all ``n_peers`` of them (``prepare``/``merge``), make one outer gradient
    g = -(1/n_peers) * sum_j w_j * delta_j and one outer step on the anchor.
