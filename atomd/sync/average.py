@@ -68,18 +68,22 @@ LADDER = tuple(2.0**-i for i in range(12))
 MAX_SENDERS = 64
 
 
+def _decoded(tensors: Mapping[str, Encoded]) -> dict[str, Tensor]:
+    return {name: decode(enc) for name, enc in tensors.items()}
+
+
 @dataclass
 class Share:
-    """One peer's share of the average: its progress relative to the swarm's model on
-    ``base_version``, encoded as it travelled (checked already: shapes, finite values), decoded
-    one share at a time when the candidate is made."""
+    """One peer's share of the average: its model beyond its anchor on ``base_version``,
+    encoded as it travelled (checked already: shapes, finite values), decoded one share at a
+    time when the candidate is made."""
 
     sender: str
     base_version: int
     tensors: Mapping[str, Encoded]
 
     def decoded(self) -> dict[str, Tensor]:
-        return {name: decode(enc) for name, enc in self.tensors.items()}
+        return _decoded(self.tensors)
 
 
 class Averages:
@@ -124,7 +128,7 @@ class Sized:
 
     def decoded(self) -> dict[str, Tensor]:
         """The share as the others decode it (the candidate uses the same at every peer)."""
-        return {name: decode(enc) for name, enc in self.tensors.items()}
+        return _decoded(self.tensors)
 
 
 def encode_share(
@@ -189,9 +193,7 @@ def combine(
         else:
             used.append(s)
     n = 1 + len(used)
-    model = {}
-    for name, x in start.items():
-        model[name] = own[name].reshape(x.shape).clone()
+    model = {name: own[name].reshape(x.shape).clone() for name, x in start.items()}
     for s in used:
         for name, t in s.decoded().items():
             model[name].add_(t.reshape(model[name].shape))
