@@ -21,6 +21,7 @@ from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.errors import NotFoundError, PeerRequestError, WireError
 from atomd.p2p.identity import Identity
 from atomd.spec import JobSpec
+from atomd.sync import average
 from atomd.sync.exchange import DeltaExchange, PeerRef
 from atomd.telemetry import Telemetry
 
@@ -415,7 +416,7 @@ async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> Non
 
 
 async def test_an_average_frame_is_kept_apart_from_the_deltas_and_sent_without_a_round(
-    sessions: Any,
+    sessions: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The job's final average travels in a frame of its own: received, it never enters the
     round inbox (it is kept for the average); sent, it goes to every peer with the job and is
@@ -430,6 +431,7 @@ async def test_an_average_frame_is_kept_apart_from_the_deltas_and_sent_without_a
     theirs._finishers = lambda: ["a-peer-that-never-answers"]
     theirs.guard = LossGuard(theirs.state, lambda: 0.0)
     theirs.spec = theirs.spec.model_copy(update={"final_wait_s": 0.1})
+    monkeypatch.setattr(average, "UPLOAD_S", 0.1)  # the wait for the silent finisher's share
     theirs.after_step(1)
     theirs.finish(2, threading.Event())  # round 0, its last round 1, then its average frame
     assert len(frames) == 3

@@ -154,6 +154,45 @@ def test_a_peer_that_finishes_first_follows_the_others_last_rounds() -> None:
     assert [a.sender for m in absorbed for a in m.applied] == ["other"] * 2  # the rounds followed
 
 
+@pytest.mark.parametrize("followed", [False, True])
+def test_the_last_peer_training_commits_what_it_sends_while_others_follow(followed: bool) -> None:
+    """Alone in a round, a peer commits its whole delta (what top-k has not sent included) at
+    once: nobody else holds its anchor. The last peer still training while the others follow
+    its rounds (they have sent their last delta) commits only what it sends, a round later, as
+    they do: the anchors stay one (4 real daemons: the last one's anchor ended 2.6 % from the
+    others')."""
+    sent: list[RoundOut] = []
+    me = SyncPlugin(
+        job_id="j" * 32,
+        spec=SyncSpec(codec="topk", topk_fraction=0.1, every=2, outer_momentum=0.0),
+        identity=Identity.generate(),
+        n_peers=lambda base: 1,  # nobody else trains these rounds
+        send=sent.append,
+        finishers=lambda: ["f" * 32] if followed else [],
+    )
+    torch.manual_seed(0)
+    me.attach(fake_engine(torch.nn.Linear(16, 8)))
+    assert me.state is not None
+    before = {n: a.clone() for n, a in me.state.anchor.items()}
+    with torch.no_grad():
+        progress = {n: torch.randn_like(p) for n, p in me.state.params.items()}
+        for n, p in me.state.params.items():
+            p.add_(progress[n])
+    me.after_step(1)
+    me.after_step(2)  # the round's boundary
+    assert len(sent) == 1
+    framed = {n: decode(e) for n, e in sent[0].outgoing.tensors}
+    state = me.state
+    moved = {n: state.anchor[n] - before[n] for n in before}
+    if followed:  # pending: the start point holds it (outer lr 1, no momentum: the delta)
+        assert all(float(m.abs().max()) == 0.0 for m in moved.values())
+        moved = {n: state.start_point()[n] - before[n] for n in before}
+    expected = framed if followed else progress
+    for n in moved:
+        torch.testing.assert_close(moved[n], expected[n].reshape(moved[n].shape))
+    assert float((framed["weight"] - progress["weight"]).norm()) > 1.0  # top-k left out a lot
+
+
 @pytest.mark.parametrize("better", ["swarm", "own"])
 def test_the_job_ends_on_the_model_the_probe_prefers(better: str) -> None:
     """After the last round the replica is the swarm's model (the start point) plus this peer's
@@ -415,6 +454,35 @@ def test_after_the_last_round_the_peers_end_on_the_average_of_their_models() -> 
     for f in finals:
         assert float((f["weight"] - mean["weight"]).norm()) < 0.1 * spread
         torch.testing.assert_close(f["weight"], finals[0]["weight"], atol=1e-5, rtol=0)
+
+
+def test_a_share_is_waited_for_after_membership_loses_its_sender() -> None:
+    """Uploading the shares fills a slow link, so a peer's pings time out while its share is
+    on the way: the others lose it from their membership, and must still wait for its share
+    (until the deadline) and use it."""
+    spec = SyncSpec(codec="topk", topk_fraction=0.1, every=3, final_wait_s=10.0, outer_momentum=0.0)
+    target: list[dict[str, torch.Tensor]] = [{}]
+    peers = _three_peers_that_finish_together(spec, target)
+    models = [{n: q.detach().clone() for n, q in p.state.params.items()} for p in peers if p.state]
+    target[0] = {n: torch.stack([m[n] for m in models]).mean(0) for n in models[0]}
+    slow, sent = peers[0], [False] * 3
+    late = slow.send_average
+    assert late is not None
+    slow.send_average = lambda frame: threading.Timer(0.5, late, args=(frame,)).start()
+    for j, p in enumerate(peers[1:], start=1):
+        everyone, mine = p._finishers, p.send_average
+        assert mine is not None
+
+        def send(frame: bytes, j: int = j, mine: Any = mine) -> None:
+            sent[j] = True
+            mine(frame)
+
+        def finishers(j: int = j, everyone: Any = everyone) -> list[str]:  # the slow one: "dead"
+            return [f for f in everyone() if not sent[j] or f != slow.identity.peer_id]
+
+        p.send_average, p._finishers = send, finishers
+    _finish_all(peers)
+    assert [p.average_used for p in peers] == [2, 2, 2]
 
 
 def test_the_average_is_not_the_final_model_where_the_probe_prefers_another() -> None:
