@@ -55,10 +55,12 @@ from atomd.sync.robust import lower_median
 
 # The longest the average frame's uploads (to every other peer, one after another) may take at
 # the rate measured for the job's rounds: UPLOAD_S, or WALL_SHARE of the job's time here if
-# longer. On a free link all of this peer's model beyond the anchor goes (the tiny model at 4
-# bits a value: ~0.4 MB, under a second); at 256 kbit/s, after a job of ~6 minutes, a quarter.
+# longer, at most UPLOAD_MAX_S (an 8-hour job would otherwise spend 48 minutes at its end). On a
+# free link all of this peer's model beyond the anchor goes (the tiny model at 4 bits a value:
+# ~0.4 MB, under a second); at 256 kbit/s, after a job of ~6 minutes, most of it.
 UPLOAD_S = 20.0
 WALL_SHARE = 0.1
+UPLOAD_MAX_S = 600.0
 # A share more than this many times the lower median of the shares' norms is left out.
 MAX_RATIO = 4.0
 # The shares of entries a sparse codec's average frame chooses from, halving from all of them.
@@ -116,7 +118,7 @@ class Averages:
 
 def upload_budget_s(wall_s: float) -> float:
     """Seconds the average frame's uploads may take after a job of ``wall_s`` seconds here."""
-    return max(UPLOAD_S, WALL_SHARE * wall_s)
+    return min(UPLOAD_MAX_S, max(UPLOAD_S, WALL_SHARE * wall_s))
 
 
 @dataclass

@@ -11,6 +11,7 @@ from torch import Tensor
 from atomd.sync.average import (
     LADDER,
     MAX_RATIO,
+    UPLOAD_MAX_S,
     UPLOAD_S,
     WALL_SHARE,
     Averages,
@@ -57,6 +58,7 @@ def test_the_share_of_entries_is_the_largest_that_fits_never_below_the_jobs() ->
     # A dense codec sends every entry whatever the budget.
     assert encode_share(x, None, dense, floor=1.0, budget_bytes=10).codec is dense
     assert upload_budget_s(60.0) == UPLOAD_S and upload_budget_s(3600.0) == WALL_SHARE * 3600
+    assert upload_budget_s(8 * 3600.0) == UPLOAD_MAX_S  # a long job's end stays bounded
 
 
 def test_the_candidate_is_the_anchor_plus_the_mean_of_the_shares() -> None:
