@@ -82,7 +82,7 @@ def test_membership_of_eight_daemons(swarm: Any, tmp_path: Path) -> None:
     print("membership timings:", timings)
 
 
-def test_jobs_spread_to_the_swarm_and_newcomers_fetch_the_state(swarm: Any) -> None:
+def test_jobs_spread_to_the_swarm_and_newcomers_fetch_the_state(swarm: Any, daemons: Any) -> None:
     ds = swarm(3)
     a = ds[0]
     with a.client() as c:
@@ -102,7 +102,7 @@ def test_jobs_spread_to_the_swarm_and_newcomers_fetch_the_state(swarm: Any) -> N
     wait_until(lambda: (job_of(a) or {}).get("step", 0) >= 12, timeout=60, what="steps")
 
     # A newcomer joins the running job from the donors' newest checkpoint, not from scratch.
-    newcomer = DaemonProcess(a.data_dir.parent / "late", extra_args=["--seed", a.peer_url])
+    newcomer = daemons("late", extra_args=["--seed", a.peer_url])  # stopped at the end too
     ds.append(newcomer.start())
     wait_until(lambda: (j := job_of(newcomer)) and j["step"] > 0, timeout=60, what="joined")
     with newcomer.client() as c:
