@@ -439,10 +439,11 @@ class SyncPlugin:
         self._settle()
         inbox = self._inbox()
         n_peers = 1 if alone else max(1, self.n_peers(self.state.version))
-        # Alone in the round, its whole delta commits (``SyncState.prepare``), unless peers
-        # that have sent their last delta follow its rounds: they commit what it sends, and so
-        # must it, or its anchor leaves theirs (4 real daemons: the last one's anchor ended
-        # 2.6 % from the others', 0.01-0.24 % between them; its model the worst of the four).
+        # Alone in the round, its whole delta commits at once (``SyncState.prepare``), unless
+        # peers that have sent their last delta follow its rounds: they commit what it sends a
+        # round later, and so must it, or its anchor leaves theirs (4 real daemons: the last
+        # one's anchor ended 2.6 % from the others', 0.01-0.24 % between them; its model the
+        # worst of the four).
         whole = alone or (n_peers == 1 and not self._finishers())
         expected = min(n_peers, max(1, self.n_expected(self.state.version)))
         if n_peers != self._averaged_over:  # membership as this peer sees it: rare, worth a line
