@@ -139,7 +139,7 @@ class LossGuard:
         n_peers: int,
         steps_short: float = 1.0,
         expected: int | None = None,
-        whole: bool | None = None,
+        whole: bool = True,
     ) -> Outgoing:
         """``SyncState.round_boundary``, guarded; ``state.last_merge`` says what was applied."""
         return self._closing(

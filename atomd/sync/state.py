@@ -287,18 +287,19 @@ class SyncState:
         n_peers: int,
         steps_short: float = 1.0,
         expected: int | None = None,
-        whole: bool | None = None,
+        whole: bool = True,
     ) -> Outgoing:
         """Close this peer's round: compress its delta, merge it with ``inbox``, step the anchor.
 
         ``n_peers``: peers training the job (this one included); ``steps_short``: the round's
         steps over those this peer trained in it, when it closed the round early (see
-        ``robust.Screen.record_own``); ``expected``: see ``merge``; ``whole``: see ``prepare``
-        (None: when alone in the round; a peer alone in it whose rounds others still follow
-        passes False, so that its anchor stays theirs). Returns the encoded delta to send;
-        ``last_merge`` says what was applied or refused and why.
+        ``robust.Screen.record_own``); ``expected``: see ``merge``; ``whole``: False keeps a
+        peer alone in the round from committing its whole delta at once (see ``prepare``): one
+        whose rounds others still follow commits as they do, so that its anchor stays theirs.
+        Returns the encoded delta to send; ``last_merge`` says what was applied or refused and
+        why.
         """
-        whole = n_peers == 1 if whole is None else whole and n_peers == 1
+        whole = whole and n_peers == 1
         out = self.prepare(whole=whole)
         # Asynchronous: a peer holding a whole round cannot know the others do, so rounds are
         # committed a round later everywhere (alone, there is no one to disagree with; one

@@ -715,7 +715,6 @@ def test_a_delta_two_rounds_late_at_one_peer_leaves_the_anchors_in_agreement() -
     one counted 1/2 at p2 only, and the anchors stayed apart for good). With outer momentum
     they differ for a while by when each committed it, a difference that decays."""
     replicas, states = swarm(3, spec())
-    outs = []
     for i in range(3):
         train(replicas[i], seed=i)
     outs = [st.round_boundary([], n_peers=3) for st in states]  # round 0
@@ -724,11 +723,10 @@ def test_a_delta_two_rounds_late_at_one_peer_leaves_the_anchors_in_agreement() -
         [received(f"p{j}", outs[j]) for j in range(3) if j != i and (i, j) != (2, 1)]
         for i in range(3)
     ]
-    for _ in range(1):  # round 1: on time everywhere
-        for i in range(3):
-            train(replicas[i], seed=10 + i)
-        outs = [st.round_boundary(inbox[i], n_peers=3) for i, st in enumerate(states)]
-        inbox = [[received(f"p{j}", outs[j]) for j in range(3) if j != i] for i in range(3)]
+    for i in range(3):  # round 1: on time everywhere
+        train(replicas[i], seed=10 + i)
+    outs = [st.round_boundary(inbox[i], n_peers=3) for i, st in enumerate(states)]
+    inbox = [[received(f"p{j}", outs[j]) for j in range(3) if j != i] for i in range(3)]
     report = states[2].absorb([late])
     assert [(a.sender, a.staleness, a.weight) for a in report.applied] == [("p1", 2, 1.0)]
     for i in range(3):  # round 2 commits the rest everywhere
