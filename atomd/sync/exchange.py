@@ -225,8 +225,8 @@ class DeltaExchange:
             absorbed=lambda job, merge: self._from_trainer(
                 self._record_merge(job, merge), "absorbed"
             ),
-            send_average=lambda frame: self._from_trainer(
-                self._deliver_average(job_id, frame), "average"
+            send_average=lambda frame, timeout_s: self._from_trainer(
+                self._deliver_average(job_id, frame, timeout_s), "average"
             ),
             finishers=lambda: self._finishers(job_id),
         )
@@ -347,19 +347,27 @@ class DeltaExchange:
         await self._record(out.job_id, rows, ratio_of=out.outgoing.raw_bytes)
 
     async def _upload_all(
-        self, job_id: str, frame: bytes, order: Sequence[PeerRef], arrived: list[float]
+        self,
+        job_id: str,
+        frame: bytes,
+        order: Sequence[PeerRef],
+        arrived: list[float],
+        *,
+        timeout_s: float = UPLOAD_TIMEOUT_S,
+        attempts: int = UPLOAD_ATTEMPTS,
     ) -> list[str | None]:
-        """Upload ``frame`` to each of ``order``, one after another (``_pace``): what went
-        wrong with each (None: accepted); ``arrived`` gets the time of each accepted upload."""
+        """Upload ``frame`` to each of ``order``, one after another (``_pace``), each upload
+        within ``timeout_s``, tried at most ``attempts`` times: what went wrong with each
+        (None: accepted); ``arrived`` gets the time of each accepted upload."""
         path = paths.job_deltas(job_id)
 
         async def one(peer: PeerRef) -> str | None:
-            for attempt in range(UPLOAD_ATTEMPTS):
+            for attempt in range(attempts):
                 started = time.monotonic()
                 try:
                     await self.client.post_bytes(
                         peer.url, path, frame, DeltaAccepted, target=peer.id,
-                        timeout=UPLOAD_TIMEOUT_S,
+                        timeout=timeout_s,
                     )  # fmt: skip
                     arrived.append(time.monotonic())
                     elapsed = arrived[-1] - started
@@ -371,7 +379,7 @@ class DeltaExchange:
                 except PeerRequestError as e:
                     if e.status is not None and 400 <= e.status < 500:
                         return str(e)  # refused: retrying the same frame cannot help
-                    if attempt == UPLOAD_ATTEMPTS - 1:
+                    if attempt == attempts - 1:
                         return str(e)
                     await asyncio.sleep(RETRY_DELAY_S)
             return "unreachable"
@@ -384,12 +392,17 @@ class DeltaExchange:
                 await asyncio.wait({task}, timeout=pace)
         return [task.result() for task in uploads]
 
-    async def _deliver_average(self, job_id: str, frame: bytes) -> None:
+    async def _deliver_average(self, job_id: str, frame: bytes, timeout_s: float) -> None:
         """Send the job's average frame (``atomd.sync.average``) to every peer that has the
-        job. Not a round: nothing is recorded in ``sync_rounds``, the cadence is not told."""
+        job, each upload within ``timeout_s`` (as long as the peers wait for it), tried once:
+        a retry would come after they stopped waiting. The frame is sized for the measured
+        link (many times a round's), and its uploads share that link: under a round's timeout
+        all three of a 331 kB share at 256 kbit/s timed out, twice, each ~1 s short of done
+        (bench/results-swarm-2026-12-03ba.json). Not a round: nothing is recorded in
+        ``sync_rounds``, the cadence is not told."""
         started = time.monotonic()
         order = list(self.peers.job_peers(job_id))
-        errors = await self._upload_all(job_id, frame, order, [])
+        errors = await self._upload_all(job_id, frame, order, [], timeout_s=timeout_s, attempts=1)
         failed = [f"{p.id}: {e}" for p, e in zip(order, errors, strict=True) if e is not None]
         log.info("job %s: average frame (%d bytes) sent to %d of %d peer(s) in %.1f s%s", job_id,
                  len(frame), len(order) - len(failed), len(order), time.monotonic() - started,

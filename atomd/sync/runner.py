@@ -138,16 +138,16 @@ class SyncPlugin:
         send: Callable[[RoundOut], None],
         absorbed: Callable[[str, MergeReport], None] | None = None,
         n_expected: Callable[[int], int] | None = None,
-        send_average: Callable[[bytes], None] | None = None,
+        send_average: Callable[[bytes, float], None] | None = None,
         finishers: Callable[[], Collection[str]] | None = None,
     ) -> None:
         """``n_peers``: peers (this one included) that take part in the round on a base version;
         ``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
         boundaries (job id, report), for the records; ``n_expected``: of those peers, the ones
         whose delta of the round is expected (default: all; see ``SyncState.merge``);
-        ``send_average``: hand the job's average frame to the loop (``average``; None: no final
-        average); ``finishers``: the other live peers of the job that have sent their last
-        delta (whose average frames ``finish`` waits for)."""
+        ``send_average``: hand the job's average frame to the loop, with the seconds its uploads
+        may take (``average``; None: no final average); ``finishers``: the other live peers of
+        the job that have sent their last delta (whose average frames ``finish`` waits for)."""
         self.job_id = job_id
         self.spec = spec
         self.identity = identity
@@ -621,8 +621,9 @@ class SyncPlugin:
             # uploads fill a slow link and its pings time out (4 real daemons at 256 kbit/s:
             # each saw the others dead meanwhile, stopped waiting, and ended with no share).
             due = set(self._finishers())
-            self.send_average(frame)
-            deadline = time.monotonic() + spec.final_wait_s + budget_s
+            wait_s = spec.final_wait_s + budget_s  # the others wait as long for this share
+            self.send_average(frame, wait_s)
+            deadline = time.monotonic() + wait_s
             while not stop.is_set():
                 due |= set(self._finishers())
                 missing = due - self.averages.senders()

@@ -22,7 +22,7 @@ from atomd.errors import NotFoundError, PeerRequestError, WireError
 from atomd.p2p.identity import Identity
 from atomd.spec import JobSpec
 from atomd.sync import average
-from atomd.sync.exchange import DeltaExchange, PeerRef
+from atomd.sync.exchange import RETRY_DELAY_S, DeltaExchange, PeerRef
 from atomd.telemetry import Telemetry
 
 JOB = "a" * 32
@@ -40,11 +40,13 @@ class FakeClient:
 
     answers: dict[str, list[int | None]] = field(default_factory=dict)
     posts: list[tuple[str, str, int]] = field(default_factory=list)
+    timeouts: list[float] = field(default_factory=list)
 
     async def post_bytes(
         self, url: str, path: str, body: bytes, reply: Any, *, target: str, timeout: float
     ) -> Any:
         self.posts.append((url, path, len(body)))
+        self.timeouts.append(timeout)
         queue = self.answers.get(url, [])
         status = queue.pop(0) if queue else None
         if status is not None:
@@ -427,7 +429,8 @@ async def test_an_average_frame_is_kept_apart_from_the_deltas_and_sent_without_a
     frames: list[bytes] = []
     assert theirs.state is not None
     theirs.send = lambda out: frames.append(out.frame)
-    theirs.send_average = frames.append
+    waits: list[float] = []
+    theirs.send_average = lambda frame, wait_s: (frames.append(frame), waits.append(wait_s))
     theirs._finishers = lambda: ["a-peer-that-never-answers"]
     theirs.guard = LossGuard(theirs.state, lambda: 0.0)
     theirs.spec = theirs.spec.model_copy(update={"final_wait_s": 0.1})
@@ -435,6 +438,8 @@ async def test_an_average_frame_is_kept_apart_from_the_deltas_and_sent_without_a
     theirs.after_step(1)
     theirs.finish(2, threading.Event())  # round 0, its last round 1, then its average frame
     assert len(frames) == 3
+    # its uploads may take as long as the others wait for it: final_wait_s plus its budget
+    assert waits == [pytest.approx(0.2, abs=0.05)]
     for frame in frames:
         await ex.receive(JOB, frame, sender.peer_id)
     assert len(plugin.inbox) == 2  # the two deltas
@@ -444,12 +449,15 @@ async def test_an_average_frame_is_kept_apart_from_the_deltas_and_sent_without_a
         await ex.receive(JOB, frames[2], sender.peer_id)
 
     client = cast(FakeClient, ex.client)
+    client.answers["http://s"] = [0]  # the link fails it: tried once, not again
     before = await rounds(sessions)
     async with running(ex):
         assert plugin.send_average is not None
-        plugin.send_average(frames[2])  # the exchange's own: to every peer with the job
+        plugin.send_average(frames[2], 77.0)  # the exchange's own: to every peer with the job
         await until(lambda: _async_true(len(client.posts) == 1), "the upload")
+        await asyncio.sleep(2 * RETRY_DELAY_S)  # where a round's frame would be retried
     assert client.posts == [("http://s", f"/p2p/v1/jobs/{JOB}/deltas", len(frames[2]))]
+    assert client.timeouts == [77.0]  # not a round's UPLOAD_TIMEOUT_S
     assert len(await rounds(sessions)) == len(before)
 
 

@@ -377,7 +377,7 @@ def _three_peers_that_finish_together(
                 if j != me:
                     p.inbox.put(Contribution(ids[me].peer_id, o.round, o.base_version, tensors))
 
-        def send_average(frame: bytes) -> None:
+        def send_average(frame: bytes, wait_s: float) -> None:
             for j, p in enumerate(peers):
                 if j != me:
                     got = FrameDecoder(
@@ -468,14 +468,14 @@ def test_a_share_is_waited_for_after_membership_loses_its_sender() -> None:
     slow, sent = peers[0], [False] * 3
     late = slow.send_average
     assert late is not None
-    slow.send_average = lambda frame: threading.Timer(0.5, late, args=(frame,)).start()
+    slow.send_average = lambda frame, wait_s: threading.Timer(0.5, late, (frame, wait_s)).start()
     for j, p in enumerate(peers[1:], start=1):
         everyone, mine = p._finishers, p.send_average
         assert mine is not None
 
-        def send(frame: bytes, j: int = j, mine: Any = mine) -> None:
+        def send(frame: bytes, wait_s: float, j: int = j, mine: Any = mine) -> None:
             sent[j] = True
-            mine(frame)
+            mine(frame, wait_s)
 
         def finishers(j: int = j, everyone: Any = everyone) -> list[str]:  # the slow one: "dead"
             return [f for f in everyone() if not sent[j] or f != slow.identity.peer_id]
@@ -506,7 +506,7 @@ def test_the_average_is_not_the_final_model_where_the_probe_prefers_another() ->
     peers = _three_peers_that_finish_together(off, target)
     sent: list[bytes] = []
     for p in peers:
-        p.send_average = sent.append
+        p.send_average = lambda frame, wait_s: sent.append(frame)
     _finish_all(peers)
     assert sent == [] and all(p.final_model in ("swarm", "own") for p in peers)
     assert all("average_shares" not in p.stats() for p in peers)
