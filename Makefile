@@ -12,7 +12,8 @@ STAMP := $(VENV)/.installed
 help:
 	@echo "make demo   - set up .venv, run 3 daemons on loopback that train the tiny GPT together"
 	@echo "make demo-local - one process: train the tiny GPT with a progress bar, print a sample"
-	@echo "make test   - set up .venv, run ruff, mypy and the whole test suite"
+	@echo "make test   - set up .venv, run ruff, mypy and the whole test suite (2 workers;"
+	@echo "              TEST_WORKERS=0: in one process)"
 	@echo "make bench  - run the benchmarks, JSON to stdout (about 100 min on 2 cores)"
 	@echo "make bench-quick - the benchmarks' quick variants (a few minutes)"
 
@@ -49,8 +50,11 @@ typecheck: $(STAMP) $(IMPORT_NAMES)
 unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
 
+# Two pytest workers (pytest-xdist): the suite waits on daemons' I/O as much as it computes,
+# so two share two cores well (16 -> ~10 min here). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: lint typecheck
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist worksteal
 
 bench: $(STAMP)
 	$(BIN)/python -m atomd_bench

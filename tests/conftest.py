@@ -9,12 +9,23 @@ import pytest
 import torch
 
 from atomd.engines import build_engine
+from atomd.launch import PORTS_ENV
 from atomd.spec import JobSpec
 from atomd.swap.hardware import Hardware
 from atomd.train.trainer import Trainer
 
-# Tests are small; two threads match CI and keep runs reproducible.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# pytest-xdist's worker ("gw0", "gw1", ...), None when the suite runs in one process.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+# Tests are small; two threads match CI and keep runs reproducible. With two workers, one each:
+# two OpenMP teams of two on two cores spin.
+torch.set_num_threads(1 if WORKER else min(2, os.cpu_count() or 1))
+
+# Each worker takes the daemons' ports from a range of its own, below Linux's ephemeral ports
+# (32768-60999): two workers cannot both pick a port one of them has freed and not yet bound.
+if WORKER and PORTS_ENV not in os.environ:
+    _w = int(WORKER.removeprefix("gw") or 0)
+    os.environ[PORTS_ENV] = f"{20000 + 1000 * (_w % 12)}-{20999 + 1000 * (_w % 12)}"
 
 
 @pytest.fixture(scope="module")
