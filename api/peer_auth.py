@@ -11,6 +11,7 @@ answered 401/403/413 by ``api.errors``.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -47,10 +48,10 @@ def request_target(request: Request) -> str:
     return f"{path}?{query}" if query else path
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, *, deadline_s: float | None = None) -> bytes:
     """The request's body, at most ``limit`` bytes; ``TooLargeError`` before reading when its
     declared length is over, or as soon as the bytes streamed are; ``MessageError`` when the
-    sender disconnects before the body is whole."""
+    sender disconnects before the body is whole, or it takes longer than ``deadline_s``."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -60,11 +61,18 @@ async def read_body(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise TooLargeError(f"the body streamed past this route's limit of {limit} bytes")
-            chunks.append(chunk)
+        async with asyncio.timeout(deadline_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise TooLargeError(
+                        f"the body streamed past this route's limit of {limit} bytes"
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        raise MessageError(
+            f"the body took longer than {deadline_s:g} s ({size} bytes had come)"
+        ) from None
     except ClientDisconnect:
         # A sender that gave up mid-upload (its timeout): nothing to answer, nothing to log
         # as a server error.
@@ -94,13 +102,14 @@ def peer_auth(
                 retry_after_s=wait,
             )
         try:
-            verifier.check_headers(request.headers)
-            body = await read_body(request, limit(request))
+            arrived = time.time()  # freshness is judged when the headers came
+            verifier.check_headers(request.headers, now=arrived)
+            body = await read_body(request, limit(request), deadline_s=verifier.max_body_s)
             args = (request.method, request_target(request), request.headers, body)
             if len(body) > INLINE_BODY_BYTES:
-                peer = await asyncio.to_thread(verifier.verify, *args)
+                peer = await asyncio.to_thread(verifier.verify, *args, arrived=arrived)
             else:
-                peer = verifier.verify(*args)
+                peer = verifier.verify(*args, arrived=arrived)
         except (PeerAuthError, TooLargeError) as e:
             client = request.client.host if request.client else "?"
             log.debug("refused %s %s from %s: %s", request.method, request.url.path, client, e)

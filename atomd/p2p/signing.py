@@ -287,6 +287,14 @@ def _parse_headers(headers: Mapping[str, str]) -> SignedHeaders:
     )
 
 
+# The longest a signed request's body may take to arrive. The longest upload a peer makes is
+# its share of a job's final average, sized for at most 10 minutes of its link
+# (``atomd.sync.average.UPLOAD_MAX_S``); 4 real daemons at 256 kbit/s took 30-36 s for it, and
+# a freshness window of 30 s counted from the body's end refused it (bench/results-swarm-
+# 2026-12-03bb.json).
+MAX_BODY_S = 900.0
+
+
 class RequestVerifier:
     """Checks signed peer-plane requests for this daemon (``self_id``) against an
     ``Admission`` and refuses replays.
@@ -303,18 +311,21 @@ class RequestVerifier:
         *,
         self_id: str,
         max_skew_s: float = 30.0,
+        max_body_s: float = MAX_BODY_S,
         max_nonces: int = 100_000,
         blocked: Callable[[str], str | None] | None = None,
     ) -> None:
-        if max_skew_s <= 0:
-            raise ValueError(f"max_skew_s must be > 0, got {max_skew_s}")
+        if max_skew_s <= 0 or max_body_s <= 0:
+            raise ValueError(f"need max_skew_s, max_body_s > 0, got {max_skew_s}, {max_body_s}")
         self.admission = admission
         self.self_id = self_id
         self.max_skew_s = max_skew_s
+        self.max_body_s = max_body_s
         self.blocked = blocked
-        # A request is fresh for ±max_skew_s around its signing time, so a nonce seen within
-        # 2×max_skew_s of arrival outlives every window in which its request could be replayed.
-        self.replay_cache = ReplayCache(ttl_s=2 * max_skew_s, max_entries=max_nonces)
+        # A request is fresh when it *arrives* (its headers) within ±max_skew_s of its signing
+        # time, and its body takes at most max_body_s: a replay of it is accepted, if at all,
+        # within 2×max_skew_s + max_body_s of the first's acceptance. Its nonce is kept as long.
+        self.replay_cache = ReplayCache(ttl_s=2 * max_skew_s + max_body_s, max_entries=max_nonces)
 
     def check_headers(
         self, headers: Mapping[str, str], *, now: float | None = None
@@ -358,10 +369,15 @@ class RequestVerifier:
         body: bytes,
         *,
         now: float | None = None,
+        arrived: float | None = None,
     ) -> VerifiedPeer:
-        """The peer that signed this request; raises ``PeerAuthError`` (401 or 403)."""
+        """The peer that signed this request; raises ``PeerAuthError`` (401 or 403).
+
+        ``arrived``: when its headers came (default ``now``), what its freshness is judged by:
+        a large body on a slow link takes longer than the clock skew allowed (the caller
+        bounds the body's time by ``max_body_s``)."""
         now = time.time() if now is None else now
-        signed = self.check_headers(headers, now=now)
+        signed = self.check_headers(headers, now=now if arrived is None else arrived)
         canonical = canonical_request(
             method=method,
             path=path,

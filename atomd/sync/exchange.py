@@ -39,6 +39,7 @@ from atomd.p2p import paths
 from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
 from atomd.p2p.messages import DeltaAccepted
+from atomd.p2p.signing import MAX_BODY_S
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 
@@ -402,6 +403,8 @@ class DeltaExchange:
         ``sync_rounds``, the cadence is not told."""
         started = time.monotonic()
         order = list(self.peers.job_peers(job_id))
+        # No longer than a receiver takes a body (p2p.signing.MAX_BODY_S).
+        timeout_s = min(timeout_s, MAX_BODY_S)
         errors = await self._upload_all(job_id, frame, order, [], timeout_s=timeout_s, attempts=1)
         failed = [f"{p.id}: {e}" for p, e in zip(order, errors, strict=True) if e is not None]
         log.info("job %s: average frame (%d bytes) sent to %d of %d peer(s) in %.1f s%s", job_id,

@@ -319,6 +319,24 @@ def test_replay_is_unauthorized_only_after_the_first_passed(alice: Identity) -> 
     assert err.status == 401 and "replayed request" in str(err)
 
 
+def test_a_long_upload_is_fresh_by_its_arrival_and_its_replay_is_still_refused(
+    alice: Identity,
+) -> None:
+    """A body that takes longer than the clock skew allowed (a job's final average at 256
+    kbit/s: 30-36 s) is judged by when its headers came, not when its body ended (refused as
+    "stale" before); its nonce is kept as long as a replay of it could still be accepted: one
+    that arrives at the end of the window and takes the longest a body may."""
+    verifier = verifier_for(admission(), max_body_s=600.0)
+    headers = sign(alice, admission(), "POST", PATH, BODY, now=NOW)
+    assert "stale request" in str(refused(verifier, headers, now=NOW + 35))
+    assert verifier.verify("POST", PATH, headers, BODY, now=NOW + 35, arrived=NOW + 1)
+    with pytest.raises(PeerAuthError, match="replayed request"):  # came in time, took 600 s
+        verifier.verify("POST", PATH, headers, BODY, now=NOW + 30 + 600, arrived=NOW + 30)
+    late = sign(alice, admission(), "POST", PATH, BODY, now=NOW)
+    with pytest.raises(PeerAuthError, match="stale request"):  # its headers came too late
+        verifier.verify("POST", PATH, late, BODY, now=NOW + 40, arrived=NOW + 31)
+
+
 def test_peer_id_must_match_key(alice: Identity, bob: Identity) -> None:
     headers = sign(alice, admission(), "POST", PATH, BODY, now=NOW)
     headers[PEER] = bob.peer_id
@@ -674,3 +692,20 @@ async def test_a_sender_that_disconnects_mid_body_is_a_clean_refusal() -> None:
     scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
     with pytest.raises(MessageError, match="disconnected after 10 bytes"):
         await read_body(StarletteRequest(scope, receive), 1000)
+
+
+async def test_a_body_slower_than_its_deadline_is_refused() -> None:
+    """A sender trickling its body is cut off at the verifier's ``max_body_s``: the replay
+    cache keeps a nonce only that long past a request's freshness window."""
+    from starlette.requests import Request as StarletteRequest
+
+    from atomd.errors import MessageError
+    from atomd_api.peer_auth import read_body
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
+    with pytest.raises(MessageError, match=r"longer than 0.3 s \(\d+ bytes had come\)"):
+        await read_body(StarletteRequest(scope, receive), 1000, deadline_s=0.3)
