@@ -26,7 +26,9 @@ from atomd.errors import ConfigError
 
 ENV_PREFIX = "ATOMD_"
 # Variables read outside Settings (the config-file path itself, the CLI clients' target).
-_OTHER_VARS = {"ATOMD_CONFIG", "ATOMD_URL"}
+# Read by atomd itself, not settings of `atomd run`: ATOMD_TEST_PORTS (``launch.PORTS_ENV``) is
+# the port range `atomd demo` and the test suite's daemons take theirs from.
+_OTHER_VARS = {"ATOMD_CONFIG", "ATOMD_URL", "ATOMD_TEST_PORTS"}
 
 
 def _default_data_dir() -> Path:

@@ -46,6 +46,7 @@ def test_unknown_variable_is_named_with_a_suggestion() -> None:
     with pytest.raises(ConfigError, match=r"ATOMD_SWARM_SECRT \(did you mean ATOMD_SWARM_SECRET"):
         check_environment({"ATOMD_SWARM_SECRT": "x", "ATOMD_SWARM": "ok", "OTHER": "1"})
     check_environment({"ATOMD_CONFIG": "x", "ATOMD_URL": "y", "ATOMD_CONTROL_TOKEN": "z"})
+    check_environment({"ATOMD_TEST_PORTS": "20000-20999"})  # the launcher's port range
 
 
 @pytest.mark.parametrize(
