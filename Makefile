@@ -51,10 +51,11 @@ unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
 
 # Two pytest workers (pytest-xdist): the suite waits on daemons' I/O as much as it computes,
-# so two share two cores well (16 -> ~10 min here). TEST_WORKERS=0: one process.
+# so two share two cores well. Tests that run several training daemons are one group
+# (xdist_group "swarm"), run one at a time. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: lint typecheck
-	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist worksteal
+	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/python -m atomd_bench

@@ -16,6 +16,9 @@ import pytest
 from atomd_bench import netns
 from atomd_bench.swarm import Scenario, Task, run_scenario
 
+# Several training daemons: one such test at a time under `make test`'s two workers.
+pytestmark = pytest.mark.xdist_group("swarm")
+
 needs_netns = pytest.mark.skipif(
     netns.namespaces_available() is not None,
     reason=f"network namespaces: {netns.namespaces_available()}",

@@ -133,6 +133,7 @@ def test_missing_data_and_checkpoint_are_clear_errors(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "no checkpoint" in proc.stderr
 
 
+@pytest.mark.xdist_group("swarm")  # several training daemons: see test_swarm.py
 def test_swarm_demo_runs_to_the_end(tmp_path: Path) -> None:
     """What `make demo` runs, on a small budget: daemons start, train together, stop cleanly."""
     proc = run("demo", "--out", str(tmp_path), "--peers", "2", "--max-steps", "24",

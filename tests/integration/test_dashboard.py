@@ -37,7 +37,8 @@ MISSING = (
     if not CHROMIUM
     else None
 )
-pytestmark = pytest.mark.slow
+# Several training daemons: one such test at a time under `make test`'s two workers.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("swarm")]
 
 
 @pytest.fixture(autouse=True)

@@ -11,9 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from atomd.launch import DaemonProcess, stop_all, wait_until
 from tests.integration.conftest import FAST_JOB
+
+# Several training daemons: one such test at a time under `make test`'s two workers.
+pytestmark = pytest.mark.xdist_group("swarm")
 
 
 def _corpus(path: Path, word: str) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -30,6 +31,9 @@ from atomd.p2p.signing import Admission
 from atomd.sync.codecs import Encoded, make_codec
 from atomd.sync.wire import encode_frame
 from tests.integration.conftest import FAST_JOB
+
+# Several training daemons: one such test at a time under `make test`'s two workers.
+pytestmark = pytest.mark.xdist_group("swarm")
 
 JOB = {
     **FAST_JOB,

@@ -16,6 +16,9 @@ import pytest
 
 from atomd.launch import STOP_TIMEOUT
 
+# Several training daemons: one such test at a time under `make test`'s two workers.
+pytestmark = pytest.mark.xdist_group("swarm")
+
 
 def daemons_under(root: Path) -> list[int]:
     """Pids of live ``atomd run`` processes whose command line names a path under ``root``."""

@@ -16,6 +16,9 @@ import pytest
 from atomd.launch import DaemonProcess, peer_id, peer_view, start_swarm, stop_all, wait_until
 from tests.integration.conftest import FAST_JOB
 
+# Several training daemons: one such test at a time under `make test`'s two workers.
+pytestmark = pytest.mark.xdist_group("swarm")
+
 
 def _all_see(daemons: list[DaemonProcess], pid: str, state: str) -> bool:
     return all(peer_view(d).get(pid) == state for d in daemons)

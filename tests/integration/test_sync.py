@@ -11,9 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from atomd.launch import READY_TIMEOUT, DaemonProcess, peer_id, start_swarm, wait_until
 from tests.integration.conftest import FAST_JOB
+
+# Several training daemons: one such test at a time under `make test`'s two workers.
+pytestmark = pytest.mark.xdist_group("swarm")
 
 SYNC_JOB = {**FAST_JOB, "max_steps": 100000, "sync": {"every": 5, "codec": "topk"}}
 

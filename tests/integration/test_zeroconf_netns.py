@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 # About 2.5 s end to end (measured), so not marked slow.
-pytestmark = pytest.mark.timeout(120)
+# Several training daemons: one such test at a time under `make test`'s two workers.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("swarm")]
 
 REPO = Path(__file__).resolve().parents[2]
 DISCOVERY_DEADLINE_S = 15.0
