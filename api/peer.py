@@ -2,7 +2,8 @@
 
 Every route but ``/info`` takes only requests signed by an admitted peer for this daemon
 (``atomd.p2p.signing``, ``api.peer_auth``), with a body no larger than the route takes
-(``MAX_MESSAGE_BYTES`` for a message, the job's largest frame for a delta); a refusal is
+(``MAX_MESSAGE_BYTES`` for a message, the job's largest frame for a delta) and arriving within
+the route's time (``MESSAGE_BODY_S``, ``MAX_BODY_S`` for a delta); a refusal is
 answered 401/403/413 with the reason, counted, and changes nothing. Bodies are the typed
 messages of ``atomd.p2p.messages`` (422 naming the field when one does not fit), and a
 message's sender must be the peer that signed the request.
@@ -39,6 +40,7 @@ from atomd.p2p.messages import (
     sign_manifest,
 )
 from atomd.p2p.node import SwarmNode
+from atomd.p2p.signing import MAX_BODY_S, body_deadline_s
 from atomd.p2p.transfer import checkpoint_file, newest_manifest
 from atomd.sync.exchange import DeltaExchange
 from atomd.train.checkpoint import checkpoint_root
@@ -47,6 +49,8 @@ from atomd_api.peer_auth import SignedRequest, peer_auth
 
 MAX_MESSAGE_BYTES = 256 << 10
 """The largest membership or job message accepted (a ping with 64 updates is about 30 KiB)."""
+MESSAGE_BODY_S = body_deadline_s(MAX_MESSAGE_BYTES)
+"""The longest such a message may take to arrive (~63 s)."""
 
 
 def _check_sender(
@@ -87,13 +91,24 @@ def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
         client = request.client.host if request.client else "?"
         await node.record_rejection(request.url.path, client, error)
 
+    def is_delta(request: Request) -> bool:
+        return (
+            request.method == "POST"
+            and request.path_params.get("job_id") is not None
+            and request.url.path.endswith("/deltas")
+        )
+
     def limit(request: Request) -> int:
         if request.method != "POST":
             return 0
-        job_id = request.path_params.get("job_id")
-        if job_id is not None and request.url.path.endswith("/deltas"):
-            return exchange.max_frame_bytes(str(job_id))
+        if is_delta(request):
+            return exchange.max_frame_bytes(str(request.path_params["job_id"]))
         return MAX_MESSAGE_BYTES
+
+    def deadline(request: Request) -> float:
+        """By route: a frame (a share of a job's final average on a slow link) may take up to
+        MAX_BODY_S, a membership message what its 256 KiB take at the slowest link served."""
+        return MAX_BODY_S if is_delta(request) else MESSAGE_BODY_S
 
     Peer = Annotated[
         SignedRequest,
@@ -101,6 +116,7 @@ def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
             peer_auth(
                 node.verifier,
                 limit=limit,
+                deadline=deadline,
                 on_reject=on_reject,
                 retry_after=node.rejections.retry_after,
             )

@@ -84,11 +84,16 @@ def peer_auth(
     verifier: RequestVerifier,
     *,
     limit: Callable[[Request], int],
+    deadline: Callable[[Request], float] | None = None,
     on_reject: Callable[[Request, AtomdError], Awaitable[None]] | None = None,
     retry_after: Callable[[str], float | None] | None = None,
 ) -> Callable[[Request], Awaitable[SignedRequest]]:
     """A FastAPI dependency giving the ``SignedRequest`` of a signed request whose body is at
-    most ``limit(request)`` bytes (0: the route takes no body).
+    most ``limit(request)`` bytes (0: the route takes no body) and arrives within
+    ``deadline(request)`` seconds (default, and at most, the verifier's ``max_body_s``). The
+    deadline must depend on the route alone (its method and path, which are signed): the
+    request's nonce is kept that long past its freshness window, which a replay must not
+    outlast on another route.
 
     On refusal it awaits ``on_reject(request, error)``, then raises the error. A source that
     ``retry_after`` says must wait (refused too often) is answered 429 before anything else."""
@@ -104,12 +109,16 @@ def peer_auth(
         try:
             arrived = time.time()  # freshness is judged when the headers came
             verifier.check_headers(request.headers, now=arrived)
-            body = await read_body(request, limit(request), deadline_s=verifier.max_body_s)
+            body_s = verifier.max_body_s if deadline is None else deadline(request)
+            body_s = min(body_s, verifier.max_body_s)
+            body = await read_body(request, limit(request), deadline_s=body_s)
             args = (request.method, request_target(request), request.headers, body)
             if len(body) > INLINE_BODY_BYTES:
-                peer = await asyncio.to_thread(verifier.verify, *args, arrived=arrived)
+                peer = await asyncio.to_thread(
+                    verifier.verify, *args, arrived=arrived, body_s=body_s
+                )
             else:
-                peer = verifier.verify(*args, arrived=arrived)
+                peer = verifier.verify(*args, arrived=arrived, body_s=body_s)
         except (PeerAuthError, TooLargeError) as e:
             client = request.client.host if request.client else "?"
             log.debug("refused %s %s from %s: %s", request.method, request.url.path, client, e)

@@ -38,6 +38,7 @@ limit and calls ``verify``.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import re
 import secrets
@@ -183,7 +184,9 @@ class VerifiedPeer:
 
 
 class ReplayCache:
-    """Nonces of accepted requests, kept ``ttl_s`` (longer than any request stays fresh).
+    """Nonces of accepted requests, each kept as long as a replay of its request could still be
+    accepted (``ttl_s``, or the ``ttl_s`` given with it: longer for a route whose bodies may take
+    longer to arrive).
 
     At most ``max_entries``: when full, the oldest nonce goes early, and since a replay of its
     request could then pass, every request signed no later than that one is refused too."""
@@ -193,8 +196,11 @@ class ReplayCache:
             raise ValueError(f"need ttl_s > 0 and max_entries >= 1, got {ttl_s}, {max_entries}")
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        # nonce -> (seen at, request time); insertion order is arrival order.
+        # nonce -> (kept until, request time); insertion order is arrival order.
         self._seen: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        # (kept until, nonce): what expires next. An entry whose nonce went early (or came back
+        # with another expiry) is stale and skipped; rebuilt when stale ones outnumber the live.
+        self._expiry: list[tuple[float, str]] = []
         self._floor = float("-inf")  # request time of the newest nonce dropped early
         # verify() may run in worker threads (large bodies); check-and-add must be atomic.
         self._lock = threading.Lock()
@@ -205,19 +211,20 @@ class ReplayCache:
     def __contains__(self, nonce: object) -> bool:
         return nonce in self._seen
 
-    def record(self, nonce: str, *, request_time: float, now: float) -> None:
-        """Remember ``nonce``; raises ``PeerAuthError`` (401) if it may have been seen."""
+    def record(
+        self, nonce: str, *, request_time: float, now: float, ttl_s: float | None = None
+    ) -> None:
+        """Remember ``nonce`` for ``ttl_s`` (default: the cache's); raises ``PeerAuthError``
+        (401) if it may have been seen."""
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        if ttl <= 0:
+            raise ValueError(f"need ttl_s > 0, got {ttl}")
         with self._lock:
-            while self._seen:
-                seen_at, _ = next(iter(self._seen.values()))
-                if seen_at >= now - self.ttl_s:
-                    break
-                self._seen.popitem(last=False)
+            self._expire(now)
             if nonce in self._seen:
-                seen_at, _ = self._seen[nonce]
                 raise PeerAuthError(
-                    f"replayed request: nonce {nonce} was already used {now - seen_at:.1f} s ago; "
-                    "expected a fresh nonce per request",
+                    f"replayed request: nonce {nonce} was already used; expected a fresh nonce "
+                    "per request",
                     status=401,
                 )
             if request_time <= self._floor:
@@ -227,10 +234,21 @@ class ReplayCache:
                     f"{self._floor:.6f}, retry",
                     status=401,
                 )
-            self._seen[nonce] = (now, request_time)
+            self._seen[nonce] = (now + ttl, request_time)
+            heapq.heappush(self._expiry, (now + ttl, nonce))
             if len(self._seen) > self.max_entries:
                 _, (_, dropped_time) = self._seen.popitem(last=False)
                 self._floor = max(self._floor, dropped_time)
+            if len(self._expiry) > 2 * len(self._seen) + 16:
+                self._expiry = [(until, n) for n, (until, _) in self._seen.items()]
+                heapq.heapify(self._expiry)
+
+    def _expire(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] < now:
+            until, nonce = heapq.heappop(self._expiry)
+            kept = self._seen.get(nonce)
+            if kept is not None and kept[0] == until:
+                del self._seen[nonce]
 
 
 class SignedHeaders(NamedTuple):
@@ -293,6 +311,19 @@ def _parse_headers(headers: Mapping[str, str]) -> SignedHeaders:
 # a freshness window of 30 s counted from the body's end refused it (bench/results-swarm-
 # 2026-12-03bb.json).
 MAX_BODY_S = 900.0
+# A route whose bodies are small gives them less: MIN_BODY_S plus its largest body at
+# SLOWEST_BODY_BPS (a quarter of a 256 kbit/s uplink), at most MAX_BODY_S (``body_deadline_s``).
+# A sender holding a connection with a trickled body is cut off sooner, and the replay cache
+# keeps that route's nonces only as long (membership's 256 KiB messages: ~2 minutes, not 16).
+MIN_BODY_S = 30.0
+SLOWEST_BODY_BPS = 8_000
+
+
+def body_deadline_s(limit: int, *, cap: float = MAX_BODY_S) -> float:
+    """The time a body of at most ``limit`` bytes may take to arrive, at most ``cap``."""
+    if limit < 0:
+        raise ValueError(f"need limit >= 0, got {limit}")
+    return min(cap, MIN_BODY_S + limit / SLOWEST_BODY_BPS)
 
 
 class RequestVerifier:
@@ -323,8 +354,9 @@ class RequestVerifier:
         self.max_body_s = max_body_s
         self.blocked = blocked
         # A request is fresh when it *arrives* (its headers) within ±max_skew_s of its signing
-        # time, and its body takes at most max_body_s: a replay of it is accepted, if at all,
-        # within 2×max_skew_s + max_body_s of the first's acceptance. Its nonce is kept as long.
+        # time, and its body takes at most its route's deadline (``body_s``, at most
+        # max_body_s): a replay of it (same route: the path is signed) is accepted, if at all,
+        # within 2×max_skew_s + body_s of the first's acceptance. Its nonce is kept as long.
         self.replay_cache = ReplayCache(ttl_s=2 * max_skew_s + max_body_s, max_entries=max_nonces)
 
     def check_headers(
@@ -370,12 +402,15 @@ class RequestVerifier:
         *,
         now: float | None = None,
         arrived: float | None = None,
+        body_s: float | None = None,
     ) -> VerifiedPeer:
         """The peer that signed this request; raises ``PeerAuthError`` (401 or 403).
 
         ``arrived``: when its headers came (default ``now``), what its freshness is judged by:
-        a large body on a slow link takes longer than the clock skew allowed (the caller
-        bounds the body's time by ``max_body_s``)."""
+        a large body on a slow link takes longer than the clock skew allowed. ``body_s``: the
+        longest the caller let its route's bodies take (default and at most ``max_body_s``):
+        how long a replay of it could still arrive, so how long its nonce is kept."""
+        body_s = self.max_body_s if body_s is None else min(body_s, self.max_body_s)
         now = time.time() if now is None else now
         signed = self.check_headers(headers, now=now if arrived is None else arrived)
         canonical = canonical_request(
@@ -421,5 +456,7 @@ class RequestVerifier:
         why = self.blocked(signed.key) if self.blocked is not None else None
         if why is not None:
             raise PeerAuthError(f"peer {signed.peer_id} is banned here: {why}", status=403)
-        self.replay_cache.record(signed.nonce, request_time=signed.time, now=now)
+        self.replay_cache.record(
+            signed.nonce, request_time=signed.time, now=now, ttl_s=2 * self.max_skew_s + body_s
+        )
         return VerifiedPeer(peer_id=signed.peer_id, public_key_hex=signed.key)

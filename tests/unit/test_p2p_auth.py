@@ -31,6 +31,8 @@ from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity, peer_id_from_public_key, verify_signature
 from atomd.p2p.messages import Message, PeerInfo
 from atomd.p2p.signing import (
+    MAX_BODY_S,
+    MIN_BODY_S,
     NONCE,
     PEER,
     PROOF,
@@ -42,6 +44,7 @@ from atomd.p2p.signing import (
     ReplayCache,
     RequestVerifier,
     VerifiedPeer,
+    body_deadline_s,
     canonical_request,
     sign_request,
 )
@@ -407,6 +410,55 @@ def test_replay_cache_evicts_old_nonces() -> None:
     cache.record("a", request_time=NOW + 61, now=NOW + 61)
 
 
+def test_replay_cache_keeps_each_nonce_its_own_time() -> None:
+    """A nonce recorded with a short lifetime goes before one recorded earlier with a long one,
+    which is still refused until its own time is up; stale expiry entries do not pile up."""
+    cache = ReplayCache(ttl_s=1000, max_entries=100)
+    cache.record("long", request_time=NOW, now=NOW, ttl_s=1000)
+    cache.record("short", request_time=NOW + 1, now=NOW + 1, ttl_s=100)
+    cache.record("x", request_time=NOW + 102, now=NOW + 102)  # default ttl_s: 1000
+    assert "short" not in cache and "long" in cache and "x" in cache
+    cache.record("short", request_time=NOW + 102, now=NOW + 102, ttl_s=100)  # free again
+    with pytest.raises(PeerAuthError, match="replayed"):
+        cache.record("long", request_time=NOW, now=NOW + 999, ttl_s=100)
+    cache.record("y", request_time=NOW + 1001, now=NOW + 1001, ttl_s=10)
+    assert "long" not in cache and "x" in cache
+    with pytest.raises(ValueError, match="ttl_s > 0"):
+        cache.record("z", request_time=NOW, now=NOW, ttl_s=0)
+    small = ReplayCache(ttl_s=10, max_entries=3)
+    for i in range(200):  # dropped by count long before they expire
+        small.record(f"n{i}", request_time=NOW + i, now=NOW + i / 1000, ttl_s=10)
+    assert len(small) == 3 and len(small._expiry) <= 2 * 3 + 16
+
+
+def test_a_routes_body_time_sets_how_long_its_nonce_is_kept(alice: Identity) -> None:
+    """``body_s`` (the route's body deadline) bounds when a replay could still be accepted:
+    2 x the clock skew + body_s after the first; the nonce is kept exactly that long, and never
+    longer than with the verifier's own ``max_body_s``."""
+    verifier = verifier_for(admission(), max_body_s=600.0)
+    first = sign(alice, admission(), "POST", PATH, BODY, now=NOW)
+    verifier.verify("POST", PATH, first, BODY, now=NOW, body_s=60.0)
+    with pytest.raises(PeerAuthError, match="replayed request"):  # came at +30, took 60 s
+        verifier.verify("POST", PATH, first, BODY, now=NOW + 90, arrived=NOW + 30, body_s=60.0)
+    later = sign(alice, admission(), "POST", PATH, BODY, now=NOW + 121)
+    verifier.verify("POST", PATH, later, BODY, now=NOW + 121, body_s=60.0)
+    assert first[NONCE] not in verifier.replay_cache  # 2 x 30 + 60 s: gone
+    capped = sign(alice, admission(), "POST", PATH, BODY, now=NOW + 200)
+    verifier.verify("POST", PATH, capped, BODY, now=NOW + 200, body_s=10_000.0)
+    last = sign(alice, admission(), "POST", PATH, BODY, now=NOW + 200 + 661)
+    verifier.verify("POST", PATH, last, BODY, now=NOW + 200 + 661)
+    assert capped[NONCE] not in verifier.replay_cache  # kept 2 x 30 + 600 s, not 10,060
+
+
+def test_body_deadlines_grow_with_the_routes_largest_body() -> None:
+    assert body_deadline_s(0) == MIN_BODY_S
+    assert body_deadline_s(256 << 10) == pytest.approx(MIN_BODY_S + (256 << 10) / 8_000)
+    assert body_deadline_s(10**12) == MAX_BODY_S
+    assert body_deadline_s(10**12, cap=60.0) == 60.0
+    with pytest.raises(ValueError, match="limit >= 0"):
+        body_deadline_s(-1)
+
+
 def test_replay_cache_size_is_capped_and_dropped_nonces_cannot_be_replayed(
     alice: Identity,
 ) -> None:
@@ -672,6 +724,33 @@ async def test_a_source_refused_too_often_gets_429_before_any_check(alice: Ident
         r = await http.post("/p2p/v1/echo", content=b"x", headers=headers)
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"] == "rate_limited"
+
+
+async def test_a_routes_deadline_cuts_off_a_trickled_body(alice: Identity) -> None:
+    """``peer_auth``'s ``deadline`` (the route's, not the verifier's 900 s) bounds how long an
+    admitted sender may hold a connection with a trickled body; on time, the same body passes."""
+    adm = admission()
+    app = FastAPI()
+    errors.install(app)
+    auth = peer_auth(verifier_for(adm), limit=lambda r: LIMIT, deadline=lambda r: 0.5)
+
+    @app.post("/p2p/v1/echo")
+    async def echo(peer: Annotated[SignedRequest, Depends(auth)]) -> dict[str, Any]:
+        return {"size": len(peer.body)}
+
+    async def trickle(pause: float) -> AsyncIterator[bytes]:
+        for _ in range(10):
+            await asyncio.sleep(pause)
+            yield b"x"
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://peer") as http:
+        headers = sign(alice, adm, "POST", "/p2p/v1/echo", b"x" * 10)
+        r = await http.post("/p2p/v1/echo", content=trickle(0.1), headers=headers)
+        assert r.status_code == 422 and "longer than 0.5 s" in r.text, r.text
+        headers = sign(alice, adm, "POST", "/p2p/v1/echo", b"x" * 10)
+        r = await http.post("/p2p/v1/echo", content=trickle(0.0), headers=headers)
+        assert r.status_code == 200 and r.json() == {"size": 10}
 
 
 async def test_a_sender_that_disconnects_mid_body_is_a_clean_refusal() -> None:
