@@ -57,6 +57,8 @@ _VERSION, _ROUND, _AVERAGING = "sync.version", "sync.round", "sync.averaging"
 # The deltas merged recently, as UTF-8 lines "sender<TAB>base version" (a uint8 tensor): a peer
 # that takes this state refuses them as duplicates when they reach it too.
 _SEEN = "sync.seen"
+# Each recent round's divisor (``SyncState._divisor``): (base version, peers counted) rows.
+_DIVISORS = "sync.divisors"
 # The newest own delta's reference statistics (the robust rule's): the overall norm then each
 # tensor's, and each tensor's largest |x|, in the anchor's order (float64).
 _REF_NORMS, _REF_MAXABS = "sync.ref.norms", "sync.ref.maxabs"
@@ -178,6 +180,10 @@ class SyncState:
         self._pending: dict[int, dict[str, Tensor]] = {}
         self._pending_count: dict[int, int] = {}
         self._n_peers = 1  # as of the last merge: how rounds already committed are scaled
+        # base_version -> the peers this peer counted when it closed that round: the round's
+        # divisor at its commit and for its late deltas, whatever the count is by then (a
+        # finished peer following the last rounds counts only those still training them).
+        self._divisors: dict[int, int] = {}
         # As of the last merge: of those peers, how many are expected to send a delta of the
         # last closed round (None: all). The start point estimates the others' as none.
         self._expected: int | None = None
@@ -407,7 +413,7 @@ class SyncState:
             if b < self.version
             or (commit_complete and b == self.version and self._pending_count[b] >= n_peers)
         )
-        self._close(due, n_peers=n_peers, keep=self._kept, expected=expected)
+        self._close(due, n_peers=n_peers, keep=self._kept, expected=expected, whole=self._whole)
         self.round += 1
         self._kept = {}
         self.last_merge = report
@@ -420,13 +426,21 @@ class SyncState:
         n_peers: int,
         keep: Mapping[str, Tensor],
         expected: int | None = None,
+        whole: bool = False,
     ) -> None:
         """Commit the ``due`` rounds in one outer step and move on to the next version; the
-        replica restarts from the new start point plus ``keep`` (``expected``: see ``merge``)."""
+        replica restarts from the new start point plus ``keep`` (``expected``: see ``merge``;
+        ``whole``: a peer alone in fact, see ``prepare``, commits its earlier rounds whole too:
+        nobody else holds a delta of them)."""
+        self._divisors[self.version] = n_peers
         if due:
-            # g = -(1/n) * sum_j w_j delta_j per round; n is at least the deltas the round has
-            # (a peer that left after sending still counted in its round).
-            scales = {b: 1.0 / max(n_peers, self._pending_count[b]) for b in due}
+            # g = -(1/n) * sum_j w_j delta_j per round, n the peers counted when the round was
+            # closed and at least the deltas it has (a peer that left after sending still
+            # counted in its round).
+            scales = {
+                b: 1.0 / max(n_peers, k) if whole else 1.0 / self._divisor(b, k)
+                for b, k in ((b, self._pending_count[b]) for b in due)
+            }
             self.outer.step(self.anchor, self._outer_grad(scales))
             for b in due:
                 del self._pending[b], self._pending_count[b]
@@ -436,6 +450,7 @@ class SyncState:
         self._restart_replica(keep=keep)
         floor = self.version - self.spec.max_staleness
         self._seen = {key for key in self._seen if key[1] >= floor}
+        self._divisors = {b: n for b, n in self._divisors.items() if b >= floor - 1}
         self._claims = {p: b for p, b in self._claims.items() if b >= floor}
 
     @torch.no_grad()
@@ -650,7 +665,20 @@ class SyncState:
             if self._expected is None:
                 return 1.0 / count
             return max(count, self._expected) / (count * max(count, self._n_peers))
-        return 1.0 / max(count, self._n_peers)
+        return 1.0 / self._divisor(base_version, count)
+
+    def _divisor(self, base_version: int, count: int) -> int:
+        """What round ``base_version``'s weighted sum of ``count`` deltas is divided by: the
+        peers counted when this peer closed it (the count of now where that is not known: a
+        state from before 2026-12-04), at least ``count``.
+
+        Not the count at the commit: a peer that has sent its last delta follows the others'
+        last rounds dividing by the peers still training them, and a round all of them trained
+        whose last deltas came after would be divided by that smaller count, its late deltas
+        too (4 real daemons at 256 kbit/s, run bf: the first to finish weighed a late delta of
+        the last common round at 1/1 instead of 1/4; its anchor ended 1.8 % from the others',
+        theirs 0.01 % apart, and its final model was the worst of four by 0.013)."""
+        return max(count, self._divisors.get(base_version, self._n_peers))
 
     def average_from_now(self) -> None:
         """Make every later commit the plain average (outer lr 1, no momentum), as consolidation
@@ -747,6 +775,9 @@ class SyncState:
             out[_AVERAGING] = torch.tensor(1, dtype=torch.int64)
         seen = "".join(f"{sender}\t{b}\n" for sender, b in sorted(self._seen))
         out[_SEEN] = torch.tensor(list(seen.encode()), dtype=torch.uint8)
+        out[_DIVISORS] = torch.tensor(sorted(self._divisors.items()), dtype=torch.int64).reshape(
+            -1, 2
+        )
         ref = self.screen.newest_own() if self.screen is not None else None
         if ref is not None:
             names = list(self.anchor)
@@ -798,6 +829,10 @@ class SyncState:
         if _AVERAGING in d and int(d[_AVERAGING]):  # restarted in the middle of consolidation
             self.average_from_now()
         self._seen = _read_seen(d.get(_SEEN), floor=self.version - self.spec.max_staleness)
+        self._divisors = _read_divisors(
+            d.get(_DIVISORS), rounds=range(self.version - self.spec.max_staleness - 1, self.version)
+        )
+        self._n_peers = self._divisors.get(self.version - 1, self._n_peers)
         self._inherited = _read_ref(d.get(_REF_NORMS), d.get(_REF_MAXABS), list(self.anchor))
         self._inherited_until = self.version + self.spec.max_staleness + 1
         if self._inherited is not None and self.screen is not None:
@@ -822,6 +857,17 @@ def _read_seen(t: Tensor | None, *, floor: int) -> set[tuple[str, int]]:
             if len(seen) >= MAX_SEEN:
                 break
     return seen
+
+
+def _read_divisors(t: Tensor | None, *, rounds: range) -> dict[int, int]:
+    """The rounds' divisors ``state_tensors`` wrote: rows (base version, peers counted) of
+    ``rounds`` (older ones take no more late deltas), each at least 1 and at most
+    ``MAX_SEEN``; anything else is skipped (the count of now then stands in)."""
+    if t is None or t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != 2:
+        return {}
+    if t.shape[0] > len(rounds):
+        t = t[-len(rounds) :] if len(rounds) else t[:0]
+    return {b: n for b, n in t.tolist() if b in rounds and 1 <= n <= MAX_SEEN}
 
 
 def _read_ref(norms: Tensor | None, maxabs: Tensor | None, names: list[str]) -> DeltaStats | None:
