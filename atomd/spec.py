@@ -165,6 +165,14 @@ class SyncSpec(_Spec):
         "all, the average of the peers' models, where the probe batch prefers it (off with "
         "consolidate_rounds).",
     )
+    final_tail: float = Field(
+        0.05,
+        ge=0,
+        le=0.5,
+        description="Share of the job's last steps whose models the final average averages: "
+        "each peer shares the mean of its models over them, not only its last one (one more "
+        "model-sized buffer in host memory over those steps); 0: the last model only.",
+    )
 
     @model_validator(mode="after")
     def _codec_defaults(self) -> SyncSpec:

@@ -27,7 +27,10 @@ between the points their replicas restart from, which also hold the deltas still
 start point plus any residual kept in the replica), and wall time. With
 ``sync.consolidate_rounds`` the peers then run that many synchronous rounds without training
 (``val_loss_before_consolidation``, ``consolidation_bytes_per_peer``); ``val_loss_mean_model``
-is the loss of the exact average of the final models (a diagnostic no peer holds).
+is the loss of the exact average of the final models (a diagnostic no peer holds), and
+``val_loss_tail_model`` that of the average of the peers' means over their last
+``sync.final_tail`` of the steps, the model the daemons' final average makes (where every share
+arrives whole and the anchors agree; ``atomd.sync.average.TailMean``).
 
 The default runs (``default_runs``): fp32, bf16, int8 and top-k at H=50; top-k synchronous, at
 H=10 and H=2 with fp32 beside each; top-k with contiguous shards; one peer alone; one process
@@ -58,6 +61,7 @@ from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
 from atomd.p2p.identity import Identity
 from atomd.spec import JobSpec, SyncSpec, lr_at
+from atomd.sync.average import TailMean
 from atomd.sync.codecs import decode
 from atomd.sync.state import Contribution, Outgoing, SyncState
 from atomd.sync.wire import encode_frame
@@ -198,6 +202,14 @@ def _max_divergence(points: Sequence[dict[str, torch.Tensor]]) -> float:
     )
 
 
+def _mean_model(engines: Sequence[ResidentEngine]) -> dict[str, torch.Tensor]:
+    """The exact average of the peers' live models (CPU float32)."""
+    models = [dict(e.model.named_parameters()) for e in engines]
+    return {
+        n: torch.stack([m[n].detach().float().cpu() for m in models]).mean(0) for n in models[0]
+    }
+
+
 def _loss_of(engine: ResidentEngine, tensors: dict[str, torch.Tensor], val: list[Batch]) -> float:
     """Validation loss of other parameters in ``engine``'s model (its own are put back)."""
     params = dict(engine.model.named_parameters())
@@ -282,7 +294,11 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     divergences: list[float] = []  # committed anchors
     start_divergences: list[float] = []  # where the replicas restart (anchor + pending deltas)
     rnd = 0
+    # The peers' means over their last models: linear, so the mean of the peers' models' mean.
+    tail = TailMean(spec.total_steps, sync.final_tail)
     for step in range(spec.total_steps):
+        if step and tail.due(step):  # the model after ``step`` steps (the last one: below)
+            tail.add(_mean_model(engines))
         lr = lr_at(spec, step)
         for i, (eng, ds) in enumerate(zip(engines, shards, strict=True)):
             batch = ds.train_batch(
@@ -317,6 +333,9 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     for i, state in enumerate(states):
         state.absorb(_arrived(inbox, i, math.inf))
     losses_before_consolidation = [e.evaluate(val) for e in engines]
+    if tail.due(spec.total_steps):  # the last models, after the others' last deltas
+        tail.add(_mean_model(engines))
+    tail_model = tail.mean()
     # sync.consolidate_rounds: rounds without training, each waiting for all deltas.
     consolidation_bytes: list[int] = []
     for _ in range(sync.consolidate_rounds):
@@ -353,6 +372,10 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         "consolidation_bytes_per_peer": sum(consolidation_bytes) / n,
         "val_loss_anchor": sum(anchor_losses) / len(anchor_losses),
         "val_loss_mean_model": _loss_of(engines[0], mean_model, val),
+        "val_loss_tail_model": None
+        if tail_model is None
+        else _loss_of(engines[0], tail_model, val),
+        "tail_models": tail.count,
         "bytes_per_round": per_round,
         "model_fp32_bytes": model_bytes,
         "ratio_vs_fp32_model": model_bytes / max(per_round, 1.0),

@@ -230,6 +230,7 @@ class DeltaExchange:
                 self._deliver_average(job_id, frame, timeout_s), "average"
             ),
             finishers=lambda: self._finishers(job_id),
+            total_steps=spec.total_steps,
         )
         plugin.excluded = lambda sender: self.peers.exclusion(sender) is not None
         plugin.on_attached = lambda: self._from_trainer(self._drain_early(job_id), "early")

@@ -140,6 +140,7 @@ class SyncPlugin:
         n_expected: Callable[[int], int] | None = None,
         send_average: Callable[[bytes, float], None] | None = None,
         finishers: Callable[[], Collection[str]] | None = None,
+        total_steps: int | None = None,
     ) -> None:
         """``n_peers``: peers (this one included) that take part in the round on a base version;
         ``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
@@ -147,7 +148,9 @@ class SyncPlugin:
         whose delta of the round is expected (default: all; see ``SyncState.merge``);
         ``send_average``: hand the job's average frame to the loop, with the seconds its uploads
         may take (``average``; None: no final average); ``finishers``: the other live peers of
-        the job that have sent their last delta (whose average frames ``finish`` waits for)."""
+        the job that have sent their last delta (whose average frames ``finish`` waits for);
+        ``total_steps``: the job's, for the final average's mean of the last models
+        (``sync.final_tail``; None: the last model only)."""
         self.job_id = job_id
         self.spec = spec
         self.identity = identity
@@ -188,6 +191,13 @@ class SyncPlugin:
         self._last_step_end: float | None = None
         self._averaged_over = 0  # the last round's n_peers (logged when it changes)
         self._attached_at = time.monotonic()  # the job's time here, for the average's budget
+        # The mean of this peer's last models, its share of the final average (None: off).
+        self.tail = (
+            average.TailMean(total_steps, spec.final_tail)
+            if total_steps and spec.final_tail > 0 and spec.final_average
+            and not spec.consolidate_rounds
+            else None
+        )  # fmt: skip
 
     def attach(self, engine: StepEngine) -> None:
         """Build the anchor from the engine's live parameters (host masters when swapping)."""
@@ -236,7 +246,8 @@ class SyncPlugin:
 
         A boundary comes every H steps: the fixed ``sync.every``, or with ``"auto"`` the
         cadence's H, once the previous round's frame has left (one round in flight)."""
-        if self.state is None:
+        state = self.state
+        if state is None:
             return
         t0 = time.perf_counter()
         if self._last_step_end is not None:
@@ -253,6 +264,9 @@ class SyncPlugin:
                     return
             self._boundary(step)
         finally:
+            if self.tail is not None and self.tail.due(step):
+                self._settle()
+                self.tail.add(state.params)
             self._last_step_end = time.perf_counter()
             self._count(self._last_step_end - t0)
 
@@ -383,7 +397,12 @@ class SyncPlugin:
             "fraction": self.state.fraction if self.state is not None else None,
             **({"final_model": self.final_model} if self.final_model is not None else {}),
             **(
-                {"average_shares": self.average_used, "average_s": round(self.average_s, 4)}
+                {
+                    "average_shares": self.average_used,
+                    "average_s": round(self.average_s, 4),
+                    # How many of this peer's last models its share was the mean of.
+                    "average_tail": self.tail.count if self.tail is not None else 1,
+                }
                 if self.average_used is not None
                 else {}
             ),
@@ -596,7 +615,13 @@ class SyncPlugin:
         try:
             self._settle()
             version = state.version
-            own = state.unsent_from_anchor()
+            tail, what = None, "its last model"
+            if self.tail is not None:
+                self.tail.add(state.params)  # the last model too (after the rounds it followed)
+                tail = self.tail.mean()
+                if tail is not None:
+                    what = f"the mean of its last {self.tail.count} models"
+            own = state.unsent_from_anchor(tail)
             rate = self.cadence.rate()
             budget_s = average.upload_budget_s(time.monotonic() - self._attached_at)
             sized = average.encode_share(
@@ -616,7 +641,7 @@ class SyncPlugin:
                 average=True,
             )
             log.info("final average: sending %d bytes (%s) of this peer's model beyond the "
-                     "anchor", len(frame), sized.codec)  # fmt: skip
+                     "anchor (%s)", len(frame), sized.codec, what)  # fmt: skip
             # Waited for until the deadline, also once membership loses them: the shares'
             # uploads fill a slow link and its pings time out (4 real daemons at 256 kbit/s:
             # each saw the others dead meanwhile, stopped waiting, and ended with no share).

@@ -608,19 +608,22 @@ class SyncState:
         own deltas not sent are in it (``robust.Screen.judge``'s direction reference)."""
         return self._beyond(self.start_point())
 
-    def unsent_from_anchor(self) -> dict[str, Tensor]:
-        """This peer's model beyond its anchor: the replica minus the anchor, plus the error
-        feedback's residual (float32, CPU). Peers that have committed the same rounds hold the
-        same anchor (to ~1e-8), so the anchor plus the mean of these over the peers is the
-        average of their models (``atomd.sync.average``); their start points may differ (each
-        estimates the deltas it still misses)."""
-        return self._beyond(self.anchor)
+    def unsent_from_anchor(self, model: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """This peer's model beyond its anchor: the replica (or ``model``, by name: the mean of
+        its last ones) minus the anchor, plus the error feedback's residual (float32, CPU).
+        Peers that have committed the same rounds hold the same anchor (to ~1e-8), so the
+        anchor plus the mean of these over the peers is the average of their models
+        (``atomd.sync.average``); their start points may differ (each estimates the deltas it
+        still misses)."""
+        return self._beyond(self.anchor, model)
 
     @torch.no_grad()
-    def _beyond(self, reference: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    def _beyond(
+        self, reference: Mapping[str, Tensor], model: Mapping[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
         residual = self.feedback.state_tensors()
         out = {}
-        for name, p in self.params.items():
+        for name, p in (self.params if model is None else model).items():
             ref = reference[name]
             x = p.detach().to("cpu", torch.float32).reshape(ref.shape) - ref
             r = residual.get(name)
