@@ -522,6 +522,20 @@ def test_the_last_models_join_the_tail_after_their_steps() -> None:
     )
 
 
+def test_job_show_says_which_model_a_job_ended_on() -> None:
+    """``atomd job show``'s cadence line names the final model (it called the average "its
+    own replica" until 2026-12-04)."""
+    from atomd.cli_daemon import _cadence
+
+    base = {"every": 2, "auto": 1, "period_s": 1.5, "rounds": 250, "busy_s": 120.0, "wait_s": 1}
+    assert "ended on" not in _cadence(base)  # still training
+    line = _cadence({**base, "final_model": "average", "average_shares": 3, "average_tail": 30})
+    assert line.endswith("ended on the average of the peers' models (3 other share(s), each "
+                         "peer's mean over its last 30 models)")  # fmt: skip
+    assert _cadence({**base, "final_model": "swarm"}).endswith("ended on the swarm's model")
+    assert _cadence({**base, "final_model": "own"}).endswith("ended on its own replica")
+
+
 def test_a_share_is_waited_for_after_membership_loses_its_sender() -> None:
     """Uploading the shares fills a slow link, so a peer's pings time out while its share is
     on the way: the others lose it from their membership, and must still wait for its share
