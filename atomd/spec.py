@@ -166,12 +166,14 @@ class SyncSpec(_Spec):
         "consolidate_rounds).",
     )
     final_tail: float = Field(
-        0.05,
+        0.0,
         ge=0,
         le=0.5,
         description="Share of the job's last steps whose models the final average averages: "
         "each peer shares the mean of its models over them, not only its last one (one more "
-        "model-sized buffer in host memory over those steps); 0: the last model only.",
+        "model-sized buffer in host memory over those steps); 0 (the default): the last model "
+        "only. In process at a round every 2 steps 0.05 beat the last models by 0.008; on real "
+        "daemons no gain showed (docs/notes/issue-14.md).",
     )
 
     @model_validator(mode="after")

@@ -585,6 +585,16 @@ def extra_runs() -> list[RunSpec]:
         # defaults (real daemons close rounds every 2 or 3 steps, the round's work sets which).
         RunSpec("topk-h1", codec="topk", every=1),
         RunSpec("topk-h3", codec="topk", every=3),
+        # sync.final_tail: the final average of each peer's mean over its last 5 % of steps
+        # (``val_loss_tail_model`` beside ``val_loss_mean_model``), at a free link's cadence and
+        # at a slow link's (bench/results-sync-tail-2026-12-04.json).
+        RunSpec("topk-h2-tail", codec="topk", every=2, sync={"final_tail": 0.05}),
+        RunSpec(
+            "topk-f1-h6-m7-tail",
+            codec="topk",
+            every=6,
+            sync={"outer_momentum": 0.7, "final_tail": 0.05},
+        ),
     ]
 
 

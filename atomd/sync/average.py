@@ -10,14 +10,14 @@ beats the replicas by 0.010 at a round every 6 steps and by 0.007 at every 2.
 
 So after its last round (and the rounds of the others it follows) each peer sends every other
 peer one *average frame*: its model beyond its anchor (``SyncState.unsent_from_anchor``: the
-replica minus the anchor; with ``sync.final_tail``, the default, the mean of its models over
-the job's last steps minus the anchor: ``TailMean``), in the job's codec, with as many of the entries as the measured link
-carries in ``upload_budget_s`` (all of them on a free link: the job's sparse codec at a share
-of 1 is dense at 4 bits a value). Once the others' frames are in (or the wait is over), the
-candidate final model is the anchor plus the mean of every share: the average of the peers'
-models (exactly, up to the codec's rounding, when all shares are whole). The loss guard's probe
-then picks the final model among this peer's own replica, the swarm's model and the average, as
-it picks between the first two without it.
+replica minus the anchor; with ``sync.final_tail`` (off by default) the mean of its models over
+the job's last steps minus the anchor: ``TailMean``), in the job's codec, with as many of the
+entries as the measured link carries in ``upload_budget_s`` (all of them on a free link: the
+job's sparse codec at a share of 1 is dense at 4 bits a value). Once the others' frames are in
+(or the wait is over), the candidate final model is the anchor plus the mean of every share:
+the average of the peers' models (exactly, up to the codec's rounding, when all shares are
+whole). The loss guard's probe then picks the final model among this peer's own replica, the
+swarm's model and the average, as it picks between the first two without it.
 
 Why the anchor, not the swarm's model (the start point): the start points also hold each
 peer's estimate of the deltas it still misses, amplified by the outer step's look-ahead. Made
@@ -123,11 +123,12 @@ class TailMean:
 
     At the end of a job the replicas still carry each peer's latest steps and its share of
     the rounds' top-k noise; averaging them over the peers removes part of that, averaging
-    them over the last steps too removes more. ``atomd bench sync`` (4 peers, top-k 1 %, H=2,
-    600 steps): the mean of the four final models 1.7227, of their means over the last 30
-    steps 1.7146, over 10 1.7180, 60 1.7186, 120 1.7296 (a window reaching back to where the
-    model was still improving fast costs more than it removes). Float32 on the CPU, like the
-    anchor: one more model-sized buffer, only over those steps."""
+    them over the last steps too removes more, in process: ``atomd bench sync`` (4 peers,
+    top-k 1 %, H=2, 600 steps), the mean of the four final models 1.7227, of their means over
+    the last 30 steps 1.7146, over 10 1.7180, 60 1.7186, 120 1.7296 (a window reaching back to
+    where the model was still improving fast costs more than it removes); at H=6 nothing
+    (1.7849 against 1.7843). On 4 real daemons no gain showed (run bh), hence off by default.
+    Float32 on the CPU, like the anchor: one more model-sized buffer, only over those steps."""
 
     def __init__(self, total_steps: int, share: float) -> None:
         """The mean is over the last ``share`` of ``total_steps`` (at least one step)."""

@@ -37,7 +37,7 @@ def test_quick_runs_report_their_fields() -> None:
         assert r["model_divergence_final"] >= 0
         # Every delta arrives within a round, so the committed anchors agree (up to rounding).
         assert r["divergence_max"] < 1e-6
-        assert r["tail_models"] == 1 and r["val_loss_tail_model"] is None  # 5 % of 12 steps
+        assert r["tail_models"] == 0 and r["val_loss_tail_model"] is None  # final_tail: off
     tail = RunSpec("topk-tail", codec="topk", every=2, sync={"final_tail": 0.25})
     r = run(runs=[tail], budget=TINY, workers=0, progress=None)["runs"][0]
     assert r["tail_models"] == 3 and 0 < r["val_loss_tail_model"] < 6  # steps 10-12
