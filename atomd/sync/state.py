@@ -678,9 +678,10 @@ class SyncState:
         Not the count at the commit: a peer that has sent its last delta follows the others'
         last rounds dividing by the peers still training them, and a round all of them trained
         whose last deltas came after would be divided by that smaller count, its late deltas
-        too (4 real daemons at 256 kbit/s, run bf: the first to finish weighed a late delta of
-        the last common round at 1/1 instead of 1/4; its anchor ended 1.8 % from the others',
-        theirs 0.01 % apart, and its final model was the worst of four by 0.013)."""
+        too (4 real daemons at 256 kbit/s, run bf: the first to finish, following a round only
+        one peer trained, divided the last round all four trained by what it held of it and
+        that round's late deltas by 1, not 4; its anchor ended 1.8 % from the others', theirs
+        0.01 % apart, and its final model was the worst of four by 0.013)."""
         return max(count, self._divisors.get(base_version, self._n_peers))
 
     def average_from_now(self) -> None:
