@@ -128,7 +128,10 @@ class TailMean:
     the last 30 steps 1.7146, over 10 1.7180, 60 1.7186, 120 1.7296 (a window reaching back to
     where the model was still improving fast costs more than it removes); at H=6 nothing
     (1.7849 against 1.7843). On 4 real daemons no gain showed (run bh), hence off by default.
-    Float32 on the CPU, like the anchor: one more model-sized buffer, only over those steps."""
+    Float32 on the CPU, like the anchor: one more model-sized buffer, only over those steps.
+    It averages the replicas; the share adds the error feedback's residual of the end, which
+    is zero with ``residual: "replica"`` (the default: the replica keeps it) and otherwise
+    not averaged over the steps."""
 
     def __init__(self, total_steps: int, share: float) -> None:
         """The mean is over the last ``share`` of ``total_steps`` (at least one step)."""

@@ -444,6 +444,8 @@ class SyncState:
             self.outer.step(self.anchor, self._outer_grad(scales))
             for b in due:
                 del self._pending[b], self._pending_count[b]
+                if whole:  # a late delta of it counts as the round did (the estimate, too)
+                    self._divisors[b] = n_peers
         self._n_peers = n_peers
         self._expected = None if expected is None else max(1, min(expected, n_peers))
         self.version += 1
@@ -869,8 +871,9 @@ def _read_divisors(t: Tensor | None, *, rounds: range) -> dict[int, int]:
     ``MAX_SEEN``; anything else is skipped (the count of now then stands in)."""
     if t is None or t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != 2:
         return {}
-    if t.shape[0] > len(rounds):
-        t = t[-len(rounds) :] if len(rounds) else t[:0]
+    rows = min(len(rounds), MAX_SEEN)  # max_staleness may be large; a donor's rows are not
+    if t.shape[0] > rows:
+        t = t[-rows:] if rows else t[:0]
     return {b: n for b, n in t.tolist() if b in rounds and 1 <= n <= MAX_SEEN}
 
 

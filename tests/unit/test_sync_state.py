@@ -615,6 +615,31 @@ def test_a_follower_divides_a_round_by_the_peers_that_trained_it() -> None:
     assert rel(a.start_point(), b.start_point()) < 1e-6
 
 
+def test_a_late_delta_after_a_whole_close_moves_the_replica_where_the_commit_will() -> None:
+    """X and Y close round 1 counting 2; Y's delta of it is late and Y is gone, so X closes
+    round 2 alone (whole), committing round 1 as it is. When Y's delta comes, the replica
+    moves by as much as the next commit moves the anchor: no jump at that boundary (the whole
+    close's divisor is the round's from then on; found by review, 2026-12-04)."""
+    replicas, (x, y) = swarm(2, spec())
+    for i in range(2):
+        train(replicas[i], seed=1 + i)
+    ox, oy = x.prepare(), y.prepare()
+    x.merge([received("p1", oy)], n_peers=2, commit_complete=False)
+    y.merge([received("p0", ox)], n_peers=2, commit_complete=False)
+    for i in range(2):
+        train(replicas[i], seed=3 + i)
+    x.prepare()
+    late = received("p1", y.prepare())
+    x.merge([], n_peers=2, commit_complete=False)  # Y's delta of round 1 is late
+    train(replicas[0], seed=5)
+    x.round_boundary([], n_peers=1, whole=True)  # alone now
+    x.absorb([late])
+    before = {k: v.clone() for k, v in replicas[0].items()}
+    x.round_boundary([], n_peers=1, whole=True)  # nothing trained since
+    assert rel(before, replicas[0]) < 1e-6
+    assert rel(before, x.anchor) < 1e-6
+
+
 def test_a_state_carries_the_divisors_of_its_recent_rounds() -> None:
     """A peer restored from a state divides a late delta of a round closed before the state
     was taken as the peer that wrote it would; rows that do not fit are skipped."""
