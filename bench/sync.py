@@ -350,7 +350,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     models = [{n: p.detach().clone() for n, p in e.model.named_parameters()} for e in engines]
     anchor_losses = [_loss_of(e, s.anchor, val) for e, s in zip(engines, states, strict=True)]
     # What exact averaging of the final models would give (no peer holds it: a diagnostic).
-    mean_model = {k: torch.stack([m[k] for m in models]).mean(0) for k in models[0]}
+    mean_model = _mean_model(engines)
     model_bytes = states[0].numel * 4
     per_round = sum(bytes_sent) / max(1, len(bytes_sent))
     return {

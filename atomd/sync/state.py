@@ -434,18 +434,15 @@ class SyncState:
         nobody else holds a delta of them)."""
         self._divisors[self.version] = n_peers
         if due:
+            if whole:  # they, and a late delta of them (the estimate too), count as this close
+                self._divisors.update(dict.fromkeys(due, n_peers))
             # g = -(1/n) * sum_j w_j delta_j per round, n the peers counted when the round was
             # closed and at least the deltas it has (a peer that left after sending still
             # counted in its round).
-            scales = {
-                b: 1.0 / max(n_peers, k) if whole else 1.0 / self._divisor(b, k)
-                for b, k in ((b, self._pending_count[b]) for b in due)
-            }
+            scales = {b: 1.0 / self._divisor(b, self._pending_count[b]) for b in due}
             self.outer.step(self.anchor, self._outer_grad(scales))
             for b in due:
                 del self._pending[b], self._pending_count[b]
-                if whole:  # a late delta of it counts as the round did (the estimate, too)
-                    self._divisors[b] = n_peers
         self._n_peers = n_peers
         self._expected = None if expected is None else max(1, min(expected, n_peers))
         self.version += 1
