@@ -41,10 +41,11 @@ JOB = {
     "eval_interval": 20,
     "checkpoint_interval": 20,
     "sync": {"every": 5, "codec": "topk"},
-    # Every validation is checked, and at the tiny preset's 3e-3 a job of 4 x 32 bytes a step
-    # spikes on its own, with no swarm at all: a lone job's validation reached 10.1 at step 10
-    # and 9.0 at step 15 (2 of 8 seeds, warm-up 2 or 20). At 1e-3 none of 6 seeds went above
-    # 4.2 in its first 80 steps (training losses still jump on single odd batches).
+    # Every validation from the attack on is checked, and at the tiny preset's 3e-3 a job of
+    # 4 x 32 bytes a step spikes on its own, with no swarm at all: a lone job's validation
+    # reached 10.1 at step 10 and 9.0 at step 15 (2 of 8 seeds, warm-up 2 or 20). At 1e-3 it
+    # still does now and then: one process without any sync, 8 seeds, validations every 5
+    # steps up to 40, reached 5.78 at step 15 in one (training loss 6.75), 4.16 in another.
     "lr": 1e-3,
 }
 UNTRAINED = math.log(256)  # nats per byte of a model that knows nothing (5.55)
@@ -212,9 +213,8 @@ def test_hostile_member_is_refused_quarantined_and_banned(tmp_path: Path) -> Non
             job = _job(d, jid)
             points = httpx.get(f"{d.url}/v1/jobs/{jid}/progress", timeout=10).json()
             # The validations from the attack on: the poison's effect. Not the ones before it:
-            # the first rounds of the tiny preset at this lr spike on their own now and then
-            # (run on an idle machine, 2 of 15 runs: a first validation at 4.9 and 5.2, a
-            # training loss of 6.8 at step 20, all before any frame was sent; CI once saw 7.9).
+            # the first steps spike on their own now and then (see JOB; here 2 of 30 runs gave
+            # a first validation of 4.9 and 5.2, both before any frame was sent; CI once 7.9).
             since = attacked_at[d.name]
             vals = [(p["step"], p["val_loss"]) for p in points
                     if p.get("val_loss") is not None and p["step"] >= since]  # fmt: skip
