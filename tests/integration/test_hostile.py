@@ -219,9 +219,7 @@ def test_hostile_member_is_refused_quarantined_and_banned(tmp_path: Path) -> Non
             vals = [(p["step"], p["val_loss"]) for p in points
                     if p.get("val_loss") is not None and p["step"] >= since]  # fmt: skip
             assert vals and all(math.isfinite(v) and v < UNTRAINED - 0.5 for _, v in vals), (
-                since,
-                vals,
-                _story(d),
+                f"{d.name}, attacked from step {since}: validations {vals}\n{_story(d)}"
             )
             assert job["val_loss"] < UNTRAINED - 0.5, job
             print(f"honest {d.name}: val {job['val_loss']:.4f} at step {job['step']}")
