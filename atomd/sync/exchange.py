@@ -6,7 +6,8 @@ A delta's whole path stays in ``atomd.sync``:
    ``DeltaExchange.send`` (thread-safe);
 2. the exchange uploads it to every peer that trains the job (``POST /p2p/v1/jobs/{id}/deltas``,
    one peer after another, paced by the uplink's measured rate, so that the frames do not leave
-   as one burst; one retry on a network error, none on a refusal);
+   as one burst; one retry on a network error, none on a refusal); a peer that starts
+   training the job later is sent the recent rounds' frames it missed (``_catch_up``);
 3. on each receiver the peer plane hands the body to ``DeltaExchange.receive``, which checks it
    whole off the event loop (``wire.FrameDecoder``, the replay guard) and queues it in the job's
    plugin inbox; the plugin merges it after the next optimizer step. A frame that comes before
@@ -84,6 +85,10 @@ STRIKING_WIRE_ERRORS = frozenset({"wrong_codec", "wrong_shape", "non_finite"})
 # the inbox's bounds (``runner.Inbox``).
 EARLY_PER_SENDER = 4
 EARLY_MAX_SENDERS = 256
+# This peer's last frames, kept to send to a peer that starts training the job after they went
+# out (``_catch_up``): the round's and the job's max_staleness before it (older ones are refused
+# as stale anyway), at most KEPT_FRAME_BYTES in all (a large model's frames are large).
+KEPT_FRAME_BYTES = 64 << 20
 
 
 class PeerRef(Protocol):
@@ -121,6 +126,16 @@ class TrainingJobs(Protocol):
     """Whether this daemon trains a swarm job now (the job manager: ``atomd.jobs``)."""
 
     def trains(self, job_id: str) -> bool: ...
+
+
+@dataclass
+class _Kept:
+    """One of this peer's recent frames, and the peers it has gone to (or was refused by)."""
+
+    round: int
+    frame: bytes
+    every: int
+    tried: set[str]
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,8 @@ class DeltaExchange:
         self._numel: dict[str, int] = {}
         # job -> sender -> frames that came before the plugin was attached (``_drain_early``)
         self._early: dict[str, dict[str, deque[bytes]]] = {}
+        # job -> this peer's last frames, oldest first (``_catch_up``)
+        self._kept: dict[str, deque[_Kept]] = {}
         self._tg: asyncio.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Bytes a second of the recent accepted uploads (this host's uplink, whatever the job).
@@ -300,6 +317,7 @@ class DeltaExchange:
         self._counted_from.pop(job_id, None)
         self._numel.pop(job_id, None)
         self._early.pop(job_id, None)
+        self._kept.pop(job_id, None)
         for key in [k for k in self._received if k[0] == job_id]:
             del self._received[key]
 
@@ -331,6 +349,7 @@ class DeltaExchange:
         # Who is first turns with the round, so that no peer always gets the frame last.
         turn = out.outgoing.round % len(targets) if targets else 0
         order = targets[turn:] + targets[:turn]
+        self._keep(out, {p.id for p in order})  # before any await: see ``_catch_up``
         try:
             errors = await self._upload_all(out.job_id, out.frame, order, arrived)
         finally:
@@ -347,6 +366,50 @@ class DeltaExchange:
             for p, error in zip(order, errors, strict=True)
         ]  # fmt: skip
         await self._record(out.job_id, rows, ratio_of=out.outgoing.raw_bytes)
+        await self._catch_up(
+            out.job_id, out.outgoing.round, targets, ratio_of=out.outgoing.raw_bytes
+        )
+
+    async def _catch_up(
+        self, job_id: str, before: int, targets: Sequence[PeerRef], *, ratio_of: int
+    ) -> None:
+        """Send this peer's recent frames of rounds before ``before`` to the ``targets`` that
+        started training the job after those frames went out, oldest first, and record them.
+        (Deliveries overlap: a round's frame is kept with the peers it goes to before its
+        first upload, and a delivery catches up only on older rounds, so one that is slow
+        never sends a newer round's frame to a peer that round left out on purpose.)
+
+        A round's frame goes to the peers training the job when it closes; one that starts a
+        moment later (the job's spec reaches the daemons by gossip, and they start one after
+        another) never got it, and its anchor then lacks a delta every other anchor holds, for
+        good: 4 real daemons (run bi) started counting 2, 3, 3 and 3 peers, and three round-0
+        deltas reached only one or two of the three others. The newcomer merges them as late
+        deltas; one that took the swarm's state refuses what that state holds already (as a
+        duplicate or a stale round: no strike)."""
+        kept = self._kept.get(job_id)
+        if not kept:
+            return
+        for k in [k for k in kept if k.round < before]:
+            newcomers = [p for p in targets if p.id not in k.tried]
+            if not newcomers:
+                continue
+            k.tried.update(p.id for p in newcomers)
+            errors = await self._upload_all(job_id, k.frame, newcomers, [])
+            rows = [
+                _Row(k.round, "sent", p.id, len(k.frame), None, error is None, error, k.every)
+                for p, error in zip(newcomers, errors, strict=True)
+            ]  # fmt: skip
+            await self._record(job_id, rows, ratio_of=ratio_of)
+
+    def _keep(self, out: RoundOut, tried: set[str]) -> None:
+        """Keep the round's frame for ``_catch_up``, within the job's bounds."""
+        plugin = self.plugins.get(out.job_id)
+        # This round's and the max_staleness before it: a peer at this round takes them.
+        limit = plugin.spec.max_staleness + 1 if plugin is not None else 0
+        kept = self._kept.setdefault(out.job_id, deque())
+        kept.append(_Kept(out.outgoing.round, out.frame, out.every, tried))
+        while kept and (len(kept) > limit or sum(len(k.frame) for k in kept) > KEPT_FRAME_BYTES):
+            kept.popleft()
 
     async def _upload_all(
         self,

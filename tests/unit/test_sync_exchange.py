@@ -179,6 +179,40 @@ async def test_a_round_goes_to_every_peer_and_is_recorded_once_per_peer(sessions
     assert by_peer[a.id].compression_ratio == pytest.approx(15 * 4 / by_peer[a.id].bytes)
 
 
+async def test_a_peer_that_starts_training_later_gets_the_rounds_it_missed(
+    sessions: Any,
+) -> None:
+    """A round's frame goes to the peers training the job when it closes; one that starts a
+    moment later is sent the recent frames it missed (at most max_staleness of them), once."""
+    a, b = Peer("p" * 32, "http://a"), Peer("q" * 32, "http://b")
+    client = FakeClient()
+    peers = FakePeers([a])
+    ex = exchange(sessions, client, peers)
+    plugin = ex.plugin(JOB, JobSpec(sync={"codec": "fp32", "every": 1, "max_staleness": 2}))
+    torch.manual_seed(0)
+    plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+
+    def rows_of(n: int) -> Any:
+        async def check() -> bool:
+            return len(await rounds(sessions)) >= n
+
+        return check
+
+    async with running(ex):
+        for step in (1, 2, 3):  # rounds 0-2 go to a alone
+            plugin.after_step(step)
+            await until(rows_of(step), f"round {step - 1} sent")
+        peers.peers = [a, b]  # b starts training the job
+        plugin.after_step(4)  # round 3 goes to both; b then gets rounds 1 and 2 (not 0: stale)
+        await until(rows_of(7), "round 3 and the catch-up recorded")
+        plugin.after_step(5)  # round 4: nothing to catch up any more
+        await until(rows_of(9), "round 4 sent")
+    sent = [(r.peer_id, r.round) for r in sorted(await rounds(sessions), key=lambda r: r.id)]
+    assert [rnd for pid, rnd in sent if pid == a.id] == [0, 1, 2, 3, 4]
+    assert [rnd for pid, rnd in sent if pid == b.id] == [3, 1, 2, 4]
+    assert [url for url, _, _ in client.posts].count("http://b") == 4
+
+
 @dataclass
 class SlowClient:
     """Answers each upload after ``delay[url]`` seconds (forever: never); records when each
@@ -414,7 +448,7 @@ async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> Non
         plugin.after_step(4)
         await until(lambda: _async_true(plugin._in_flight is None), "the last round delivered")
         await asyncio.sleep(0.1)
-    assert len(client.posts) == 3
+    assert len(client.posts) == 3, client.posts
 
 
 async def test_an_average_frame_is_kept_apart_from_the_deltas_and_sent_without_a_round(
