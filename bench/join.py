@@ -15,10 +15,10 @@ exchanging top-k deltas. Each delta reaches the other peer 1 to H steps after it
   the donor's progress the codec has not sent yet. The donor sends that part itself over its
   next rounds; the joiner then sends it too.
 
-Peer 0 expects a delta of peer 1 in a round as the daemon does (``DeltaExchange._expected``):
-while one of peer 1's deltas (or its first count) is at most ``EXPECTED_ROUNDS`` rounds old;
-``expect_all`` expects it always (the daemon before 2026-12-02's sixth session), so that peer
-0's start point estimates the missing delta of a peer that is still fetching as its own.
+A round commits the mean of the deltas it gets (``SyncState._close``), so peer 0's rounds
+while the joiner fetches are its own delta whether it counts one peer or two. (Before
+2026-12-05 a round was divided by the peers counted, and ``--expect-all`` here measured how
+the start point estimated the delta of a peer still fetching.)
 
 Reported per variant and seed: both peers' validation loss every 10 steps and at the end (the
 same fixed validation batches), and their mean. ``python -m atomd_bench.join --help``.
@@ -36,7 +36,6 @@ from typing import Any
 from atomd.data.dataset import TokenDataset, load_dataset
 from atomd.spec import JobSpec, SyncSpec, lr_at
 from atomd.sync.codecs import decode
-from atomd.sync.exchange import EXPECTED_ROUNDS
 from atomd.sync.state import Contribution, SyncState
 from atomd_bench.sync import _build
 
@@ -55,7 +54,6 @@ def run(
     seq_len: int = 32,
     batch: int = 4,
     alone: bool = False,
-    expect_all: bool = False,
 ) -> dict[str, Any]:
     """One run; see the module docstring."""
     if variant not in VARIANTS:
@@ -79,7 +77,6 @@ def run(
         SyncState(dict(e.model.named_parameters()), sync, peer_id=f"peer-{i}")
         for i, e in enumerate(engines)
     ]
-    heard = [0, 0]  # the version of each peer's last merge that applied the other's delta
     rng = random.Random(f"join:{seed}")
     active = [True, False]
     started = [0, join_at]
@@ -99,7 +96,6 @@ def run(
             else:  # the donor's replica kept; only its error feedback dropped
                 states[1].feedback.load_state_tensors({})
             active[1] = True
-            heard[1] = states[1].version  # counted from here: expected at first
         lr_now = lr_at(spec, step)
         for i in (0, 1):
             if active[i]:
@@ -113,17 +109,13 @@ def run(
             inbox = [x for x in inbox if not (x[0] == i and x[1] <= done)]
             if (done - started[i]) % every == 0:
                 n = 1 if alone and not active[1] else 2
-                quiet = states[i].version - heard[i] > EXPECTED_ROUNDS
-                expected = n if expect_all or not quiet else 1
-                out = states[i].round_boundary(arrived, n_peers=n, expected=expected)
-                if states[i].last_merge.applied:
-                    heard[i] = states[i].last_merge.version
+                out = states[i].round_boundary(arrived, n_peers=n)
                 if active[1 - i]:
                     c = Contribution(f"peer-{i}", out.round, out.base_version,
                                      {n: decode(e) for n, e in out.tensors})  # fmt: skip
                     inbox.append((1 - i, done + rng.randint(1, every), c))
-            elif arrived and states[i].absorb(arrived).applied:
-                heard[i] = states[i].version
+            elif arrived:
+                states[i].absorb(arrived)
         if done % 10 == 0 or done == steps:
             for i in (0, 1):
                 curves[i].append(round(engines[i].evaluate(val), 4) if active[i] else float("nan"))
@@ -153,9 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alone", action="store_true",
                    help="peer 0 counts itself only until the join (nobody else trains the job "
                    "yet) instead of two peers (the joiner counted while it fetches)")  # fmt: skip
-    p.add_argument("--expect-all", action="store_true",
-                   help="peer 0 expects the joiner's delta in every round, also while it "
-                   "fetches (the daemon before the expected-delta rule)")  # fmt: skip
     p.add_argument("--variants", default=",".join(VARIANTS), help="reset,keep (default both)")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -164,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in a.variants.split(","):
         for seed in range(a.seeds):
             r = run(variant, seed=seed, steps=a.steps, join_at=a.join_at, every=a.every, lr=a.lr,
-                    seq_len=a.seq_len, batch=a.batch, alone=a.alone,
-                    expect_all=a.expect_all)  # fmt: skip
+                    seq_len=a.seq_len, batch=a.batch, alone=a.alone)  # fmt: skip
             print(f"[bench join] {variant} seed {seed}: {r['val_loss_mean']:.4f}",
                   file=sys.stderr, flush=True)  # fmt: skip
             runs.append(r)

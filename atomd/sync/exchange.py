@@ -73,11 +73,8 @@ UPLOAD_STAGGER_S = 1.0
 RATE_SAMPLES = 8  # recent uploads whose fastest rate paces the next ones
 FEED_CHUNK = 1 << 20  # bytes handed to the decoder at a time
 # Rounds, beyond the job's max_staleness, after which a peer none of whose deltas a merge
-# applied stops counting in the rounds' average (``_counted``).
+# applied stops counting among the peers a round waits for (``_counted``).
 SILENT_ROUNDS = 2
-# Rounds after which a counted peer none of whose deltas a merge applied is not expected to
-# send the next one: the start point estimates its delta as none (``_expected``).
-EXPECTED_ROUNDS = 1
 # Refusals of a signed frame that count against its sender (quarantine): what no honest peer
 # of the job sends. Staleness, replays and clocks do not count.
 STRIKING_WIRE_ERRORS = frozenset({"wrong_codec", "wrong_shape", "non_finite"})
@@ -238,7 +235,6 @@ class DeltaExchange:
             spec=spec.sync,
             identity=self.identity,
             n_peers=lambda base_version: 1 + len(self._counted(job_id, base_version)),
-            n_expected=lambda base_version: 1 + len(self._expected(job_id, base_version)),
             send=lambda out: self._from_trainer(self._deliver(out), f"round-{out.step}"),
             absorbed=lambda job, merge: self._from_trainer(
                 self._record_merge(job, merge), "absorbed"
@@ -274,15 +270,16 @@ class DeltaExchange:
         return [p.id for p in self.peers.job_peers(job_id) if p.id in last]
 
     def _counted(self, job_id: str, base_version: int) -> list[PeerRef]:
-        """The peers whose deltas the round on ``base_version`` is averaged over (``n_peers``):
-        those training it (``_training``) that are not silent. A peer is silent once
+        """The peers whose deltas the round on ``base_version`` waits for (``n_peers``; a round
+        is the mean of the deltas it gets, whoever is counted: ``SyncState._close``): those
+        training it (``_training``) that are not silent. A peer is silent once
         ``SILENT_ROUNDS`` + max_staleness rounds have passed here without a delta of it that
         a merge applied (refused ones, stale ones and ones clipped hard enough to count as a
         strike do not count), counted from the later of the round it was first counted in and
         the merge that applied its newest. It is still sent every frame; it counts again with
         its next applied delta. Counted by the adverts alone, a member that trains but sends
         nothing (broken, or hostile: issue #15's ``none``), or nothing a merge takes, made
-        every round wait for and divide by one more delta; so did a SIGKILLed peer until it
+        every round wait for one more delta; so did a SIGKILLed peer until it
         was declared dead (issue #14)."""
         plugin = self.plugins.get(job_id)
         grace = SILENT_ROUNDS + (plugin.spec.max_staleness if plugin is not None else 0)
@@ -291,23 +288,6 @@ class DeltaExchange:
             p
             for p in self._training(job_id, base_version)
             if base_version - since.setdefault(p.id, base_version) <= grace
-        ]
-
-    def _expected(self, job_id: str, base_version: int) -> list[PeerRef]:
-        """Of the peers counted in the round on ``base_version`` (``_counted``), those whose
-        delta of it is expected: a delta of theirs was merged here within the last
-        ``EXPECTED_ROUNDS`` rounds (or they were first counted then). One that has sent
-        nothing for longer is fetching the swarm's state (it joined, or restarted) and sends
-        no delta of the rounds before the one it takes, or it is gone. It still counts in the
-        average (the peers must divide every round alike), but the start point estimates its
-        delta of the round as none instead of as the others' mean (``SyncState.merge``): the
-        replica then restarts where the commit will put the anchor, instead of jumping back a
-        round later. A delta of it that comes after all joins the estimate as it arrives."""
-        since = self._counted_from.get(job_id, {})
-        return [
-            p
-            for p in self._counted(job_id, base_version)
-            if base_version - since.get(p.id, base_version) <= EXPECTED_ROUNDS
         ]
 
     def release(self, job_id: str) -> None:

@@ -138,20 +138,19 @@ class LossGuard:
         *,
         n_peers: int,
         steps_short: float = 1.0,
-        expected: int | None = None,
         whole: bool = True,
     ) -> Outgoing:
         """``SyncState.round_boundary``, guarded; ``state.last_merge`` says what was applied."""
         return self._closing(
             inbox,
             lambda later: self.state.round_boundary(
-                later, n_peers=n_peers, steps_short=steps_short, expected=expected, whole=whole
+                later, n_peers=n_peers, steps_short=steps_short, whole=whole
             ),
         )
 
-    def follow(self, inbox: Sequence[Contribution], *, n_peers: int) -> bool:
+    def follow(self, inbox: Sequence[Contribution]) -> bool:
         """``SyncState.follow``, guarded; ``state.last_merge`` says what was applied."""
-        return self._closing(inbox, lambda later: self.state.follow(later, n_peers=n_peers))
+        return self._closing(inbox, lambda later: self.state.follow(later))
 
     def _closing(
         self, inbox: Sequence[Contribution], close: Callable[[list[Contribution]], _T]

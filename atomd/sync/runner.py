@@ -137,17 +137,15 @@ class SyncPlugin:
         n_peers: Callable[[int], int],
         send: Callable[[RoundOut], None],
         absorbed: Callable[[str, MergeReport], None] | None = None,
-        n_expected: Callable[[int], int] | None = None,
         send_average: Callable[[bytes, float], None] | None = None,
         finishers: Callable[[], Collection[str]] | None = None,
         total_steps: int | None = None,
     ) -> None:
         """``n_peers``: peers (this one included) that take part in the round on a base version;
         ``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
-        boundaries (job id, report), for the records; ``n_expected``: of those peers, the ones
-        whose delta of the round is expected (default: all; see ``SyncState.merge``);
-        ``send_average``: hand the job's average frame to the loop, with the seconds its uploads
-        may take (``average``; None: no final average); ``finishers``: the other live peers of
+        boundaries (job id, report), for the records; ``send_average``: hand the job's average
+        frame to the loop, with the seconds its uploads may take (``average``; None: no final
+        average); ``finishers``: the other live peers of
         the job that have sent their last delta (whose average frames ``finish`` waits for);
         ``total_steps``: the job's, for the final average's mean of the last models
         (``sync.final_tail``; None: the last model only)."""
@@ -155,7 +153,6 @@ class SyncPlugin:
         self.spec = spec
         self.identity = identity
         self.n_peers = n_peers
-        self._n_expected = n_expected
         self.send = send
         self.absorbed = absorbed
         self.send_average = send_average
@@ -189,7 +186,7 @@ class SyncPlugin:
         # The last frame's payload over the codec's estimate before zstd (what zstd keeps).
         self._packed = 1.0
         self._last_step_end: float | None = None
-        self._averaged_over = 0  # the last round's n_peers (logged when it changes)
+        self._counted = 0  # the last round's n_peers (logged when it changes)
         self._attached_at = time.monotonic()  # the job's time here, for the average's budget
         # The mean of this peer's last models, its share of the final average (None: off).
         self.tail = (
@@ -289,11 +286,6 @@ class SyncPlugin:
         log.info("step %d: the swarm has closed %d rounds this peer has not; closing "
                  "round %d early", step, behind, self.state.round)  # fmt: skip
         return True
-
-    def n_expected(self, base_version: int) -> int:
-        """Of the ``n_peers`` of the round on ``base_version``, those whose delta of it is
-        expected (``SyncState.merge``)."""
-        return (self._n_expected or self.n_peers)(base_version)
 
     def _every(self) -> int:
         """H of the current round (automatic cadence)."""
@@ -464,24 +456,19 @@ class SyncPlugin:
         # one's anchor ended 2.6 % from the others', 0.01-0.24 % between them; its model the
         # worst of the four).
         whole = alone or (n_peers == 1 and not self._finishers())
-        expected = min(n_peers, max(1, self.n_expected(self.state.version)))
-        if n_peers != self._averaged_over:  # membership as this peer sees it: rare, worth a line
-            log.info("rounds from version %d average over %d peer(s) (were %d)",
-                     self.state.version, n_peers, self._averaged_over)  # fmt: skip
-            self._averaged_over = n_peers
+        if n_peers != self._counted:  # membership as this peer sees it: rare, worth a line
+            log.info("rounds from version %d: %d peer(s) train the job (were %d)",
+                     self.state.version, n_peers, self._counted)  # fmt: skip
+            self._counted = n_peers
         self._fit_fraction()
         # Steps this round lasted (at least 1: a consolidation round repeats the last step).
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
         # Closed early (catching up with the swarm): the others' deltas of the round hold H.
         short = (self.cadence.fixed or self._every()) / every
         if self.guard is not None:
-            out = self.guard.round_boundary(
-                inbox, n_peers=n_peers, steps_short=short, expected=expected, whole=whole
-            )
+            out = self.guard.round_boundary(inbox, n_peers=n_peers, steps_short=short, whole=whole)
         else:
-            out = self.state.round_boundary(
-                inbox, n_peers=n_peers, steps_short=short, expected=expected, whole=whole
-            )
+            out = self.state.round_boundary(inbox, n_peers=n_peers, steps_short=short, whole=whole)
         # The frame carries this peer's own proposal, not the swarm's period: a peer that sent
         # the largest period it heard would echo every peer's past proposals back to them, and
         # one slow round's proposal would then circulate, kept fresh, for the rest of the job.
@@ -577,9 +564,9 @@ class SyncPlugin:
                     self._settle()
                     inbox = self._inbox()
                     if self.guard is not None:
-                        followed = self.guard.follow(inbox, n_peers=others)
+                        followed = self.guard.follow(inbox)
                     else:
-                        followed = self.state.follow(inbox, n_peers=others)
+                        followed = self.state.follow(inbox)
                     self._report(self.state.last_merge)
                     if not followed:
                         return

@@ -12,14 +12,21 @@ A round r closes, for a peer whose anchor holds every round before r-1, like thi
    otherwise weighted by ``outer.staleness_weight(s)`` (1: every delta counts in full).
 3. *commit*: the deltas of every round before r (own and received), and those of round r when
    a synchronous swarm has all ``n_peers`` of them (``prepare``/``merge``), make one outer gradient
-   g = -(1/n_peers) * sum_j w_j * delta_j and one outer step on the anchor.
+   and one outer step on the anchor. A round counts as the mean of its deltas: k deltas commit
+   g = -(1/k) * sum_j w_j * delta_j, and a delta of the round that comes after it was committed
+   commits the change of that mean, (S + d) / (k + 1) - S / k, S the sum committed so far
+   (kept for the rounds that can still take a late delta: ``_committed``). Whoever a peer
+   counts as training the job, once every peer has merged the same deltas of a round they have
+   committed the same sum: anchors that part at a membership change (a peer that counts one
+   more or one less for a round or three) meet again.
 4. the deltas of round r still incomplete stay *pending* while the anchor waits a round for the
    late ones, and the replica restarts from the *start point*: where the anchor will be after
-   that commit if the missing deltas equal the mean of those in (a look-ahead of the outer step,
-   momentum included). A peer that has heard from nobody keeps its own progress whole. When a
-   late delta arrives mid-round, ``absorb`` moves the replica by as much as the start point moves,
-   so what it trained since stays. When every delta arrives within a round, every peer commits
-   the same sums and the anchors agree; the start points differ only by deltas in flight.
+   that commit (a look-ahead of the outer step, momentum included), the round's mean so far
+   standing for the deltas still missing. A peer that has heard from nobody keeps its own
+   progress whole. When a late delta arrives mid-round, ``absorb`` moves the replica by as much
+   as the start point moves, so what it trained since stays. When every delta arrives within a
+   round, every peer commits the same sums and the anchors agree; the start points differ only
+   by deltas in flight.
 5. the unsent part of a lossy codec's delta waits for the next round either in the replica
    (``residual="replica"``, error reset as in CSER: the replica restarts from the start point plus
    ``ef_decay`` times the residual and the next delta carries it) or in the error feedback
@@ -37,7 +44,7 @@ the replicas.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,12 +60,14 @@ log = get_logger(__name__)
 
 _ANCHOR, _MOMENTUM, _EF = "anchor.", "outer.momentum.", "ef."
 _PENDING, _PENDING_COUNT = "pending.", "pending_count."
+# A committed round's sum (``SyncState._committed``): dense as "committed.<b>.<name>", or its
+# nonzero entries as "committed_at.<b>.<name>" (flat indices) and "committed_val.<b>.<name>".
+_COMMITTED, _COMMITTED_AT, _COMMITTED_VAL = "committed.", "committed_at.", "committed_val."
+_COMMITTED_COUNT = "committed_count."
 _VERSION, _ROUND, _AVERAGING = "sync.version", "sync.round", "sync.averaging"
 # The deltas merged recently, as UTF-8 lines "sender<TAB>base version" (a uint8 tensor): a peer
 # that takes this state refuses them as duplicates when they reach it too.
 _SEEN = "sync.seen"
-# Each recent round's divisor (``SyncState._divisor``): (base version, peers counted) rows.
-_DIVISORS = "sync.divisors"
 # The newest own delta's reference statistics (the robust rule's): the overall norm then each
 # tensor's, and each tensor's largest |x|, in the anchor's order (float64).
 _REF_NORMS, _REF_MAXABS = "sync.ref.norms", "sync.ref.maxabs"
@@ -179,14 +188,10 @@ class SyncState:
         # base_version -> weighted sum of that round's deltas not committed yet, and how many.
         self._pending: dict[int, dict[str, Tensor]] = {}
         self._pending_count: dict[int, int] = {}
-        self._n_peers = 1  # as of the last merge: how rounds already committed are scaled
-        # base_version -> the peers this peer counted when it closed that round: the round's
-        # divisor at its commit and for its late deltas, whatever the count is by then (a
-        # finished peer following the last rounds counts only those still training them).
-        self._divisors: dict[int, int] = {}
-        # As of the last merge: of those peers, how many are expected to send a delta of the
-        # last closed round (None: all). The start point estimates the others' as none.
-        self._expected: int | None = None
+        # base_version -> the weighted sum of that round's deltas committed so far (each
+        # tensor flat, sparse where mostly zero: ``_compact``) and how many they are, for the
+        # rounds that can still take a late delta: its commit is the change of the round's mean.
+        self._committed: dict[int, tuple[dict[str, Tensor], int]] = {}
         self._seen: set[tuple[str, int]] = set()  # (sender, base_version) merged recently
         # Received deltas of rounds this peer has not closed: judged once its own delta of
         # that round is known (they touch nothing before: only closed rounds move the replica).
@@ -292,14 +297,13 @@ class SyncState:
         *,
         n_peers: int,
         steps_short: float = 1.0,
-        expected: int | None = None,
         whole: bool = True,
     ) -> Outgoing:
         """Close this peer's round: compress its delta, merge it with ``inbox``, step the anchor.
 
         ``n_peers``: peers training the job (this one included); ``steps_short``: the round's
         steps over those this peer trained in it, when it closed the round early (see
-        ``robust.Screen.record_own``); ``expected``: see ``merge``; ``whole``: False keeps a
+        ``robust.Screen.record_own``); ``whole``: False keeps a
         peer alone in the round from committing its whole delta at once (see ``prepare``): one
         whose rounds others still follow commits as they do, so that its anchor stays theirs.
         Returns the encoded delta to send; ``last_merge`` says what was applied or refused and
@@ -315,7 +319,6 @@ class SyncState:
             n_peers=n_peers,
             commit_complete=whole,
             steps_short=steps_short,
-            expected=expected,
         )
         return out
 
@@ -369,15 +372,8 @@ class SyncState:
         n_peers: int,
         commit_complete: bool = True,
         steps_short: float = 1.0,
-        expected: int | None = None,
     ) -> MergeReport:
         """Second half: merge the own delta and ``inbox``, commit what is due, reset the replica.
-
-        ``expected``: of the ``n_peers``, those (this one included) whose delta of this round
-        is expected; None: all. A peer counted in the average that has never sent a delta (one
-        that joined and is still fetching the swarm's state) will send none of this round: the
-        start point then estimates its delta as none instead of as the others' mean, so that
-        the replica restarts where the commit will put it (see ``_scale``).
 
         ``commit_complete``: commit this round at once when all ``n_peers`` deltas are in (a
         synchronous swarm, where every peer has them). ``round_boundary`` passes False unless the
@@ -403,9 +399,11 @@ class SyncState:
         if self._whole and self._pending_count[self.version] == 1:
             # Alone in the round (``prepare(whole=True)``): the anchor takes the whole delta as
             # it is, no outer step (its momentum would carry the model past where it trained).
-            for name, x in self._pending.pop(self.version).items():
+            whole = self._pending.pop(self.version)
+            for name, x in whole.items():
                 self.anchor[name].add_(x)
             del self._pending_count[self.version]
+            self._committed[self.version] = (_compact(whole), 1)
         # Commit every earlier round, and this one once all its deltas are in.
         due = sorted(
             b
@@ -413,60 +411,57 @@ class SyncState:
             if b < self.version
             or (commit_complete and b == self.version and self._pending_count[b] >= n_peers)
         )
-        self._close(due, n_peers=n_peers, keep=self._kept, expected=expected, whole=self._whole)
+        self._close(due, keep=self._kept)
         self.round += 1
         self._kept = {}
         self.last_merge = report
         return report
 
-    def _close(
-        self,
-        due: Sequence[int],
-        *,
-        n_peers: int,
-        keep: Mapping[str, Tensor],
-        expected: int | None = None,
-        whole: bool = False,
-    ) -> None:
+    def _close(self, due: Sequence[int], *, keep: Mapping[str, Tensor]) -> None:
         """Commit the ``due`` rounds in one outer step and move on to the next version; the
-        replica restarts from the new start point plus ``keep`` (``expected``: see ``merge``;
-        ``whole``: a peer alone in fact, see ``prepare``, commits its earlier rounds whole too:
-        nobody else holds a delta of them)."""
-        self._divisors[self.version] = n_peers
+        replica restarts from the new start point plus ``keep``.
+
+        Each round commits the change of its mean (``_coefficients``), whatever the peers
+        counted: one that counts a peer more or less than another for a round (it saw a
+        member leave or join a round earlier, it started before the others' adverts reached
+        it) still commits the same sum once it has merged the same deltas. Divided by the
+        peers counted, the rounds around every membership change differed from peer to peer
+        for good: 4 real daemons at 256 kbit/s (2026-12-05) counted 2, 3, 2 and 3 peers in
+        round 0; one merged the round's three other deltas after committing it, each at 1/2,
+        and the anchors ended 2.0 % apart, the final models 1.810-1.857."""
         if due:
-            if whole:  # they, and a late delta of them (the estimate too), count as this close
-                self._divisors.update(dict.fromkeys(due, n_peers))
-            # g = -(1/n) * sum_j w_j delta_j per round, n the peers counted when the round was
-            # closed and at least the deltas it has (a peer that left after sending still
-            # counted in its round).
-            scales = {b: 1.0 / self._divisor(b, self._pending_count[b]) for b in due}
-            self.outer.step(self.anchor, self._outer_grad(scales))
+            self.outer.step(self.anchor, self._outer_grad(due))
+            floor = self.version + 1 - self.spec.max_staleness  # older rounds take no delta
             for b in due:
-                del self._pending[b], self._pending_count[b]
-        self._n_peers = n_peers
-        self._expected = None if expected is None else max(1, min(expected, n_peers))
+                got, count = self._pending.pop(b), self._pending_count.pop(b)
+                if b < floor:
+                    continue
+                done = self._committed.get(b)
+                if done is not None:  # S + P, in place where S is dense
+                    for name, x in got.items():
+                        x.add_(_expand(done[0][name], x))
+                    count += done[1]
+                self._committed[b] = (_compact(got), count)
         self.version += 1
         self._restart_replica(keep=keep)
         floor = self.version - self.spec.max_staleness
         self._seen = {key for key in self._seen if key[1] >= floor}
-        self._divisors = {b: n for b, n in self._divisors.items() if b >= floor - 1}
+        self._committed = {b: c for b, c in self._committed.items() if b >= floor}
         self._claims = {p: b for p, b in self._claims.items() if b >= floor}
 
     @torch.no_grad()
-    def follow(self, inbox: Sequence[Contribution], *, n_peers: int) -> bool:
+    def follow(self, inbox: Sequence[Contribution]) -> bool:
         """After this peer's last round: close round ``version`` without a delta of its own.
 
         A peer that reaches the job's last step before the others has sent its last delta
         (its frame says so, and the others average their later rounds without it); the others
         still train a few rounds. Following them, it merges their deltas of those rounds as
-        they do (``n_peers``: the peers still training the round, this one not included), so
-        that its model of the swarm ends where theirs does instead of a few rounds behind.
-        What this peer trained and has not sent stays in the replica. The deltas are judged
+        they do (each round the mean of its deltas), so that its model of the swarm ends where
+        theirs does instead of a few rounds behind. What this peer trained and has not sent
+        stays in the replica. The deltas are judged
         against the newest own delta's norms (no direction check: there is no own delta of
         the round to compare with); ``last_merge`` says what was applied. False, and nothing
         done, when there is nothing to judge them by."""
-        if n_peers < 1:
-            raise ValueError(f"n_peers must be >= 1, got {n_peers}")
         if self._sent is not None:
             raise RuntimeError("follow() between prepare() and merge()")
         if self.screen is not None and not self.screen.record_stand_in(self.version):
@@ -480,7 +475,7 @@ class SyncState:
             self._take([*held, *inbox], report)
         finally:
             self._following = False
-        self._close(sorted(b for b in self._pending if b < self.version), n_peers=n_peers, keep=own)
+        self._close(sorted(b for b in self._pending if b < self.version), keep=own)
         self.last_merge = report
         return True
 
@@ -534,14 +529,12 @@ class SyncState:
         """Move the replica by as much as the start point moved when ``added`` (weight, tensors)
         joined (negative weight: left) the pending rounds, whose counts were ``before``.
 
-        Closed rounds whose estimate changed, with their scale before and after (the scale of a
-        round without deltas is 0). The outer gradient holds -s * S; with S' = S + A (A: the
-        deltas added) it changes by S' * (s_old - s_new) - s_old * A."""
+        Closed rounds whose estimate changed, with their coefficients before and after
+        (``_coefficients``). The outer gradient holds -(a * P + c * S), P the pending sum and S
+        the committed one; with P = P_old + A (A: the deltas added) it changes by
+        (a_old - a_new) * P - a_old * A + (c_old - c_new) * S."""
         changed = {
-            b: (
-                self._scale(b, before[b]) if before.get(b) else 0.0,
-                self._scale(b, k) if k > 0 else 0.0,
-            )
+            b: (self._coefficients(b, before.get(b, 0)), self._coefficients(b, k))
             for b, k in self._pending_count.items()
             if b < self.version and k != before.get(b, 0)
         }
@@ -549,10 +542,12 @@ class SyncState:
             return
         for name, p in self.params.items():
             dg = torch.zeros_like(self.anchor[name])  # change of the estimated outer gradient
-            for b, (s_old, s_new) in changed.items():
-                dg.add_(self._pending[b][name], alpha=s_old - s_new)
+            for b, ((a_old, c_old), (a_new, c_new)) in changed.items():
+                dg.add_(self._pending[b][name], alpha=a_old - a_new)
                 for w, tensors in added.get(b, ()):
-                    dg.add_(tensors[name].reshape(dg.shape), alpha=-s_old * w)
+                    dg.add_(tensors[name].reshape(dg.shape), alpha=-a_old * w)
+                if c_old != c_new:
+                    dg.add_(_expand(self._committed[b][0][name], dg), alpha=c_old - c_new)
             p.add_(self.outer.peek_shift(dg).to(p.device, p.dtype).reshape(p.shape))
 
     def _take(self, inbox: Sequence[Contribution], report: MergeReport) -> dict[int, list[Taken]]:
@@ -640,48 +635,29 @@ class SyncState:
             acc[name].add_(t.to("cpu", torch.float32).reshape(acc[name].shape), alpha=w)
         self._pending_count[base_version] += 1
 
-    def _outer_grad(self, scales: Mapping[int, float]) -> dict[str, Tensor]:
-        """``-sum_b scales[b] * pending[b]``: an outer gradient from pending rounds."""
+    def _coefficients(self, base_version: int, count: int) -> tuple[float, float]:
+        """(a, c): committing round ``base_version``'s ``count`` pending deltas (sum P) adds
+        a * P + c * S to the anchor's outer gradient (negated), S the round's committed sum of
+        k deltas: the round's mean (S + P) / (k + count) minus the mean committed, S / k. A
+        round not committed yet (k = 0) gives the mean of its deltas; none pending, nothing."""
+        if count <= 0:
+            return 0.0, 0.0
+        k = self._committed[base_version][1] if base_version in self._committed else 0
+        return 1.0 / (k + count), (-count / (k * (k + count)) if k else 0.0)
+
+    def _outer_grad(self, rounds: Iterable[int]) -> dict[str, Tensor]:
+        """The outer gradient that committing ``rounds``' pending deltas makes (see
+        ``_coefficients``): minus the change of each round's mean."""
+        coefficients = {b: self._coefficients(b, self._pending_count[b]) for b in rounds}
         grads = {}
-        for name, a in self.anchor.items():
-            g = torch.zeros_like(a)
-            for b, scale in scales.items():
-                g.add_(self._pending[b][name], alpha=scale)
+        for name, x in self.anchor.items():
+            g = torch.zeros_like(x)
+            for b, (a, c) in coefficients.items():
+                g.add_(self._pending[b][name], alpha=a)
+                if c:
+                    g.add_(_expand(self._committed[b][0][name], g), alpha=c)
             grads[name] = g.neg_()
         return grads
-
-    def _estimate_scales(self) -> dict[int, float]:
-        """How much of each closed pending round the start point holds (see ``_scale``)."""
-        return {
-            b: self._scale(b, k)
-            for b, k in self._pending_count.items()
-            if b < self.version and k > 0
-        }
-
-    def _scale(self, base_version: int, count: int) -> float:
-        """The last closed round: its ``count`` deltas' mean stands in for each delta still
-        expected (1 / ``count`` when every peer's is), the deltas not expected count as none,
-        and the commit will divide by the peers counted. An older round is committed already:
-        a late delta of it will count 1 / n_peers."""
-        if base_version == self.version - 1:
-            if self._expected is None:
-                return 1.0 / count
-            return max(count, self._expected) / (count * max(count, self._n_peers))
-        return 1.0 / self._divisor(base_version, count)
-
-    def _divisor(self, base_version: int, count: int) -> int:
-        """What round ``base_version``'s weighted sum of ``count`` deltas is divided by: the
-        peers counted when this peer closed it (the count of now where that is not known: a
-        state from before 2026-12-04), at least ``count``.
-
-        Not the count at the commit: a peer that has sent its last delta follows the others'
-        last rounds dividing by the peers still training them, and a round all of them trained
-        whose last deltas came after would be divided by that smaller count, its late deltas
-        too (4 real daemons at 256 kbit/s, run bf: the first to finish, following a round only
-        one peer trained, divided the last round all four trained by what it held of it and
-        that round's late deltas by 1, not 4; its anchor ended 1.8 % from the others', theirs
-        0.01 % apart, and its final model was the worst of four by 0.013)."""
-        return max(count, self._divisors.get(base_version, self._n_peers))
 
     def average_from_now(self) -> None:
         """Make every later commit the plain average (outer lr 1, no momentum), as consolidation
@@ -721,16 +697,16 @@ class SyncState:
     def start_point(self) -> dict[str, Tensor]:
         """Where the replica restarts: where the anchor will be once the pending rounds commit.
 
-        Each closed round's missing deltas are estimated by the mean of those that arrived, so a
-        peer that has heard from nobody yet keeps its own progress whole instead of shrinking it
-        to 1/n, and the outer step (momentum included) is the one the commit will take. When
-        every delta is in, this is exactly the anchor after the commit. Deltas of a round this
+        A round commits the mean of its deltas, so those still missing count as that mean: a
+        peer that has heard from nobody yet keeps its own progress whole instead of shrinking
+        it to 1/n, and the outer step (momentum included) is the one the commit will take. Unless
+        more deltas come, this is exactly the anchor after the commit. Deltas of a round this
         peer has not closed yet are left out until it has.
         """
-        scales = self._estimate_scales()
-        if not scales:
+        closed = [b for b, k in self._pending_count.items() if b < self.version and k > 0]
+        if not closed:
             return self.anchor
-        return self.outer.peek(self.anchor, self._outer_grad(scales))
+        return self.outer.peek(self.anchor, self._outer_grad(closed))
 
     @torch.no_grad()
     def _restart_replica(self, *, keep: Mapping[str, Tensor]) -> None:
@@ -778,9 +754,14 @@ class SyncState:
             out[_AVERAGING] = torch.tensor(1, dtype=torch.int64)
         seen = "".join(f"{sender}\t{b}\n" for sender, b in sorted(self._seen))
         out[_SEEN] = torch.tensor(list(seen.encode()), dtype=torch.uint8)
-        out[_DIVISORS] = torch.tensor(sorted(self._divisors.items()), dtype=torch.int64).reshape(
-            -1, 2
-        )
+        for b, (sums, count) in self._committed.items():
+            out[f"{_COMMITTED_COUNT}{b}"] = torch.tensor(count, dtype=torch.int64)
+            for n, t in sums.items():
+                if t.is_sparse:
+                    out[f"{_COMMITTED_AT}{b}.{n}"] = t.indices()[0].clone()
+                    out[f"{_COMMITTED_VAL}{b}.{n}"] = t.values().clone()
+                else:
+                    out[f"{_COMMITTED}{b}.{n}"] = t.clone()
         ref = self.screen.newest_own() if self.screen is not None else None
         if ref is not None:
             names = list(self.anchor)
@@ -832,10 +813,9 @@ class SyncState:
         if _AVERAGING in d and int(d[_AVERAGING]):  # restarted in the middle of consolidation
             self.average_from_now()
         self._seen = _read_seen(d.get(_SEEN), floor=self.version - self.spec.max_staleness)
-        self._divisors = _read_divisors(
-            d.get(_DIVISORS), rounds=range(self.version - self.spec.max_staleness - 1, self.version)
+        self._committed = _read_committed(
+            d, rounds=range(self.version - self.spec.max_staleness, self.version), like=self.anchor
         )
-        self._n_peers = self._divisors.get(self.version - 1, self._n_peers)
         self._inherited = _read_ref(d.get(_REF_NORMS), d.get(_REF_MAXABS), list(self.anchor))
         self._inherited_until = self.version + self.spec.max_staleness + 1
         if self._inherited is not None and self.screen is not None:
@@ -862,16 +842,71 @@ def _read_seen(t: Tensor | None, *, floor: int) -> set[tuple[str, int]]:
     return seen
 
 
-def _read_divisors(t: Tensor | None, *, rounds: range) -> dict[int, int]:
-    """The rounds' divisors ``state_tensors`` wrote: rows (base version, peers counted) of
-    ``rounds`` (older ones take no more late deltas), each at least 1 and at most
-    ``MAX_SEEN``; anything else is skipped (the count of now then stands in)."""
-    if t is None or t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != 2:
-        return {}
-    rows = min(len(rounds), MAX_SEEN)  # max_staleness may be large; a donor's rows are not
-    if t.shape[0] > rows:
-        t = t[-rows:] if rows else t[:0]
-    return {b: n for b, n in t.tolist() if b in rounds and 1 <= n <= MAX_SEEN}
+def _read_committed(
+    d: Mapping[str, Tensor], *, rounds: range, like: Mapping[str, Tensor]
+) -> dict[int, tuple[dict[str, Tensor], int]]:
+    """The committed sums ``state_tensors`` wrote, of ``rounds`` (older ones take no more late
+    deltas). A round is read whole or not at all: its count (1 to ``MAX_SEEN``) and, for every
+    tensor of ``like``, either a dense float tensor of its size or flat int64 indices, in
+    range and increasing, with as many finite values. A round left out counts as never
+    committed here: a late delta of it commits the mean of what comes (the state of a donor
+    from before 2026-12-05, or one that wrote something else)."""
+    out: dict[int, tuple[dict[str, Tensor], int]] = {}
+    for b in rounds:
+        count = d.get(f"{_COMMITTED_COUNT}{b}")
+        if count is None or count.dtype != torch.int64 or count.numel() != 1:
+            continue
+        if not 1 <= int(count) <= MAX_SEEN:
+            continue
+        sums: dict[str, Tensor] = {}
+        for name, ref in like.items():
+            t = _read_sum(d, f"{b}.{name}", ref.numel())
+            if t is None:
+                break
+            sums[name] = t
+        else:
+            out[b] = (sums, int(count))
+    return out
+
+
+def _read_sum(d: Mapping[str, Tensor], key: str, numel: int) -> Tensor | None:
+    """One tensor of a committed sum (see ``_read_committed``), flat, or None."""
+    dense = d.get(_COMMITTED + key)
+    if dense is not None:
+        if not dense.is_floating_point() or dense.numel() != numel or dense.is_sparse:
+            return None
+        t = dense.detach().to("cpu", torch.float32).reshape(-1).clone()
+        return t if bool(torch.isfinite(t).all()) else None
+    at, val = d.get(_COMMITTED_AT + key), d.get(_COMMITTED_VAL + key)
+    if at is None or val is None or at.dtype != torch.int64 or not val.is_floating_point():
+        return None
+    if at.dim() != 1 or val.dim() != 1 or at.numel() != val.numel() or at.numel() > numel:
+        return None
+    if at.numel() and (int(at[0]) < 0 or int(at[-1]) >= numel or bool((at[1:] <= at[:-1]).any())):
+        return None
+    values = val.detach().to("cpu", torch.float32)
+    if not bool(torch.isfinite(values).all()):
+        return None
+    return torch.sparse_coo_tensor(
+        at.reshape(1, -1).clone(), values.clone(), (numel,), check_invariants=True
+    ).coalesce()
+
+
+def _compact(sums: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``sums`` flat, each tensor sparse (its nonzero entries) where at most a quarter of it is
+    nonzero: a round of a sparse codec's deltas (4 peers at top-k 1 %: ~4 %) is kept at a
+    tenth of its dense size."""
+    out = {}
+    for name, t in sums.items():
+        flat = t.reshape(-1)
+        nonzero = int(torch.count_nonzero(flat))
+        out[name] = flat.to_sparse().coalesce() if 4 * nonzero <= flat.numel() else flat
+    return out
+
+
+def _expand(t: Tensor, like: Tensor) -> Tensor:
+    """A tensor of ``_compact``'s, dense and shaped like ``like``."""
+    return (t.to_dense() if t.is_sparse else t).reshape(like.shape)
 
 
 def _read_ref(norms: Tensor | None, maxabs: Tensor | None, names: list[str]) -> DeltaStats | None:

@@ -435,7 +435,7 @@ def test_the_loss_guard_guards_the_rounds_a_finished_peer_follows() -> None:
                           for k in SHAPES)  # fmt: skip
 
     guard = LossGuard(me, probe, max_rise=0.05, max_rise_ratio=0.05)
-    assert guard.follow([honest, hostile], n_peers=2)
+    assert guard.follow([honest, hostile])
     report = me.last_merge
     assert guard.rollbacks == 1 and me.version == 2
     assert [a.sender for a in report.applied] == ["p1"]

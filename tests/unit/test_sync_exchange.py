@@ -530,34 +530,6 @@ async def test_a_silent_peer_stops_counting_in_the_rounds_and_counts_again_when_
     assert plugin.n_peers(2 * grace + 3) == 1
 
 
-async def test_a_peer_that_has_sent_nothing_lately_counts_but_is_not_expected(
-    sessions: Any,
-) -> None:
-    """Issue #14: a counted peer none of whose deltas a merge here applied in the last
-    EXPECTED_ROUNDS rounds (counted from when it was first counted) is fetching the swarm's
-    state, or gone: it still counts in the average (``n_peers``), but its delta of the round
-    is not expected (``n_expected``: the start point estimates it as none). Its next applied
-    delta makes it expected again."""
-    from atomd.sync.exchange import EXPECTED_ROUNDS
-    from atomd.sync.state import AppliedDelta, MergeReport
-
-    early, late = Peer("e" * 32, "http://e"), Peer("j" * 32, "http://j")
-    peers = FakePeers([early])
-    ex = exchange(sessions, FakeClient(), peers)
-    plugin = attach(ex)
-    assert plugin.n_peers(0) == 2 and plugin.n_expected(0) == 2  # counted from round 0
-    assert plugin.n_expected(EXPECTED_ROUNDS) == 2
-    assert plugin.n_peers(EXPECTED_ROUNDS + 1) == 2 and plugin.n_expected(EXPECTED_ROUNDS + 1) == 1
-    await ex._record_merge(JOB, MergeReport(3, applied=[AppliedDelta(early.id, 0, 0, 1.0)]))
-    assert plugin.n_expected(3 + EXPECTED_ROUNDS) == 2
-    peers.peers.append(late)  # joins at round 5: counted at once, expected for a round
-    assert plugin.n_peers(5) == 3 and plugin.n_expected(5) == 2  # the late one, not the early
-    assert plugin.n_peers(5 + EXPECTED_ROUNDS + 1) == 3
-    assert plugin.n_expected(5 + EXPECTED_ROUNDS + 1) == 1
-    await ex._record_merge(JOB, MergeReport(8, applied=[AppliedDelta(late.id, 0, 8, 1.0)]))
-    assert plugin.n_expected(8) == 2 and plugin.n_peers(8) == 3
-
-
 async def test_quarantined_senders_and_other_codecs_are_refused(sessions: Any) -> None:
     """Issue #15: a frame in another codec than the job's is refused (a strike), and nothing
     from a quarantined member is decoded at all."""

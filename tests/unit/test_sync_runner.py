@@ -864,26 +864,6 @@ def test_a_peer_ahead_holds_its_round_until_the_previous_one_is_in() -> None:
     assert [o.step for o in sent] == [2, 6, 10, 14] and me.held_steps == 6
 
 
-def test_the_merge_is_told_how_many_deltas_of_the_round_to_expect() -> None:
-    """Issue #14: of the peers counted in a round, those whose delta of it is expected (the
-    exchange's ``n_expected``) reach the merge, whose start point estimates the rest as none."""
-    sent: list[RoundOut] = []
-    me = auto_plugin(sent, n_peers=3)
-    me.cadence = SetCadence(2)
-    me._n_expected = lambda base: 2
-    for step in range(1, 5):
-        _train(me, step)
-        if sent:
-            me.delivered(len(sent) - 1, 0.1)
-    assert [o.step for o in sent] == [2, 4]
-    assert me.state is not None and me.state._expected == 2 and me.state._n_peers == 3
-    me._n_expected = None  # by default every counted peer's delta is expected
-    for step in (5, 6):
-        _train(me, step)
-        me.delivered(len(sent) - 1, 0.1)
-    assert [o.step for o in sent] == [2, 4, 6] and me.state._expected == 3
-
-
 def test_deltas_wait_for_a_boundary_that_is_near() -> None:
     """The automatic cadence merges a closed round's deltas between boundaries only when the
     next boundary is ABSORB_AHEAD steps away or more; nearer, they wait and the boundary merges
