@@ -604,7 +604,7 @@ class DeltaExchange:
         if frame.final:
             self._finished.setdefault(job_id, {})[frame.sender] = frame.base_version
         if not plugin.inbox.put(
-            Contribution(frame.sender, frame.round, frame.base_version, tensors)
+            Contribution(frame.sender, frame.round, frame.base_version, tensors, every)
         ):
             log.warning("inbox of job %s full: a delta from %s dropped", job_id, signer)
         return frame.wire_bytes

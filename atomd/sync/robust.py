@@ -21,6 +21,9 @@ the signal away):
    move, whatever its direction). 4, not less: with ``sync.every: "auto"`` peers close
    rounds by time, so a peer twice or four times as fast sends a delta of two to four times
    the norm, and honest deltas must pass untouched for the anchors to agree.
+   A delta whose frame says its round lasted more steps than this peer's own round of the
+   number is clipped at bounds raised by that ratio, up to ``steps_ratio`` (2); its refusal
+   and strike are judged against the bounds before the rise (``Screen.judge``).
 3. Then each tensor's norm is clipped to ``tensor_ratio`` (6) times that tensor's reference
    (an attack concentrated in one small tensor, a LayerNorm gain, has a small overall norm),
    and each coordinate to ``coord_ratio`` (8) times the reference's largest absolute value in
@@ -96,6 +99,10 @@ class RobustRule:
     unaligned_ratio: float = 1.0
     """The norm bound of a delta that does not point along the own progress beyond chance, as a
     multiple of the reference: what an honest peer of equal pace sends."""
+    steps_ratio: float = 2.0
+    """A delta whose frame says its round lasted more steps than this peer's own round of the
+    same number is clipped at a bound raised by that ratio, up to this much (its refusal and
+    strike thresholds stay where they are)."""
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.clip_ratio <= self.refuse_ratio:
@@ -110,6 +117,8 @@ class RobustRule:
             raise ValueError("need chance_z > 0 and 0 < max_chance <= 1")
         if not 0.0 < self.unaligned_ratio <= self.clip_ratio:
             raise ValueError("need 0 < unaligned_ratio <= clip_ratio")
+        if self.steps_ratio < 1.0:
+            raise ValueError(f"steps_ratio must be >= 1, got {self.steps_ratio}")
 
 
 @dataclass(frozen=True)
@@ -206,6 +215,7 @@ class Progress:
 class _Round:
     own: DeltaStats | None = None
     accepted: list[DeltaStats] = field(default_factory=list)
+    steps: float | None = None  # the steps the own delta stands for (``record_own``)
 
 
 class Screen:
@@ -232,6 +242,7 @@ class Screen:
         *,
         steps_short: float = 1.0,
         floor: DeltaStats | None = None,
+        steps: int | None = None,
     ) -> None:
         """``steps_short``: the round's steps over the steps this peer trained in it, when it
         closed the round early (a joiner catching up with the swarm closes rounds after one
@@ -240,10 +251,12 @@ class Screen:
         strikes: an honest donor was quarantined by its joiner that way). ``floor``: statistics
         the reference is at least (a peer whose error feedback is fresh after a state transfer
         sends top-k of a near-empty accumulator, the others of theirs: the donor's newest own
-        statistics stand in as the floor for a few rounds)."""
+        statistics stand in as the floor for a few rounds). ``steps``: the steps this peer
+        trained in the round (for ``judge``'s ``every``; None: not known)."""
         r = self._rounds.setdefault(base_version, _Round())
         own = DeltaStats.of(tensors).scaled(max(1.0, steps_short))
         r.own = own if floor is None else own.maximum(floor)
+        r.steps = None if steps is None else steps * max(1.0, steps_short)
         self._forget_before(base_version)
 
     def newest_own(self) -> DeltaStats | None:
@@ -304,14 +317,29 @@ class Screen:
         tensors: Mapping[str, Tensor],
         *,
         toward: Progress | None = None,
+        every: int | None = None,
     ) -> Judgement:
         """Bound one delta of round ``base_version`` (see the module docstring). The delta's
         tensors are not modified; a clipped delta comes back as new tensors. ``toward``: this
         peer's own progress the swarm does not hold yet, for the direction check (None: no
         check, where deltas legitimately point against it: consolidation rounds, where each
-        peer sends its difference from the mean, or rounds followed after the last step)."""
+        peer sends its difference from the mean, or rounds followed after the last step).
+        ``every``: the steps the sender's frame says its round lasted (None: not said).
+
+        Rounds of one number last different steps at different peers where the link spaces
+        them (a peer does not close a round while its last frame is still uploading): 4 real
+        daemons at 256 kbit/s (2026-12-05) closed round 2 after 4, 6, 11 and 15 steps, during
+        the learning rate's warm-up, and two of them clipped honest deltas of 4.5-6 x their
+        own (their anchors then differed from the others' by 0.3-1 % for good). A longer round
+        said by the frame raises the clip bounds by as much, up to ``steps_ratio``; a member
+        that lies about it gains that much and no more: the refusal and the strike are judged
+        against the bounds as they were."""
         rule = self.rule
         own, accepted = self._reference(base_version)
+        r = self._rounds.get(base_version)
+        longer = 1.0
+        if every is not None and r is not None and r.steps:
+            longer = min(rule.steps_ratio, max(1.0, every / r.steps))
         stats = DeltaStats.of(tensors)
         pool = [s for s in [own, *accepted] if s is not None and s.norm > 0.0]
         if not pool:
@@ -350,6 +378,8 @@ class Screen:
                 limit = rule.unaligned_ratio
                 if stats.norm > limit * ref:
                     notes.append(f"unaligned (cosine {cos:.2g}, within chance {chance:.2g})")
+        strike = stats.norm * rule.strike_scale > limit * ref
+        limit *= longer
         scale = 1.0
         if stats.norm > limit * ref:
             scale = limit * ref / stats.norm
@@ -364,13 +394,13 @@ class Screen:
             x = t.to(torch.float32)
             t_scale = scale
             t_norm = stats.tensor_norms[name] * scale
-            if t_norm > rule.tensor_ratio * t_ref:
-                t_scale *= rule.tensor_ratio * t_ref / t_norm
+            if t_norm > rule.tensor_ratio * longer * t_ref:
+                t_scale *= rule.tensor_ratio * longer * t_ref / t_norm
                 notes.append(f"tensor {name} clipped")
             if t_scale != 1.0:
                 x = x * t_scale
             m_ref = lower_median([s.tensor_maxabs.get(name, 0.0) for s in pool])
-            bound = rule.coord_ratio * (m_ref if m_ref > 0.0 else t_ref)
+            bound = rule.coord_ratio * longer * (m_ref if m_ref > 0.0 else t_ref)
             if stats.tensor_maxabs[name] * t_scale > bound:
                 x = x.clamp(-bound, bound)
                 notes.append(f"{name} entries clipped to +-{bound:.3g}")
@@ -379,7 +409,6 @@ class Screen:
         if notes:
             shown = notes if len(notes) <= 3 else [*notes[:3], f"{len(notes) - 3} more"]
             reason = "clipped: " + "; ".join(shown)
-        strike = scale < rule.strike_scale
         kept = stats if reason is None else None
         return self._accept(base_version, out, kept, reason, scale, strike, cos)
 

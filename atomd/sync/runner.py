@@ -466,9 +466,13 @@ class SyncPlugin:
         # Closed early (catching up with the swarm): the others' deltas of the round hold H.
         short = (self.cadence.fixed or self._every()) / every
         if self.guard is not None:
-            out = self.guard.round_boundary(inbox, n_peers=n_peers, steps_short=short, whole=whole)
+            out = self.guard.round_boundary(
+                inbox, n_peers=n_peers, steps_short=short, whole=whole, steps=every
+            )
         else:
-            out = self.state.round_boundary(inbox, n_peers=n_peers, steps_short=short, whole=whole)
+            out = self.state.round_boundary(
+                inbox, n_peers=n_peers, steps_short=short, whole=whole, steps=every
+            )
         # The frame carries this peer's own proposal, not the swarm's period: a peer that sent
         # the largest period it heard would echo every peer's past proposals back to them, and
         # one slow round's proposal would then circulate, kept fresh, for the rest of the job.

@@ -86,6 +86,7 @@ class Contribution:
     round: int
     base_version: int
     tensors: dict[str, Tensor]
+    every: int | None = None  # the steps its round lasted, as its frame says (None: not said)
 
 
 @dataclass(frozen=True)
@@ -298,12 +299,14 @@ class SyncState:
         n_peers: int,
         steps_short: float = 1.0,
         whole: bool = True,
+        steps: int | None = None,
     ) -> Outgoing:
         """Close this peer's round: compress its delta, merge it with ``inbox``, step the anchor.
 
         ``n_peers``: peers training the job (this one included); ``steps_short``: the round's
         steps over those this peer trained in it, when it closed the round early (see
-        ``robust.Screen.record_own``); ``whole``: False keeps a
+        ``robust.Screen.record_own``; ``steps``: the steps it trained in the round, for the
+        same); ``whole``: False keeps a
         peer alone in the round from committing its whole delta at once (see ``prepare``): one
         whose rounds others still follow commits as they do, so that its anchor stays theirs.
         Returns the encoded delta to send; ``last_merge`` says what was applied or refused and
@@ -319,6 +322,7 @@ class SyncState:
             n_peers=n_peers,
             commit_complete=whole,
             steps_short=steps_short,
+            steps=steps,
         )
         return out
 
@@ -372,6 +376,7 @@ class SyncState:
         n_peers: int,
         commit_complete: bool = True,
         steps_short: float = 1.0,
+        steps: int | None = None,
     ) -> MergeReport:
         """Second half: merge the own delta and ``inbox``, commit what is due, reset the replica.
 
@@ -393,7 +398,9 @@ class SyncState:
         if self.screen is not None:  # the reference of this round's deltas is known now
             floor = self._inherited if self.version < self._inherited_until else None
             # The reference is the frame (others' deltas are frames too), not a whole commit.
-            self.screen.record_own(self.version, framed, steps_short=steps_short, floor=floor)
+            self.screen.record_own(
+                self.version, framed, steps_short=steps_short, floor=floor, steps=steps
+            )
         held, self._held = self._held, []
         self._take([*held, *inbox], report)
         if self._whole and self._pending_count[self.version] == 1:
@@ -573,7 +580,7 @@ class SyncState:
                 # Consolidation rounds send differences from the mean: opposed by design.
                 if toward is None and judge_direction:
                     toward = Progress.of(self.own_progress())
-                judged = self.screen.judge(c.base_version, c.tensors, toward=toward)
+                judged = self.screen.judge(c.base_version, c.tensors, toward=toward, every=c.every)
                 cos = judged.cosine
                 if judged.tensors is None:
                     reason, strike = judged.reason or "refused", judged.strike

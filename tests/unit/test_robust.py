@@ -67,6 +67,36 @@ def test_a_moderately_large_delta_is_clipped_to_the_bound() -> None:
     assert j.accepted and j.reason is None and j.scale == 1.0 and not j.strike
 
 
+def test_a_longer_round_said_by_its_frame_raises_the_clip_bound_not_the_strike() -> None:
+    """Issue #14: at a slow link rounds of one number last different steps at different peers
+    (4 real daemons at 256 kbit/s closed round 2 after 4 to 15 steps, in the warm-up), and two
+    peers clipped honest deltas of 4.5-6 x their own, so their anchors left the others'. A
+    frame that says its round lasted 3x this peer's steps is clipped at up to ``steps_ratio``
+    (2) x the bound; one that claims a huge round gains no more, and a 10x delta still strikes
+    (judged against the bound as it was), so a lying member is still quarantined."""
+    rule = RobustRule()
+    own = delta(0.1, 0)
+    six = {n: 6 * t for n, t in delta(0.1, 1).items()}
+    screen = Screen(rule)
+    screen.record_own(0, own, steps=2)
+    j = screen.judge(0, six)  # the frame says nothing: clipped at 4x, as before
+    assert j.reason and "clipped" in j.reason and not j.strike
+    screen = Screen(rule)
+    screen.record_own(0, own, steps=2)
+    j = screen.judge(0, six, every=6)
+    assert j.accepted and j.reason is None and j.scale == 1.0 and not j.strike
+    liar = {n: 10 * t for n, t in delta(0.1, 2).items()}
+    j = screen.judge(0, liar, every=10_000)
+    assert j.accepted and j.tensors is not None and j.reason and "clipped" in j.reason
+    bound = rule.clip_ratio * rule.steps_ratio * norm(own)
+    assert norm(j.tensors) <= bound * 1.0001
+    assert j.strike  # 10x: beyond 1 / strike_scale of the bound as it was
+    screen = Screen(rule)
+    screen.record_own(0, own, steps=2)
+    j = screen.judge(0, six, every=1)  # a shorter round: the bound as it was
+    assert j.reason and "clipped" in j.reason
+
+
 def test_one_huge_coordinate_is_clipped_per_coordinate() -> None:
     screen = Screen()
     own = delta(0.1, 0)

@@ -530,6 +530,30 @@ async def test_a_silent_peer_stops_counting_in_the_rounds_and_counts_again_when_
     assert plugin.n_peers(2 * grace + 3) == 1
 
 
+async def test_a_received_delta_carries_the_steps_its_frame_says_its_round_lasted(
+    sessions: Any,
+) -> None:
+    """The robust rule raises its clip bound for a delta of a longer round than this peer's
+    own (``Screen.judge``'s ``every``): the steps come from the frame's cadence to the
+    contribution the merge judges (None where the frame says nothing)."""
+    from atomd.sync.codecs import make_codec
+    from atomd.sync.wire import encode_frame
+
+    sender = Identity.generate()
+    peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
+    ex = exchange(sessions, FakeClient(), peers)
+    plugin = ex.plugin(JOB, JobSpec(sync={"codec": "fp32", "every": 1}))
+    torch.manual_seed(0)
+    plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+    tensors = [(n, make_codec("fp32").encode(torch.full(s, 0.01)))
+               for n, s in plugin.expected_shapes.items()]  # fmt: skip
+    for rnd, cadence in ((0, {"period_s": 2.0, "every": 6}), (1, None)):
+        frame = encode_frame(identity=sender, job_id=JOB, round=rnd, base_version=rnd,
+                             tensors=tensors, cadence=cadence)  # fmt: skip
+        await ex.receive(JOB, frame, sender.peer_id)
+    assert [(c.round, c.every) for c in plugin.inbox.take()] == [(0, 6), (1, None)]
+
+
 async def test_quarantined_senders_and_other_codecs_are_refused(sessions: Any) -> None:
     """Issue #15: a frame in another codec than the job's is refused (a strike), and nothing
     from a quarantined member is decoded at all."""
