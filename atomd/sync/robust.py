@@ -149,6 +149,20 @@ class DeltaStats:
             {n: max(v, other.tensor_maxabs.get(n, 0.0)) for n, v in self.tensor_maxabs.items()},
         )
 
+    def unmet_by(self, other: DeltaStats) -> DeltaStats | None:
+        """These statistics where ``other`` is below them, 0 where it has reached them; None
+        once it has reached every one."""
+        left = DeltaStats(
+            self.norm if other.norm < self.norm else 0.0,
+            {n: v if other.tensor_norms.get(n, 0.0) < v else 0.0
+             for n, v in self.tensor_norms.items()},
+            {n: v if other.tensor_maxabs.get(n, 0.0) < v else 0.0
+             for n, v in self.tensor_maxabs.items()},
+        )  # fmt: skip
+        if left.norm or any(left.tensor_norms.values()) or any(left.tensor_maxabs.values()):
+            return left
+        return None
+
     def scaled(self, factor: float) -> DeltaStats:
         """The same statistics ``factor`` times larger."""
         return DeltaStats(
@@ -243,7 +257,7 @@ class Screen:
         steps_short: float = 1.0,
         floor: DeltaStats | None = None,
         steps: int | None = None,
-    ) -> None:
+    ) -> DeltaStats:
         """``steps_short``: the round's steps over the steps this peer trained in it, when it
         closed the round early (a joiner catching up with the swarm closes rounds after one
         step each): its norms are scaled by that much, so that the others' deltas of whole
@@ -252,12 +266,14 @@ class Screen:
         the reference is at least (a peer whose error feedback is fresh after a state transfer
         sends top-k of a near-empty accumulator, the others of theirs: the donor's newest own
         statistics stand in as the floor for a few rounds). ``steps``: the steps this peer
-        trained in the round (for ``judge``'s ``every``; None: not known)."""
+        trained in the round (for ``judge``'s ``every``; None: not known). Returns the own
+        statistics as recorded before the floor."""
         r = self._rounds.setdefault(base_version, _Round())
         own = DeltaStats.of(tensors).scaled(max(1.0, steps_short))
         r.own = own if floor is None else own.maximum(floor)
         r.steps = None if steps is None else steps * max(1.0, steps_short)
         self._forget_before(base_version)
+        return own
 
     def newest_own(self) -> DeltaStats | None:
         """The statistics of the newest round with an own delta (None if none)."""

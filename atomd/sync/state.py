@@ -71,6 +71,9 @@ _SEEN = "sync.seen"
 # The newest own delta's reference statistics (the robust rule's): the overall norm then each
 # tensor's, and each tensor's largest |x|, in the anchor's order (float64).
 _REF_NORMS, _REF_MAXABS = "sync.ref.norms", "sync.ref.maxabs"
+# After taking a state: the most rounds the donor's reference statistics stay the floor of this
+# peer's own, each statistic until an own delta reaches it (``SyncState.merge``).
+INHERIT_ROUNDS = 64
 MAX_SEEN = 65_536  # entries read back from a state: (senders) x (max_staleness + 1) rounds
 # A round claimed further ahead than this counts for nothing in ``rounds_behind``: no honest
 # peer runs that far ahead of a live swarm (a joiner takes the donor's version).
@@ -206,7 +209,8 @@ class SyncState:
         self._whole = False  # the own delta of this round is whole (``prepare(whole=True)``)
         self._framed: dict[str, Tensor] = {}  # this round's delta as receivers decode it
         # After taking a state: the donor's reference statistics, the floor of this peer's own
-        # until round ``_inherited_until`` (its error feedback starts empty: ``load_state``).
+        # (its error feedback starts empty: ``load_state``), each until an own delta reaches it,
+        # at most until round ``_inherited_until``.
         self._inherited: DeltaStats | None = None
         self._inherited_until = 0
 
@@ -398,9 +402,11 @@ class SyncState:
         if self.screen is not None:  # the reference of this round's deltas is known now
             floor = self._inherited if self.version < self._inherited_until else None
             # The reference is the frame (others' deltas are frames too), not a whole commit.
-            self.screen.record_own(
+            own_stats = self.screen.record_own(
                 self.version, framed, steps_short=steps_short, floor=floor, steps=steps
             )
+            if floor is not None:  # each statistic holds until an own delta reaches it
+                self._inherited = floor.unmet_by(own_stats)
         held, self._held = self._held, []
         self._take([*held, *inbox], report)
         if self._whole and self._pending_count[self.version] == 1:
@@ -824,7 +830,7 @@ class SyncState:
             d, rounds=range(self.version - self.spec.max_staleness, self.version), like=self.anchor
         )
         self._inherited = _read_ref(d.get(_REF_NORMS), d.get(_REF_MAXABS), list(self.anchor))
-        self._inherited_until = self.version + self.spec.max_staleness + 1
+        self._inherited_until = self.version + max(INHERIT_ROUNDS, self.spec.max_staleness + 1)
         if self._inherited is not None and self.screen is not None:
             # The rounds closed before the state was taken: judged by the donor's statistics.
             first = max(0, self.version - self.spec.max_staleness)

@@ -777,6 +777,35 @@ def test_a_peer_that_takes_a_state_judges_by_the_donors_reference_at_first() -> 
         assert not report.applied and "outlier" in report.refused[0].reason
 
 
+def test_the_donors_reference_holds_until_the_takers_own_deltas_reach_it() -> None:
+    """A restarted real daemon (SIGKILL scenario, 2026-12-05) clipped the others' honest deltas
+    in LayerNorm tensors for ~40 rounds after the donor's floor lapsed (max_staleness + 1
+    rounds): its fresh error feedback sends small deltas there for that long, and its anchor
+    ended 3.5 % from theirs. Each statistic of the floor now holds until an own delta reaches
+    it (at most INHERIT_ROUNDS rounds): here ``b`` is reached at once and dropped, ``w`` and
+    ``e`` are not and still admit an honest-size delta rounds after the old lapse."""
+    from atomd.sync.state import INHERIT_ROUNDS
+
+    s = spec(codec="topk", topk_fraction=0.1)
+    replicas, states = swarm(2, s)
+    for t in replicas[0].values():  # the donor's steady-state deltas: large
+        t.add_(5.0)
+    states[0].round_boundary([], n_peers=2)
+    taker = SyncState(params(seed=5), s, peer_id="p9")
+    taker.load_state_tensors(states[0].state_tensors())
+    taker.adopt()
+    assert taker._inherited is not None and s.max_staleness + 1 < INHERIT_ROUNDS
+    for rnd in range(s.max_staleness + 3):
+        train(taker.params, seed=rnd)  # small own deltas ...
+        taker.params["b"].add_(100.0)  # ... but in b, larger than the donor's
+        taker.round_boundary([], n_peers=2)
+    assert taker._inherited is not None and s.max_staleness + 1 < INHERIT_ROUNDS
+    assert taker._inherited.tensor_norms["b"] == 0.0 and taker._inherited.tensor_norms["w"] > 0
+    big = {n: torch.full(sh, 4.0) for n, sh in SHAPES.items()}
+    report = taker.absorb([Contribution("p0", 9, taker.version - 1, big)])
+    assert [a.note for a in report.applied] == [None], (report.applied, report.refused)
+
+
 def test_a_whole_commit_keeps_the_frame_as_the_rounds_reference() -> None:
     """Alone (or before a snapshot) a peer commits its whole delta, but the deltas it judges
     are frames: its reference is its frame, not the whole delta (whose norm, handed to a joiner
