@@ -612,7 +612,8 @@ class SyncPlugin:
                 tail = self.tail.mean()
                 if tail is not None:
                     what = f"the mean of its last {self.tail.count} models"
-            own = state.unsent_from_anchor(tail)
+            reference = state.settled()  # the same at every peer that merged the same deltas
+            own = state.unsent_from(reference, tail)
             rate = self.cadence.rate()
             budget_s = average.upload_budget_s(time.monotonic() - self._attached_at)
             sized = average.encode_share(
@@ -653,7 +654,7 @@ class SyncPlugin:
             shares = [s for s in self.averages.on(version) if not self.excluded(s.sender)]
             if not shares:
                 return None
-            combined = average.combine(state.anchor, sized.decoded(), shares)
+            combined = average.combine(reference, sized.decoded(), shares)
             for sender, why in combined.left_out:
                 log.warning("final average: the share of %s left out: %s", sender, why)
             self.average_used = len(combined.used)
