@@ -9,18 +9,22 @@ checkpoints evaluated on the same validation windows). In the in-process harness
 beats the replicas by 0.010 at a round every 6 steps and by 0.007 at every 2.
 
 So after its last round (and the rounds of the others it follows) each peer sends every other
-peer one *average frame*: its model beyond its anchor (``SyncState.unsent_from_anchor``: the
-replica minus the anchor; with ``sync.final_tail`` (off by default) the mean of its models over
-the job's last steps minus the anchor: ``TailMean``), in the job's codec, with as many of the
-entries as the measured link carries in ``upload_budget_s`` (all of them on a free link: the
-job's sparse codec at a share of 1 is dense at 4 bits a value). Once the others' frames are in
-(or the wait is over), the candidate final model is the anchor plus the mean of every share:
-the average of the peers' models (exactly, up to the codec's rounding, when all shares are
-whole). The loss guard's probe then picks the final model among this peer's own replica, the
-swarm's model and the average, as it picks between the first two without it.
+peer one *average frame*: its model beyond its *settled anchor* (``SyncState.settled``: the
+anchor with every pending delta committed and the outer momentum run out; the share is
+``SyncState.unsent_from`` it: the replica minus it, or with ``sync.final_tail`` (off by
+default) the mean of its models over the job's last steps minus it: ``TailMean``), in the job's
+codec, with as many of the entries as the measured link carries in ``upload_budget_s`` (all of
+them on a free link: the job's sparse codec at a share of 1 is dense at 4 bits a value). Once
+the others' frames are in (or the wait is over), the candidate final model is the settled
+anchor plus the mean of every share: the average of the peers' models (exactly, up to the
+codec's rounding, when all shares are whole and the settled anchors agree, which they do at
+every peer that merged the same deltas, whenever each committed them; the anchors themselves
+differ by that timing under outer momentum, and by a late delta still pending at one peer).
+The loss guard's probe then picks the final model among this peer's own replica, the swarm's
+model and the average, as it picks between the first two without it.
 
-Why the anchor, not the swarm's model (the start point): the start points also hold each
-peer's estimate of the deltas it still misses, amplified by the outer step's look-ahead. Made
+Why not the swarm's model (the start point): the start points also hold each peer's estimate
+of the deltas it still misses, amplified by the outer step's look-ahead. Made
 relative to them, the first real-daemon run at 256 kbit/s (run ar: 4 peers, 6-12 % of the
 entries sent) gave candidates worse than every peer's own model (probes 1.767-1.826 against
 1.744-1.786). The anchors agree only where every delta was merged alike (until 2026-12-03 a
@@ -77,7 +81,7 @@ def _decoded(tensors: Mapping[str, Encoded]) -> dict[str, Tensor]:
 
 @dataclass
 class Share:
-    """One peer's share of the average: its model beyond its anchor on ``base_version``,
+    """One peer's share of the average: its model beyond its settled anchor on ``base_version``,
     encoded as it travelled (checked already: shapes, finite values), decoded one share at a
     time when the candidate is made."""
 

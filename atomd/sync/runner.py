@@ -517,7 +517,7 @@ class SyncPlugin:
         converge to the average of them all. A round whose deltas do not all arrive ends it.
 
         Without consolidation rounds, the final average (``atomd.sync.average``): this peer
-        sends the others its model beyond its anchor, waits for theirs, and the job may end
+        sends the others its model beyond its settled anchor, waits for theirs, and the job may end
         on the anchor plus the mean of them all."""
         if self.state is None:
             return

@@ -15,7 +15,7 @@ relative to), and every tensor (name, shape, codec, meta, nbytes); since version
 carry the sender's cadence (``{"period_s": its proposed round period, "every": steps in this
 round}``, see ``cadence.py``) and ``"final": true`` on the last delta it sends for the job;
 ``"average": true`` marks a frame that is not a delta at all but the sender's share of the
-job's final average (``SyncPlugin.finish``: its model beyond its anchor, sent once after its
+job's final average (``SyncPlugin.finish``: its model beyond its settled anchor, sent once after its
 last round; never merged into a round). The
 payload is the tensors' payloads concatenated in header order. The header travels in canonical
 form (sorted keys, no spaces, ASCII) and the sender signs it without its ``signature`` field
