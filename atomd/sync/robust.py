@@ -14,7 +14,12 @@ the signal away):
    tensor and overall. The own delta is the one nobody can forge; the others make the
    reference follow peers that legitimately send more (faster peers take more steps per
    round). A hostile member moves the lower median by at most one rank, and only with what
-   survived its own clipping.
+   survived its own clipping. The own delta's statistics are also its floor: deltas smaller
+   than this peer's own never lower it (with two in the pool the lower median is the smaller:
+   a member sending near-zero deltas made the next honest delta of the round an outlier, and
+   a peer just restarted, whose fresh error feedback sends little in its LayerNorm tensors,
+   made the others clip each other's there for ten rounds: their anchors then left its own by
+   4 %, 4 real daemons, SIGKILL scenario, 2026-12-05).
 2. A delta whose norm exceeds ``refuse_ratio`` (16) times the reference is refused (a strike
    against its sender); above ``clip_ratio`` (4) it is scaled down to ``clip_ratio`` times
    the reference (norm clipping, as in Byzantine-robust SGD: it bounds what any one delta can
@@ -368,7 +373,10 @@ class Screen:
                 0.0,
                 False,
             )
+        floor = own if own is not None and own.norm > 0.0 else None  # see the module docstring
         ref = lower_median([s.norm for s in pool])
+        if floor is not None:
+            ref = max(ref, floor.norm)
         if stats.norm > rule.refuse_ratio * ref:
             return Judgement(
                 None,
@@ -403,6 +411,8 @@ class Screen:
         out: dict[str, Tensor] = {}
         for name, t in tensors.items():
             t_ref = lower_median([s.tensor_norms.get(name, 0.0) for s in pool])
+            if floor is not None:
+                t_ref = max(t_ref, floor.tensor_norms.get(name, 0.0))
             if t_ref <= 0.0:
                 # A tensor nobody else moved: its share of the overall reference by size.
                 share = math.sqrt(t.numel() / max(1, sum(x.numel() for x in tensors.values())))
@@ -416,6 +426,8 @@ class Screen:
             if t_scale != 1.0:
                 x = x * t_scale
             m_ref = lower_median([s.tensor_maxabs.get(name, 0.0) for s in pool])
+            if floor is not None:
+                m_ref = max(m_ref, floor.tensor_maxabs.get(name, 0.0))
             bound = rule.coord_ratio * longer * (m_ref if m_ref > 0.0 else t_ref)
             if stats.tensor_maxabs[name] * t_scale > bound:
                 x = x.clamp(-bound, bound)
