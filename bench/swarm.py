@@ -317,8 +317,10 @@ def run_scenario(
         load_start, _load(),
     )  # fmt: skip
     if seen.job_id is not None:
-        report["anchor_divergence_final"] = anchor_divergence(
-            [d.data_dir for d in daemons], seen.job_id
+        dirs = [d.data_dir for d in daemons]
+        report["anchor_divergence_final"] = anchor_divergence(dirs, seen.job_id)
+        report["settled_divergence_final"] = settled_divergence(
+            dirs, seen.job_id, {**task.sync, "every": task.every}
         )
     return report
 
@@ -346,6 +348,44 @@ def anchor_divergence(data_dirs: Sequence[Path], job_id: str) -> float | None:
         return (num / den) ** 0.5 if den > 0 else 0.0
 
     return max(rel(a, b) for i, a in enumerate(anchors) for b in anchors[i + 1 :])
+
+
+def settled_divergence(
+    data_dirs: Sequence[Path], job_id: str, sync: Mapping[str, Any]
+) -> float | None:
+    """As ``anchor_divergence``, of the settled anchors (``SyncState.settled``: every pending
+    delta committed, the outer momentum run out), what the final average is relative to. With
+    outer momentum the anchors differ by when each peer committed a late delta and by deltas
+    still pending at the end; the settled anchors of peers that merged the same deltas agree."""
+    from safetensors.torch import load_file
+
+    from atomd.spec import SyncSpec
+    from atomd.sync.state import SyncState
+
+    spec = SyncSpec(**sync)
+    settled = []
+    for d in data_dirs:
+        steps = sorted((d / "jobs" / job_id / "checkpoints").glob("step-*"))
+        state = steps[-1] / "state.safetensors" if steps else None
+        if state is None or not state.exists():
+            continue
+        tensors = {k[len("sync.") :]: v for k, v in load_file(str(state)).items()
+                   if k.startswith("sync.")}  # fmt: skip
+        anchor = {k[len("anchor.") :]: v for k, v in tensors.items() if k.startswith("anchor.")}
+        if not anchor:
+            continue
+        s = SyncState({k: v.clone() for k, v in anchor.items()}, spec, robust=None)
+        s.load_state_tensors(tensors)
+        settled.append({k: v.double() for k, v in s.settled().items()})
+    if len(settled) < 2:
+        return None
+
+    def rel(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+        num = sum(float((a[k] - b[k]).square().sum()) for k in a)
+        den = sum(float(a[k].square().sum()) for k in a)
+        return (num / den) ** 0.5 if den > 0 else 0.0
+
+    return max(rel(a, b) for i, a in enumerate(settled) for b in settled[i + 1 :])
 
 
 def wait_formed(daemons: list[Daemon], *, deadline: float) -> None:

@@ -112,3 +112,4 @@ def test_a_small_swarm_of_real_daemons_reports_its_figures(tmp_path: Path) -> No
     # is usable: measured by `atomd bench swarm`, not asserted here).
     assert all(p["final_model"] in ("swarm", "own", "average") for p in peers)
     assert isinstance(report["anchor_divergence_final"], float)
+    assert isinstance(report["settled_divergence_final"], float)

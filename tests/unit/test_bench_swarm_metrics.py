@@ -57,3 +57,47 @@ def test_the_anchors_divergence_is_read_from_each_peers_newest_checkpoint(tmp_pa
     c = checkpoint(2, 600, [3.0, 4.5])
     assert anchor_divergence([a, b, c], job) == pytest.approx(0.1)  # |(0, 0.5)| / |(3, 4)|
     assert anchor_divergence([a, tmp_path / "nobody"], job) is None
+
+
+def test_the_settled_anchors_of_real_states_agree_where_the_anchors_do_not(tmp_path: Path) -> None:
+    """``settled_divergence`` reads each peer's newest checkpoint into a real ``SyncState`` and
+    compares where the anchors settle (``SyncState.settled``): A merged B's delta of round 0
+    in time, B merged A's only after committing the round, so it is still pending there and
+    the anchors differ; the settled anchors do not."""
+    import torch
+    from safetensors.torch import save_file
+
+    from atomd.spec import SyncSpec
+    from atomd.sync.codecs import decode
+    from atomd.sync.state import Contribution, Outgoing, SyncState
+    from atomd_bench.swarm import anchor_divergence, settled_divergence
+
+    job = "b" * 32
+    sync = {"codec": "fp32", "every": 2, "outer_momentum": 0.7}
+    a, b = (SyncState({"w": torch.tensor([3.0, 4.0, 1.0])}, SyncSpec(**sync), peer_id=p)
+            for p in "ab")  # fmt: skip
+    a.params["w"].add_(torch.tensor([0.5, 0.0, 0.1]))
+    b.params["w"].add_(torch.tensor([0.0, 0.3, -0.1]))
+
+    def got(sender: str, out: Outgoing) -> Contribution:
+        return Contribution(sender, out.round, out.base_version,
+                            {n: decode(e) for n, e in out.tensors})  # fmt: skip
+
+    oa, ob = a.prepare(), b.prepare()
+    a.merge([got("b", ob)], n_peers=2, commit_complete=False)
+    b.merge([], n_peers=2, commit_complete=False)
+    for st in (a, b):  # round 1, nothing trained: round 0 commits
+        st.prepare()
+        st.merge([], n_peers=2, commit_complete=False)
+    b.absorb([got("a", oa)])  # after B committed round 0 with its own delta only
+    dirs = []
+    for i, st in enumerate((a, b)):
+        d = tmp_path / f"peer{i}" / "jobs" / job / "checkpoints" / "step-00000002"
+        d.mkdir(parents=True)
+        save_file({f"sync.{k}": v.contiguous() for k, v in st.state_tensors().items()},
+                  str(d / "state.safetensors"))  # fmt: skip
+        dirs.append(tmp_path / f"peer{i}")
+    apart = anchor_divergence(dirs, job)
+    assert apart is not None and apart > 1e-3
+    settled = settled_divergence(dirs, job, sync)
+    assert settled is not None and settled < 1e-6

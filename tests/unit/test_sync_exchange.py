@@ -41,11 +41,13 @@ class FakeClient:
     answers: dict[str, list[int | None]] = field(default_factory=dict)
     posts: list[tuple[str, str, int]] = field(default_factory=list)
     timeouts: list[float] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
 
     async def post_bytes(
         self, url: str, path: str, body: bytes, reply: Any, *, target: str, timeout: float
     ) -> Any:
         self.posts.append((url, path, len(body)))
+        self.bodies.append(body)
         self.timeouts.append(timeout)
         queue = self.answers.get(url, [])
         status = queue.pop(0) if queue else None
@@ -183,7 +185,9 @@ async def test_a_peer_that_starts_training_later_gets_the_rounds_it_missed(
     sessions: Any,
 ) -> None:
     """A round's frame goes to the peers training the job when it closes; one that starts a
-    moment later is sent the recent frames it missed (at most max_staleness of them), once."""
+    moment later is sent the recent frames it missed (at most max_staleness of them), once,
+    oldest first and before the round's own: while it fetches the swarm's state it keeps the
+    newest frames that come, and the round's own, sent first, was the one it dropped."""
     a, b = Peer("p" * 32, "http://a"), Peer("q" * 32, "http://b")
     client = FakeClient()
     peers = FakePeers([a])
@@ -191,6 +195,14 @@ async def test_a_peer_that_starts_training_later_gets_the_rounds_it_missed(
     plugin = ex.plugin(JOB, JobSpec(sync={"codec": "fp32", "every": 1, "max_staleness": 2}))
     torch.manual_seed(0)
     plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+    round_of: dict[bytes, int] = {}
+    keep = ex._keep
+
+    def keeping(out: Any, tried: set[str]) -> None:
+        round_of[out.frame] = out.outgoing.round
+        keep(out, tried)
+
+    ex._keep = keeping  # type: ignore[method-assign]
 
     def rows_of(n: int) -> Any:
         async def check() -> bool:
@@ -209,8 +221,11 @@ async def test_a_peer_that_starts_training_later_gets_the_rounds_it_missed(
         await until(rows_of(9), "round 4 sent")
     sent = [(r.peer_id, r.round) for r in sorted(await rounds(sessions), key=lambda r: r.id)]
     assert [rnd for pid, rnd in sent if pid == a.id] == [0, 1, 2, 3, 4]
-    assert [rnd for pid, rnd in sent if pid == b.id] == [3, 1, 2, 4]
+    assert [rnd for pid, rnd in sent if pid == b.id] == [1, 2, 3, 4]
     assert [url for url, _, _ in client.posts].count("http://b") == 4
+    to_b = [round_of[body] for (url, _, _), body in zip(client.posts, client.bodies, strict=True)
+            if url == "http://b"]  # fmt: skip
+    assert to_b == [1, 2, 3, 4]  # the order they went in
 
 
 @dataclass
