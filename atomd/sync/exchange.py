@@ -7,7 +7,8 @@ A delta's whole path stays in ``atomd.sync``:
 2. the exchange uploads it to every peer that trains the job (``POST /p2p/v1/jobs/{id}/deltas``,
    one peer after another, paced by the uplink's measured rate, so that the frames do not leave
    as one burst; one retry on a network error, none on a refusal); a peer that starts
-   training the job later is sent the recent rounds' frames it missed (``_catch_up``);
+   training the job later is sent the recent rounds' frames it missed, oldest first and
+   before the round's own (``_catch_up``);
 3. on each receiver the peer plane hands the body to ``DeltaExchange.receive``, which checks it
    whole off the event loop (``wire.FrameDecoder``, the replay guard) and queues it in the job's
    plugin inbox; the plugin merges it after the next optimizer step. A frame that comes before
