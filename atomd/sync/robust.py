@@ -14,12 +14,12 @@ the signal away):
    tensor and overall. The own delta is the one nobody can forge; the others make the
    reference follow peers that legitimately send more (faster peers take more steps per
    round). A hostile member moves the lower median by at most one rank, and only with what
-   survived its own clipping. The own delta's statistics are also its floor: deltas smaller
-   than this peer's own never lower it (with two in the pool the lower median is the smaller:
-   a member sending near-zero deltas made the next honest delta of the round an outlier, and
-   a peer just restarted, whose fresh error feedback sends little in its LayerNorm tensors,
-   made the others clip each other's there for ten rounds: their anchors then left its own by
-   4 %, 4 real daemons, SIGKILL scenario, 2026-12-05).
+   survived its own clipping. Half the own delta's statistics are also its floor
+   (``own_floor``): deltas smaller than that never lower it. With two in the pool the lower
+   median is the smaller: a member sending near-zero deltas made the next honest delta of the
+   round an outlier, and a peer just restarted, whose fresh error feedback sends little in its
+   LayerNorm tensors, made the others clip each other's there for ten rounds (their anchors
+   then left its own by 4 %, 4 real daemons, SIGKILL scenario, 2026-12-05).
 2. A delta whose norm exceeds ``refuse_ratio`` (16) times the reference is refused (a strike
    against its sender); above ``clip_ratio`` (4) it is scaled down to ``clip_ratio`` times
    the reference (norm clipping, as in Byzantine-robust SGD: it bounds what any one delta can
@@ -104,6 +104,13 @@ class RobustRule:
     unaligned_ratio: float = 1.0
     """The norm bound of a delta that does not point along the own progress beyond chance, as a
     multiple of the reference: what an honest peer of equal pace sends."""
+    own_floor: float = 0.5
+    """Each statistic of the reference is at least this times the own delta's: a smaller
+    delta accepted for the round lowers it no further (with two in the pool the lower median
+    is the smaller). Not 1: where the own delta is the largest of the honest ones, the
+    reference would then be the largest, not their median, and a member sending 10x its delta
+    would be clipped without a strike more often (``bench attack``: 9-14 of its deltas merged
+    before its quarantine against 3-5)."""
     steps_ratio: float = 2.0
     """A delta whose frame says its round lasted more steps than this peer's own round of the
     same number is clipped at a bound raised by that ratio, up to this much (its refusal and
@@ -122,6 +129,8 @@ class RobustRule:
             raise ValueError("need chance_z > 0 and 0 < max_chance <= 1")
         if not 0.0 < self.unaligned_ratio <= self.clip_ratio:
             raise ValueError("need 0 < unaligned_ratio <= clip_ratio")
+        if not 0.0 <= self.own_floor <= 1.0:
+            raise ValueError(f"own_floor must be in [0, 1], got {self.own_floor}")
         if self.steps_ratio < 1.0:
             raise ValueError(f"steps_ratio must be >= 1, got {self.steps_ratio}")
 
@@ -373,7 +382,9 @@ class Screen:
                 0.0,
                 False,
             )
-        floor = own if own is not None and own.norm > 0.0 else None  # see the module docstring
+        floor = None  # see the module docstring
+        if own is not None and own.norm > 0.0 and rule.own_floor > 0.0:
+            floor = own.scaled(rule.own_floor)
         ref = lower_median([s.norm for s in pool])
         if floor is not None:
             ref = max(ref, floor.norm)

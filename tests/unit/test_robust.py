@@ -97,11 +97,11 @@ def test_a_longer_round_said_by_its_frame_raises_the_clip_bound_not_the_strike()
     assert j.reason and "clipped" in j.reason
 
 
-def test_smaller_deltas_never_lower_the_reference_below_the_own_delta() -> None:
+def test_smaller_deltas_never_lower_the_reference_below_half_the_own_delta() -> None:
     """With two in the pool the lower median is the smaller: a near-zero delta accepted first
     made the next honest delta of the round an outlier (refused, a strike against an honest
     peer), and a peer just restarted (small deltas in its LayerNorm tensors) made the others
-    clip each other's there. The own delta's statistics are the reference's floor."""
+    clip each other's there. Half the own delta's statistics are the reference's floor."""
     screen = Screen()
     own = delta(0.1, 0)
     screen.record_own(0, own)
@@ -115,7 +115,7 @@ def test_smaller_deltas_never_lower_the_reference_below_the_own_delta() -> None:
     screen.record_own(0, own)
     assert screen.judge(0, small_b).reason is None  # small in one tensor only
     j = screen.judge(0, delta(0.1, 4))
-    assert j.reason is None, j.reason  # its b is judged by the own b, not the small one
+    assert j.reason is None, j.reason  # its b is judged by half the own b, not the small one
 
 
 def test_one_huge_coordinate_is_clipped_per_coordinate() -> None:
