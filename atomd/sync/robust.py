@@ -27,8 +27,9 @@ the signal away):
    rounds by time, so a peer twice or four times as fast sends a delta of two to four times
    the norm, and honest deltas must pass untouched for the anchors to agree.
    A delta whose frame says its round lasted more steps than this peer's own round of the
-   number is clipped at bounds raised by that ratio, up to ``steps_ratio`` (2); its refusal
-   and strike are judged against the bounds before the rise (``Screen.judge``).
+   number is clipped at bounds raised by that ratio, up to ``steps_ratio`` (2), unless it is
+   unaligned (rule 4); its refusal and strike are judged against the bounds before the rise
+   (``Screen.judge``).
 3. Then each tensor's norm is clipped to ``tensor_ratio`` (6) times that tensor's reference
    (an attack concentrated in one small tensor, a LayerNorm gain, has a small overall norm),
    and each coordinate to ``coord_ratio`` (8) times the reference's largest absolute value in
@@ -411,6 +412,7 @@ class Screen:
                 )
             if cos < chance:
                 limit = rule.unaligned_ratio
+                longer = 1.0  # a longer round earns an aligned delta more room, not noise
                 if stats.norm > limit * ref:
                     notes.append(f"unaligned (cosine {cos:.2g}, within chance {chance:.2g})")
         strike = stats.norm * rule.strike_scale > limit * ref

@@ -118,6 +118,18 @@ def test_smaller_deltas_never_lower_the_reference_below_half_the_own_delta() -> 
     assert j.reason is None, j.reason  # its b is judged by half the own b, not the small one
 
 
+def test_a_longer_round_earns_noise_no_more_room() -> None:
+    """Noise (a delta that does not point along this peer's progress beyond chance) is held to
+    the reference whatever its frame says of its round's steps."""
+    own = drift(0, steps=1.0, share=0.0)
+    for every in (None, 10_000):
+        screen = Screen()
+        screen.record_own(0, own, steps=1)
+        j = screen.judge(0, noise(1.9, own, seed=3), toward=Progress.of(own), every=every)
+        assert j.reason and "unaligned" in j.reason, j.reason
+        assert j.tensors is not None and norm(j.tensors) <= norm(own) * 1.0001
+
+
 def test_one_huge_coordinate_is_clipped_per_coordinate() -> None:
     screen = Screen()
     own = delta(0.1, 0)
