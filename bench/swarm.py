@@ -329,25 +329,8 @@ def anchor_divergence(data_dirs: Sequence[Path], job_id: str) -> float | None:
     """The largest relative L2 distance between two peers' anchors (``sync.anchor.*``) in
     their newest checkpoints of the job, each written as the peer ended it: ~0 where every
     peer commits the same sums (``atomd bench sync``: ~1e-8); None with fewer than two."""
-    from safetensors.torch import load_file
-
-    anchors = []
-    for d in data_dirs:
-        steps = sorted((d / "jobs" / job_id / "checkpoints").glob("step-*"))
-        state = steps[-1] / "state.safetensors" if steps else None
-        if state is None or not state.exists():
-            continue
-        tensors = load_file(str(state))
-        anchors.append({k: v.double() for k, v in tensors.items() if k.startswith("sync.anchor.")})
-    if len(anchors) < 2 or not anchors[0]:
-        return None
-
-    def rel(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
-        num = sum(float((a[k] - b[k]).square().sum()) for k in a)
-        den = sum(float(a[k].square().sum()) for k in a)
-        return (num / den) ** 0.5 if den > 0 else 0.0
-
-    return max(rel(a, b) for i, a in enumerate(anchors) for b in anchors[i + 1 :])
+    states = _final_sync_states(data_dirs, job_id)
+    return _widest([{k: v for k, v in s.items() if k.startswith("anchor.")} for s in states])
 
 
 def settled_divergence(
@@ -357,35 +340,47 @@ def settled_divergence(
     delta committed, the outer momentum run out), what the final average is relative to. With
     outer momentum the anchors differ by when each peer committed a late delta and by deltas
     still pending at the end; the settled anchors of peers that merged the same deltas agree."""
-    from safetensors.torch import load_file
-
     from atomd.spec import SyncSpec
     from atomd.sync.state import SyncState
 
     spec = SyncSpec(**sync)
     settled = []
+    for tensors in _final_sync_states(data_dirs, job_id):
+        anchor = {k[len("anchor.") :]: v for k, v in tensors.items() if k.startswith("anchor.")}
+        if anchor:
+            s = SyncState({k: v.clone() for k, v in anchor.items()}, spec, robust=None)
+            s.load_state_tensors(tensors)
+            settled.append(s.settled())
+    return _widest(settled)
+
+
+def _final_sync_states(data_dirs: Sequence[Path], job_id: str) -> list[dict[str, Any]]:
+    """Each peer's sync state (``sync.*``, the prefix dropped) in its newest checkpoint of the
+    job; peers without one are left out."""
+    from safetensors.torch import load_file
+
+    out = []
     for d in data_dirs:
         steps = sorted((d / "jobs" / job_id / "checkpoints").glob("step-*"))
         state = steps[-1] / "state.safetensors" if steps else None
-        if state is None or not state.exists():
-            continue
-        tensors = {k[len("sync.") :]: v for k, v in load_file(str(state)).items()
-                   if k.startswith("sync.")}  # fmt: skip
-        anchor = {k[len("anchor.") :]: v for k, v in tensors.items() if k.startswith("anchor.")}
-        if not anchor:
-            continue
-        s = SyncState({k: v.clone() for k, v in anchor.items()}, spec, robust=None)
-        s.load_state_tensors(tensors)
-        settled.append({k: v.double() for k, v in s.settled().items()})
-    if len(settled) < 2:
+        if state is not None and state.exists():
+            out.append({k[len("sync.") :]: v for k, v in load_file(str(state)).items()
+                        if k.startswith("sync.")})  # fmt: skip
+    return out
+
+
+def _widest(models: Sequence[Mapping[str, Any]]) -> float | None:
+    """The largest relative L2 distance between two of ``models`` (None with fewer than two)."""
+    models = [m for m in models if m]
+    if len(models) < 2:
         return None
 
     def rel(a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
-        num = sum(float((a[k] - b[k]).square().sum()) for k in a)
-        den = sum(float(a[k].square().sum()) for k in a)
+        num = sum(float((a[k].double() - b[k].double()).square().sum()) for k in a)
+        den = sum(float(a[k].double().square().sum()) for k in a)
         return (num / den) ** 0.5 if den > 0 else 0.0
 
-    return max(rel(a, b) for i, a in enumerate(settled) for b in settled[i + 1 :])
+    return max(rel(a, b) for i, a in enumerate(models) for b in models[i + 1 :])
 
 
 def wait_formed(daemons: list[Daemon], *, deadline: float) -> None:
