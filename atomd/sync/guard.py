@@ -151,7 +151,7 @@ class LossGuard:
 
     def follow(self, inbox: Sequence[Contribution]) -> bool:
         """``SyncState.follow``, guarded; ``state.last_merge`` says what was applied."""
-        return self._closing(inbox, lambda later: self.state.follow(later))
+        return self._closing(inbox, self.state.follow)
 
     def _closing(
         self, inbox: Sequence[Contribution], close: Callable[[list[Contribution]], _T]

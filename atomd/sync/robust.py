@@ -383,12 +383,14 @@ class Screen:
                 0.0,
                 False,
             )
-        floor = None  # see the module docstring
-        if own is not None and own.norm > 0.0 and rule.own_floor > 0.0:
-            floor = own.scaled(rule.own_floor)
-        ref = lower_median([s.norm for s in pool])
-        if floor is not None:
-            ref = max(ref, floor.norm)
+        reference = DeltaStats(
+            lower_median([s.norm for s in pool]),
+            {n: lower_median([s.tensor_norms.get(n, 0.0) for s in pool]) for n in tensors},
+            {n: lower_median([s.tensor_maxabs.get(n, 0.0) for s in pool]) for n in tensors},
+        )
+        if own is not None and own.norm > 0.0 and rule.own_floor > 0.0:  # module docstring
+            reference = reference.maximum(own.scaled(rule.own_floor))
+        ref = reference.norm
         if stats.norm > rule.refuse_ratio * ref:
             return Judgement(
                 None,
@@ -423,9 +425,7 @@ class Screen:
             notes.append(f"norm {stats.norm:.4g} clipped to {limit:g} x {ref:.4g}")
         out: dict[str, Tensor] = {}
         for name, t in tensors.items():
-            t_ref = lower_median([s.tensor_norms.get(name, 0.0) for s in pool])
-            if floor is not None:
-                t_ref = max(t_ref, floor.tensor_norms.get(name, 0.0))
+            t_ref = reference.tensor_norms[name]
             if t_ref <= 0.0:
                 # A tensor nobody else moved: its share of the overall reference by size.
                 share = math.sqrt(t.numel() / max(1, sum(x.numel() for x in tensors.values())))
@@ -438,9 +438,7 @@ class Screen:
                 notes.append(f"tensor {name} clipped")
             if t_scale != 1.0:
                 x = x * t_scale
-            m_ref = lower_median([s.tensor_maxabs.get(name, 0.0) for s in pool])
-            if floor is not None:
-                m_ref = max(m_ref, floor.tensor_maxabs.get(name, 0.0))
+            m_ref = reference.tensor_maxabs[name]
             bound = rule.coord_ratio * longer * (m_ref if m_ref > 0.0 else t_ref)
             if stats.tensor_maxabs[name] * t_scale > bound:
                 x = x.clamp(-bound, bound)

@@ -310,9 +310,9 @@ class SyncState:
         ``n_peers``: peers training the job (this one included); ``steps_short``: the round's
         steps over those this peer trained in it, when it closed the round early (see
         ``robust.Screen.record_own``; ``steps``: the steps it trained in the round, for the
-        same); ``whole``: False keeps a
-        peer alone in the round from committing its whole delta at once (see ``prepare``): one
-        whose rounds others still follow commits as they do, so that its anchor stays theirs.
+        same); ``whole``: False keeps a peer alone in the round from committing its whole delta
+        at once (see ``prepare``): one whose rounds others still follow commits as they do, so
+        that its anchor stays theirs.
         Returns the encoded delta to send; ``last_merge`` says what was applied or refused and
         why.
         """
@@ -444,11 +444,8 @@ class SyncState:
         and the anchors ended 2.0 % apart, the final models 1.810-1.857."""
         if due:
             self.outer.step(self.anchor, self._outer_grad(due))
-            floor = self.version + 1 - self.spec.max_staleness  # older rounds take no delta
-            for b in due:
+            for b in due:  # kept until they can take no late delta (pruned below)
                 got, count = self._pending.pop(b), self._pending_count.pop(b)
-                if b < floor:
-                    continue
                 done = self._committed.get(b)
                 if done is not None:  # S + P, in place where S is dense
                     for name, x in got.items():
@@ -635,7 +632,7 @@ class SyncState:
         peer committed a late delta, and by the late deltas still pending at the job's end (4
         real daemons at 256 kbit/s: one peer ended with a delta of the last round pending and
         its anchor 1.1 % from the others', and its final average 0.0066 worse than theirs)."""
-        closed = [b for b, k in self._pending_count.items() if b < self.version and k > 0]
+        closed = self._closed_pending()
         grads = self._outer_grad(closed) if closed else {}
         lr, m = self.outer.lr, self.outer.momentum
         out = {}
@@ -683,6 +680,10 @@ class SyncState:
             return 0.0, 0.0
         k = self._committed[base_version][1] if base_version in self._committed else 0
         return 1.0 / (k + count), (-count / (k * (k + count)) if k else 0.0)
+
+    def _closed_pending(self) -> list[int]:
+        """The rounds this peer has closed that hold deltas not committed yet."""
+        return [b for b, k in self._pending_count.items() if b < self.version and k > 0]
 
     def _outer_grad(self, rounds: Iterable[int]) -> dict[str, Tensor]:
         """The outer gradient that committing ``rounds``' pending deltas makes (see
@@ -742,7 +743,7 @@ class SyncState:
         more deltas come, this is exactly the anchor after the commit. Deltas of a round this
         peer has not closed yet are left out until it has.
         """
-        closed = [b for b, k in self._pending_count.items() if b < self.version and k > 0]
+        closed = self._closed_pending()
         if not closed:
             return self.anchor
         return self.outer.peek(self.anchor, self._outer_grad(closed))
