@@ -62,6 +62,32 @@ def test_the_share_of_entries_is_the_largest_that_fits_never_below_the_jobs() ->
     assert upload_budget_s(8 * 3600.0) == UPLOAD_MAX_S  # a long job's end stays bounded
 
 
+def test_a_budget_between_halvings_gets_the_largest_rung_that_fits() -> None:
+    """Halvings wasted up to half the link's budget (run bs at 256 kbit/s: a quarter of the
+    entries where 0.397 fitted). Below half the entries the frame grows with its share, so the
+    binary search finds what trying every rung would."""
+    x = {"w": torch.randn(256, 256, generator=torch.Generator().manual_seed(1))}
+
+    def codec_at(f: float) -> Codec:
+        return make_codec("topk", topk_fraction=f)
+
+    def size(f: float) -> int:
+        c = codec_at(f)
+        return sum(len(c.encode(t).payload) for t in x.values())
+
+    dense = make_codec("int8")
+    assert LADDER[0] == 1.0 and LADDER[1] == 0.5 and 0.39 < LADDER[2] < 0.4
+    sizes = {f: size(f) for f in LADDER[1:] if f > 0.01}
+    assert all(sizes[a] >= sizes[b] for a, b in zip(sizes, list(sizes)[1:], strict=False))
+    for f in (LADDER[2], LADDER[5], LADDER[9]):
+        for budget in (sizes[f], sizes[f] + 1):
+            got = encode_share(x, codec_at, dense, floor=0.01, budget_bytes=budget)
+            assert got.codec.fraction == f, (f, budget)
+    # One byte short of a rung: the next one down.
+    got = encode_share(x, codec_at, dense, floor=0.01, budget_bytes=sizes[LADDER[2]] - 1)
+    assert got.codec.fraction == LADDER[3]
+
+
 def test_the_candidate_is_the_anchor_plus_the_mean_of_the_shares() -> None:
     start = {"w": torch.zeros(3), "b": torch.ones(2)}
     own = {"w": torch.tensor([3.0, 0.0, 0.0]), "b": torch.zeros(2)}
