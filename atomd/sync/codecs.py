@@ -62,6 +62,17 @@ class Encoded:
     payload: bytes  # zstd-compressed when meta["zstd"] == 1
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A sparse share decoded (``TopKCodec.kept``): its values, which entries it kept (bool),
+    and for each entry it left out the largest magnitude that entry can have had (0 where
+    kept); all of the tensor's shape."""
+
+    values: Tensor
+    mask: Tensor
+    bound: Tensor
+
+
 class Codec(ABC):
     """Turns a float32 tensor into an :class:`Encoded` and back; deterministic, on the CPU."""
 
@@ -263,6 +274,32 @@ class TopKCodec(Codec):
         return self._pack(tuple(x.shape), meta, raw)
 
     def decode(self, enc: Encoded) -> Tensor:
+        numel, chunk, idx, q, scale = self._entries(enc)
+        n_chunks = idx.shape[0]
+        dense = np.zeros((n_chunks, chunk), np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # a huge scale: refused as non-finite
+            np.put_along_axis(dense, idx, q * scale[:, None], axis=1)
+        return _tensor(dense.reshape(-1)[:numel], enc.shape)
+
+    def kept(self, enc: Encoded) -> Kept:
+        """``enc`` decoded, with which entries it kept and, for each entry it left out, the
+        largest magnitude that entry can have had: below its chunk's smallest kept one, which
+        the rounding to ``bits`` bits knows to within half a step: (smallest |level| + 1/2) x
+        the chunk's scale. What a receiver needs to estimate the entries a share left out
+        (``atomd.sync.average.combine``)."""
+        values = self.decode(enc)  # checks everything (finite values included)
+        numel, chunk, idx, q, scale = self._entries(enc)
+        n_chunks = idx.shape[0]
+        mask = np.zeros((n_chunks, chunk), bool)
+        np.put_along_axis(mask, idx, True, axis=1)
+        smallest = np.abs(q).min(axis=1, initial=np.inf) if q.size else np.zeros(n_chunks)
+        bound = np.repeat(((smallest + 0.5) * scale).astype(np.float32), chunk)
+        bound[mask.reshape(-1)] = 0.0
+        kept = torch.from_numpy(mask.reshape(-1)[:numel].copy()).reshape(enc.shape)
+        return Kept(values, kept, _tensor(bound[:numel], enc.shape))
+
+    def _entries(self, enc: Encoded) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray]:
+        """(numel, chunk, positions (n_chunks, k), levels (n_chunks, k), scales (n_chunks,))."""
         numel = _numel(enc.shape)
         chunk = _meta_int(enc.meta, "chunk", 1, MAX_CHUNK)
         k = _meta_int(enc.meta, "k", 1, chunk)
@@ -284,10 +321,7 @@ class TopKCodec(Codec):
                     "malformed", f"topk indices must ascend strictly within each chunk of {chunk}"
                 )
         q, scale = _read_values(raw, 2 * n, n, n_chunks, bits)
-        dense = np.zeros((n_chunks, chunk), np.float32)
-        with np.errstate(over="ignore", invalid="ignore"):  # a huge scale: refused as non-finite
-            np.put_along_axis(dense, idx, q.reshape(n_chunks, k) * scale[:, None], axis=1)
-        return _tensor(dense.reshape(-1)[:numel], enc.shape)
+        return numel, chunk, idx, q.reshape(n_chunks, k), scale
 
 
 class Rice2Codec(Codec):
@@ -582,6 +616,17 @@ def decode(enc: Encoded) -> Tensor:
             "malformed", f"unknown codec {enc.codec!r}; expected one of {', '.join(CODEC_NAMES)}"
         )
     return codec.decode(enc)
+
+
+def kept(enc: Encoded) -> Kept:
+    """``enc`` decoded (as :func:`decode`), with which entries it kept and how large each entry
+    it left out can have been: ``TopKCodec.kept`` for a top-k share; every entry kept for the
+    other codecs (a dense codec sends them all; rice2 and lowrank say no bound)."""
+    codec = _DECODERS.get(enc.codec)
+    if isinstance(codec, TopKCodec):
+        return codec.kept(enc)
+    values = decode(enc)
+    return Kept(values, torch.ones(values.shape, dtype=torch.bool), torch.zeros_like(values))
 
 
 class ErrorFeedback:

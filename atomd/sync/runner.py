@@ -654,7 +654,7 @@ class SyncPlugin:
             shares = [s for s in self.averages.on(version) if not self.excluded(s.sender)]
             if not shares:
                 return None
-            combined = average.combine(reference, sized.decoded(), shares)
+            combined = average.combine(reference, sized.decoded(), shares, fill_from=own)
             for sender, why in combined.left_out:
                 log.warning("final average: the share of %s left out: %s", sender, why)
             self.average_used = len(combined.used)

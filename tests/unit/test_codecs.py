@@ -26,6 +26,7 @@ from atomd.sync.codecs import (
     LowRankCodec,
     TopKCodec,
     decode,
+    kept,
     make_codec,
 )
 
@@ -181,6 +182,33 @@ def test_topk_keeps_exactly_the_largest_per_chunk() -> None:
     assert torch.equal(kept, expected)
     # Values within half a 4-bit step of their chunk's absmax (< 2), bf16 scale included.
     assert float((y - x)[y != 0].abs().max()) <= 2 / 14 * 1.003
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fraction", [0.01, 0.25, 0.5])
+def test_topk_kept_bounds_every_entry_it_left_out(bits: int, fraction: float) -> None:
+    """What a receiver knows of a share's left-out entries (the final average fills them):
+    which they are, and that each was at most its chunk's bound, rounding included."""
+    x = randn((3, 5000), seed=4) * torch.linspace(0.1, 3, 5000)  # heavy and light chunks
+    enc = TopKCodec(fraction=fraction, bits=bits).encode(x)
+    k = kept(enc)
+    assert torch.equal(k.values, decode(enc))
+    chunk, per_chunk = int(enc.meta["chunk"]), int(enc.meta["k"])
+    assert int(k.mask.sum()) == math.ceil(x.numel() / chunk) * per_chunk  # no padding kept here
+    left = ~k.mask
+    assert bool((k.bound[k.mask] == 0).all()) and bool((k.bound[left] > 0).all())
+    assert bool((x.abs()[left] <= k.bound[left]).all())
+    # The bound is the chunk's smallest kept |x| to within a rounding step, no looser.
+    flat, bound = x.reshape(-1), k.bound.reshape(-1)
+    for c in range(math.ceil(x.numel() / chunk)):
+        sl = slice(c * chunk, (c + 1) * chunk)
+        smallest = float(flat[sl][k.mask.reshape(-1)[sl]].abs().min())
+        step = float(flat[sl].abs().max()) / (7 if bits == 4 else 127)
+        b = float(bound[sl][left.reshape(-1)[sl]][0])
+        assert smallest <= b <= smallest + 1.01 * step
+    # A dense codec keeps every entry: nothing to bound.
+    dense = kept(make_codec("int8").encode(x))
+    assert bool(dense.mask.all()) and float(dense.bound.abs().max()) == 0.0
 
 
 def test_topk_layout() -> None:
