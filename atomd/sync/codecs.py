@@ -62,6 +62,9 @@ class Encoded:
     payload: bytes  # zstd-compressed when meta["zstd"] == 1
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 @dataclass(frozen=True)
 class Kept:
     """A sparse share decoded (``TopKCodec.kept``): its values, which entries it kept (bool),
@@ -293,10 +296,13 @@ class TopKCodec(Codec):
         mask = np.zeros((n_chunks, chunk), bool)
         np.put_along_axis(mask, idx, True, axis=1)
         smallest = np.abs(q).min(axis=1, initial=np.inf) if q.size else np.zeros(n_chunks)
-        bound = np.repeat(((smallest + 0.5) * scale).astype(np.float32), chunk)
+        # In float64 and capped: a scale near float32's largest, with levels of 0 (so values
+        # that decode finite), must not make the bound overflow to inf.
+        per_chunk = np.minimum((smallest + 0.5) * scale.astype(np.float64), _F32_MAX)
+        bound = np.repeat(per_chunk.astype(np.float32), chunk)
         bound[mask.reshape(-1)] = 0.0
         kept = torch.from_numpy(mask.reshape(-1)[:numel].copy()).reshape(enc.shape)
-        return Kept(values, kept, _tensor(bound[:numel], enc.shape))
+        return Kept(values, kept, torch.from_numpy(bound[:numel].copy()).reshape(enc.shape))
 
     def _entries(self, enc: Encoded) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray]:
         """(numel, chunk, positions (n_chunks, k), levels (n_chunks, k), scales (n_chunks,))."""

@@ -211,6 +211,23 @@ def test_topk_kept_bounds_every_entry_it_left_out(bits: int, fraction: float) ->
     assert bool(dense.mask.all()) and float(dense.bound.abs().max()) == 0.0
 
 
+def test_topk_kept_bound_never_overflows() -> None:
+    """A sender chooses its scales: one near float32's largest, with a level that still decodes
+    finite, must not make the bound of what it left out overflow (an error the decoder's checks
+    had let through would end the receiver's job)."""
+    x = torch.zeros(4096)
+    x[0] = 1.0
+    enc = TopKCodec(fraction=1 / 4096, bits=8, zstd=False).encode(x)
+    payload = bytearray(enc.payload)  # gaps (2 B), one int8 level, one fp32 scale
+    assert len(payload) == 7
+    payload[2] = 1
+    payload[3:7] = np.array([np.finfo(np.float32).max], "<f4").tobytes()
+    hostile = dataclasses.replace(enc, payload=bytes(payload))
+    assert float(decode(hostile)[0]) == pytest.approx(float(np.finfo(np.float32).max))
+    k = kept(hostile)
+    assert bool(torch.isfinite(k.bound).all()) and float(k.bound[1]) > 1e38
+
+
 def test_topk_layout() -> None:
     codec = TopKCodec(fraction=0.01)
     assert codec.encode(torch.ones(128)).meta["k"] == 1  # at least one per chunk
