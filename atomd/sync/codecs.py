@@ -277,12 +277,7 @@ class TopKCodec(Codec):
         return self._pack(tuple(x.shape), meta, raw)
 
     def decode(self, enc: Encoded) -> Tensor:
-        numel, chunk, idx, q, scale = self._entries(enc)
-        n_chunks = idx.shape[0]
-        dense = np.zeros((n_chunks, chunk), np.float32)
-        with np.errstate(over="ignore", invalid="ignore"):  # a huge scale: refused as non-finite
-            np.put_along_axis(dense, idx, q * scale[:, None], axis=1)
-        return _tensor(dense.reshape(-1)[:numel], enc.shape)
+        return self._dense(enc, *self._entries(enc))
 
     def kept(self, enc: Encoded) -> Kept:
         """``enc`` decoded, with which entries it kept and, for each entry it left out, the
@@ -290,19 +285,28 @@ class TopKCodec(Codec):
         the rounding to ``bits`` bits knows to within half a step: (smallest |level| + 1/2) x
         the chunk's scale. What a receiver needs to estimate the entries a share left out
         (``atomd.sync.average.combine``)."""
-        values = self.decode(enc)  # checks everything (finite values included)
         numel, chunk, idx, q, scale = self._entries(enc)
+        values = self._dense(enc, numel, chunk, idx, q, scale)  # finite, or refused
         n_chunks = idx.shape[0]
         mask = np.zeros((n_chunks, chunk), bool)
         np.put_along_axis(mask, idx, True, axis=1)
         smallest = np.abs(q).min(axis=1, initial=np.inf) if q.size else np.zeros(n_chunks)
-        # In float64 and capped: a scale near float32's largest, with levels of 0 (so values
-        # that decode finite), must not make the bound overflow to inf.
+        # In float64 and capped: a scale near float32's largest times a small level decodes
+        # finite, and the bound (half a level more) must not overflow to inf.
         per_chunk = np.minimum((smallest + 0.5) * scale.astype(np.float64), _F32_MAX)
         bound = np.repeat(per_chunk.astype(np.float32), chunk)
         bound[mask.reshape(-1)] = 0.0
         kept = torch.from_numpy(mask.reshape(-1)[:numel].copy()).reshape(enc.shape)
         return Kept(values, kept, torch.from_numpy(bound[:numel].copy()).reshape(enc.shape))
+
+    @staticmethod
+    def _dense(
+        enc: Encoded, numel: int, chunk: int, idx: np.ndarray, q: np.ndarray, scale: np.ndarray
+    ) -> Tensor:
+        dense = np.zeros((idx.shape[0], chunk), np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # a huge scale: refused as non-finite
+            np.put_along_axis(dense, idx, q * scale[:, None], axis=1)
+        return _tensor(dense.reshape(-1)[:numel], enc.shape)
 
     def _entries(self, enc: Encoded) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray]:
         """(numel, chunk, positions (n_chunks, k), levels (n_chunks, k), scales (n_chunks,))."""
