@@ -226,6 +226,34 @@ def test_the_job_ends_on_the_model_the_probe_prefers(better: str) -> None:
         assert distance_to_start() > 0.1  # the replica kept its unsent progress
 
 
+def test_the_final_model_is_chosen_on_the_final_probe_where_there_is_one() -> None:
+    """The guard's probe judges merges; the job's final model is chosen on the final probe
+    (more windows) when the trainer gives one: here the two disagree, and the final one wins."""
+    me = SyncPlugin(
+        job_id="j" * 32,
+        spec=SyncSpec(codec="topk", topk_fraction=0.25, every=3, final_wait_s=0.1),
+        identity=Identity.generate(),
+        n_peers=lambda base: 2,
+        send=lambda out: None,
+    )
+    torch.manual_seed(0)
+    me.attach(fake_engine(torch.nn.Linear(4, 3)))
+    assert me.state is not None
+    state = me.state
+
+    def distance_to_start() -> float:
+        start = state.start_point()
+        return sum(float((p.detach() - start[n]).square().sum()) for n, p in state.params.items())
+
+    me.guard = LossGuard(state, distance_to_start)  # prefers the swarm's model
+    me.final_probe = lambda: -distance_to_start()  # prefers this peer's own
+    with torch.no_grad():
+        for p in state.params.values():
+            p.add_(torch.randn_like(p))
+    me.finish(2, threading.Event())
+    assert me.final_model == "own" and distance_to_start() > 0.1
+
+
 def test_finish_waits_no_longer_than_final_wait_or_a_stop() -> None:
     me = plugin([], [])
     me.spec = me.spec.model_copy(update={"final_wait_s": 0.3})

@@ -127,6 +127,29 @@ def test_validation_loss_does_not_depend_on_the_batch_size(tmp_path: Path, text_
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
+def test_the_swarms_final_model_is_chosen_on_four_times_the_probes_windows(
+    tmp_path: Path, text_file: Path
+) -> None:
+    """The loss guard probes every merge on 16 fixed validation windows; the job's final model
+    is chosen once on 64, the probe's 16 first (atomd.sync.runner.SyncPlugin.guard_with)."""
+    given: list[tuple[Any, Any]] = []
+
+    class Plugin:
+        def attach(self, engine: Any) -> None:
+            pass
+
+        def guard_with(self, probe: Any, final: Any) -> None:
+            given.append((probe, final))
+
+    spec = fast_spec(data=str(text_file), micro_batch_size=3, eval_batches=2)
+    trainer_for(spec, tmp_path, device="cpu", plugin=Plugin())
+    [(probe, final)] = given
+    assert [b.x.shape[0] for b in probe] == [8, 8]
+    assert [b.x.shape[0] for b in final] == [8] * 8
+    for a, b in zip(probe, final, strict=False):
+        assert torch.equal(a.x, b.x)
+
+
 def test_a_snapshot_of_the_live_state_is_written_at_the_next_step(
     tmp_path: Path, text_file: Path
 ) -> None:
