@@ -585,6 +585,18 @@ def extra_runs() -> list[RunSpec]:
         # defaults (real daemons close rounds every 2 or 3 steps, the round's work sets which).
         RunSpec("topk-h1", codec="topk", every=1),
         RunSpec("topk-h3", codec="topk", every=3),
+        # A slow link's cadence (top-k 1 % every 6 steps, what real daemons settle on at
+        # 256 kbit/s) with part of the unsent residual leaving the replica for the error
+        # feedback each round (ef_decay < 1): do replicas nearer the swarm's model pay there?
+        *(
+            RunSpec(
+                f"topk-f1-h6-m7-ef{d * 10:g}",
+                codec="topk",
+                every=6,
+                sync={"outer_momentum": 0.7, "ef_decay": d},
+            )
+            for d in (0.9, 0.7)
+        ),
         # sync.final_tail: the final average of each peer's mean over its last 5 % of steps
         # (``val_loss_tail_model`` beside ``val_loss_mean_model``), at a free link's cadence and
         # at a slow link's (bench/results-sync-tail-2026-12-04.json).
