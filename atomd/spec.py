@@ -162,8 +162,8 @@ class SyncSpec(_Spec):
         description="After the last round, each peer sends the others once its model beyond its "
         "anchor (as much of it as the measured link carries in 20 s or a tenth of the job's "
         "time, at most 10 minutes), and the job may end on the anchor plus the mean of them "
-        "all, the average of the peers' models, where the probe batch prefers it (off with "
-        "consolidate_rounds).",
+        "all, the average of the peers' models, where its loss on the final validation "
+        "windows is lower (off with consolidate_rounds).",
     )
     final_tail: float = Field(
         0.0,
