@@ -7,6 +7,7 @@ import itertools
 import random
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -193,10 +194,16 @@ def test_the_last_peer_training_commits_what_it_sends_while_others_follow(follow
     assert float((framed["weight"] - progress["weight"]).norm()) > 1.0  # top-k left out a lot
 
 
-@pytest.mark.parametrize("better", ["swarm", "own"])
-def test_the_job_ends_on_the_model_the_probe_prefers(better: str) -> None:
+@pytest.mark.parametrize(
+    ("guard_prefers", "final_prefers"),
+    [("swarm", None), ("own", None), ("swarm", "own"), ("own", "swarm")],
+)
+def test_the_job_ends_on_the_model_the_probe_prefers(
+    guard_prefers: str, final_prefers: str | None
+) -> None:
     """After the last round the replica is the swarm's model (the start point) plus this peer's
-    unsent progress; the job ends on whichever the guard's probe finds better."""
+    unsent progress; the job ends on whichever the final probe (more windows: the trainer's
+    ``final_batches``) finds better, or the guard's probe where there is no final one."""
     me = SyncPlugin(
         job_id="j" * 32,
         spec=SyncSpec(codec="topk", topk_fraction=0.25, every=3, final_wait_s=0.1),
@@ -213,45 +220,23 @@ def test_the_job_ends_on_the_model_the_probe_prefers(better: str) -> None:
         start = state.start_point()
         return sum(float((p.detach() - start[n]).square().sum()) for n, p in state.params.items())
 
-    sign = 1.0 if better == "swarm" else -1.0
-    me.guard = LossGuard(state, lambda: sign * distance_to_start())
+    def loss(prefers: str) -> Callable[[], float]:
+        sign = 1.0 if prefers == "swarm" else -1.0
+        return lambda: sign * distance_to_start()
+
+    me.guard = LossGuard(state, loss(guard_prefers))
+    if final_prefers is not None:
+        me.final_probe = loss(final_prefers)
     with torch.no_grad():
         for p in state.params.values():
             p.add_(torch.randn_like(p))  # progress: top-k sends a quarter, the rest stays
     me.finish(2, threading.Event())
+    better = final_prefers or guard_prefers
     assert me.final_model == better and me.stats()["final_model"] == better
     if better == "swarm":
         assert distance_to_start() == 0.0
     else:
         assert distance_to_start() > 0.1  # the replica kept its unsent progress
-
-
-def test_the_final_model_is_chosen_on_the_final_probe_where_there_is_one() -> None:
-    """The guard's probe judges merges; the job's final model is chosen on the final probe
-    (more windows) when the trainer gives one: here the two disagree, and the final one wins."""
-    me = SyncPlugin(
-        job_id="j" * 32,
-        spec=SyncSpec(codec="topk", topk_fraction=0.25, every=3, final_wait_s=0.1),
-        identity=Identity.generate(),
-        n_peers=lambda base: 2,
-        send=lambda out: None,
-    )
-    torch.manual_seed(0)
-    me.attach(fake_engine(torch.nn.Linear(4, 3)))
-    assert me.state is not None
-    state = me.state
-
-    def distance_to_start() -> float:
-        start = state.start_point()
-        return sum(float((p.detach() - start[n]).square().sum()) for n, p in state.params.items())
-
-    me.guard = LossGuard(state, distance_to_start)  # prefers the swarm's model
-    me.final_probe = lambda: -distance_to_start()  # prefers this peer's own
-    with torch.no_grad():
-        for p in state.params.values():
-            p.add_(torch.randn_like(p))
-    me.finish(2, threading.Event())
-    assert me.final_model == "own" and distance_to_start() > 0.1
 
 
 def test_finish_waits_no_longer_than_final_wait_or_a_stop() -> None:
