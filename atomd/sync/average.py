@@ -47,10 +47,12 @@ version the sender's anchor version after its last round: a share made on anothe
 peer that stopped following early, or one still training) is heard but not used, since the
 anchors it is relative to differ. A share more than ``MAX_RATIO`` times the lower median
 of the shares' norms (this peer's own included) is left out, so one member cannot swamp the
-mean; whatever it sends within that bound moves the candidate by at most that bound over the
+mean; what it sends within that bound moves the candidate by at most that bound over the
 number of peers, and the probe refuses a candidate worse than the swarm's model or the replica.
-The entries it leaves out are filled with this peer's own values, within the bound its chunk
-declares: however it declares it, there it stands for a copy of this peer, nothing more.
+The entries it leaves out count as this peer's own values, each clamped to the bound the share
+declares for its chunk (taken as a magnitude, whatever sign the share gave its scale): however
+it declares it, a share can only choose how much of this peer's own value (none of it to all
+of it, with its sign) stands for it there, never a value of its own.
 """
 
 from __future__ import annotations
@@ -221,7 +223,10 @@ def encode_share(
     """Encode this peer's share: with ``codec_at`` (a sparse codec at a share of the entries),
     at the largest share of ``LADDER`` (1, 1/2, 0.397, ...) whose encoding, plus ``overhead``
     bytes of framing, fits ``budget_bytes``, never below ``floor`` (the job's own share), and
-    at ``floor`` when nothing is measured; else with ``codec`` (a dense one)."""
+    at ``floor`` when nothing is measured; else with ``codec`` (a dense one). Below half the
+    entries the search takes a frame's size to grow with its share (the positions and the
+    values both do); where zstd made two neighbouring rungs' sizes cross, it may end a rung
+    lower than the largest that fits, never on one that does not fit."""
 
     def at(c: Codec) -> Sized:
         return Sized({name: c.encode(t) for name, t in tensors.items()}, c)
@@ -300,9 +305,11 @@ def combine(
                 x.add_(decode(enc).reshape(x.shape))
                 continue
             k = kept(enc)
-            bound = k.bound.reshape(x.shape) * FILL
-            guess = torch.minimum(torch.maximum(fill_from[name].reshape(x.shape), -bound), bound)
-            x.add_(torch.where(k.mask.reshape(x.shape), k.values.reshape(x.shape), guess))
+            bound = k.bound.reshape(x.shape).abs().mul_(FILL)  # never negative, whoever sent it
+            guess = torch.clamp(fill_from[name].reshape(x.shape), min=bound.neg(), max=bound)
+            mask = k.mask.reshape(x.shape)
+            guess[mask] = k.values.reshape(x.shape)[mask]
+            x.add_(guess)
     for name, x in start.items():
         model[name] = x.add(model[name], alpha=1.0 / n)
     return Combined(model, [s.sender for s in used], left_out)

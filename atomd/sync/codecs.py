@@ -69,7 +69,7 @@ _F32_MAX = float(np.finfo(np.float32).max)
 class Kept:
     """A sparse share decoded (``TopKCodec.kept``): its values, which entries it kept (bool),
     and for each entry it left out the largest magnitude that entry can have had (0 where
-    kept); all of the tensor's shape."""
+    kept, never negative); all of the tensor's shape."""
 
     values: Tensor
     mask: Tensor
@@ -291,13 +291,15 @@ class TopKCodec(Codec):
         mask = np.zeros((n_chunks, chunk), bool)
         np.put_along_axis(mask, idx, True, axis=1)
         smallest = np.abs(q).min(axis=1, initial=np.inf) if q.size else np.zeros(n_chunks)
-        # In float64 and capped: a scale near float32's largest times a small level decodes
-        # finite, and the bound (half a level more) must not overflow to inf.
-        per_chunk = np.minimum((smallest + 0.5) * scale.astype(np.float64), _F32_MAX)
+        # The sender chooses its scales: of either sign (a negative one decodes finite, and a
+        # negative bound would clamp every left-out entry to a value of the sender's choosing),
+        # and near float32's largest (the bound, half a level more, must not overflow): the
+        # magnitude, in float64, within [0, float32's largest].
+        per_chunk = np.minimum((smallest + 0.5) * np.abs(scale.astype(np.float64)), _F32_MAX)
         bound = np.repeat(per_chunk.astype(np.float32), chunk)
         bound[mask.reshape(-1)] = 0.0
-        kept = torch.from_numpy(mask.reshape(-1)[:numel].copy()).reshape(enc.shape)
-        return Kept(values, kept, torch.from_numpy(bound[:numel].copy()).reshape(enc.shape))
+        kept = torch.from_numpy(mask.reshape(-1)[:numel]).reshape(enc.shape)
+        return Kept(values, kept, torch.from_numpy(bound[:numel]).reshape(enc.shape))
 
     @staticmethod
     def _dense(

@@ -211,7 +211,7 @@ def test_topk_kept_bounds_every_entry_it_left_out(bits: int, fraction: float) ->
     assert bool(dense.mask.all()) and float(dense.bound.abs().max()) == 0.0
 
 
-def test_topk_kept_bound_never_overflows() -> None:
+def test_topk_kept_bound_never_overflows_nor_turns_negative() -> None:
     """A sender chooses its scales: one near float32's largest, with a level that still decodes
     finite, must not make the bound of what it left out overflow (an error the decoder's checks
     had let through would end the receiver's job)."""
@@ -226,6 +226,13 @@ def test_topk_kept_bound_never_overflows() -> None:
     assert float(decode(hostile)[0]) == pytest.approx(float(np.finfo(np.float32).max))
     k = kept(hostile)
     assert bool(torch.isfinite(k.bound).all()) and float(k.bound[1]) > 1e38
+    # A negative scale decodes finite too, and so does -max at level 1: the bound is a
+    # magnitude, never negative (a negative one would clamp every left-out entry to it).
+    for scale in (-3.0, -float(np.finfo(np.float32).max)):
+        payload[3:7] = np.array([scale], "<f4").tobytes()
+        k = kept(dataclasses.replace(enc, payload=bytes(payload)))
+        assert float(k.values[0]) == pytest.approx(scale)
+        assert bool(torch.isfinite(k.bound).all()) and float(k.bound[1:].min()) > 0
 
 
 def test_topk_layout() -> None:

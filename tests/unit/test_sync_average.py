@@ -4,11 +4,15 @@ tests/unit/test_sync_runner.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
 from atomd.sync.average import (
+    FILL,
     LADDER,
     MAX_RATIO,
     UPLOAD_MAX_S,
@@ -23,7 +27,7 @@ from atomd.sync.average import (
     norm,
     upload_budget_s,
 )
-from atomd.sync.codecs import Codec, decode, make_codec
+from atomd.sync.codecs import Codec, TopKCodec, decode, kept, make_codec
 
 FP32 = make_codec("fp32")
 
@@ -161,6 +165,25 @@ def test_a_share_cannot_steer_what_it_left_out() -> None:
     expected = (own["w"] + own_whole["w"]) / 2  # this peer's sent share and its own values
     torch.testing.assert_close(got.model["w"][:, 1:], expected[:, 1:])
     torch.testing.assert_close(got.model["w"][:, 0], (own["w"][:, 0] + decode(enc["w"])[:, 0]) / 2)
+    # A small bound bites: each left-out entry is this peer's own clamped to FILL x the bound.
+    spike[:, 0] = 1.0  # kept at level 7: a bound of 7.5 / 7 of it on the rest of the chunk
+    small = {"w": make_codec("topk", topk_fraction=1 / 4096).encode(spike)}
+    got = combine(start, own, [Share("p1", 0, small)], fill_from=own_whole)
+    b = FILL * kept(small["w"]).bound[:, 1:]
+    assert float(b.min()) > 0.5 and float(b.max()) < 0.6 < float(own_whole["w"].abs().max())
+    clamped = torch.clamp(own_whole["w"][:, 1:], min=-b, max=b)
+    torch.testing.assert_close(got.model["w"][:, 1:], (own["w"][:, 1:] + clamped) / 2)
+    # A negative scale (a sender's choice that decodes finite) bounds the same as its magnitude.
+    plain = TopKCodec(fraction=1 / 4096, bits=8, zstd=False).encode(spike)
+    raw = bytearray(plain.payload)  # gaps, int8 levels, then the two chunks' fp32 scales
+    raw[-8:] = (np.frombuffer(bytes(raw[-8:]), "<f4") * -1).astype("<f4").tobytes()
+    flipped = {"w": dataclasses.replace(plain, payload=bytes(raw))}
+    assert float(decode(flipped["w"])[0, 0]) < 0  # the kept entry flipped with its scale
+    got = combine(start, own, [Share("p1", 0, flipped)], fill_from=own_whole)
+    b = FILL * kept(flipped["w"]).bound[:, 1:]
+    assert float(b.min()) > 0
+    clamped = torch.clamp(own_whole["w"][:, 1:], min=-b, max=b)
+    torch.testing.assert_close(got.model["w"][:, 1:], (own["w"][:, 1:] + clamped) / 2)
 
 
 def test_the_received_shares_are_bounded_and_the_newest_of_a_sender_counts() -> None:

@@ -239,6 +239,29 @@ def test_the_job_ends_on_the_model_the_probe_prefers(
         assert distance_to_start() > 0.1  # the replica kept its unsent progress
 
 
+def test_guard_with_gives_the_final_choice_its_own_windows() -> None:
+    """The trainer's final batches become the final probe; without them the guard's decides."""
+    seen: list[list[int]] = []
+
+    def evaluate(batches: list[int]) -> float:
+        seen.append(list(batches))
+        return 1.0
+
+    for final in ([1, 2, 3, 4], None):
+        me = plugin([], [])
+        me.engine = cast(Any, SimpleNamespace(model=me.engine.model, settle=lambda: None,
+                                              evaluate=evaluate))  # fmt: skip
+        me.guard_with(cast(Any, [1]), cast(Any, final))
+        assert me.guard is not None
+        if final is None:
+            assert me.final_probe is None
+            continue
+        assert me.final_probe is not None
+        me.final_probe()
+        me.guard.probe()
+        assert seen[-2:] == [[1, 2, 3, 4], [1]]
+
+
 def test_finish_waits_no_longer_than_final_wait_or_a_stop() -> None:
     me = plugin([], [])
     me.spec = me.spec.model_copy(update={"final_wait_s": 0.3})
