@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -99,13 +100,31 @@ PORTS_ENV = "ATOMD_TEST_PORTS"
 runs, each with its own range); unset: any port the system gives."""
 
 
+# Ports this process handed out lately: a port is free when picked, but the daemon binds it
+# only once it runs, and ``start_swarm`` picks every daemon's two ports before starting any. A
+# second pick of the same one (6 picks among a worker's 1,000 ports: ~1.5 % a swarm) left a
+# daemon "Address already in use" (CI, 2026-12-05: test_dashboard's peer2).
+_GIVEN: deque[int] = deque(maxlen=256)
+_GIVEN_LOCK = threading.Lock()
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on, and not one this process handed out lately."""
+    with _GIVEN_LOCK:
+        port = _pick_port()
+        _GIVEN.append(port)
+        return port
+
+
+def _pick_port() -> int:
     span = os.environ.get(PORTS_ENV)
     if span:
         low, _, high = span.partition("-")
         ports = list(range(int(low), int(high) + 1))
         random.shuffle(ports)
         for port in ports:
+            if port in _GIVEN:
+                continue
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", port))
@@ -113,9 +132,13 @@ def free_port() -> int:
                     continue
                 return port
         raise RuntimeError(f"no free port in {PORTS_ENV}={span}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            return port
+    raise RuntimeError("the system gave only ports this process handed out lately")
 
 
 class DaemonProcess:
