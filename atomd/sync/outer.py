@@ -1,10 +1,9 @@
 """The outer step of DiLoCo-style training: how merged deltas move a peer's anchor.
 
-A round's *outer gradient* is minus the mean delta of the swarm's peers,
-``g = -(1/n_peers) * sum_j w(s_j) * delta_j`` (the peer's own delta included, weight 1).
-Dividing by the number of peers that train the job (not by the number of deltas that happened
-to arrive) makes a late delta count in full one round later instead of inflating the round it
-arrives in.
+A round's *outer gradient* is minus the mean of its deltas, ``g = -(1/k) * sum_j delta_j``
+(the peer's own included), and a delta that comes after its round was committed commits the
+change of that mean (``SyncState._coefficients``): whoever a peer counts as training the job,
+once every peer has merged the same deltas they have committed the same sums.
 
 The anchor then takes one SGD step with Nesterov momentum. With momentum 0 and lr 1 the step is
 a plain average: the anchor becomes the mean of the replicas. That is the dense codecs' (fp32,
@@ -86,6 +85,29 @@ class NesterovOuter:
                 look = g if buf is None else buf.mul(self.momentum).add_(g)
                 step = g.add(look, alpha=self.momentum)
             out[name] = anchor[name].add(step, alpha=-self.lr)
+        return out
+
+    @torch.no_grad()
+    def settle(
+        self, anchor: Mapping[str, Tensor], grads: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """Where the anchor ends after ``step(anchor, grads)`` and every later step with no more
+        gradient, the momentum run out (copies; nothing moves). A gradient ``g`` moves the
+        anchor by ``lr * g / (1 - m)`` in all (``lr * (1 + m) * g`` at once, then ``m`` times
+        less each step after), whenever it is taken, and the buffer ``b`` still has
+        ``lr * m^2 / (1 - m) * b`` to go: so peers that took the same gradients at different
+        steps settle at the same point."""
+        lr, m = self.lr, self.momentum
+        out = {}
+        for name, a in anchor.items():
+            x = a.clone()
+            g = grads.get(name)
+            if g is not None:
+                x.add_(g, alpha=-lr / (1.0 - m))
+            buf = self.buffers.get(name)
+            if buf is not None and m > 0:
+                x.add_(buf, alpha=-lr * m * m / (1.0 - m))
+            out[name] = x
         return out
 
     def peek_shift(self, dg: Tensor) -> Tensor:

@@ -625,27 +625,13 @@ class SyncState:
     def settled(self) -> dict[str, Tensor]:
         """Where the anchor ends once every closed round's pending deltas are committed and the
         outer momentum has run out with no more: the same at peers that have merged the same
-        deltas, whenever each committed them. The outer step moves the anchor by
-        ``lr * g / (1 - m)`` in all for a gradient ``g`` (``lr * (1 + m) * g`` at once, then
-        ``m`` times less each step after), whenever it is taken; the momentum buffer ``b``
-        still has ``lr * m^2 / (1 - m) * b`` to go. The anchors themselves differ by when each
-        peer committed a late delta, and by the late deltas still pending at the job's end (4
-        real daemons at 256 kbit/s: one peer ended with a delta of the last round pending and
-        its anchor 1.1 % from the others', and its final average 0.0066 worse than theirs)."""
+        deltas, whenever each committed them (``NesterovOuter.settle``). The anchors themselves
+        differ by when each peer committed a late delta, and by the late deltas still pending
+        at the job's end (4 real daemons at 256 kbit/s: one peer ended with a delta of the last
+        round pending and its anchor 1.1 % from the others', and its final average 0.0066 worse
+        than theirs)."""
         closed = self._closed_pending()
-        grads = self._outer_grad(closed) if closed else {}
-        lr, m = self.outer.lr, self.outer.momentum
-        out = {}
-        for name, a in self.anchor.items():
-            x = a.clone()
-            g = grads.get(name)
-            if g is not None:
-                x.add_(g, alpha=-lr / (1.0 - m))
-            buf = self.outer.buffers.get(name)
-            if buf is not None and m > 0:
-                x.add_(buf, alpha=-lr * m * m / (1.0 - m))
-            out[name] = x
-        return out
+        return self.outer.settle(self.anchor, self._outer_grad(closed) if closed else {})
 
     @torch.no_grad()
     def _beyond(
