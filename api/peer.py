@@ -11,6 +11,7 @@ message's sender must be the peer that signed the request.
 
 # No `from __future__ import annotations` here: FastAPI must see the real `Peer` dependency
 # type, which is built inside create_peer_app (string annotations resolve only from globals).
+import time
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -178,7 +179,9 @@ def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
     async def delta(job_id: str, peer: Peer) -> DeltaAccepted:
         """A signed delta frame for the next round boundary; checked whole before queueing."""
         size = await exchange.receive(job_id, peer.body, peer.peer.peer_id)
-        return DeltaAccepted(accepted=True, bytes=size)
+        return DeltaAccepted(
+            accepted=True, bytes=size, held_s=round(time.monotonic() - peer.whole_at, 6)
+        )
 
     def _root(job_id: str) -> Any:
         if len(job_id) != 32 or not job_id.isalnum():

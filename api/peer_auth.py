@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -30,10 +30,13 @@ INLINE_BODY_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class SignedRequest:
-    """A request that passed every check: who signed it, and its body."""
+    """A request that passed every check: who signed it, its body, and when the body was whole
+    (``time.monotonic()``: a route that answers after work of its own says how long it held
+    the answer, so that the sender can tell its link's time from this daemon's)."""
 
     peer: VerifiedPeer
     body: bytes
+    whole_at: float = field(default_factory=time.monotonic)
 
 
 def request_target(request: Request) -> str:
@@ -112,6 +115,7 @@ def peer_auth(
             body_s = verifier.max_body_s if deadline is None else deadline(request)
             body_s = min(body_s, verifier.max_body_s)
             body = await read_body(request, limit(request), deadline_s=body_s)
+            whole_at = time.monotonic()
             args = (request.method, request_target(request), request.headers, body)
             if len(body) > INLINE_BODY_BYTES:
                 peer = await asyncio.to_thread(
@@ -129,6 +133,6 @@ def peer_auth(
                     # Recording the refusal must not turn a 401/403 into a 500.
                     log.exception("on_reject failed for a refused peer request")
             raise
-        return SignedRequest(peer, body)
+        return SignedRequest(peer, body, whole_at)
 
     return dependency

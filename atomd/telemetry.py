@@ -35,7 +35,12 @@ class Telemetry:
         )  # fmt: skip
         self.round_traffic_seconds = Histogram(
             "atomd_sync_round_traffic_seconds",
-            "A round's frame from the trainer's hand-off to the last peer's answer",
+            "A round's frame from the trainer's hand-off until the last peer had it whole",
+            buckets=seconds, registry=r,
+        )  # fmt: skip
+        self.answer_held_seconds = Histogram(
+            "atomd_sync_answer_held_seconds",
+            "How long a peer held its answer to a delta upload after the body came (its checks)",
             buckets=seconds, registry=r,
         )  # fmt: skip
         self.peers_alive = Gauge("atomd_peers_alive", "Peers currently alive", registry=r)

@@ -469,19 +469,25 @@ def _code(reason: str | None) -> str:
     return text.split(":", 1)[0].strip()[:40]
 
 
+_TIMINGS = (
+    ("atomd_sync_upload_seconds", "upload_s_mean"),
+    ("atomd_sync_round_traffic_seconds", "round_traffic_s_mean"),
+    ("atomd_sync_answer_held_seconds", "answer_held_s_mean"),
+)
+
+
 def _mean_seconds(metrics: str) -> dict[str, float | None]:
     """From a daemon's /metrics: the mean of each sync timing histogram (None: no sample)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(metrics):
-        if family.name in ("atomd_sync_upload_seconds", "atomd_sync_round_traffic_seconds"):
+        if family.name in {name for name, _ in _TIMINGS}:
             for sample in family.samples:
                 kind = sample.name.removeprefix(family.name)
                 totals.setdefault(family.name, {})[kind] = sample.value
     out: dict[str, float | None] = {}
-    for name, key in (("atomd_sync_upload_seconds", "upload_s_mean"),
-                      ("atomd_sync_round_traffic_seconds", "round_traffic_s_mean")):  # fmt: skip
+    for name, key in _TIMINGS:
         t = totals.get(name, {})
         count = t.get("_count", 0.0)
         out[key] = round(t.get("_sum", 0.0) / count, 4) if count else None

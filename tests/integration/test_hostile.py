@@ -56,6 +56,7 @@ class Hostile:
 
     def __init__(self) -> None:
         self.last_error = ""  # of the last refused send
+        self.held: list[float] = []  # what each accepted send's answer said it was held
         self.identity = Identity.generate()
         self.url = f"https://127.0.0.1:{free_port()}"  # nobody answers there: it never gossips
         self.record = sign_record(MemberRecord(
@@ -86,8 +87,9 @@ class Hostile:
         async def go() -> int:
             async with self._client() as c:
                 try:
-                    await c.post_bytes(d.peer_url, paths.job_deltas(JOB_ID[0]), frame,
-                                       DeltaAccepted, target=target)  # fmt: skip
+                    answer = await c.post_bytes(d.peer_url, paths.job_deltas(JOB_ID[0]), frame,
+                                                DeltaAccepted, target=target)  # fmt: skip
+                    self.held.append(answer.held_s)
                     return 202
                 except Exception as e:
                     self.last_error = str(e)
@@ -187,6 +189,9 @@ def test_hostile_member_is_refused_quarantined_and_banned(tmp_path: Path) -> Non
 
         wait_until(attack, timeout=600, interval=1.0, what="the attacker quarantined by both")
         assert 202 in statuses, "the top-k frames pass the wire checks: the merge refuses them"
+        # Each answer says how long the daemon held it after the body came (its checks of the
+        # frame): the sender's cadence counts the link's time, not the receiver's.
+        assert evil.held and all(0 < h < 60 for h in evil.held), evil.held
         for d in honest:
             p = _peer(d, evil.identity.peer_id)
             assert p["excluded"] == "quarantined" and "refused" in p["excluded_reason"], p

@@ -11,18 +11,22 @@ from atomd.telemetry import Telemetry
 from atomd_bench.swarm import _mean_seconds, run
 
 
-def test_the_means_of_the_upload_and_round_traffic_histograms() -> None:
+def test_the_means_of_the_upload_round_traffic_and_answer_held_histograms() -> None:
     t = Telemetry()
     assert _mean_seconds(t.render().decode()) == {
         "upload_s_mean": None,
         "round_traffic_s_mean": None,
+        "answer_held_s_mean": None,
     }
     for s in (0.2, 0.4, 0.9):
         t.upload_seconds.observe(s)
     t.round_traffic_seconds.observe(1.5)
+    t.answer_held_seconds.observe(0.1)
+    t.answer_held_seconds.observe(0.3)
     got = _mean_seconds(t.render().decode())
     assert got["upload_s_mean"] == pytest.approx(0.5)
     assert got["round_traffic_s_mean"] == pytest.approx(1.5)
+    assert got["answer_held_s_mean"] == pytest.approx(0.2)
 
 
 def test_a_folder_kept_by_an_earlier_run_is_refused_before_anything_starts(tmp_path: Path) -> None:
