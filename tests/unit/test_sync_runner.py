@@ -639,7 +639,13 @@ class SetCadence(Cadence):
         return self.h
 
 
-def auto_plugin(sent: list[RoundOut], n_peers: int = 2, *, in_phase: bool = True) -> SyncPlugin:
+def auto_plugin(
+    sent: list[RoundOut],
+    n_peers: int = 2,
+    *,
+    in_phase: bool = True,
+    total_steps: int | None = None,
+) -> SyncPlugin:
     """``in_phase``: the other peers' deltas of every closed round count as in (no round is held
     for them; the hold has its own test)."""
     p = SyncPlugin(
@@ -648,6 +654,7 @@ def auto_plugin(sent: list[RoundOut], n_peers: int = 2, *, in_phase: bool = True
         identity=Identity.generate(),
         n_peers=lambda base: n_peers,
         send=sent.append,
+        total_steps=total_steps,
     )
     torch.manual_seed(0)
     p.attach(fake_engine(torch.nn.Linear(4, 3)))
@@ -755,6 +762,35 @@ def test_a_frame_the_loop_never_sent_holds_the_next_round_back_only_so_long(
     assert len(sent) == 2
 
 
+def test_the_last_round_takes_the_steps_too_few_for_a_round_of_their_own() -> None:
+    """A round due fewer than H steps before the job's last step is not closed: the last round
+    (``finish``) takes those steps too. Closed, it would be followed at once by a final round of
+    a step or two, a second frame on the link just when the others wait for the last deltas
+    (4 real daemons at 256 kbit/s: rounds at steps 599 and 600, a peer's last wait 6.3 s)."""
+    sent: list[RoundOut] = []
+    me = auto_plugin(sent, total_steps=20)
+    me.cadence = SetCadence(4)
+    for step in range(1, 20):
+        me.after_step(step)
+        if sent:
+            me.delivered(len(sent) - 1, -1.0)
+    # Due at 4, 8, 12 and 16: the one at 16 leaves 4 steps, a whole round for ``finish``.
+    assert [o.step for o in sent] == [4, 8, 12, 16]
+    sent.clear()
+    me = auto_plugin(sent, total_steps=18)
+    me.cadence = SetCadence(4)
+    for step in range(1, 18):
+        me.after_step(step)
+        if sent:
+            me.delivered(len(sent) - 1, -1.0)
+    # Due at 16, 2 steps before the end (fewer than H = 4): left for the last round.
+    assert [o.step for o in sent] == [4, 8, 12]
+    stop = threading.Event()
+    stop.set()  # not waiting for the other peer's last delta
+    me.finish(18, stop)
+    assert [o.step for o in sent] == [4, 8, 12, 18] and sent[-1].every == 6 and sent[-1].final
+
+
 def test_alone_the_automatic_cadence_closes_rounds_rarely() -> None:
     sent: list[RoundOut] = []
     me = auto_plugin(sent, n_peers=1)
@@ -856,6 +892,15 @@ def test_with_the_automatic_cadence_the_last_peer_of_a_round_closes_it_at_once()
     me.delivered(0, 0.1)
     me.after_step(5)
     assert [o.step for o in sent] == [3, 5]
+    # Near the job's end it does not: fewer than H steps are left, the last round takes them.
+    sent.clear()
+    me = auto_plugin(sent, n_peers=3, total_steps=8)
+    me.cadence = SetCadence(10)
+    me.after_step(1)
+    me.inbox.put(Contribution("a", 0, 0, zeros))
+    me.inbox.put(Contribution("b", 0, 0, zeros))
+    me.after_step(2)
+    assert sent == []
 
 
 def _other_delta(me: SyncPlugin, base_version: int, sender: str = "other") -> Contribution:
