@@ -6,7 +6,8 @@ The durations are those measured on a quiet 2-core machine without a GPU (``make
 about 100 min in all, most of it the sync convergence runs; ``make bench-quick``: a few minutes).
 ``python -m atomd_bench swarm [OPTIONS]`` runs the real-daemon swarm benchmark with its own
 options (``--help``); it is not part of the default list (its full run takes hours here), nor
-is ``join`` (where a joining peer starts: two simulated peers, ~1 min with its defaults).
+is ``join`` (where a joining peer starts: two simulated peers, ~1 min with its defaults), nor
+``link`` (what ``swarm``'s emulated links carry between bare asyncio peers: ~40 s, as root).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ BENCHES: dict[str, Bench] = {
 WITH_OPTIONS: dict[str, tuple[str, str]] = {
     "swarm": ("atomd_bench.swarm", "main"),
     "join": ("atomd_bench.join", "main"),
+    "link": ("atomd_bench.link", "main"),
 }
 
 

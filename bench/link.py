@@ -1,0 +1,163 @@
+"""What the emulated links of ``bench swarm`` carry without a daemon: the ceiling for a round.
+
+``python -m atomd_bench link [--kbit 256] [--peers 4] [--frame 13500] [--rounds 8] [--busy N]``
+(as root):
+the swarm benchmark's topology (``atomd_bench.netns``: one namespace a peer, ``tc tbf`` on each
+upload), and in each namespace a bare asyncio peer instead of a daemon. Every peer sends, each
+round, a frame of ``--frame`` bytes to every other peer over one kept TCP connection each, the
+next upload starting once the previous is answered or its bytes should have left (the daemon's
+pacing), and each receiver answers 200 bytes (about an HTTP answer) through its own loaded
+uplink. Rounds start every 3 s, each peer's at its own offset within 1.5 s (the daemons' rounds
+are not aligned). JSON on stdout: the mean and median of a round's span (the first upload's
+start to the last answer), the payload rate that gives, and the packets each uplink dropped.
+
+A daemon's round at the same link and frame size (``bench swarm``'s ``round_traffic_s_mean``)
+minus this span is what its own path costs (TLS, HTTP, its event loop on a busy machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from atomd_bench.netns import Namespaces
+
+PORT = 9100
+ANSWER = 200
+ROUND_S = 3.0
+OFFSET_S = 1.5
+LEAD_S = 5.0  # from the agreed start to the first round: connections are made meanwhile
+
+
+async def _peer(me: int, addrs: list[str], frame_bytes: int, rounds: int, t0: float) -> None:
+    """One peer: serve the others' uploads, send this peer's rounds, print its spans (JSON)."""
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                n = int.from_bytes(await r.readexactly(4), "big")
+                await r.readexactly(n)
+                w.write(b"x" * ANSWER)
+                await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            w.close()
+
+    server = await asyncio.start_server(serve, addrs[me], PORT)
+    await asyncio.sleep(max(0.0, t0 - time.time()))
+    conns = {j: await asyncio.open_connection(a, PORT) for j, a in enumerate(addrs) if j != me}
+    frame = os.urandom(frame_bytes)
+    pace = frame_bytes / (0.9 * 1000 * float(os.environ["LINK_KBIT"]) / 8)
+
+    async def upload(j: int) -> None:
+        r, w = conns[j]
+        w.write(len(frame).to_bytes(4, "big") + frame)
+        await w.drain()
+        await r.readexactly(ANSWER)
+
+    rng = random.Random(me)
+    spans = []
+    for k in range(rounds):
+        await asyncio.sleep(max(0.0, t0 + LEAD_S + k * ROUND_S + rng.uniform(0, OFFSET_S)
+                                - time.time()))  # fmt: skip
+        started = time.monotonic()
+        order = sorted(conns, key=lambda j: (j - me - k) % len(addrs))  # first turns
+        tasks = []
+        for j in order:
+            tasks.append(task := asyncio.create_task(upload(j)))
+            await asyncio.wait({task}, timeout=pace)
+        await asyncio.gather(*tasks)
+        spans.append(time.monotonic() - started)
+    print(json.dumps({"peer": me, "spans": spans}), flush=True)
+    # Stay up to answer the others' last rounds; then every peer closes its connections, which
+    # ends the others' serving tasks, before its server goes.
+    await asyncio.sleep(max(0.0, t0 + LEAD_S + rounds * ROUND_S + OFFSET_S + 5 - time.time()))
+    for _, w in conns.values():
+        w.close()
+    await asyncio.sleep(1.0)
+    server.close()
+
+
+def _drops(ns: str) -> int:
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "tc", "-s", "-j", "qdisc", "show", "dev", "v0"],
+        capture_output=True, text=True, timeout=10, check=True,
+    ).stdout  # fmt: skip
+    return int(json.loads(out)[0].get("drops", 0))
+
+
+def run(
+    kbit: int = 256, peers: int = 4, frame: int = 13500, rounds: int = 8, busy: int = 0
+) -> dict[str, Any]:
+    """The link's own round span (see the module docstring); ``busy``: CPU-bound processes
+    beside the peers (the swarm benchmark's 4 trainers on this machine's 2 cores)."""
+    if os.geteuid() != 0:
+        raise SystemExit("bench link needs root (network namespaces and tc)")
+    ns = Namespaces(peers, upload_kbit=kbit)
+    procs: list[subprocess.Popen[str]] = []
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], text=True) for _ in range(busy)
+    ]
+    try:
+        addrs = ",".join(ns.address(i) for i in range(peers))
+        t0 = time.time() + 2
+        before = [_drops(n) for n in ns.names]
+        argv = [sys.executable, "-m", "atomd_bench.link", "--peer"]
+        env = {**os.environ, "LINK_KBIT": str(kbit)}
+        for i in range(peers):
+            command = ns.command(i, [*argv, str(i), addrs, str(frame), str(rounds), repr(t0)])
+            procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env))
+        limit = LEAD_S + rounds * ROUND_S + OFFSET_S + 60
+        outs = [json.loads(p.communicate(timeout=limit)[0].splitlines()[0]) for p in procs]
+        drops = [_drops(n) - b for n, b in zip(ns.names, before, strict=True)]
+    finally:
+        for p in [*procs, *burners]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        ns.close()
+    spans = [s for o in outs for s in o["spans"][1:]]  # the first round opens the windows
+    mean = statistics.fmean(spans)
+    return {
+        "bench": "link",
+        "upload_kbit": kbit,
+        "peers": peers,
+        "frame_bytes": frame,
+        "rounds": rounds,
+        "round_span_s_mean": round(mean, 4),
+        "round_span_s_median": round(statistics.median(spans), 4),
+        "payload_bytes_per_s": round((peers - 1) * frame / mean, 1),
+        "line_bytes_per_s": kbit * 1000 / 8,
+        "drops_per_peer": drops,
+        "busy_processes": busy,
+        "load_avg": list(os.getloadavg()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--peer"]:
+        me, addrs, frame, rounds, t0 = args[1:6]
+        asyncio.run(_peer(int(me), addrs.split(","), int(frame), int(rounds), float(t0)))
+        return
+    p = argparse.ArgumentParser(prog="python -m atomd_bench link", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--kbit", type=int, default=256, help="upload limit per peer (tc tbf)")
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--frame", type=int, default=13500, help="bytes of one frame")
+    p.add_argument("--rounds", type=int, default=8, help="rounds per peer (the first not counted)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="CPU-bound processes beside the peers (a busy machine)")  # fmt: skip
+    a = p.parse_args(args)
+    print(json.dumps(run(a.kbit, a.peers, a.frame, a.rounds, a.busy)))
+
+
+if __name__ == "__main__":
+    main()
