@@ -179,9 +179,9 @@ def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
     async def delta(job_id: str, peer: Peer) -> DeltaAccepted:
         """A signed delta frame for the next round boundary; checked whole before queueing."""
         size = await exchange.receive(job_id, peer.body, peer.peer.peer_id)
-        return DeltaAccepted(
-            accepted=True, bytes=size, held_s=round(time.monotonic() - peer.whole_at, 6)
-        )
+        # The frame's checks, which the sender's upload time includes (its cadence's traffic).
+        exchange.telemetry.answer_held_seconds.observe(time.monotonic() - peer.whole_at)
+        return DeltaAccepted(accepted=True, bytes=size)
 
     def _root(job_id: str) -> Any:
         if len(job_id) != 32 or not job_id.isalnum():

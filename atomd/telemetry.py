@@ -35,12 +35,12 @@ class Telemetry:
         )  # fmt: skip
         self.round_traffic_seconds = Histogram(
             "atomd_sync_round_traffic_seconds",
-            "A round's frame from the trainer's hand-off until the last peer had it whole",
+            "A round's frame from the trainer's hand-off to the last peer's answer",
             buckets=seconds, registry=r,
         )  # fmt: skip
         self.answer_held_seconds = Histogram(
             "atomd_sync_answer_held_seconds",
-            "How long a peer held its answer to a delta upload after the body came (its checks)",
+            "A delta upload received: from its whole body to this daemon's answer (the checks)",
             buckets=seconds, registry=r,
         )  # fmt: skip
         self.peers_alive = Gauge("atomd_peers_alive", "Peers currently alive", registry=r)

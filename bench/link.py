@@ -1,15 +1,16 @@
 """What the emulated links of ``bench swarm`` carry without a daemon: the ceiling for a round.
 
 ``python -m atomd_bench link [--kbit 256] [--peers 4] [--frame 13500] [--rounds 8] [--busy N]``
-(as root):
-the swarm benchmark's topology (``atomd_bench.netns``: one namespace a peer, ``tc tbf`` on each
-upload), and in each namespace a bare asyncio peer instead of a daemon. Every peer sends, each
-round, a frame of ``--frame`` bytes to every other peer over one kept TCP connection each, the
-next upload starting once the previous is answered or its bytes should have left (the daemon's
-pacing), and each receiver answers 200 bytes (about an HTTP answer) through its own loaded
-uplink. Rounds start every 3 s, each peer's at its own offset within 1.5 s (the daemons' rounds
-are not aligned). JSON on stdout: the mean and median of a round's span (the first upload's
-start to the last answer), the payload rate that gives, and the packets each uplink dropped.
+(as root): the swarm benchmark's topology (``atomd_bench.netns``: one namespace a peer, ``tc
+tbf`` on each upload), and in each namespace a bare asyncio peer instead of a daemon. Every peer
+sends, each round, a frame of ``--frame`` bytes to every other peer over one kept TCP connection
+each, the next upload starting once the previous is answered or its bytes should have left at
+0.9 of the line's rate (the daemon paces the same way, at the fastest rate it has measured), and
+each receiver answers 200 bytes (about an HTTP answer) through its own loaded uplink. Rounds
+start every 3 s, each peer's at its own offset within 1.5 s (the daemons' rounds are not
+aligned). JSON on stdout: the mean and median of a round's span (the first upload's start to the
+last answer), the payload rate that gives, and the packets each uplink dropped. Every process
+it starts is stopped and every namespace removed on every way out (SIGTERM included).
 
 A daemon's round at the same link and frame size (``bench swarm``'s ``round_traffic_s_mean``)
 minus this span is what its own path costs (TLS, HTTP, its event loop on a busy machine).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -28,17 +30,21 @@ import sys
 import time
 from typing import Any
 
+from atomd.launch import die_with_parent, interrupts
+from atomd_bench import load, netns
 from atomd_bench.netns import Namespaces
 
 PORT = 9100
 ANSWER = 200
 ROUND_S = 3.0
 OFFSET_S = 1.5
+START_S = 5.0  # for the peers' Pythons to start (a busy machine) before the agreed start
 LEAD_S = 5.0  # from the agreed start to the first round: connections are made meanwhile
 
 
 async def _peer(me: int, addrs: list[str], frame_bytes: int, rounds: int, t0: float) -> None:
-    """One peer: serve the others' uploads, send this peer's rounds, print its spans (JSON)."""
+    """One peer: serve the others' uploads, send this peer's rounds, print its spans (JSON).
+    It exits on its own once the others' last rounds are done."""
 
     async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
@@ -97,32 +103,44 @@ def run(
     kbit: int = 256, peers: int = 4, frame: int = 13500, rounds: int = 8, busy: int = 0
 ) -> dict[str, Any]:
     """The link's own round span (see the module docstring); ``busy``: CPU-bound processes
-    beside the peers (the swarm benchmark's 4 trainers on this machine's 2 cores)."""
+    beside the peers, each in a session of its own (``atomd_bench.load``), as the swarm
+    benchmark's 4 daemons are on this machine's 2 cores."""
+    if kbit < 1 or peers < 2 or frame < 1 or rounds < 2 or busy < 0:
+        raise ValueError("need kbit >= 1, peers >= 2, frame >= 1, rounds >= 2, busy >= 0")
     if os.geteuid() != 0:
         raise SystemExit("bench link needs root (network namespaces and tc)")
-    ns = Namespaces(peers, upload_kbit=kbit)
+    netns.sweep_stale()
     procs: list[subprocess.Popen[str]] = []
-    burners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], text=True) for _ in range(busy)
-    ]
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(interrupts())  # SIGTERM unwinds too: every finally runs
+        ns = Namespaces(peers, upload_kbit=kbit)
+        stack.callback(ns.close)
+        stack.enter_context(load.beside(busy, "each", settle_s=0.0))
+
+        @stack.callback
+        def _stop() -> None:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
         addrs = ",".join(ns.address(i) for i in range(peers))
-        t0 = time.time() + 2
+        t0 = time.time() + START_S
         before = [_drops(n) for n in ns.names]
         argv = [sys.executable, "-m", "atomd_bench.link", "--peer"]
         env = {**os.environ, "LINK_KBIT": str(kbit)}
         for i in range(peers):
             command = ns.command(i, [*argv, str(i), addrs, str(frame), str(rounds), repr(t0)])
-            procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env))
-        limit = LEAD_S + rounds * ROUND_S + OFFSET_S + 60
-        outs = [json.loads(p.communicate(timeout=limit)[0].splitlines()[0]) for p in procs]
+            procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env,
+                                          preexec_fn=die_with_parent(os.getpid())))  # fmt: skip
+        limit = START_S + LEAD_S + rounds * ROUND_S + OFFSET_S + 60
+        outs = []
+        for i, p in enumerate(procs):
+            out = p.communicate(timeout=limit)[0].splitlines()
+            if p.returncode != 0 or not out:
+                raise RuntimeError(f"link peer {i} exited {p.returncode} without its spans")
+            outs.append(json.loads(out[0]))
         drops = [_drops(n) - b for n, b in zip(ns.names, before, strict=True)]
-    finally:
-        for p in [*procs, *burners]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        ns.close()
     spans = [s for o in outs for s in o["spans"][1:]]  # the first round opens the windows
     mean = statistics.fmean(spans)
     return {

@@ -36,9 +36,6 @@ MAX_URL = 256
 MAX_FILE_BYTES = 1 << 46  # one checkpoint file (64 TiB): sizes are checked against the model too
 
 Counter = Annotated[int, Field(ge=0, le=MAX_COUNTER, strict=True)]
-# Seconds a receiver says it held an answer (finite, at most an hour); the sender bounds it by
-# the time it measured, too.
-HeldSeconds = Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)]
 PeerId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$", strict=True)]
 PublicKeyHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$", strict=True)]
 SignatureHex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$", strict=True)]
@@ -218,13 +215,10 @@ class Ack(Message):
 
 
 class DeltaAccepted(Message):
-    """The answer to a delta upload: queued for the next round boundary. ``held_s``: how long
-    the receiver held this answer after the body was whole (its checks of the frame), so that
-    the sender can tell the time its link took from the time the receiver's CPU took."""
+    """The answer to a delta upload: queued for the next round boundary."""
 
     accepted: bool
     bytes: Counter
-    held_s: HeldSeconds = 0.0
 
 
 class PeerInfo(Message):

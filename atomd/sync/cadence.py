@@ -6,8 +6,7 @@
   an evaluation or a checkpoint does not count), sync work excluded;
 - ``work_s``: what one round costs its trainer thread (closing it, merging deltas);
 - ``traffic_s``: how long its last rounds' frames took to reach every peer training the job,
-  from the hand-off to the event loop until the last peer had the frame whole (its answer,
-  less the time the receiver says it held the answer to check the frame: the median of the
+  from the hand-off to the event loop to the last upload that succeeded (the median of the
   last few rounds: one slow round does not set the pace, a link that fills shows in three);
 
 and proposes a round period, in seconds of wall time from one round's close to the next::

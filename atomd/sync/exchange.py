@@ -67,9 +67,8 @@ RETRY_DELAY_S = 0.5
 # timeout, so frames took 3-5x their line time. One at a time they fit the buffer. But waiting
 # for each answer cost ~40 % more: the answer comes back through the receiver's uplink, full of
 # its own frames at the same moment (bench/results-swarm-256kbit-2026-12-02t.json: 0.58 s an
-# upload for 0.41 s of line time). A rate measured over a whole upload (the answer's way back
-# included; the receiver's checks, which its answer says it held, left out) is below the line's,
-# so the paced frames still never crowd the buffer. The stagger bounds what
+# upload for 0.41 s of line time). A rate measured over a whole upload (answer included) is
+# below the line's, so the paced frames still never crowd the buffer. The stagger bounds what
 # a silent peer costs the others.
 UPLOAD_STAGGER_S = 1.0
 RATE_SAMPLES = 8  # recent uploads whose fastest rate paces the next ones
@@ -420,29 +419,23 @@ class DeltaExchange:
     ) -> list[str | None]:
         """Upload ``frame`` to each of ``order``, one after another (``_pace``), each upload
         within ``timeout_s``, tried at most ``attempts`` times: what went wrong with each
-        (None: accepted); ``arrived`` gets the time each accepted frame was whole at its
-        receiver: its answer's, less the time the receiver says it held the answer (its checks of
-        the frame, the receiver's CPU: not the link's)."""
+        (None: accepted); ``arrived`` gets the time of each accepted upload."""
         path = paths.job_deltas(job_id)
 
         async def one(peer: PeerRef) -> str | None:
             for attempt in range(attempts):
                 started = time.monotonic()
                 try:
-                    answer = await self.client.post_bytes(
+                    await self.client.post_bytes(
                         peer.url, path, frame, DeltaAccepted, target=peer.id,
                         timeout=timeout_s,
                     )  # fmt: skip
-                    answered = time.monotonic()
-                    elapsed = answered - started
-                    # The link's time, not the receiver's checks (bounded by what was seen).
-                    held = min(answer.held_s, elapsed)
-                    arrived.append(answered - held)
+                    arrived.append(time.monotonic())
+                    elapsed = arrived[-1] - started
                     self.telemetry.upload_seconds.observe(elapsed)
-                    self.telemetry.answer_held_seconds.observe(held)
                     self.telemetry.bytes_sent.inc(len(frame))
-                    if elapsed - held > 0:
-                        self._rates.append(len(frame) / (elapsed - held))
+                    if elapsed > 0:
+                        self._rates.append(len(frame) / elapsed)
                     return None
                 except PeerRequestError as e:
                     if e.status is not None and 400 <= e.status < 500:

@@ -290,8 +290,6 @@ class SyncPlugin:
                 return False
             others = self.n_peers(self.state.version) - 1
             if behind < 2:
-                if self._last_round_takes(step, self._every()):
-                    return False
                 return 0 < others <= self.state.deltas_in(self.state.version)
         elif behind < 2:
             return False
@@ -320,19 +318,24 @@ class SyncPlugin:
         if self._uploading():
             return False
         every, elapsed = self._every(), step - self._round_start
-        if elapsed < every or self._last_round_takes(step, every):
+        if elapsed < every or self._last_round_takes(step, every, elapsed):
             return False
         if elapsed < every + max(every, HOLD_MIN) and self._previous_open():
             self.held_steps += 1
             return False
         return True
 
-    def _last_round_takes(self, step: int, every: int) -> bool:
-        """Fewer than H steps are left after ``step`` (automatic cadence): the job's last round
-        (``finish``) takes them, rather than a round now and a final one of a step or two right
-        after it, two frames on the link just when the others wait for the last deltas (4 real
-        daemons at 256 kbit/s: a peer's rounds at steps 599 and 600, then a 6.3 s wait)."""
-        return self.total_steps is not None and 0 < self.total_steps - step < every
+    def _last_round_takes(self, step: int, every: int, elapsed: int) -> bool:
+        """Fewer than H steps are left after ``step`` (automatic cadence, the round ``elapsed``
+        steps long): the job's last round (``finish``) takes them, if it then holds at most 2H
+        steps (the robust screen's allowance for a longer round), rather than a round now and
+        a final one of a step or two right after it, two frames on the link just when the
+        others wait for the last deltas (4 real daemons at 256 kbit/s: a peer's rounds at
+        steps 599 and 600, then a 6.3 s wait). Rule 3 (``_catch_up``) still closes in phase."""
+        if self.total_steps is None:
+            return False
+        left = self.total_steps - step
+        return 0 < left < every and elapsed + left <= 2 * every
 
     def _previous_open(self) -> bool:
         """In phase: this peer's previous round still misses a delta of a peer training the
