@@ -762,27 +762,30 @@ def test_a_frame_the_loop_never_sent_holds_the_next_round_back_only_so_long(
     assert len(sent) == 2
 
 
+def _closes(
+    total: int, every: int, deliver: Callable[[int, int], bool]
+) -> tuple[SyncPlugin, list[RoundOut]]:
+    """An automatic-cadence peer at H = ``every`` stepped to ``total`` - 1, and what it sent;
+    each round's frame is delivered after the steps where ``deliver(step, rounds sent)`` says."""
+    sent: list[RoundOut] = []
+    me = auto_plugin(sent, total_steps=total)
+    me.cadence = SetCadence(every)
+    for step in range(1, total):
+        me.after_step(step)
+        if sent and deliver(step, len(sent)):
+            me.delivered(len(sent) - 1, -1.0)
+    return me, sent
+
+
 def test_the_last_round_takes_the_steps_too_few_for_a_round_of_their_own() -> None:
     """A round due fewer than H steps before the job's last step is not closed: the last round
     (``finish``) takes those steps too, up to 2H. Closed, it would be followed at once by a final
     round of a step or two, a second frame on the link just when the others wait for the last
     deltas (4 real daemons at 256 kbit/s: rounds at steps 599 and 600, a peer's last wait 6.3 s)."""
-    sent: list[RoundOut] = []
-    me = auto_plugin(sent, total_steps=20)
-    me.cadence = SetCadence(4)
-    for step in range(1, 20):
-        me.after_step(step)
-        if sent:
-            me.delivered(len(sent) - 1, -1.0)
+    _, sent = _closes(20, 4, lambda step, n: True)
     # Due at 4, 8, 12 and 16: the one at 16 leaves 4 steps, a whole round for ``finish``.
     assert [o.step for o in sent] == [4, 8, 12, 16]
-    sent.clear()
-    me = auto_plugin(sent, total_steps=18)
-    me.cadence = SetCadence(4)
-    for step in range(1, 18):
-        me.after_step(step)
-        if sent:
-            me.delivered(len(sent) - 1, -1.0)
+    me, sent = _closes(18, 4, lambda step, n: True)
     # Due at 16, 2 steps before the end (fewer than H = 4): left for the last round.
     assert [o.step for o in sent] == [4, 8, 12]
     stop = threading.Event()
@@ -790,15 +793,9 @@ def test_the_last_round_takes_the_steps_too_few_for_a_round_of_their_own() -> No
     me.finish(18, stop)
     assert [o.step for o in sent] == [4, 8, 12, 18] and sent[-1].every == 6 and sent[-1].final
     # At most 2H steps in the last round (the robust screen's allowance for a longer round):
-    # round 2's frame in flight until step 18, the round due since 16 closes there, 6 steps
+    # round 2's frame in flight until step 17, the round due since 16 closes at 18, 6 steps
     # long, since 3 steps are left and 9 would be too many.
-    sent.clear()
-    me = auto_plugin(sent, total_steps=21)
-    me.cadence = SetCadence(4)
-    for step in range(1, 21):
-        me.after_step(step)
-        if sent and (len(sent) < 3 or step >= 17):
-            me.delivered(len(sent) - 1, -1.0)
+    _, sent = _closes(21, 4, lambda step, n: n < 3 or step >= 17)
     assert [o.step for o in sent] == [4, 8, 12, 18]
 
 
