@@ -31,8 +31,7 @@ INLINE_BODY_BYTES = 1 << 20
 @dataclass(frozen=True)
 class SignedRequest:
     """A request that passed every check: who signed it, its body, and when the body was whole
-    (``time.monotonic()``: a route that answers after work of its own says how long it held
-    the answer, so that the sender can tell its link's time from this daemon's)."""
+    (``time.monotonic()``: how long a route's own work then held the answer goes to /metrics)."""
 
     peer: VerifiedPeer
     body: bytes
