@@ -347,18 +347,15 @@ class DeltaExchange:
         # was still on its way, it reached a receiver first, which then ended its job without
         # the earlier delta (4 real daemons at 256 kbit/s, run cb: that peer's anchor 2.3 %
         # from the others').
-        lock = self._delivering.setdefault(out.job_id, asyncio.Lock())
-        locked = False
         try:
-            await lock.acquire()
-            locked = True
-            first = len(order) - len(late)
-            errors = await self._upload_all(out.job_id, out.frame, order[:first], arrived)
-            if late:
-                await self._catch_up(
-                    out.job_id, out.outgoing.round, targets, ratio_of=out.outgoing.raw_bytes
-                )
-                errors += await self._upload_all(out.job_id, out.frame, order[first:], arrived)
+            async with self._delivering.setdefault(out.job_id, asyncio.Lock()):
+                first = len(order) - len(late)
+                errors = await self._upload_all(out.job_id, out.frame, order[:first], arrived)
+                if late:
+                    await self._catch_up(
+                        out.job_id, out.outgoing.round, targets, ratio_of=out.outgoing.raw_bytes
+                    )
+                    errors += await self._upload_all(out.job_id, out.frame, order[first:], arrived)
         finally:
             plugin = self.plugins.get(out.job_id)
             if plugin is not None:  # the next round may close now; -1: nothing measured
@@ -366,8 +363,6 @@ class DeltaExchange:
                 plugin.delivered(out.outgoing.round, traffic)
                 if traffic >= 0:
                     self.telemetry.round_traffic_seconds.observe(traffic)
-            if locked:
-                lock.release()
             await self._record_merge(out.job_id, out.merge)
         rows = [
             _Row(out.outgoing.round, "sent", p.id, len(out.frame), None, error is None, error,
