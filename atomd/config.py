@@ -88,6 +88,14 @@ class Settings(BaseSettings):
         description="Ed25519 public keys (hex) admitted to the swarm (comma-separated); with a "
         "swarm secret too, a peer must pass both.",
     )
+    tcp_congestion: str = Field(
+        "cubic",
+        pattern=r"^[a-z0-9_]{1,15}$",
+        description="TCP congestion control of the connections this daemon opens to its peers "
+        "(Linux), where the kernel offers it and lets the daemon choose it; 'system' leaves the "
+        "system's default. Loss-based cubic fills a slow uplink whose ACKs come back through a "
+        "peer's full one, where BBR's few-packet window waits on them.",
+    )
     auto_join: bool = Field(True, description="Join jobs other peers announce to the swarm.")
     zeroconf: bool = Field(False, description="Find peers on the local network (mDNS).")
     gossip_interval: float = Field(

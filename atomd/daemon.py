@@ -141,6 +141,10 @@ class Daemon:
         node = SwarmNode(
             settings=s, identity=identity, sessions=sessions, telemetry=self.telemetry, jobs=jobs
         )
+        # The peer plane's connections, both ways, use the chosen congestion control: the
+        # client's by its socket options, the server's accepted ones from its listening socket.
+        for option in node.client.congestion.options:
+            peer_sock.setsockopt(*option)
         exchange = DeltaExchange(
             identity=identity,
             client=node.client,
@@ -199,7 +203,7 @@ class Daemon:
                 watchdog = tg.create_task(self._watchdog(), name="watchdog")
                 parent = tg.create_task(self._watch_parent(s.parent_pid), name="parent")
                 db_watch = tg.create_task(self._watch_database(database), name="database")
-                await self._until_ready(control, peer, jobs)
+                await self._until_ready(control, peer, jobs, node)
                 node_task = tg.create_task(node.run(), name="swarm")
                 preload = tg.create_task(self._preload(), name="preload")
                 lan = await self._lan_discovery(node) if s.zeroconf else None
@@ -228,17 +232,20 @@ class Daemon:
             await engine.dispose()
         log.info("stopped")
 
-    async def _until_ready(self, control: _Server, peer: _Server, jobs: JobManager) -> None:
+    async def _until_ready(
+        self, control: _Server, peer: _Server, jobs: JobManager, node: SwarmNode
+    ) -> None:
         # uvicorn exposes only a flag for "listening"; poll it briefly at start-up.
         while not (control.started and peer.started):  # noqa: ASYNC110
             await asyncio.sleep(0.02)
         await jobs.wait_started()
         s = self.settings
         log.info(
-            "ready: control http://%s, peer plane %s (%s, advertised %s), data %s",
+            "ready: control http://%s, peer plane %s (%s, %s, advertised %s), data %s",
             s.control,
             s.listen,
             "TLS" if s.peer_tls else "plain HTTP",
+            node.client.congestion.note,
             s.advertise_url,
             s.data_dir,
         )

@@ -27,6 +27,7 @@ import httpx
 from atomd import __version__
 from atomd.errors import PeerRequestError
 from atomd.p2p import paths
+from atomd.p2p.congestion import Congestion
 from atomd.p2p.identity import Identity
 from atomd.p2p.messages import M, Message, PeerInfo, parse_answer
 from atomd.p2p.signing import Admission, sign_request
@@ -103,14 +104,22 @@ class PeerClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         tls: bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
+        congestion: Congestion | None = None,
     ) -> None:
         self._identity = identity
         self.tls = tls
         # Answers are checked against the certificate only on our own pinned transport (a
         # test's in-process transport has no TLS to check).
         self._pinned = tls and transport is None
+        # The TCP congestion control of the connections it opens (``atomd.p2p.congestion``).
+        self.congestion = congestion or Congestion((), "TCP: the system's")
+        options = list(self.congestion.options)
         if self._pinned:
-            transport = PinnedTransport(LIMITS)
+            transport = PinnedTransport(LIMITS, options)
+        elif transport is None:
+            transport = httpx.AsyncHTTPTransport(
+                limits=LIMITS, socket_options=options, trust_env=False
+            )
         self._admission = admission
         self.swarm = admission.swarm
         self._timeout = timeout
@@ -119,7 +128,6 @@ class PeerClient:
             timeout=timeout,
             follow_redirects=False,
             transport=transport,
-            limits=LIMITS,  # the transport's when it is httpx's own (plain HTTP)
             headers={"User-Agent": f"atomd/{__version__}"},
             trust_env=False,  # a proxy from the environment would sit between pinned peers
         )

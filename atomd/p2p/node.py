@@ -26,7 +26,7 @@ from atomd.db import repo
 from atomd.db.schemas import ProgressPoint
 from atomd.errors import AtomdError, PeerAuthError, PeerRequestError
 from atomd.logs import Repeated, get_logger
-from atomd.p2p import paths
+from atomd.p2p import congestion, paths
 from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
 from atomd.p2p.membership import Member, Membership, PeerState, Swim, SwimConfig, Update
@@ -138,7 +138,12 @@ class SwarmNode:
         self.telemetry = telemetry
         self.jobs = jobs
         self.admission = Admission.from_settings(settings)
-        self.client = PeerClient(identity, self.admission, tls=settings.peer_tls)
+        self.client = PeerClient(
+            identity,
+            self.admission,
+            tls=settings.peer_tls,
+            congestion=congestion.choose(settings.tcp_congestion),
+        )
         self.quarantine = Quarantine(key_of=self._key_of)
         self.rejections = Rejections()  # refused requests of both planes, counted
         self.verifier = RequestVerifier(

@@ -225,7 +225,7 @@ class PinningBackend(httpcore.AsyncNetworkBackend):
 class PinnedTransport(httpx.AsyncHTTPTransport):
     """httpx's transport over ``PinningBackend``, with ``client_context`` and no proxies."""
 
-    def __init__(self, limits: httpx.Limits) -> None:
+    def __init__(self, limits: httpx.Limits, socket_options: Iterable[Any] | None = None) -> None:
         super().__init__(verify=client_context(), trust_env=False)
         self._pool = httpcore.AsyncConnectionPool(
             ssl_context=client_context(),
@@ -233,4 +233,5 @@ class PinnedTransport(httpx.AsyncHTTPTransport):
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,
             network_backend=PinningBackend(),
+            socket_options=socket_options,
         )

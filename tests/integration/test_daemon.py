@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import sqlite3
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from atomd.launch import DaemonProcess
 from tests.integration.conftest import FAST_JOB, wait_for
@@ -235,3 +237,30 @@ def test_cli_clients_talk_to_the_daemon(daemons: Any, tmp_path: Path) -> None:
     assert r.returncode == 2 and "404" in r.stderr
     r = _atomd("status", "--url", "http://127.0.0.1:9")
     assert r.returncode == 2 and "cannot reach atomd" in r.stderr
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="ss (iproute2) reads another process's sockets")
+def test_the_peer_plane_serves_with_the_chosen_congestion_control(daemons: Any) -> None:
+    """``ATOMD_TCP_CONGESTION`` reaches the connections the daemon's peer plane accepts (they
+    inherit it from its listening socket), and its start-up line says what is in force."""
+    from atomd.p2p import congestion
+
+    default = congestion.system_default()
+    name = next(
+        (n for n in ("reno", "cubic", "bbr") if n != default and congestion.choose(n).options),
+        None,
+    )
+    if default is None or name is None:
+        pytest.skip("no congestion control other than the system's can be chosen here")
+    d: DaemonProcess = daemons(env={"ATOMD_TCP_CONGESTION": name}).start()
+    wait_for(lambda: f"TCP {name}," in d.log(), timeout=60, what="the start-up line")
+    with socket.create_connection(("127.0.0.1", d.listen_port), timeout=10) as s:
+        here = s.getsockname()[1]
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") != (
+            name.encode()
+        )  # this end keeps the system's: what the daemon's end shows is the daemon's doing
+        accepted = subprocess.run(
+            ["ss", "-tinH", "state", "established", "dport", "=", f":{here}"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+    assert f" {name} " in f" {accepted.replace(chr(10), ' ').replace(chr(9), ' ')} ", accepted

@@ -265,3 +265,67 @@ async def test_peer_connections_outlive_an_idle_pause_of_more_than_5_s(serve: Se
         peer.should_exit = True
         await asyncio.wait_for(task, 10)
         sock.close()
+
+
+def _congestion_of_local_port(port: int) -> str | None:
+    """The TCP congestion control of this process's socket bound to local ``port`` (Linux)."""
+    import os
+
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # not a socket
+        with s:
+            try:
+                if s.family != socket.AF_INET or s.getsockname()[1] != port:
+                    continue
+                name = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+            except OSError:
+                continue
+            return name.rstrip(b"\0").decode()
+    return None
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="Linux only")
+async def test_peer_connections_use_the_chosen_congestion_control(serve: Serve) -> None:
+    """``Settings.tcp_congestion`` reaches the sockets the peer client opens (over TLS, the
+    daemon's path); without it they keep the system's default, which is not the one chosen."""
+    from fastapi import Request
+
+    from atomd.p2p import congestion
+
+    default = congestion.system_default()
+    others = [congestion.choose(n) for n in ("reno", "cubic", "bbr") if n != default]
+    chosen = next((c for c in others if c.options), None)
+    if default is None or chosen is None:
+        pytest.skip("no congestion control other than the system's can be chosen here")
+    name = chosen.options[0][2].decode()
+    assert chosen.note == f"TCP {name}"
+
+    server, alice = Identity.generate(), Identity.generate()
+    app = peer_app(server)
+
+    @app.post("/p2p/v1/port")
+    async def port(request: Request) -> dict[str, int]:
+        assert request.client is not None
+        return {"port": request.client.port}
+
+    url = await serve(app, server)
+    for given, expected in ((chosen, name), (None, default)):
+        async with PeerClient(alice, ADMISSION, congestion=given) as client:
+            used = await client.post_bytes(url, "/p2p/v1/port", b"{}", Port)
+            assert _congestion_of_local_port(used.port) == expected
+
+
+def test_a_congestion_control_the_kernel_refuses_leaves_the_systems() -> None:
+    from atomd.p2p import congestion
+
+    refused = congestion.choose("nosuchalgo")
+    assert refused.options == ()
+    if hasattr(socket, "TCP_CONGESTION"):
+        assert "nosuchalgo is not offered by this kernel" in refused.note
+    system = congestion.choose(congestion.SYSTEM)
+    assert system.options == () and "the system's" in system.note
+    with pytest.raises(ValidationError, match="tcp_congestion"):
+        Settings(tcp_congestion="Cubic; rm")
