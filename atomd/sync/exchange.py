@@ -470,12 +470,22 @@ class DeltaExchange:
         link (many times a round's), and its uploads share that link: under a round's timeout
         all three of a 331 kB share at 256 kbit/s timed out, twice, each ~1 s short of done
         (bench/results-swarm-2026-12-03ba.json). Not a round: nothing is recorded in
-        ``sync_rounds``, the cadence is not told."""
-        started = time.monotonic()
-        order = list(self.peers.job_peers(job_id))
+        ``sync_rounds``, the cadence is not told.
+
+        It waits for the job's round in flight, like a round (one delivery at a time): the job's
+        last round is handed over just before it, and shared with a frame 25x its size the last
+        peer training's last round took 11 s to reach the others instead of ~1; one that was
+        following the rounds meanwhile declared that peer dead (its pings starved on the same
+        link), ended its job without that delta, and its settled anchor ended 5 % from the
+        others' (4 real daemons at 256 kbit/s, run ce of 2026-12-05)."""
         # No longer than a receiver takes a body (p2p.signing.MAX_BODY_S).
         timeout_s = min(timeout_s, MAX_BODY_S)
-        errors = await self._upload_all(job_id, frame, order, [], timeout_s=timeout_s, attempts=1)
+        async with self._delivering.setdefault(job_id, asyncio.Lock()):
+            started = time.monotonic()
+            order = list(self.peers.job_peers(job_id))
+            errors = await self._upload_all(
+                job_id, frame, order, [], timeout_s=timeout_s, attempts=1
+            )
         failed = [f"{p.id}: {e}" for p, e in zip(order, errors, strict=True) if e is not None]
         log.info("job %s: average frame (%d bytes) sent to %d of %d peer(s) in %.1f s%s", job_id,
                  len(frame), len(order) - len(failed), len(order), time.monotonic() - started,

@@ -309,6 +309,38 @@ async def test_each_peer_gets_this_peers_rounds_in_order(sessions: Any) -> None:
     assert client.most_in_flight == 1
 
 
+async def test_the_average_frame_waits_for_the_round_in_flight(sessions: Any) -> None:
+    """The final average's frame (25x a round's at a slow link) goes after the job's last
+    round, not beside it on the same uplink: shared with it, the last round reached a peer
+    following the rounds 11 s late, after it had ended its job (run ce, 2026-12-05)."""
+    average = b"the average"
+    rounds_in_flight_at_average: list[int] = []
+
+    @dataclass
+    class Watching(SlowClient):
+        async def post_bytes(self, url: str, path: str, body: bytes, *a: Any, **kw: Any) -> Any:
+            if body == average:
+                rounds_in_flight_at_average.append(self.in_flight - len(self.averaging))
+                self.averaging.append(url)
+            return await super().post_bytes(url, path, body, *a, **kw)
+
+        averaging: list[str] = field(default_factory=list)
+
+    peers = [Peer(ch * 32, f"http://{ch}") for ch in "pq"]
+    client = Watching(delay={"http://p": 0.3, "http://q": 0.01})
+    ex = exchange(sessions, cast(Any, client), FakePeers(peers))
+    plugin = attach(ex)
+
+    async with running(ex):
+        plugin.after_step(1)  # the last round: p first (slow), then q
+        plugin.send_average(average, 30.0)  # handed over at once, as finish() does
+        await until(lambda: _async_true(len(client.log) == 4), "round and average to both")
+        await until(lambda: _async_true(client.in_flight == 0), "all answered")
+    assert rounds_in_flight_at_average == [0, 0]
+    for url in ("http://p", "http://q"):
+        assert [body == average for u, body in client.log if u == url] == [False, True]
+
+
 def test_the_pace_is_a_frames_time_at_the_fastest_recent_rate(sessions: Any) -> None:
     """Before any upload is measured the stagger; then the frame's size over the fastest of
     the last RATE_SAMPLES rates, never above the stagger."""
