@@ -90,11 +90,11 @@ class Settings(BaseSettings):
     )
     tcp_congestion: str = Field(
         "cubic",
-        pattern=r"^[a-z0-9_]{1,15}$",
-        description="TCP congestion control of the connections this daemon opens to its peers "
-        "(Linux), where the kernel offers it and lets the daemon choose it; 'system' leaves the "
-        "system's default. Loss-based cubic fills a slow uplink whose ACKs come back through a "
-        "peer's full one, where BBR's few-packet window waits on them.",
+        pattern=r"^[A-Za-z0-9_.]{1,15}$",
+        description="TCP congestion control of the peer plane's connections (Linux), where the "
+        "kernel offers it and lets the daemon choose it (else the system's, with a warning); "
+        "'system' keeps the kernel's default. Cubic, Linux's usual default, carried a slow "
+        "uplink's frames much better than BBR (atomd.p2p.congestion).",
     )
     auto_join: bool = Field(True, description="Join jobs other peers announce to the swarm.")
     zeroconf: bool = Field(False, description="Find peers on the local network (mDNS).")

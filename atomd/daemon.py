@@ -31,6 +31,7 @@ from atomd.errors import AtomdError, ConfigError
 from atomd.jobs import JobManager, load_training_modules
 from atomd.logs import Repeated, get_logger
 from atomd.p2p.client import SERVER_KEEPALIVE_S
+from atomd.p2p.congestion import tune
 from atomd.p2p.identity import Identity
 from atomd.p2p.node import SwarmNode
 from atomd.sync.exchange import DeltaExchange
@@ -143,8 +144,7 @@ class Daemon:
         )
         # The peer plane's connections, both ways, use the chosen congestion control: the
         # client's by its socket options, the server's accepted ones from its listening socket.
-        for option in node.client.congestion.options:
-            peer_sock.setsockopt(*option)
+        tune(peer_sock, node.client.congestion.options)
         exchange = DeltaExchange(
             identity=identity,
             client=node.client,

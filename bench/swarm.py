@@ -81,6 +81,7 @@ class Task:
     idle_s: float = 10.0  # membership measured while the swarm idles
     restart_after_s: float = 20.0
     deadline_s: float = 3600.0  # per scenario, and for the references
+    tcp_congestion: str | None = None  # the daemons' ATOMD_TCP_CONGESTION; None: their default
 
     def spec(self, batch: int) -> dict[str, Any]:
         spec: dict[str, Any] = {
@@ -136,8 +137,9 @@ class Daemon:
     """One ``atomd run`` of the benchmark, reached through its network's ``call``."""
 
     def __init__(
-        self, i: int, root: Path, net: netns.Network, *, seed: str | None, threads: int
-    ) -> None:
+        self, i: int, root: Path, net: netns.Network, *, seed: str | None, threads: int,
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.i, self.net = i, net
         self.data_dir = root / f"peer{i}"
         self.log_path = root / f"peer{i}.log"
@@ -151,6 +153,7 @@ class Daemon:
         ]  # fmt: skip
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ATOMD_")}
         self.env["OMP_NUM_THREADS"] = str(threads)
+        self.env.update(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self._http: httpx.Client | None = None
 
@@ -288,7 +291,8 @@ def run_scenario(
         netem = net.probe_netem() if isinstance(net, netns.Namespaces) else "loopback"
         for i in range(n):
             seed = daemons[0].peer_url if daemons else None
-            daemons.append(Daemon(i, root / scenario.name, net, seed=seed, threads=threads))
+            daemons.append(Daemon(i, root / scenario.name, net, seed=seed, threads=threads,
+                                  env=_daemon_env(task)))  # fmt: skip
             daemons[-1].start()
             if i == 0:
                 _until(daemons[0].ready, deadline=deadline, what="peer0 ready")
@@ -494,6 +498,20 @@ def _mean_seconds(metrics: str) -> dict[str, float | None]:
     return out
 
 
+def _daemon_env(task: Task) -> dict[str, str]:
+    return {} if task.tcp_congestion is None else {"ATOMD_TCP_CONGESTION": task.tcp_congestion}
+
+
+_READY = re.compile(r"ready: control \S+, peer plane \S+ \((?:TLS|plain HTTP), (.+?), advertised")
+
+
+def tcp_congestion_of(log_path: Path) -> str | None:
+    """What a daemon's last start-up line in ``log_path`` says its peer connections use
+    (``TCP cubic``, ``TCP bbr (the system's)``)."""
+    found = _READY.findall(log_path.read_text(errors="replace")) if log_path.exists() else []
+    return found[-1] if found else None
+
+
 def _peer_report(d: Daemon, job_id: str) -> dict[str, Any]:
     """One peer's figures from its own records (job, progress, rounds)."""
     if not d.alive():
@@ -512,6 +530,7 @@ def _peer_report(d: Daemon, job_id: str) -> dict[str, Any]:
     frame_bytes = [r["bytes"] for r in frames.values()]
     return {
         "peer": d.i,
+        "tcp_congestion": tcp_congestion_of(d.log_path),
         "state": job["state"],
         "step": job["step"],
         "val_loss": job["val_loss"],
@@ -619,7 +638,10 @@ def run_references(
     net = netns.Loopback(2)
     runs = {"alone": task.batch, "large_batch": task.batch * task.peers}
     threads = max(1, (os.cpu_count() or 1) // 2)
-    daemons = [Daemon(i, root / "references", net, seed=None, threads=threads) for i in range(2)]
+    daemons = [
+        Daemon(i, root / "references", net, seed=None, threads=threads, env=_daemon_env(task))
+        for i in range(2)
+    ]
     deadline = time.monotonic() + task.deadline_s
     load_start = _load()
     out: dict[str, Any] = {}
@@ -700,6 +722,7 @@ def run(
     references_from: Path | None = None,
     root: Path | None = None,
     progress: Callable[[str], None] | None = None,
+    tcp_congestion: str | None = None,
 ) -> dict[str, Any]:
     """Run the references and the scenarios; the benchmark's JSON object. ``references_from``:
     take the references from an earlier run's JSON instead (the same task, checked), to save
@@ -711,6 +734,7 @@ def run(
         every=task.every if every is None else every,
         sync=dict(sync or {}),
         steps=steps or task.steps,
+        tcp_congestion=tcp_congestion,
     )
     names = list(scenarios or SCENARIOS)
     unknown = [s for s in names if s not in SCENARIOS]
@@ -826,6 +850,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         type=Path,
         help="take the references from an earlier run's JSON (the same task)",
     )
+    ap.add_argument(
+        "--tcp-congestion",
+        help="the daemons' ATOMD_TCP_CONGESTION (default: theirs, cubic; 'system': the "
+        "kernel's); each peer's report says what its start-up line named",
+    )
     ap.add_argument("--out", type=Path, help="also write the JSON (indented) here")
     ap.add_argument(
         "--keep", type=Path, help="keep the daemons' folders and logs here (a new folder)"
@@ -838,6 +867,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         quick=a.quick, peers=a.peers, scenarios=a.scenarios.split(",") if a.scenarios else None,
         every=every, sync=a.sync, steps=a.steps, network=a.network,
         references=not a.no_references, references_from=a.references_from, root=a.keep,
+        tcp_congestion=a.tcp_congestion,
     )  # fmt: skip
     text = json.dumps(result)
     if a.out is not None:

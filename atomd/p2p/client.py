@@ -27,11 +27,11 @@ import httpx
 from atomd import __version__
 from atomd.errors import PeerRequestError
 from atomd.p2p import paths
-from atomd.p2p.congestion import Congestion
+from atomd.p2p.congestion import SYSTEMS, Congestion
 from atomd.p2p.identity import Identity
 from atomd.p2p.messages import M, Message, PeerInfo, parse_answer
 from atomd.p2p.signing import Admission, sign_request
-from atomd.p2p.tls import CertificateError, PinnedTransport, expecting, stream_peer
+from atomd.p2p.tls import CertificateError, PeerTransport, expecting, stream_peer
 
 DEFAULT_TIMEOUT_S = 5.0
 INFO_TIMEOUT_S = 3.0
@@ -112,14 +112,9 @@ class PeerClient:
         # test's in-process transport has no TLS to check).
         self._pinned = tls and transport is None
         # The TCP congestion control of the connections it opens (``atomd.p2p.congestion``).
-        self.congestion = congestion or Congestion((), "TCP: the system's")
-        options = list(self.congestion.options)
-        if self._pinned:
-            transport = PinnedTransport(LIMITS, options)
-        elif transport is None:
-            transport = httpx.AsyncHTTPTransport(
-                limits=LIMITS, socket_options=options, trust_env=False
-            )
+        self.congestion = congestion or SYSTEMS
+        if transport is None:
+            transport = PeerTransport(LIMITS, self.congestion.options, pinned=tls)
         self._admission = admission
         self.swarm = admission.swarm
         self._timeout = timeout

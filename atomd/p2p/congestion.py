@@ -1,29 +1,37 @@
-"""TCP congestion control for the connections this daemon opens to its peers (Linux).
+"""TCP congestion control of the peer plane's connections (Linux).
 
-A delta frame's upload is ACK-clocked: its ACKs come back through the receiver's uplink, which
-on a slow home line is full of the receiver's own frames at the same moment (up to half a
-second of queue, as ``bench swarm`` emulates such a line with ``tc tbf``). BBR, which some
-systems run by default, sizes its window from the path's smallest round trip, a few packets on
-such a line, so the delayed ACKs leave it waiting and the upload runs below the line's rate; a
-loss-based algorithm (cubic, Linux's own default) keeps the window the queue allows and fills
-the line. Four real daemons at 256 kbit/s a peer, on a kernel defaulting to BBR (``bench
-swarm``, the same code otherwise): 91 rounds a peer and gain_recovered 0.476 with BBR, 111-118
-rounds and 0.597 / 0.591 with cubic (``docs/notes/issue-14.md``, 2026-12-05, fourth).
+The peer plane asks the kernel for ``cubic`` (``Settings.tcp_congestion``; ``system`` keeps the
+kernel's default) on its connections: the peer client on every socket it opens (``tune``, from
+its network backend in ``atomd.p2p.tls``), the daemon on its listening socket, whose accepted
+connections inherit it (the state a donor serves). The control API is not concerned.
 
-So the peer plane asks for ``cubic`` (``Settings.tcp_congestion``) on its connections: the
-peer client on every socket it opens, the daemon on its listening socket (the connections it
-accepts inherit it: the state a donor serves). Where the kernel does not offer it or does not
-let this process choose it (an unprivileged process may choose only what
-``net.ipv4.tcp_allowed_congestion_control`` lists) they keep the system's default, and the
-daemon says so in its start-up line. The control API is not concerned.
+Why: cubic is Linux's own default, but some systems run BBR instead (this project's machine
+does), and on a slow uplink BBR carried the swarm's delta frames markedly worse. Four real
+daemons at 256 kbit/s a peer (``bench swarm``, ``tc tbf`` with half a second of queue, rounds
+in phase so that every uplink is full of frames when the answers and ACKs of the others'
+uploads must cross it): with BBR 91 rounds a peer and gain_recovered 0.476; with cubic on the
+same code 111-118 rounds and 0.591-0.597 (``docs/notes/issue-14.md``, 2026-12-05, fourth, with
+what ``ss -ti`` showed of both). Cubic fills the uplink's queue, as any loss-based sender does
+(the host's other traffic waits behind it while frames go out); that is the common Linux
+behaviour, and the setting overrides only the peer plane's connections.
+
+Where the kernel does not offer the choice or does not let this process make it (an
+unprivileged process may choose only what ``net.ipv4.tcp_allowed_congestion_control`` lists:
+the systemd unit runs without capabilities) the connections keep the system's default, and
+the daemon says so in a warning and in its start-up line.
 """
 
 from __future__ import annotations
 
 import errno
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from atomd.logs import get_logger
+
+log = get_logger(__name__)
 
 DEFAULT = "cubic"
 SYSTEM = "system"  # the setting's value for "leave the kernel's default"
@@ -35,11 +43,14 @@ SocketOption = tuple[int, int, bytes]
 
 @dataclass(frozen=True)
 class Congestion:
-    """What the peer client's connections use: ``options`` for the sockets (none: the
+    """What the peer plane's connections use: ``options`` for their sockets (none: the
     system's default), and ``note``, one phrase for the daemon's start-up line."""
 
     options: tuple[SocketOption, ...]
     note: str
+
+
+SYSTEMS = Congestion((), "TCP congestion control: the system's")
 
 
 def system_default() -> str | None:
@@ -52,25 +63,45 @@ def system_default() -> str | None:
 
 def choose(name: str) -> Congestion:
     """The socket options that make this process's peer connections use ``name``, checked on
-    a socket of its own: a choice the kernel refuses would otherwise fail every connection."""
-    default = system_default() or "the system's default"
+    a socket of its own, or none (the system's default, with a warning) where the kernel
+    refuses it."""
+    default = system_default()
+    systems = SYSTEMS if default is None else Congestion((), f"TCP {default} (the system's)")
     if name == SYSTEM:
-        return Congestion((), f"TCP {default} (the system's)")
+        return systems
     option = getattr(socket, "TCP_CONGESTION", None)
-    if option is None:
-        return Congestion((), f"TCP: the system's ({name} cannot be chosen on this platform)")
     wanted = name.encode()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
+    try:
+        if option is None:
+            raise OSError(errno.ENOPROTOOPT, "no TCP_CONGESTION on this platform")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.IPPROTO_TCP, option, wanted)
-        except OSError as e:
-            why = "not permitted" if e.errno == errno.EPERM else "not offered by this kernel"
-            return Congestion(
-                (),
-                f"TCP {default} (the system's: {name} is {why}; see "
-                "net.ipv4.tcp_available_congestion_control and _allowed_congestion_control)",
-            )
-        got = s.getsockopt(socket.IPPROTO_TCP, option, NAME_MAX + 1).rstrip(b"\0")
+            got = s.getsockopt(socket.IPPROTO_TCP, option, NAME_MAX + 1).rstrip(b"\0")
+    except OSError as e:
+        why = {
+            errno.EPERM: "not permitted to this process: net.ipv4.tcp_allowed_congestion_control "
+            "lists what an unprivileged process may choose",
+            errno.ENOENT: "not offered by this kernel: see "
+            "net.ipv4.tcp_available_congestion_control (a module to load?)",
+        }.get(e.errno or 0, e.strerror or str(e))
+        log.warning("peer plane: TCP congestion control %s: %s; the connections keep the "
+                    "system's (%s)", name, why, default or "unknown")  # fmt: skip
+        return systems
     if got != wanted:  # pragma: no cover - a kernel that ignores the choice
         return Congestion((), f"TCP {got.decode(errors='replace')} ({name} was not taken)")
     return Congestion(((socket.IPPROTO_TCP, option, wanted),), f"TCP {name}")
+
+
+def tune(sock: socket.socket | None, options: Iterable[SocketOption]) -> None:
+    """Set ``options`` on a connected socket, best effort: one the kernel refuses now (an
+    administrator changed what is allowed since ``choose``) leaves the system's default on
+    that connection, with a warning, rather than failing the connection."""
+    if sock is None:
+        return
+    for option in options:
+        try:
+            sock.setsockopt(*option)
+        except OSError as e:
+            log.warning("peer plane: could not set TCP congestion control %s on a connection "
+                        "(%s); it keeps the system's", option[2].decode(errors="replace"),
+                        e.strerror or e)  # fmt: skip

@@ -7,7 +7,7 @@ for its key. After the TLS 1.3 handshake (in which the server proves it holds th
 the CertificateVerify signature is always checked), the client derives the peer id from the
 certificate's public key and compares it with the peer id it expects at that URL; a
 connection to anyone else is closed before a byte of the request is sent
-(``PinningBackend``). A URL whose peer id is not known yet (a seed) learns it from the
+(``PeerBackend``). A URL whose peer id is not known yet (a seed) learns it from the
 certificate, and the ``/info`` answer and the signed member record served there must name the
 same id (``atomd.p2p.client``).
 
@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.x509.oid import NameOID
 
+from atomd.p2p.congestion import SocketOption, tune
 from atomd.p2p.identity import Identity, peer_id_from_public_key
 
 CERT_DAYS = 3650  # the certificate is made anew at every start; its dates are not checked
@@ -92,7 +93,7 @@ def server_context(identity: Identity, scratch: Path | None = None) -> ssl.SSLCo
 
 def client_context() -> ssl.SSLContext:
     """The peer client's TLS 1.3 context: no CA and no host name (peers are pinned by key by
-    ``PinningBackend``, which is what makes this safe)."""
+    ``PeerBackend``, which is what makes this safe)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.check_hostname = False
@@ -195,12 +196,17 @@ class _PinnedStream(httpcore.AsyncNetworkStream):
         return self._inner.get_extra_info(info)
 
 
-class PinningBackend(httpcore.AsyncNetworkBackend):
-    """httpcore's network backend, with each TLS handshake checked against the peer id the
-    request expects (``expecting``) before the request is written."""
+class PeerBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend for the peer plane: TCP only, each connection's socket
+    given ``options`` (its congestion control, ``atomd.p2p.congestion.tune``: best effort, so
+    a refused option never fails a connection), and with ``pinned`` each TLS handshake
+    checked against the peer id the request expects (``expecting``) before the request is
+    written."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: Iterable[SocketOption] = (), *, pinned: bool = True) -> None:
         self._inner = httpcore.AnyIOBackend()
+        self._options = tuple(options)
+        self._pinned = pinned
 
     async def connect_tcp(
         self,
@@ -211,7 +217,8 @@ class PinningBackend(httpcore.AsyncNetworkBackend):
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
         stream = await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
-        return _PinnedStream(stream, f"{host}:{port}")
+        tune(stream.get_extra_info("socket"), self._options)
+        return _PinnedStream(stream, f"{host}:{port}") if self._pinned else stream
 
     async def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
@@ -222,16 +229,18 @@ class PinningBackend(httpcore.AsyncNetworkBackend):
         await self._inner.sleep(seconds)
 
 
-class PinnedTransport(httpx.AsyncHTTPTransport):
-    """httpx's transport over ``PinningBackend``, with ``client_context`` and no proxies."""
+class PeerTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport over ``PeerBackend``, no proxies; with ``pinned`` (TLS on the peer
+    plane) over ``client_context``."""
 
-    def __init__(self, limits: httpx.Limits, socket_options: Iterable[Any] | None = None) -> None:
-        super().__init__(verify=client_context(), trust_env=False)
+    def __init__(
+        self, limits: httpx.Limits, options: Iterable[SocketOption] = (), *, pinned: bool
+    ) -> None:
+        super().__init__(verify=client_context() if pinned else True, trust_env=False)
         self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=client_context(),
+            ssl_context=client_context() if pinned else None,
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,
-            network_backend=PinningBackend(),
-            socket_options=socket_options,
+            network_backend=PeerBackend(options, pinned=pinned),
         )

@@ -244,6 +244,7 @@ def test_the_peer_plane_serves_with_the_chosen_congestion_control(daemons: Any) 
     """``ATOMD_TCP_CONGESTION`` reaches the connections the daemon's peer plane accepts (they
     inherit it from its listening socket), and its start-up line says what is in force."""
     from atomd.p2p import congestion
+    from atomd_bench.swarm import tcp_congestion_of
 
     default = congestion.system_default()
     name = next(
@@ -254,6 +255,7 @@ def test_the_peer_plane_serves_with_the_chosen_congestion_control(daemons: Any) 
         pytest.skip("no congestion control other than the system's can be chosen here")
     d: DaemonProcess = daemons(env={"ATOMD_TCP_CONGESTION": name}).start()
     wait_for(lambda: f"TCP {name}," in d.log(), timeout=60, what="the start-up line")
+    assert tcp_congestion_of(d.log_path) == f"TCP {name}"  # what `bench swarm` reports
     with socket.create_connection(("127.0.0.1", d.listen_port), timeout=10) as s:
         here = s.getsockname()[1]
         assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") != (

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from atomd.telemetry import Telemetry
-from atomd_bench.swarm import _mean_seconds, run
+from atomd_bench.swarm import _mean_seconds, run, tcp_congestion_of
 
 
 def test_the_means_of_the_upload_round_traffic_and_answer_held_histograms() -> None:
@@ -105,3 +105,14 @@ def test_the_settled_anchors_of_real_states_agree_where_the_anchors_do_not(tmp_p
     assert apart is not None and apart > 1e-3
     settled = settled_divergence(dirs, job, sync)
     assert settled is not None and settled < 1e-6
+
+
+def test_each_peers_congestion_control_is_read_from_its_last_start_up_line(tmp_path: Path) -> None:
+    log = tmp_path / "peer0.log"
+    assert tcp_congestion_of(log) is None  # no log yet
+    line = (
+        "2026-12-05 17:25:10,778 INFO    atomd.daemon: ready: control http://127.0.0.1:7070, "
+        "peer plane 10.245.86.1:7071 (TLS, {}, advertised https://10.245.86.1:7071), data /x\n"
+    )
+    log.write_text(line.format("TCP bbr (the system's)") + "more\n" + line.format("TCP cubic"))
+    assert tcp_congestion_of(log) == "TCP cubic"  # restarted: the last start counts

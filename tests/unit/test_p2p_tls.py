@@ -270,12 +270,15 @@ async def test_peer_connections_outlive_an_idle_pause_of_more_than_5_s(serve: Se
 def _congestion_of_local_port(port: int) -> str | None:
     """The TCP congestion control of this process's socket bound to local ``port`` (Linux)."""
     import os
+    import stat
 
     for fd in map(int, os.listdir("/proc/self/fd")):
         try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
             s = socket.socket(fileno=os.dup(fd))
         except OSError:
-            continue  # not a socket
+            continue  # closed meanwhile
         with s:
             try:
                 if s.family != socket.AF_INET or s.getsockname()[1] != port:
@@ -287,12 +290,8 @@ def _congestion_of_local_port(port: int) -> str | None:
     return None
 
 
-@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="Linux only")
-async def test_peer_connections_use_the_chosen_congestion_control(serve: Serve) -> None:
-    """``Settings.tcp_congestion`` reaches the sockets the peer client opens (over TLS, the
-    daemon's path); without it they keep the system's default, which is not the one chosen."""
-    from fastapi import Request
-
+def _another_congestion() -> Any:
+    """A congestion control this process may choose that is not the system's default."""
     from atomd.p2p import congestion
 
     default = congestion.system_default()
@@ -300,6 +299,20 @@ async def test_peer_connections_use_the_chosen_congestion_control(serve: Serve) 
     chosen = next((c for c in others if c.options), None)
     if default is None or chosen is None:
         pytest.skip("no congestion control other than the system's can be chosen here")
+    return default, chosen
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="Linux only")
+@pytest.mark.parametrize("over_tls", [True, False], ids=["tls", "plain"])
+async def test_peer_connections_use_the_chosen_congestion_control(
+    serve: Serve, over_tls: bool
+) -> None:
+    """``Settings.tcp_congestion`` reaches the sockets the peer client opens (over TLS, the
+    daemon's path, and plain HTTP); without it they keep the system's default, which is not
+    the one chosen."""
+    from fastapi import Request
+
+    default, chosen = _another_congestion()
     name = chosen.options[0][2].decode()
     assert chosen.note == f"TCP {name}"
 
@@ -311,21 +324,52 @@ async def test_peer_connections_use_the_chosen_congestion_control(serve: Serve) 
         assert request.client is not None
         return {"port": request.client.port}
 
-    url = await serve(app, server)
+    url = await serve(app, server if over_tls else None)
+    if not over_tls:
+        url = url.replace("https://", "http://")
     for given, expected in ((chosen, name), (None, default)):
-        async with PeerClient(alice, ADMISSION, congestion=given) as client:
+        async with PeerClient(alice, ADMISSION, tls=over_tls, congestion=given) as client:
             used = await client.post_bytes(url, "/p2p/v1/port", b"{}", Port)
             assert _congestion_of_local_port(used.port) == expected
 
 
-def test_a_congestion_control_the_kernel_refuses_leaves_the_systems() -> None:
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="Linux only")
+async def test_a_congestion_control_refused_later_does_not_fail_the_connection(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An option the kernel refuses on a connection (an administrator changed what is allowed
+    after the daemon's check) leaves that connection on the system's default, with a warning;
+    the request goes through."""
+    from fastapi import Request
+
+    from atomd.p2p.congestion import Congestion
+
+    refused = Congestion(((socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"nosuchalgo"),), "x")
+    server, alice = Identity.generate(), Identity.generate()
+    app = peer_app(server)
+
+    @app.post("/p2p/v1/port")
+    async def port(request: Request) -> dict[str, int]:
+        assert request.client is not None
+        return {"port": request.client.port}
+
+    url = await serve(app, server)
+    async with PeerClient(alice, ADMISSION, congestion=refused) as client:
+        used = await client.post_bytes(url, "/p2p/v1/port", b"{}", Port)
+    assert used.port > 0
+    assert "could not set TCP congestion control nosuchalgo" in caplog.text
+
+
+def test_a_congestion_control_the_kernel_refuses_leaves_the_systems(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from atomd.p2p import congestion
 
     refused = congestion.choose("nosuchalgo")
     assert refused.options == ()
     if hasattr(socket, "TCP_CONGESTION"):
-        assert "nosuchalgo is not offered by this kernel" in refused.note
+        assert "TCP congestion control nosuchalgo: not offered by this kernel" in caplog.text
     system = congestion.choose(congestion.SYSTEM)
     assert system.options == () and "the system's" in system.note
     with pytest.raises(ValidationError, match="tcp_congestion"):
-        Settings(tcp_congestion="Cubic; rm")
+        Settings(tcp_congestion="cubic; rm")
