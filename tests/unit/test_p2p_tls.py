@@ -19,7 +19,7 @@ import uvicorn
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from pydantic import ValidationError
 
 from atomd.config import Settings
@@ -229,22 +229,28 @@ class Port(Message):
     port: int
 
 
-async def test_peer_connections_outlive_an_idle_pause_of_more_than_5_s(serve: Serve) -> None:
-    """A settled swarm probes each member every few seconds and a slow link's rounds come
-    every 5-30 s: both ends keep an idle connection longer than httpx's and uvicorn's 5 s, so
-    such traffic costs no new TCP and TLS handshake. The server is the daemon's own."""
-    from fastapi import Request
-
-    from atomd.daemon import _server
-    from atomd.p2p.client import KEEPALIVE_S, SERVER_KEEPALIVE_S
-
-    server, alice = Identity.generate(), Identity.generate()
-    app = peer_app(server)
+def port_app(me: Identity) -> FastAPI:
+    """``peer_app`` with ``POST /p2p/v1/port``: the client's port as the server saw it, which
+    tells the connection a request came on."""
+    app = peer_app(me)
 
     @app.post("/p2p/v1/port")
     async def port(request: Request) -> dict[str, int]:
         assert request.client is not None
         return {"port": request.client.port}
+
+    return app
+
+
+async def test_peer_connections_outlive_an_idle_pause_of_more_than_5_s(serve: Serve) -> None:
+    """A settled swarm probes each member every few seconds and a slow link's rounds come
+    every 5-30 s: both ends keep an idle connection longer than httpx's and uvicorn's 5 s, so
+    such traffic costs no new TCP and TLS handshake. The server is the daemon's own."""
+    from atomd.daemon import _server
+    from atomd.p2p.client import KEEPALIVE_S, SERVER_KEEPALIVE_S
+
+    server, alice = Identity.generate(), Identity.generate()
+    app = port_app(server)
 
     peer = _server(app, "critical", tls.server_context(server), keep_alive_s=SERVER_KEEPALIVE_S)
     assert peer.config.timeout_keep_alive > KEEPALIVE_S > 5
@@ -310,19 +316,12 @@ async def test_peer_connections_use_the_chosen_congestion_control(
     """``Settings.tcp_congestion`` reaches the sockets the peer client opens (over TLS, the
     daemon's path, and plain HTTP); without it they keep the system's default, which is not
     the one chosen."""
-    from fastapi import Request
-
     default, chosen = _another_congestion()
     name = chosen.options[0][2].decode()
     assert chosen.note == f"TCP {name}"
 
     server, alice = Identity.generate(), Identity.generate()
-    app = peer_app(server)
-
-    @app.post("/p2p/v1/port")
-    async def port(request: Request) -> dict[str, int]:
-        assert request.client is not None
-        return {"port": request.client.port}
+    app = port_app(server)
 
     url = await serve(app, server if over_tls else None)
     if not over_tls:
@@ -340,18 +339,11 @@ async def test_a_congestion_control_refused_later_does_not_fail_the_connection(
     """An option the kernel refuses on a connection (an administrator changed what is allowed
     after the daemon's check) leaves that connection on the system's default, with a warning;
     the request goes through."""
-    from fastapi import Request
-
     from atomd.p2p.congestion import Congestion
 
     refused = Congestion(((socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"nosuchalgo"),), "x")
     server, alice = Identity.generate(), Identity.generate()
-    app = peer_app(server)
-
-    @app.post("/p2p/v1/port")
-    async def port(request: Request) -> dict[str, int]:
-        assert request.client is not None
-        return {"port": request.client.port}
+    app = port_app(server)
 
     url = await serve(app, server)
     async with PeerClient(alice, ADMISSION, congestion=refused) as client:
