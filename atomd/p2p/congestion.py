@@ -95,16 +95,21 @@ def choose(name: str) -> Congestion:
     return Congestion(((socket.IPPROTO_TCP, option, wanted),), f"TCP {name}")
 
 
+_warned: set[bytes] = set()  # names ``tune`` has warned about once
+
+
 def tune(sock: socket.socket | None, options: Iterable[SocketOption]) -> None:
     """Set ``options`` on a connected socket, best effort: one the kernel refuses now (an
     administrator changed what is allowed since ``choose``) leaves the system's default on
-    that connection, with a warning, rather than failing the connection."""
+    that connection, with a warning the first time, rather than failing the connection."""
     if sock is None:
         return
     for option in options:
         try:
             sock.setsockopt(*option)
         except OSError as e:
-            log.warning("peer plane: could not set TCP congestion control %s on a connection "
-                        "(%s); it keeps the system's", option[2].decode(errors="replace"),
-                        e.strerror or e)  # fmt: skip
+            if option[2] not in _warned:
+                _warned.add(option[2])
+                log.warning("peer plane: could not set TCP congestion control %s on a "
+                            "connection (%s); such connections keep the system's",
+                            option[2].decode(errors="replace"), e.strerror or e)  # fmt: skip

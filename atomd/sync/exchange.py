@@ -72,6 +72,10 @@ RETRY_DELAY_S = 0.5
 # a silent peer costs the others.
 UPLOAD_STAGGER_S = 1.0
 RATE_SAMPLES = 8  # recent uploads whose fastest rate paces the next ones
+# The final average's frame waits for the job's round in flight (``_deliver_average``) for at
+# most this share of the time the others wait for it, and at most this long.
+AVERAGE_WAITS_FOR_ROUND = 0.25
+AVERAGE_ROUND_WAIT_S = 15.0
 FEED_CHUNK = 1 << 20  # bytes handed to the decoder at a time
 # Rounds, beyond the job's max_staleness, after which a peer none of whose deltas a merge
 # applied stops counting among the peers a round waits for (``_counted``).
@@ -477,15 +481,30 @@ class DeltaExchange:
         peer training's last round took 11 s to reach the others instead of ~1; one that was
         following the rounds meanwhile declared that peer dead (its pings starved on the same
         link), ended its job without that delta, and its settled anchor ended 5 % from the
-        others' (4 real daemons at 256 kbit/s, run ce of 2026-12-05)."""
+        others' (4 real daemons at 256 kbit/s, run ce of 2026-12-05). But only for a part of
+        the time the others wait for it (``AVERAGE_WAITS_FOR_ROUND``, at most
+        AVERAGE_ROUND_WAIT_S): a round stuck on a silent peer (2 x 30 s) would otherwise make
+        the share miss every peer's wait; then it goes beside that round. The uploads get what
+        is left of ``timeout_s``."""
         # No longer than a receiver takes a body (p2p.signing.MAX_BODY_S).
-        timeout_s = min(timeout_s, MAX_BODY_S)
-        async with self._delivering.setdefault(job_id, asyncio.Lock()):
+        deadline = time.monotonic() + min(timeout_s, MAX_BODY_S)
+        lock = self._delivering.setdefault(job_id, asyncio.Lock())
+        bound = min(AVERAGE_ROUND_WAIT_S, AVERAGE_WAITS_FOR_ROUND * timeout_s)
+        try:  # wait_for returns the lock when it came even as the bound ran out
+            held: bool = await asyncio.wait_for(lock.acquire(), bound)
+        except TimeoutError:
+            held = False
+            log.info("job %s: the average frame goes beside the round still in flight after "
+                     "%.0f s", job_id, bound)  # fmt: skip
+        try:
             started = time.monotonic()
             order = list(self.peers.job_peers(job_id))
             errors = await self._upload_all(
-                job_id, frame, order, [], timeout_s=timeout_s, attempts=1
+                job_id, frame, order, [], timeout_s=max(deadline - started, 1.0), attempts=1
             )
+        finally:
+            if held:
+                lock.release()
         failed = [f"{p.id}: {e}" for p, e in zip(order, errors, strict=True) if e is not None]
         log.info("job %s: average frame (%d bytes) sent to %d of %d peer(s) in %.1f s%s", job_id,
                  len(frame), len(order) - len(failed), len(order), time.monotonic() - started,
