@@ -807,7 +807,7 @@ def _earlier_references(path: Path, task: Task) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m atomd_bench swarm [--quick] [--peers N] [--scenarios a,b] [--every auto|N]
     [--sync JSON] [--steps N] [--network auto|netns|loopback] [--no-references]
-    [--references-from FILE] [--out FILE]``."""
+    [--references-from FILE] [--tcp-congestion NAME] [--out FILE] [--keep DIR]``."""
     import argparse
 
     ap = argparse.ArgumentParser(

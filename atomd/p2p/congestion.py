@@ -36,7 +36,6 @@ from atomd.logs import get_logger
 
 log = get_logger(__name__)
 
-DEFAULT = "cubic"
 SYSTEM = "system"  # the setting's value for "leave the kernel's default"
 _PROC = Path("/proc/sys/net/ipv4")
 NAME_MAX = 15  # TCP_CA_NAME_MAX, 16 with the terminating NUL
