@@ -84,3 +84,16 @@ H200_RATES = Hardware(
     host_add_per_s=7.5e9,
     source="measured on the lent H200, 2026-11-30 (rounded)",
 )
+
+
+def another_congestion() -> tuple[str, str]:
+    """The kernel's default TCP congestion control and another this process may choose (tried
+    lazily: as root, each name tried may load its kernel module); skips where there is none."""
+    from atomd.p2p import congestion
+
+    default = congestion.system_default()
+    others = (n for n in ("reno", "cubic", "bbr") if n != default)
+    name = next((n for n in others if congestion.choose(n).options), None)
+    if default is None or name is None:
+        pytest.skip("no congestion control other than the system's can be chosen here")
+    return default, name

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from atomd.launch import DaemonProcess
+from tests.conftest import another_congestion
 from tests.integration.conftest import FAST_JOB, wait_for
 
 
@@ -243,16 +244,9 @@ def test_cli_clients_talk_to_the_daemon(daemons: Any, tmp_path: Path) -> None:
 def test_the_peer_plane_serves_with_the_chosen_congestion_control(daemons: Any) -> None:
     """``ATOMD_TCP_CONGESTION`` reaches the connections the daemon's peer plane accepts (they
     inherit it from its listening socket), and its start-up line says what is in force."""
-    from atomd.p2p import congestion
     from atomd_bench.swarm import tcp_congestion_of
 
-    default = congestion.system_default()
-    name = next(
-        (n for n in ("reno", "cubic", "bbr") if n != default and congestion.choose(n).options),
-        None,
-    )
-    if default is None or name is None:
-        pytest.skip("no congestion control other than the system's can be chosen here")
+    _, name = another_congestion()
     d: DaemonProcess = daemons(env={"ATOMD_TCP_CONGESTION": name}).start()
     wait_for(lambda: f"TCP {name}," in d.log(), timeout=60, what="the start-up line")
     assert tcp_congestion_of(d.log_path) == f"TCP {name}"  # what `bench swarm` reports

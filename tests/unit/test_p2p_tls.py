@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from atomd.config import Settings
 from atomd.errors import PeerAuthError, PeerRequestError
-from atomd.p2p import tls
+from atomd.p2p import congestion, tls
 from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
 from atomd.p2p.messages import MemberRecord, Message, PeerInfo, sign_record
@@ -32,6 +32,7 @@ from atomd.p2p.signing import Admission, RequestVerifier, VerifiedPeer
 from atomd_api import errors
 from atomd_api.peer import _check_sender
 from atomd_api.peer_auth import SignedRequest, peer_auth
+from tests.conftest import another_congestion
 
 ADMISSION = Admission(swarm="lab", secret=b"s3cret", allowed_keys=frozenset())
 
@@ -296,19 +297,6 @@ def _congestion_of_local_port(port: int) -> str | None:
     return None
 
 
-def _another_congestion() -> Any:
-    """A congestion control this process may choose that is not the system's default."""
-    from atomd.p2p import congestion
-
-    default = congestion.system_default()
-    # Lazily: as root, each name tried may load its kernel module.
-    others = (congestion.choose(n) for n in ("reno", "cubic", "bbr") if n != default)
-    chosen = next((c for c in others if c.options), None)
-    if default is None or chosen is None:
-        pytest.skip("no congestion control other than the system's can be chosen here")
-    return default, chosen
-
-
 @pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="Linux only")
 @pytest.mark.parametrize("over_tls", [True, False], ids=["tls", "plain"])
 async def test_peer_connections_use_the_chosen_congestion_control(
@@ -317,8 +305,8 @@ async def test_peer_connections_use_the_chosen_congestion_control(
     """``Settings.tcp_congestion`` reaches the sockets the peer client opens (over TLS, the
     daemon's path, and plain HTTP); without it they keep the system's default, which is not
     the one chosen."""
-    default, chosen = _another_congestion()
-    name = chosen.options[0][2].decode()
+    default, name = another_congestion()
+    chosen = congestion.choose(name)
     assert chosen.note == f"TCP {name}"
 
     server, alice = Identity.generate(), Identity.generate()
@@ -340,8 +328,6 @@ async def test_a_congestion_control_refused_later_does_not_fail_the_connection(
     """An option the kernel refuses on a connection (an administrator changed what is allowed
     after the daemon's check) leaves that connection on the system's default, with one
     warning for all such connections; the requests go through."""
-    from atomd.p2p import congestion
-
     monkeypatch.setattr(congestion, "_warned", set())
     refused = congestion.Congestion(
         ((socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"nosuchalgo"),), "x"
@@ -359,8 +345,6 @@ async def test_a_congestion_control_refused_later_does_not_fail_the_connection(
 def test_a_congestion_control_the_kernel_refuses_leaves_the_systems(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from atomd.p2p import congestion
-
     refused = congestion.choose("nosuchalgo")
     assert refused.options == ()
     if hasattr(socket, "TCP_CONGESTION"):
