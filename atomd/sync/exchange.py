@@ -25,6 +25,7 @@ and ``TrainingJobs`` (whether this daemon still trains a job: the job manager).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from collections.abc import Coroutine, Sequence
@@ -42,7 +43,7 @@ from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
 from atomd.p2p.messages import DeltaAccepted
 from atomd.p2p.signing import MAX_BODY_S
-from atomd.spec import JobSpec
+from atomd.spec import JobSpec, lr_at
 from atomd.telemetry import Telemetry
 
 if TYPE_CHECKING:  # torch loads with the first swarm job, not when the daemon starts
@@ -251,6 +252,7 @@ class DeltaExchange:
             ),
             finishers=lambda: self._finishers(job_id),
             total_steps=spec.total_steps,
+            lr=functools.partial(lr_at, spec),
         )
         plugin.excluded = lambda sender: self.peers.exclusion(sender) is not None
         plugin.on_attached = lambda: self._from_trainer(self._drain_early(job_id), "early")

@@ -140,12 +140,18 @@ class LossGuard:
         steps_short: float = 1.0,
         whole: bool = True,
         steps: int | None = None,
+        first: int | None = None,
     ) -> Outgoing:
         """``SyncState.round_boundary``, guarded; ``state.last_merge`` says what was applied."""
         return self._closing(
             inbox,
             lambda later: self.state.round_boundary(
-                later, n_peers=n_peers, steps_short=steps_short, whole=whole, steps=steps
+                later,
+                n_peers=n_peers,
+                steps_short=steps_short,
+                whole=whole,
+                steps=steps,
+                first=first,
             ),
         )
 

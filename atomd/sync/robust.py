@@ -70,11 +70,15 @@ anchors then differ by at most that outlier's difference, never by an honest del
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+# ``Screen._longer`` weighs rounds of at most this many steps by their learning rates (a sum
+# over the steps); longer rounds by their steps (the schedule barely differs past the warm-up).
+MASS_STEPS = 4096
 
 
 @dataclass(frozen=True)
@@ -245,6 +249,7 @@ class _Round:
     own: DeltaStats | None = None
     accepted: list[DeltaStats] = field(default_factory=list)
     steps: float | None = None  # the steps the own delta stands for (``record_own``)
+    first: int | None = None  # the step the own round started at (0-based; None: not known)
 
 
 class Screen:
@@ -254,9 +259,18 @@ class Screen:
     the deltas of that round. Keeps the statistics of the last ``keep_rounds`` rounds (norms
     only, a few floats per tensor)."""
 
-    def __init__(self, rule: RobustRule | None = None, *, keep_rounds: int = 16) -> None:
+    def __init__(
+        self,
+        rule: RobustRule | None = None,
+        *,
+        keep_rounds: int = 16,
+        lr: Callable[[int], float] | None = None,
+    ) -> None:
+        """``lr``: the job's learning rate at each (0-based) step, by which ``judge`` weighs a
+        longer round (None: by its steps alone)."""
         self.rule = rule or RobustRule()
         self.keep_rounds = keep_rounds
+        self.lr = lr
         self._rounds: dict[int, _Round] = {}
 
     def knows(self, base_version: int) -> bool:
@@ -272,6 +286,7 @@ class Screen:
         steps_short: float = 1.0,
         floor: DeltaStats | None = None,
         steps: int | None = None,
+        first: int | None = None,
     ) -> DeltaStats:
         """``steps_short``: the round's steps over the steps this peer trained in it, when it
         closed the round early (a joiner catching up with the swarm closes rounds after one
@@ -281,12 +296,14 @@ class Screen:
         the reference is at least (a peer whose error feedback is fresh after a state transfer
         sends top-k of a near-empty accumulator, the others of theirs: the donor's newest own
         statistics stand in as the floor for a few rounds). ``steps``: the steps this peer
-        trained in the round (for ``judge``'s ``every``; None: not known). Returns the own
-        statistics as recorded before the floor."""
+        trained in the round (for ``judge``'s ``every``; None: not known); ``first``: the step
+        (0-based) the round started at, for the learning rate over a longer round. Returns the
+        own statistics as recorded before the floor."""
         r = self._rounds.setdefault(base_version, _Round())
         own = DeltaStats.of(tensors).scaled(max(1.0, steps_short))
         r.own = own if floor is None else own.maximum(floor)
         r.steps = None if steps is None else steps * max(1.0, steps_short)
+        r.first = first
         self._forget_before(base_version)
         return own
 
@@ -362,15 +379,16 @@ class Screen:
         daemons at 256 kbit/s (2026-12-05) closed round 2 after 4, 6, 11 and 15 steps, during
         the learning rate's warm-up, and two of them clipped honest deltas of 4.5-6 x their
         own (their anchors then differed from the others' by 0.3-1 % for good). A longer round
-        said by the frame raises the clip bounds by as much, up to ``steps_ratio``; a member
-        that lies about it gains that much and no more: the refusal and the strike are judged
-        against the bounds as they were."""
+        said by the frame raises the clip bounds by as much (``_longer``: by the learning rate
+        summed over its steps, where the schedule is known), up to ``steps_ratio`` of this
+        peer's steps; a member that lies about it gains that much and no more: the refusal and
+        the strike are judged against the bounds as they were."""
         rule = self.rule
         own, accepted = self._reference(base_version)
         r = self._rounds.get(base_version)
         longer = 1.0
         if every is not None and r is not None and r.steps:
-            longer = min(rule.steps_ratio, max(1.0, every / r.steps))
+            longer = self._longer(r, every)
         stats = DeltaStats.of(tensors)
         pool = [s for s in [own, *accepted] if s is not None and s.norm > 0.0]
         if not pool:
@@ -451,6 +469,32 @@ class Screen:
         kept = stats if reason is None else None
         return self._accept(base_version, out, kept, reason, scale, strike, cos)
 
+    def _longer(self, r: _Round, every: int) -> float:
+        """How much more a delta of a round of ``every`` steps may move than this peer's own
+        of the same number (``r``): its steps, at most ``steps_ratio`` times this peer's, each
+        weighed by the learning rate where the schedule and the round's first step are known.
+
+        A step's delta scales with its learning rate, and during the warm-up that grows with
+        every step: a round of 4 steps from step 0 moves ~10 times one of 1 step (1+2+3+4
+        against 1), not 4. 4 real daemons at 256 kbit/s (2026-12-05, run ch): the job's first
+        peer closed round 0 after 4 steps, the others after 1 (they had started later); they
+        clipped its honest delta (9.97x their own) to 8x, and its settled anchor ended 1.1e-4
+        from theirs for good, where the others agreed to 6e-8. Both rounds are taken to start
+        at this peer's first step: exact for round 0, and where rounds close in phase nearly so;
+        past the warm-up the weights barely differ and the ratio is that of the steps."""
+        steps = r.steps or 0.0
+        claimed = min(float(every), self.rule.steps_ratio * steps)
+        if claimed <= steps:
+            return 1.0
+        if self.lr is None or r.first is None or claimed > MASS_STEPS:
+            return claimed / steps
+        own = _lr_sum(self.lr, r.first, round(steps))
+        theirs = _lr_sum(self.lr, r.first, round(claimed))
+        if own <= 0.0 or theirs <= own:  # no learning rate to weigh by
+            return claimed / steps
+        # Never more than twice the steps' ratio (a warm-up from step 0 gives at most that).
+        return min(theirs / own, 2 * claimed / steps)
+
     def _accept(
         self,
         base_version: int,
@@ -464,3 +508,8 @@ class Screen:
         kept = stats if stats is not None and reason is None else DeltaStats.of(tensors)
         self._rounds.setdefault(base_version, _Round()).accepted.append(kept)
         return Judgement(tensors, reason, scale, strike, kept, cosine)
+
+
+def _lr_sum(lr: Callable[[int], float], first: int, steps: int) -> float:
+    """The learning rate summed over ``steps`` steps from step ``first`` (0-based)."""
+    return math.fsum(lr(first + i) for i in range(max(0, steps)))

@@ -140,6 +140,7 @@ class SyncPlugin:
         send_average: Callable[[bytes, float], None] | None = None,
         finishers: Callable[[], Collection[str]] | None = None,
         total_steps: int | None = None,
+        lr: Callable[[int], float] | None = None,
     ) -> None:
         """``n_peers``: peers (this one included) that take part in the round on a base version;
         ``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
@@ -148,7 +149,9 @@ class SyncPlugin:
         average); ``finishers``: the other live peers of
         the job that have sent their last delta (whose average frames ``finish`` waits for);
         ``total_steps``: the job's, for the final average's mean of the last models
-        (``sync.final_tail``; None: the last model only)."""
+        (``sync.final_tail``; None: the last model only); ``lr``: the job's learning rate at
+        each (0-based) step, by which the robust rule weighs a longer round than this peer's
+        (``robust.Screen``; None: by its steps)."""
         self.job_id = job_id
         self.spec = spec
         self.identity = identity
@@ -191,6 +194,7 @@ class SyncPlugin:
         self._counted = 0  # the last round's n_peers (logged when it changes)
         self._attached_at = time.monotonic()  # the job's time here, for the average's budget
         self.total_steps = total_steps
+        self.lr = lr
         # The mean of this peer's last models, its share of the final average (None: off).
         self.tail = (
             average.TailMean(total_steps, spec.final_tail)
@@ -205,7 +209,7 @@ class SyncPlugin:
         self._attached_at = time.monotonic()
         engine.settle()
         params = {n: p for n, p in engine.model.named_parameters()}
-        self.state = SyncState(params, self.spec, peer_id=self.identity.peer_id)
+        self.state = SyncState(params, self.spec, peer_id=self.identity.peer_id, lr=self.lr)
         self.on_attached()
 
     def guard_with(
@@ -487,14 +491,11 @@ class SyncPlugin:
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
         # Closed early (catching up with the swarm): the others' deltas of the round hold H.
         short = (self.cadence.fixed or self._every()) / every
-        if self.guard is not None:
-            out = self.guard.round_boundary(
-                inbox, n_peers=n_peers, steps_short=short, whole=whole, steps=every
-            )
-        else:
-            out = self.state.round_boundary(
-                inbox, n_peers=n_peers, steps_short=short, whole=whole, steps=every
-            )
+        close = self.guard.round_boundary if self.guard is not None else self.state.round_boundary
+        out = close(
+            inbox, n_peers=n_peers, steps_short=short, whole=whole, steps=every,
+            first=step - every,
+        )  # fmt: skip
         # The frame carries this peer's own proposal, not the swarm's period: a peer that sent
         # the largest period it heard would echo every peer's past proposals back to them, and
         # one slow round's proposal would then circulate, kept fresh, for the rest of the job.

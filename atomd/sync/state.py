@@ -44,7 +44,7 @@ the replicas.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -161,13 +161,15 @@ class SyncState:
         *,
         peer_id: str = "",
         robust: RobustRule | None = DEFAULT_RULE,
+        lr: Callable[[int], float] | None = None,
     ) -> None:
         """``params``: the replica's live parameter tensors (any device, any float dtype).
 
         The anchor is a CPU fp32 copy of them; the replica is written back to in place.
         ``peer_id`` is the id receivers see as ``Contribution.sender``. ``robust``: the rule
         that bounds received deltas (``atomd.sync.robust``); None merges them as they come
-        (for experiments that measure what the rule buys).
+        (for experiments that measure what the rule buys); ``lr``: the job's learning rate at
+        each (0-based) step, by which the rule weighs a longer round (``Screen``).
         """
         bad = [n for n, p in params.items() if not p.is_floating_point()]
         if bad:
@@ -202,7 +204,7 @@ class SyncState:
         self._held: list[Contribution] = []
         # sender -> the newest base version it sent (accepted or refused as ahead)
         self._claims: dict[str, int] = {}
-        self.screen = Screen(robust) if robust is not None else None
+        self.screen = Screen(robust, lr=lr) if robust is not None else None
         # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
         self._sent: dict[str, Tensor] | None = None
         self._kept: dict[str, Tensor] = {}
@@ -304,6 +306,7 @@ class SyncState:
         steps_short: float = 1.0,
         whole: bool = True,
         steps: int | None = None,
+        first: int | None = None,
     ) -> Outgoing:
         """Close this peer's round: compress its delta, merge it with ``inbox``, step the anchor.
 
@@ -327,6 +330,7 @@ class SyncState:
             commit_complete=whole,
             steps_short=steps_short,
             steps=steps,
+            first=first,
         )
         return out
 
@@ -381,6 +385,7 @@ class SyncState:
         commit_complete: bool = True,
         steps_short: float = 1.0,
         steps: int | None = None,
+        first: int | None = None,
     ) -> MergeReport:
         """Second half: merge the own delta and ``inbox``, commit what is due, reset the replica.
 
@@ -403,7 +408,12 @@ class SyncState:
             floor = self._inherited if self.version < self._inherited_until else None
             # The reference is the frame (others' deltas are frames too), not a whole commit.
             own_stats = self.screen.record_own(
-                self.version, framed, steps_short=steps_short, floor=floor, steps=steps
+                self.version,
+                framed,
+                steps_short=steps_short,
+                floor=floor,
+                steps=steps,
+                first=first,
             )
             if floor is not None:  # each statistic holds until an own delta reaches it
                 self._inherited = floor.unmet_by(own_stats)

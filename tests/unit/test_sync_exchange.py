@@ -20,7 +20,7 @@ from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.errors import NotFoundError, PeerRequestError, WireError
 from atomd.p2p.identity import Identity
-from atomd.spec import JobSpec
+from atomd.spec import JobSpec, lr_at
 from atomd.sync import average
 from atomd.sync.exchange import RETRY_DELAY_S, DeltaExchange, PeerRef
 from atomd.telemetry import Telemetry
@@ -155,6 +155,19 @@ async def until(predicate: Any, what: str) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"not within 5 s: {what}")
+
+
+async def test_the_robust_rule_weighs_longer_rounds_by_the_jobs_schedule(sessions: Any) -> None:
+    """The exchange hands each job's plugin the job's learning rate at each step, which its
+    robust rule weighs a longer round by (``robust.Screen._longer``; run ch's warm-up clip)."""
+    spec = JobSpec(max_steps=600, warmup_steps=50, sync={"codec": "fp32", "every": 1})
+    plugin = exchange(sessions, FakeClient(), FakePeers([])).plugin(JOB, spec)
+    plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+    screen = plugin.state.screen
+    assert screen is not None and screen.lr is not None
+    assert [screen.lr(s) for s in (0, 49, 300, 599)] == [
+        lr_at(spec, s) for s in (0, 49, 300, 599)
+    ]
 
 
 async def test_a_round_goes_to_every_peer_and_is_recorded_once_per_peer(sessions: Any) -> None:

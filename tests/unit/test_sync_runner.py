@@ -104,6 +104,45 @@ def test_a_peer_a_round_behind_the_swarm_closes_its_round_early() -> None:
     assert me.state.deltas_in(12) == 1 and me.version == 12
 
 
+
+@pytest.mark.parametrize("schedule", [True, False])
+def test_a_longer_round_in_the_warm_up_is_judged_by_the_jobs_learning_rates(
+    schedule: bool,
+) -> None:
+    """The plugin hands the robust rule the job's schedule and each round's first step: a
+    delta of a round of 4 steps from step 0, ~10x this peer's round of 1 step in the warm-up
+    (run ch), merges whole; without the schedule it is clipped to 8x (by steps)."""
+    absorbed: list[MergeReport] = []
+    me = SyncPlugin(
+        job_id="j" * 32,
+        spec=SyncSpec(codec="fp32", every=1),
+        identity=Identity.generate(),
+        n_peers=lambda base: 2,
+        send=lambda out: None,
+        absorbed=lambda job, merge: absorbed.append(merge),
+        lr=(lambda step: 1e-3 * (step + 1) / 50) if schedule else None,
+    )
+    torch.manual_seed(0)
+    me.attach(fake_engine(torch.nn.Linear(64, 64)))
+    assert me.state is not None
+    g = torch.Generator().manual_seed(1)
+    mine = {n: 1e-3 * torch.randn(p.shape, generator=g) for n, p in me.state.params.items()}
+    with torch.no_grad():
+        for n, p in me.state.params.items():
+            p.add_(mine[n])  # round 0: one step of training
+    me.after_step(1)  # round 0 closed after 1 step, from step 0
+    theirs = {n: 9.97 * torch.randn(t.shape, generator=g) * t.std() for n, t in mine.items()}
+    me.inbox.put(Contribution("other", 0, 0, theirs, every=4))
+    me.after_step(2)
+    merged = [a for m in absorbed for a in m.applied if a.sender == "other"]
+    if not merged:  # merged at the boundary rather than between
+        assert me.state.last_merge is not None
+        merged = [a for a in me.state.last_merge.applied if a.sender == "other"]
+    assert len(merged) == 1
+    if schedule:
+        assert merged[0].note is None, merged[0].note
+    else:
+        assert merged[0].note and "clipped to 8 x" in merged[0].note
 def test_finish_closes_the_last_round_and_waits_for_the_others_last_deltas() -> None:
     sent: list[RoundOut] = []
     absorbed: list[MergeReport] = []
