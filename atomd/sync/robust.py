@@ -27,9 +27,10 @@ the signal away):
    rounds by time, so a peer twice or four times as fast sends a delta of two to four times
    the norm, and honest deltas must pass untouched for the anchors to agree.
    A delta whose frame says its round lasted more steps than this peer's own round of the
-   number is clipped at bounds raised by that ratio, up to ``steps_ratio`` (2), unless it is
-   unaligned (rule 4); its refusal and strike are judged against the bounds before the rise
-   (``Screen.judge``).
+   number is clipped at bounds raised by that ratio (its steps counted up to ``steps_ratio``
+   (2) times this peer's, each weighed by the job's learning rate: ``Screen._longer``),
+   unless it is unaligned (rule 4); its refusal and strike are judged against the bounds
+   before the rise (``Screen.judge``).
 3. Then each tensor's norm is clipped to ``tensor_ratio`` (6) times that tensor's reference
    (an attack concentrated in one small tensor, a LayerNorm gain, has a small overall norm),
    and each coordinate to ``coord_ratio`` (8) times the reference's largest absolute value in
@@ -118,8 +119,9 @@ class RobustRule:
     before its quarantine against 3-5)."""
     steps_ratio: float = 2.0
     """A delta whose frame says its round lasted more steps than this peer's own round of the
-    same number is clipped at a bound raised by that ratio, up to this much (its refusal and
-    strike thresholds stay where they are)."""
+    same number is clipped at a bound raised by that ratio, its steps counted up to this many
+    times this peer's (weighed by the learning rate where the schedule is known: at most twice
+    this much in the warm-up); its refusal and strike thresholds stay where they are."""
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.clip_ratio <= self.refuse_ratio:

@@ -165,9 +165,7 @@ async def test_the_robust_rule_weighs_longer_rounds_by_the_jobs_schedule(session
     plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
     screen = plugin.state.screen
     assert screen is not None and screen.lr is not None
-    assert [screen.lr(s) for s in (0, 49, 300, 599)] == [
-        lr_at(spec, s) for s in (0, 49, 300, 599)
-    ]
+    assert [screen.lr(s) for s in (0, 49, 300, 599)] == [lr_at(spec, s) for s in (0, 49, 300, 599)]
 
 
 async def test_a_round_goes_to_every_peer_and_is_recorded_once_per_peer(sessions: Any) -> None:

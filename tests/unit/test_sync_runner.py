@@ -104,7 +104,6 @@ def test_a_peer_a_round_behind_the_swarm_closes_its_round_early() -> None:
     assert me.state.deltas_in(12) == 1 and me.version == 12
 
 
-
 @pytest.mark.parametrize("schedule", [True, False])
 def test_a_longer_round_in_the_warm_up_is_judged_by_the_jobs_learning_rates(
     schedule: bool,
@@ -143,6 +142,8 @@ def test_a_longer_round_in_the_warm_up_is_judged_by_the_jobs_learning_rates(
         assert merged[0].note is None, merged[0].note
     else:
         assert merged[0].note and "clipped to 8 x" in merged[0].note
+
+
 def test_finish_closes_the_last_round_and_waits_for_the_others_last_deltas() -> None:
     sent: list[RoundOut] = []
     absorbed: list[MergeReport] = []
