@@ -78,8 +78,9 @@ import torch
 from torch import Tensor
 
 # ``Screen._longer`` weighs rounds of at most this many steps by their learning rates (a sum
-# over the steps); longer rounds by their steps (the schedule barely differs past the warm-up).
-MASS_STEPS = 4096
+# over the steps, ~1.4 ms a judged delta at this length); longer rounds by their steps (a
+# warm-up is usually shorter than such a round).
+MASS_STEPS = 1024
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,9 @@ class RobustRule:
     before its quarantine against 3-5)."""
     steps_ratio: float = 2.0
     """A delta whose frame says its round lasted more steps than this peer's own round of the
-    same number is clipped at a bound raised by that ratio, its steps counted up to this many
+    same number is clipped at bounds raised by that ratio, its steps counted up to this many
     times this peer's (weighed by the learning rate where the schedule is known: at most twice
-    this much in the warm-up); its refusal and strike thresholds stay where they are."""
+    this much, in the warm-up); its refusal and strike thresholds stay where they are."""
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.clip_ratio <= self.refuse_ratio:
@@ -482,20 +483,22 @@ class Screen:
         peer closed round 0 after 4 steps, the others after 1 (they had started later); they
         clipped its honest delta (9.97x their own) to 8x, and its settled anchor ended 1.1e-4
         from theirs for good, where the others agreed to 6e-8. Both rounds are taken to start
-        at this peer's first step: exact for round 0, and where rounds close in phase nearly so;
-        past the warm-up the weights barely differ and the ratio is that of the steps."""
+        at this peer's first step: exact for round 0, and where rounds close in phase nearly so.
+        The weights only ever raise the steps' ratio (past the warm-up, where the rate falls,
+        it is that ratio: a longer last round ends with the others' rather than starting with
+        them), and at most to twice it (what a warm-up from step 0 gives)."""
         steps = r.steps or 0.0
         claimed = min(float(every), self.rule.steps_ratio * steps)
         if claimed <= steps:
             return 1.0
+        by_steps = claimed / steps
         if self.lr is None or r.first is None or claimed > MASS_STEPS:
-            return claimed / steps
+            return by_steps
         own = _lr_sum(self.lr, r.first, round(steps))
+        if own <= 0.0:  # no learning rate to weigh by
+            return by_steps
         theirs = _lr_sum(self.lr, r.first, round(claimed))
-        if own <= 0.0 or theirs <= own:  # no learning rate to weigh by
-            return claimed / steps
-        # Never more than twice the steps' ratio (a warm-up from step 0 gives at most that).
-        return min(theirs / own, 2 * claimed / steps)
+        return max(by_steps, min(theirs / own, 2 * by_steps))
 
     def _accept(
         self,

@@ -103,12 +103,12 @@ def test_a_longer_round_in_the_warm_up_is_weighed_by_its_learning_rates() -> Non
     against 1), they clipped it to 8x (4 x steps_ratio), and its settled anchor ended 1.1e-4
     from theirs for good. Weighed by the schedule, 4 steps claimed against 1 (counted as 2,
     steps_ratio) earn 3x (1+2 against 1), so the clip bound is 12x: the delta passes whole.
-    The strike is still judged against the bound as it was (a claim earns no pardon), and
-    past the warm-up the weights are the steps'."""
+    The strike is still judged against the bound as it was (a claim earns no pardon); where
+    the rate falls the bound is the steps' (the weights only ever raise it)."""
     warm = 50
     lr = lambda step: 3e-3 * min(1.0, (step + 1) / warm)  # noqa: E731 - the schedule's shape
     own = delta(0.1, 0)
-    longer = {n: 9.97 * t for n, t in delta(0.1, 1).items()}
+    longer = {n: 11 * t for n, t in delta(0.1, 1).items()}  # over 10x: first=1 would clip it
     plain = Screen()
     plain.record_own(0, own, steps=1, first=0)
     j = plain.judge(0, longer, every=4)  # without the schedule: by steps, clipped at 8x
@@ -121,11 +121,14 @@ def test_a_longer_round_in_the_warm_up_is_weighed_by_its_learning_rates() -> Non
     liar = {n: 13 * t for n, t in delta(0.1, 2).items()}
     j = screen.judge(0, liar, every=10_000)  # the claim is held to 2x the steps: 3x the rate
     assert j.tensors is not None and norm(j.tensors) <= 12 * norm(own) * 1.0001 and j.strike
-    late = Screen(lr=lr)  # past the warm-up: as by steps (2x at most)
-    late.record_own(0, own, steps=1, first=200)
-    j = late.judge(0, longer, every=4)
-    assert j.reason and "clipped" in j.reason and j.tensors is not None
-    assert norm(j.tensors) <= 8 * norm(own) * 1.0001
+    for first in (200, 590):  # past the warm-up, and where the rate falls: as by steps
+        late = Screen(lr=lambda step: 3e-3 * (600 - step) / 600)
+        late.record_own(0, own, steps=1, first=first)
+        j = late.judge(0, longer, every=4)
+        assert j.reason and "clipped" in j.reason and j.tensors is not None
+        assert (
+            norm(j.tensors) <= 8 * norm(own) * 1.0001 and norm(j.tensors) >= 8 * norm(own) * 0.9999
+        )
 
 
 def test_smaller_deltas_never_lower_the_reference_below_half_the_own_delta() -> None:
