@@ -30,17 +30,26 @@ def fake_engine(model: torch.nn.Module) -> Any:
     return cast(Any, SimpleNamespace(model=model, settle=lambda: None))
 
 
-def plugin(peer_sends: list[RoundOut], absorbed: list[MergeReport]) -> SyncPlugin:
+def plugin(
+    peer_sends: list[RoundOut],
+    absorbed: list[MergeReport],
+    *,
+    every: int = 3,
+    width: int = 4,
+    lr: Callable[[int], float] | None = None,
+) -> SyncPlugin:
+    """One of two peers (fp32, a fixed H), attached to a linear layer of ``width`` inputs."""
     p = SyncPlugin(
         job_id="j" * 32,
-        spec=SyncSpec(codec="fp32", every=3),
+        spec=SyncSpec(codec="fp32", every=every),
         identity=Identity.generate(),
         n_peers=lambda base: 2,
         send=peer_sends.append,
         absorbed=lambda job, merge: absorbed.append(merge),
+        lr=lr,
     )
     torch.manual_seed(0)
-    p.attach(fake_engine(torch.nn.Linear(4, 3)))
+    p.attach(fake_engine(torch.nn.Linear(width, 3)))
     return p
 
 
@@ -112,17 +121,8 @@ def test_a_longer_round_in_the_warm_up_is_judged_by_the_jobs_learning_rates(
     delta of a round of 4 steps from step 0, ~10x this peer's round of 1 step in the warm-up
     (run ch), merges whole; without the schedule it is clipped to 8x (by steps)."""
     absorbed: list[MergeReport] = []
-    me = SyncPlugin(
-        job_id="j" * 32,
-        spec=SyncSpec(codec="fp32", every=1),
-        identity=Identity.generate(),
-        n_peers=lambda base: 2,
-        send=lambda out: None,
-        absorbed=lambda job, merge: absorbed.append(merge),
-        lr=(lambda step: 1e-3 * (step + 1) / 50) if schedule else None,
-    )
-    torch.manual_seed(0)
-    me.attach(fake_engine(torch.nn.Linear(64, 64)))
+    warm_up = (lambda step: 1e-3 * (step + 1) / 50) if schedule else None
+    me = plugin([], absorbed, every=1, width=64, lr=warm_up)
     assert me.state is not None
     g = torch.Generator().manual_seed(1)
     mine = {n: 1e-3 * torch.randn(p.shape, generator=g) for n, p in me.state.params.items()}
