@@ -572,7 +572,17 @@ def extra_runs() -> list[RunSpec]:
                 every=h,
                 sync={"topk_fraction": f, "outer_momentum": 0.7},
             )
-            for f, h in ((0.0025, 10), (0.005, 15), (0.01, 6), (0.005, 4))
+            for f, h in (
+                (0.0025, 10),
+                (0.005, 15),
+                (0.01, 6),
+                (0.005, 4),
+                # 2026-12-05, fifth: would top-k at a slow link's cadence gain from more
+                # entries, were positions free (2-3x the entries in the same bytes)?
+                (0.01, 5),
+                (0.02, 5),
+                (0.03, 5),
+            )
         ),
         # A free link: a larger share of top-k's entries with less amplification.
         RunSpec(
