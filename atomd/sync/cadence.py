@@ -63,6 +63,8 @@ from typing import TypeVar
 # another, so they never crowd each other; a link slower than measured stretches the round by
 # the one-round-in-flight rule, it does not queue frames). 2 until 2026-12-02: at 256 kbit/s
 # the frames then used a fifth of the link (bench/results-swarm-2026-12-01o.json: 7 of 32 kB/s).
+# 1.0 bought nothing at 256 kbit/s (runs cm, co of 2026-12-05: 0.605, 0.548 against 0.567-0.597):
+# the traffic time includes each upload's answer, and the uplink was ~77 % busy already.
 MARGIN = 1.25
 # A round's own work on the trainer thread may take at most this share of the compute between
 # rounds (at most a third of the wall time). Measured on the tiny model with 4 real daemons
