@@ -236,9 +236,10 @@ class PeerTransport(httpx.AsyncHTTPTransport):
     def __init__(
         self, limits: httpx.Limits, options: Iterable[SocketOption] = (), *, pinned: bool
     ) -> None:
-        super().__init__(verify=client_context() if pinned else True, trust_env=False)
+        context = client_context() if pinned else None
+        super().__init__(verify=context if context is not None else True, trust_env=False)
         self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=client_context() if pinned else None,
+            ssl_context=context,
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,

@@ -494,11 +494,12 @@ class Screen:
         by_steps = claimed / steps
         if self.lr is None or r.first is None or claimed > MASS_STEPS:
             return by_steps
-        own = _lr_sum(self.lr, r.first, round(steps))
+        # Both rounds start at ``r.first``: this peer's rates are the first of the claimed ones.
+        rates = [self.lr(r.first + i) for i in range(round(claimed))]
+        own = math.fsum(rates[: round(steps)])
         if own <= 0.0:  # no learning rate to weigh by
             return by_steps
-        theirs = _lr_sum(self.lr, r.first, round(claimed))
-        return max(by_steps, min(theirs / own, 2 * by_steps))
+        return max(by_steps, min(math.fsum(rates) / own, 2 * by_steps))
 
     def _accept(
         self,
@@ -513,8 +514,3 @@ class Screen:
         kept = stats if stats is not None and reason is None else DeltaStats.of(tensors)
         self._rounds.setdefault(base_version, _Round()).accepted.append(kept)
         return Judgement(tensors, reason, scale, strike, kept, cosine)
-
-
-def _lr_sum(lr: Callable[[int], float], first: int, steps: int) -> float:
-    """The learning rate summed over ``steps`` steps from step ``first`` (0-based)."""
-    return math.fsum(lr(first + i) for i in range(max(0, steps)))
