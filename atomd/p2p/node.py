@@ -169,6 +169,7 @@ class SwarmNode:
                 suspect_timeout=settings.suspect_timeout,
                 ping_timeout=max(0.5, min(2.0, 2 * settings.gossip_interval)),
                 indirect_timeout=max(0.75, min(3.0, 3 * settings.gossip_interval)),
+                heard_window=2 * max(settings.gossip_interval, settings.gossip_settled_interval),
             ),
         )
         self.swim.advert = self._advert
@@ -513,6 +514,17 @@ class SwarmNode:
             if fresh and live and m is not None and not self.quarantine.excluded(pid):
                 out.append(m)
         return out
+
+    def heard(self, job_id: str, peer_id: str) -> None:
+        """A delta frame of ``job_id`` signed by ``peer_id`` passed every check (the exchange
+        says so): the member is alive and trains the job, as its next probe and advert would
+        say, which a settled swarm then need not send (``Swim``)."""
+        m = self.membership.get(peer_id)
+        if m is None or m is self.membership.me:
+            return  # bounded by the members we know
+        self.membership.heard(peer_id)
+        self._heard.add(peer_id)
+        self._job_peers.setdefault(job_id, {})[peer_id] = time.monotonic()
 
     async def peer_curves(self, job_id: str) -> list[tuple[Member, ProgressCurve | str]]:
         """The loss curve of ``job_id`` from every live peer heard training it, asked at once

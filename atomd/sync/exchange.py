@@ -119,6 +119,11 @@ class JobPeers(Protocol):
         ``atomd.p2p.quarantine``), or None."""
         ...
 
+    def heard(self, job_id: str, peer_id: str) -> None:
+        """A frame of ``job_id`` signed by ``peer_id`` passed every check: it is alive and
+        trains the job (membership need not probe it meanwhile)."""
+        ...
+
     async def judge(self, sender: str, strike: bool, reason: str | None) -> None:
         """One judged contribution of ``sender`` (``strike``: refused or clipped hard, or a
         frame no honest peer sends); enough strikes quarantine it."""
@@ -647,6 +652,7 @@ class DeltaExchange:
                 await self.peers.judge(signer, True, str(e))
             raise
         self.telemetry.bytes_received.inc(frame.wire_bytes)
+        self.peers.heard(job_id, frame.sender)
         if frame.average:  # never a delta: kept apart for the job's final average
             from atomd.sync.average import Share
 

@@ -263,6 +263,59 @@ async def test_a_settled_swarm_probes_at_the_settled_pace_and_still_finds_a_cras
     await until(lambda: all(states(net.nodes[n])["c"] == "dead" for n in "ab"))
 
 
+def test_members_whose_job_traffic_was_heard_lately_are_passed_over_while_settled() -> None:
+    swim = Swim(Membership(upd("me")), Net(), SwimConfig(heard_window=5.0))
+    for name in ("a", "b"):
+        swim.m.apply(upd(name))
+    swim.m.heard(pid("a"))
+    swim.m.heard(pid("me"))  # not a member: nothing
+    assert [swim._next_target(skip_heard=True) for _ in range(4)] == [swim.m.get(pid("b"))] * 4
+    assert swim.skipped >= 3  # a, passed over each time its turn came
+    swim.m.heard(pid("b"))
+    assert swim._next_target(skip_heard=True) is None  # everyone heard: no probe this period
+    assert swim._next_target() is not None  # unsettled: probed at the pace whatever was heard
+    swim.probe_soon(pid("a"))  # someone suspects a: probed, heard or not
+    assert swim._next_target(skip_heard=True) is swim.m.get(pid("a"))
+    swim.m.mark(pid("b"), "suspect")  # a suspect is probed until it refutes or is dead
+    assert swim._next_target(skip_heard=True) is swim.m.get(pid("b"))
+    swim.m.get(pid("a")).heard_at -= 5.0  # type: ignore[union-attr]  # heard too long ago
+    assert swim._next_target(skip_heard=True) is swim.m.get(pid("a"))
+
+
+async def test_a_settled_swarm_whose_frames_flow_sends_no_probes_and_still_finds_a_crash(
+    net: Net,
+) -> None:
+    """Issue #14: on a slow uplink the probes and their answers took a tenth of the line while
+    delta frames, which say the same, flowed anyway."""
+    config = dataclasses.replace(SETTLING, heard_window=0.3)
+    for name, seeds in (("a", []), ("b", ["a"]), ("c", ["a"])):
+        await net.start(name, seeds, config=config)
+    await until(lambda: all(len(net.nodes[n].m.others()) == 2 for n in "abc"))
+    await until(lambda: all(net.nodes[n].unsettled() is None for n in "abc"))
+    sending = set("abc")
+
+    async def frames() -> None:  # every peer's delta frames reach the others
+        while True:
+            for s in sending:
+                for r in set("abc") - {s}:
+                    net.nodes[r].m.heard(pid(s))
+            await asyncio.sleep(0.02)
+
+    task = asyncio.create_task(frames())
+    try:
+        await asyncio.sleep(0.05)
+        net.pings = 0
+        await asyncio.sleep(1.0)
+        assert net.pings == 0  # at the settled pace without frames: ~30 (the test above)
+        assert all(net.nodes[n].skipped > 0 for n in "abc")
+        sending.discard("c")
+        net.kill("c")  # its frames stop: probed again, found dead
+        await until(lambda: all(states(net.nodes[n])["c"] == "dead" for n in "ab"))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "why"),
     [
@@ -384,6 +437,23 @@ def test_a_suspect_member_still_trains_the_job_a_dead_one_does_not() -> None:
     members["c"].state = "dead"
     got = [m.id for m in SwarmNode.job_peers(fake, "j")]  # type: ignore[arg-type]
     assert got == ["a", "b"]  # d is quarantined
+
+
+def test_a_frame_heard_says_its_sender_is_alive_and_trains_the_job() -> None:
+    """The exchange tells membership of every delta frame that passed its checks: the sender
+    trains the job (``job_peers``) even when no advert of it came lately (probes skipped)."""
+    m = Membership(upd("me"))
+    m.apply(upd("a"))
+    fake = SimpleNamespace(
+        settings=SimpleNamespace(gossip_interval=0.5), membership=m, _job_peers={}, _heard=set(),
+        quarantine=SimpleNamespace(excluded=lambda _pid: False),
+    )  # fmt: skip
+    assert SwarmNode.job_peers(fake, "j") == []  # type: ignore[arg-type]
+    before = time.monotonic()
+    for name in ("a", "stranger", "me"):  # only a member, not this daemon, is heard
+        SwarmNode.heard(fake, "j", pid(name))  # type: ignore[arg-type]
+    assert [p.id for p in SwarmNode.job_peers(fake, "j")] == [pid("a")]  # type: ignore[arg-type]
+    assert fake._heard == {pid("a")} and m.members[pid("a")].heard_at >= before
 
 
 def _restarted(live: list[str], donors: dict[str, str]) -> Any:

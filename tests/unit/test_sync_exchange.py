@@ -62,6 +62,7 @@ class FakePeers:
     keys: dict[str, str] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
     judged: list[tuple[str, bool]] = field(default_factory=list)
+    heard_from: list[tuple[str, str]] = field(default_factory=list)
 
     def job_peers(self, job_id: str) -> Sequence[PeerRef]:
         return self.peers
@@ -71,6 +72,9 @@ class FakePeers:
 
     def exclusion(self, peer_id: str) -> str | None:
         return self.excluded.get(peer_id)
+
+    def heard(self, job_id: str, peer_id: str) -> None:
+        self.heard_from.append((job_id, peer_id))
 
     async def judge(self, sender: str, strike: bool, reason: str | None) -> None:
         self.judged.append((sender, strike))
@@ -401,10 +405,12 @@ async def test_received_frames_are_checked_queued_and_recorded(sessions: Any) ->
 
     size = await ex.receive(JOB, frame, sender.peer_id)
     assert size == len(frame) and len(plugin.inbox) == 1
+    assert peers.heard_from == [(JOB, sender.peer_id)]  # membership need not probe it now
     with pytest.raises(WireError, match="replayed"):
         await ex.receive(JOB, frame, sender.peer_id)
     with pytest.raises(WireError, match="bad_signature"):  # signed by one, sent by another
         await ex.receive(JOB, later, "f" * 32)
+    assert peers.heard_from == [(JOB, sender.peer_id)], "only a frame that passed is heard"
     refused = [r for r in await rounds(sessions) if not r.applied]
     assert len(refused) == 2 and all(r.round == -1 for r in refused)
 
@@ -682,6 +688,7 @@ async def test_quarantined_senders_and_other_codecs_are_refused(sessions: Any) -
     with pytest.raises(WireError, match="wrong_codec"):
         await ex.receive(JOB, frame, sender.peer_id)
     assert peers.judged == [(sender.peer_id, True)] and len(plugin.inbox) == 0
+    assert peers.heard_from == []
     peers.excluded[sender.peer_id] = "quarantined here: 3 strikes"
     with pytest.raises(PeerAuthError, match="quarantined") as e:
         await ex.receive(JOB, b"not even a frame", sender.peer_id)
