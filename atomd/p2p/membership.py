@@ -150,10 +150,10 @@ class Membership:
         return [m.update() for m in self.all()]
 
     def heard(self, peer_id: str) -> None:
-        """A signed request of ``peer_id``'s own job traffic (a delta frame) passed every check:
-        it is reachable and alive now, as a probe's answer would say. Its state is not changed
-        (only its own records raise it from suspect), but while such traffic flows a settled
-        swarm need not probe it (``Swim``)."""
+        """A delta frame signed by ``peer_id`` came from it and passed the frame's checks
+        (signature, codec, shapes, finite values): it is reachable and alive now, as a probe's
+        answer would say. Its state is not changed (only its own records raise it from
+        suspect), but while such frames flow a settled swarm need not probe it (``Swim``)."""
         m = self.members.get(peer_id)
         if m is not None:
             m.heard_at = time.monotonic()
@@ -279,10 +279,11 @@ class SwimConfig:
     period: float = 0.5
     """Seconds between probes while anything is unsettled (``Swim.unsettled``)."""
     settled_period: float = 1.5
-    """Seconds between probes while membership is settled. SWIM's per-member traffic is one
-    probe a period whatever the swarm's size, so this is what an idle swarm costs each peer; a
-    change is spread, and a suspect is settled, at ``period``. A dead member is found by one
-    of its n-1 probers within about ``settled_period`` (each probes it once in n-1 periods)."""
+    """Seconds between probes while membership is settled. SWIM's per-member traffic is at most
+    one probe a period whatever the swarm's size, so this is what an idle swarm costs each
+    peer; a change is spread, and a suspect is settled, at ``period``. A dead member is found by
+    one of its n-1 probers within about ``settled_period`` (each probes it once in n-1
+    periods), plus ``heard_window`` if its frames flowed until it died."""
     ping_timeout: float = 1.0
     indirect_timeout: float = 1.5
     indirect_k: int = 3
@@ -391,8 +392,10 @@ class Swim:
 
     def _next_target(self, *, skip_heard: bool = False) -> Member | None:
         """The member to probe next: one someone suspects first, then round-robin. With
-        ``skip_heard``, round-robin passes over members heard within ``heard_window`` (None
-        when every candidate was)."""
+        ``skip_heard``, the turn of a member heard within ``heard_window`` passes without a
+        probe (None): each member is still probed at most once in n-1 periods by each peer, so
+        a member that sends no frames (an idle peer, one of another job) is not probed by
+        every peer every period instead."""
         while self._urgent:
             pid = next(iter(self._urgent))
             del self._urgent[pid]
@@ -402,18 +405,17 @@ class Swim:
         candidates = {m.id for m in self.m.others("alive", "suspect")}
         self._order = [i for i in self._order if i in candidates]
         lately = time.monotonic() - self.config.heard_window
-        for _ in range(2):  # what is left of this cycle, then at most one fresh cycle
-            if not self._order:
-                self._order = list(candidates)
-                random.shuffle(self._order)
-            while self._order:
-                m = self.m.get(self._order.pop())
-                if m is None or m.state not in ("alive", "suspect"):
-                    continue
-                if skip_heard and m.state == "alive" and m.heard_at > lately:
-                    self.skipped += 1
-                    continue
-                return m
+        if not self._order:
+            self._order = list(candidates)
+            random.shuffle(self._order)
+        while self._order:
+            m = self.m.get(self._order.pop())
+            if m is None or m.state not in ("alive", "suspect"):
+                continue
+            if skip_heard and m.state == "alive" and m.heard_at > lately:
+                self.skipped += 1  # its turn passes: each member keeps its share of probes
+                return None
+            return m
         return None
 
     async def probe(self, target: Member) -> None:
@@ -453,8 +455,9 @@ class Swim:
         return self.config.settled_period if self.unsettled() is None else self.config.period
 
     async def run(self) -> None:
-        """Probe one member per ``pace()``, looking every ``period`` whether one is due (so
-        news is acted on within a fast period even after a settled one began)."""
+        """Probe one member per ``pace()`` (none when the turn is a member heard lately, see
+        ``_next_target``), looking every ``period`` whether one is due (so news is acted on
+        within a fast period even after a settled one began)."""
         last_probe = -math.inf
         while True:
             started = time.monotonic()

@@ -516,12 +516,12 @@ class SwarmNode:
         return out
 
     def heard(self, job_id: str, peer_id: str) -> None:
-        """A delta frame of ``job_id`` signed by ``peer_id`` passed every check (the exchange
-        says so): the member is alive and trains the job, as its next probe and advert would
-        say, which a settled swarm then need not send (``Swim``)."""
+        """A delta frame of ``job_id`` signed by ``peer_id`` came from it and passed the frame's
+        checks (the exchange says so): the member is alive and trains the job, as its next
+        probe and advert would say, which a settled swarm then need not send (``Swim``)."""
         m = self.membership.get(peer_id)
-        if m is None or m is self.membership.me:
-            return  # bounded by the members we know
+        if m is None or m is self.membership.me or m.state not in LIVE_STATES:
+            return  # bounded by the members we know; a dead one must rejoin first
         self.membership.heard(peer_id)
         self._heard.add(peer_id)
         self._job_peers.setdefault(job_id, {})[peer_id] = time.monotonic()

@@ -120,8 +120,9 @@ class JobPeers(Protocol):
         ...
 
     def heard(self, job_id: str, peer_id: str) -> None:
-        """A frame of ``job_id`` signed by ``peer_id`` passed every check: it is alive and
-        trains the job (membership need not probe it meanwhile)."""
+        """A frame of ``job_id`` signed by ``peer_id`` came from it just now and passed the
+        frame's checks (signature, codec, shapes, finite values; not yet the robust rule): it
+        is alive and trains the job (membership need not probe it meanwhile)."""
         ...
 
     async def judge(self, sender: str, strike: bool, reason: str | None) -> None:
@@ -609,7 +610,7 @@ class DeltaExchange:
                 if self.peers.exclusion(signer) is not None:
                     break
                 try:
-                    await self._accept(job_id, plugin, body, signer)
+                    await self._accept(job_id, plugin, body, signer, fresh=False)
                     kept += 1
                 except AtomdError as e:
                     log.info("a frame from %s kept during the state transfer: %s", signer, e)
@@ -617,8 +618,11 @@ class DeltaExchange:
             log.info("job %s: %d frame(s) that came during the state transfer queued", job_id,
                      kept)  # fmt: skip
 
-    async def _accept(self, job_id: str, plugin: SyncPlugin, body: bytes, signer: str) -> int:
-        """Check one frame whole (off the loop) and queue it in ``plugin``'s inbox."""
+    async def _accept(
+        self, job_id: str, plugin: SyncPlugin, body: bytes, signer: str, *, fresh: bool = True
+    ) -> int:
+        """Check one frame whole (off the loop) and queue it in ``plugin``'s inbox. ``fresh``:
+        it came just now (not kept during a state transfer), so its sender is alive now."""
         from atomd.sync.state import Contribution
         from atomd.sync.wire import FrameDecoder, ReplayGuard, check_codec, decode_tensors
 
@@ -652,7 +656,8 @@ class DeltaExchange:
                 await self.peers.judge(signer, True, str(e))
             raise
         self.telemetry.bytes_received.inc(frame.wire_bytes)
-        self.peers.heard(job_id, frame.sender)
+        if fresh:
+            self.peers.heard(job_id, frame.sender)
         if frame.average:  # never a delta: kept apart for the job's final average
             from atomd.sync.average import Share
 

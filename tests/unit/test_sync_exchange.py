@@ -449,7 +449,8 @@ async def test_frames_that_come_during_the_state_transfer_are_kept_and_checked_a
 
     sender, other_sender = Identity.generate(), Identity.generate()
     keys = {i.peer_id: i.public_key_hex for i in (sender, other_sender)}
-    ex = exchange(sessions, FakeClient(), FakePeers([Peer(sender.peer_id, "http://s")], keys))
+    peers = FakePeers([Peer(sender.peer_id, "http://s")], keys)
+    ex = exchange(sessions, FakeClient(), peers)
     spec = JobSpec(sync={"codec": "fp32", "every": 1})
     plugin = ex.plugin(JOB, spec)  # not attached: the job is fetching its state
     assert ex.max_frame_bytes(JOB) > 0  # bounded from the spec before the model exists
@@ -473,6 +474,7 @@ async def test_frames_that_come_during_the_state_transfer_are_kept_and_checked_a
         await until(refused_garbage, "the garbage refused")
     got = sorted(c.round for c in plugin.inbox.take())
     assert got == list(range(len(frames) - EARLY_PER_SENDER, len(frames)))  # the newest
+    assert peers.heard_from == []  # kept frames say nothing of their sender now
     refused = [r for r in await rounds(sessions) if not r.applied]
     assert [(r.peer_id, r.round) for r in refused] == [(other_sender.peer_id, -1)]
     # Released (the transfer failed, or the job ended) before it was attached: nothing kept.
