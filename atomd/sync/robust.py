@@ -29,8 +29,8 @@ the signal away):
    A delta whose frame says its round lasted more steps than this peer's own round of the
    number is clipped at bounds raised by that ratio (its steps counted up to ``steps_ratio``
    (2) times this peer's, each weighed by the job's learning rate: ``Screen._longer``),
-   unless it is unaligned (rule 4); its refusal and strike are judged against the bounds
-   before the rise (``Screen.judge``).
+   unless it is unaligned (rule 4); its refusal is judged against the bound before the rise,
+   its strike against the raised one (``Screen.judge``).
 3. Then each tensor's norm is clipped to ``tensor_ratio`` (6) times that tensor's reference
    (an attack concentrated in one small tensor, a LayerNorm gain, has a small overall norm),
    and each coordinate to ``coord_ratio`` (8) times the reference's largest absolute value in
@@ -384,8 +384,13 @@ class Screen:
         own (their anchors then differed from the others' by 0.3-1 % for good). A longer round
         said by the frame raises the clip bounds by as much (``_longer``: by the learning rate
         summed over its steps, where the schedule is known), up to ``steps_ratio`` of this
-        peer's steps; a member that lies about it gains that much and no more: the refusal and
-        the strike are judged against the bounds as they were."""
+        peer's steps; a member that lies about it gains that much and no more: the refusal is
+        judged against the bound as it was. The strike is judged against the raised bound, as
+        the clip is: an honest peer whose round was longer (the job's first peer in the
+        warm-up, run ch: 10x the receivers' delta) is not struck for it, and three such
+        rounds would have quarantined it; a liar's delta merges clipped to that same bound
+        either way (struck or not, what it moves a round is bounded by the clip), and one
+        beyond the refusal bound is refused and struck as before."""
         rule = self.rule
         own, accepted = self._reference(base_version)
         r = self._rounds.get(base_version)
@@ -438,8 +443,8 @@ class Screen:
                 longer = 1.0  # a longer round earns an aligned delta more room, not noise
                 if stats.norm > limit * ref:
                     notes.append(f"unaligned (cosine {cos:.2g}, within chance {chance:.2g})")
-        strike = stats.norm * rule.strike_scale > limit * ref
         limit *= longer
+        strike = stats.norm * rule.strike_scale > limit * ref
         scale = 1.0
         if stats.norm > limit * ref:
             scale = limit * ref / stats.norm

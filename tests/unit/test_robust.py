@@ -67,13 +67,14 @@ def test_a_moderately_large_delta_is_clipped_to_the_bound() -> None:
     assert j.accepted and j.reason is None and j.scale == 1.0 and not j.strike
 
 
-def test_a_longer_round_said_by_its_frame_raises_the_clip_bound_not_the_strike() -> None:
+def test_a_longer_round_said_by_its_frame_raises_the_clip_bound_and_the_strikes() -> None:
     """Issue #14: at a slow link rounds of one number last different steps at different peers
     (4 real daemons at 256 kbit/s closed round 2 after 4 to 15 steps, in the warm-up), and two
     peers clipped honest deltas of 4.5-6 x their own, so their anchors left the others'. A
     frame that says its round lasted 3x this peer's steps is clipped at up to ``steps_ratio``
-    (2) x the bound; one that claims a huge round gains no more, and a 10x delta still strikes
-    (judged against the bound as it was), so a lying member is still quarantined."""
+    (2) x the bound; one that claims a huge round gains no more: its delta merges clipped to
+    that bound, and beyond ``refuse_ratio`` (twice the raised bound) it is refused and struck
+    whatever it claims."""
     rule = RobustRule()
     own = delta(0.1, 0)
     six = {n: 6 * t for n, t in delta(0.1, 1).items()}
@@ -90,7 +91,18 @@ def test_a_longer_round_said_by_its_frame_raises_the_clip_bound_not_the_strike()
     assert j.accepted and j.tensors is not None and j.reason and "clipped" in j.reason
     bound = rule.clip_ratio * rule.steps_ratio * norm(own)
     assert norm(j.tensors) <= bound * 1.0001
-    assert j.strike  # 10x: beyond 1 / strike_scale of the bound as it was
+    assert not j.strike  # 10x: within 1 / strike_scale of the raised bound (8x)
+    # Twice the raised bound (16x) is the refusal's bound too: below it clipped, not struck;
+    # beyond it refused and struck, whatever the frame claims.
+    for times, struck in ((15, False), (17, True)):
+        fresh = Screen(rule)  # judged against the own delta alone, as the first was
+        fresh.record_own(0, own, steps=2)
+        j = fresh.judge(0, {n: times * t for n, t in delta(0.1, 2).items()}, every=10_000)
+        assert j.strike is struck
+        if times > rule.refuse_ratio:
+            assert not j.accepted and j.reason and "outlier" in j.reason
+        else:
+            assert j.tensors is not None and norm(j.tensors) <= bound * 1.0001
     screen = Screen(rule)
     screen.record_own(0, own, steps=2)
     j = screen.judge(0, six, every=1)  # a shorter round: the bound as it was
@@ -103,8 +115,9 @@ def test_a_longer_round_in_the_warm_up_is_weighed_by_its_learning_rates() -> Non
     against 1), they clipped it to 8x (4 x steps_ratio), and its settled anchor ended 1.1e-4
     from theirs for good. Weighed by the schedule, 4 steps claimed against 1 (counted as 2,
     steps_ratio) earn 3x (1+2 against 1), so the clip bound is 12x: the delta passes whole.
-    The strike is still judged against the bound as it was (a claim earns no pardon); where
-    the rate falls the bound is the steps' (the weights only ever raise it)."""
+    The strike is judged against the raised bound too (the honest first peer took one strike
+    at each receiver when it was not); where the rate falls the bound is the steps' (the
+    weights only ever raise it)."""
     warm = 50
     lr = lambda step: 3e-3 * min(1.0, (step + 1) / warm)  # noqa: E731 - the schedule's shape
     own = delta(0.1, 0)
@@ -117,10 +130,15 @@ def test_a_longer_round_in_the_warm_up_is_weighed_by_its_learning_rates() -> Non
     screen = Screen(lr=lr)
     screen.record_own(0, own, steps=1, first=0)
     j = screen.judge(0, longer, every=4)
-    assert j.accepted and j.reason is None and j.scale == 1.0, j.reason
+    assert j.accepted and j.reason is None and j.scale == 1.0 and not j.strike, j.reason
     liar = {n: 13 * t for n, t in delta(0.1, 2).items()}
     j = screen.judge(0, liar, every=10_000)  # the claim is held to 2x the steps: 3x the rate
-    assert j.tensors is not None and norm(j.tensors) <= 12 * norm(own) * 1.0001 and j.strike
+    assert j.tensors is not None and norm(j.tensors) <= 12 * norm(own) * 1.0001
+    assert not j.strike  # within twice the raised bound (24x)
+    fresh = Screen(lr=lr)
+    fresh.record_own(0, own, steps=1, first=0)
+    j = fresh.judge(0, {n: 17 * t for n, t in delta(0.1, 2).items()}, every=4)
+    assert not j.accepted and j.strike  # beyond refuse_ratio (16x), whatever its round
     for first in (200, 590):  # past the warm-up, and where the rate falls: as by steps
         late = Screen(lr=lambda step: 3e-3 * (600 - step) / 600)
         late.record_own(0, own, steps=1, first=first)
