@@ -122,7 +122,8 @@ class RobustRule:
     """A delta whose frame says its round lasted more steps than this peer's own round of the
     same number is clipped at bounds raised by that ratio, its steps counted up to this many
     times this peer's (weighed by the learning rate where the schedule is known: at most twice
-    this much, in the warm-up); its refusal and strike thresholds stay where they are."""
+    this much, in the warm-up); its strike threshold rises with them (2x the raised bound: at
+    a ratio of 2 or more, the refusal's 16x), its refusal threshold stays where it is."""
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.clip_ratio <= self.refuse_ratio:
@@ -387,10 +388,12 @@ class Screen:
         peer's steps; a member that lies about it gains that much and no more: the refusal is
         judged against the bound as it was. The strike is judged against the raised bound, as
         the clip is: an honest peer whose round was longer (the job's first peer in the
-        warm-up, run ch: 10x the receivers' delta) is not struck for it, and three such
-        rounds would have quarantined it; a liar's delta merges clipped to that same bound
-        either way (struck or not, what it moves a round is bounded by the clip), and one
-        beyond the refusal bound is refused and struck as before."""
+        warm-up, run ch: 10x the receivers' delta) is not struck for it up to the refusal
+        bound, where three such rounds would have quarantined it. What that costs: past the
+        warm-up nothing a round (a liar that stayed under the old strike bound, 8x, merged
+        the clip's 8x unpunished; now one sending 8-16x merges the same 8x, no longer
+        quarantined); in the warm-up, where the weighing raises the bound up to 16x, a liar's
+        unstruck room is that bound instead of 8x (docs/robust-merge.md)."""
         rule = self.rule
         own, accepted = self._reference(base_version)
         r = self._rounds.get(base_version)

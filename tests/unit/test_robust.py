@@ -103,6 +103,12 @@ def test_a_longer_round_said_by_its_frame_raises_the_clip_bound_and_the_strikes(
             assert not j.accepted and j.reason and "outlier" in j.reason
         else:
             assert j.tensors is not None and norm(j.tensors) <= bound * 1.0001
+    # A round 1.5x this peer's: the strike's threshold is twice the raised bound (12x).
+    for times, struck in ((11, False), (13, True)):
+        fresh = Screen(rule)
+        fresh.record_own(0, own, steps=2)
+        j = fresh.judge(0, {n: times * t for n, t in delta(0.1, 1).items()}, every=3)
+        assert j.accepted and j.reason and "clipped" in j.reason and j.strike is struck
     screen = Screen(rule)
     screen.record_own(0, own, steps=2)
     j = screen.judge(0, six, every=1)  # a shorter round: the bound as it was
@@ -134,7 +140,7 @@ def test_a_longer_round_in_the_warm_up_is_weighed_by_its_learning_rates() -> Non
     liar = {n: 13 * t for n, t in delta(0.1, 2).items()}
     j = screen.judge(0, liar, every=10_000)  # the claim is held to 2x the steps: 3x the rate
     assert j.tensors is not None and norm(j.tensors) <= 12 * norm(own) * 1.0001
-    assert not j.strike  # within twice the raised bound (24x)
+    assert j.reason and "clipped" in j.reason and not j.strike  # twice the raised bound: 24x
     fresh = Screen(lr=lr)
     fresh.record_own(0, own, steps=1, first=0)
     j = fresh.judge(0, {n: 17 * t for n, t in delta(0.1, 2).items()}, every=4)
