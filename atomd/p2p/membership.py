@@ -314,7 +314,6 @@ class Swim:
         """The job every message carries (the daemon's swarm job)."""
         self.on_message: Callable[[str, Gossip], None] = lambda _peer, _msg: None
         """Called with (sender id, message) for every message received."""
-        self.probes = 0  # probes sent (a direct ping each)
         self.skipped = 0  # probes not sent: the member's job traffic was heard lately
 
     # -- messages ----------------------------------------------------------------------------
@@ -419,7 +418,6 @@ class Swim:
         return None
 
     async def probe(self, target: Member) -> None:
-        self.probes += 1
         if await self._ping(target, self.config.ping_timeout):
             # A suspect that answers is not cleared here: only the member itself can refute, by
             # raising its incarnation once our gossip tells it it is suspected.

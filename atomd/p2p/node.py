@@ -431,7 +431,7 @@ class SwarmNode:
         advert = msg.job
         if advert is None:
             return
-        self._job_peers.setdefault(advert.id, {})[sender] = time.monotonic()
+        self._trains(advert.id, sender)
         if self.settings.auto_join and not self.quarantine.excluded(sender):
             member = self.membership.get(sender)
             donors = [member.url] if member is not None else []
@@ -524,6 +524,10 @@ class SwarmNode:
             return  # bounded by the members we know; a dead one must rejoin first
         self.membership.heard(peer_id)
         self._heard.add(peer_id)
+        self._trains(job_id, peer_id)
+
+    def _trains(self, job_id: str, peer_id: str) -> None:
+        """``peer_id`` was heard training ``job_id`` just now (its advert, or its frame)."""
         self._job_peers.setdefault(job_id, {})[peer_id] = time.monotonic()
 
     async def peer_curves(self, job_id: str) -> list[tuple[Member, ProgressCurve | str]]:

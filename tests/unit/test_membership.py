@@ -465,6 +465,7 @@ def test_a_frame_heard_says_its_sender_is_alive_and_trains_the_job() -> None:
         settings=SimpleNamespace(gossip_interval=0.5), membership=m, _job_peers={}, _heard=set(),
         quarantine=SimpleNamespace(excluded=lambda _pid: False),
     )  # fmt: skip
+    fake._trains = lambda job, peer: SwarmNode._trains(fake, job, peer)  # type: ignore[arg-type]
     assert SwarmNode.job_peers(fake, "j") == []  # type: ignore[arg-type]
     before = time.monotonic()
     for name in ("a", "stranger", "me"):  # only a member, not this daemon, is heard
