@@ -123,6 +123,12 @@ class SyncSpec(_Spec):
         + ", ".join(f"{v} for {c}" for c, v in FREQUENT_MOMENTUM.items())
         + " with every 'auto' or 2-5.",
     )
+    swarm_adam: bool = Field(
+        True,
+        description="Each peer's AdamW divides its step by an estimate of the second moment of "
+        "the mean of the swarm's gradients, from its own moments, not by its own gradient's: "
+        "the step the swarm's batch would take (docs/swarm-adam.md). Alone it is AdamW.",
+    )
     residual: Literal["replica", "feedback"] = Field(
         "replica",
         description="Where the part of a delta a lossy codec did not send waits for the next "

@@ -287,6 +287,8 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         SyncState(dict(e.model.named_parameters()), sync, peer_id=f"peer-{i}")
         for i, e in enumerate(engines)
     ]
+    for e in engines:  # the daemon's SyncPlugin sets this each round
+        e.set_peers(n if sync.swarm_adam else 1)
     identities = [Identity.generate() for _ in range(n)]
     inbox: Inbox = {}
     bytes_sent: list[int] = []

@@ -3,7 +3,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -97,3 +98,11 @@ def another_congestion() -> tuple[str, str]:
     if default is None or name is None:
         pytest.skip("no congestion control other than the system's can be chosen here")
     return default, name
+
+
+def fake_engine(model: torch.nn.Module) -> Any:
+    """What a SyncPlugin uses of a StepEngine: its model, settle (nothing in flight here), and
+    set_peers, whose calls ``peers`` records."""
+    peers: list[int] = []
+    return cast(Any, SimpleNamespace(model=model, settle=lambda: None, set_peers=peers.append,
+                                     peers=peers))  # fmt: skip

@@ -79,10 +79,13 @@ from atomd.train.engine import (
     window_mean,
 )
 from atomd.train.optim import (
+    AdamW,
     OptimConfig,
     build_adamw,
     optimizer_state_by_param,
     optimizer_tensors,
+    swarm_adamw_step,
+    swarm_share,
 )
 from atomd.units import format_bytes
 
@@ -160,6 +163,7 @@ class SwapEngine:
         # The swapped layers whose AdamW step runs on the device ('device': all; 'split': the
         # first ones, needed first by the next forward); the others step on the host.
         self.on_device = set(self.swapped[: plan.steps_on_device])
+        self.peers = 1  # peers averaging their updates with this one's (set_peers)
         self.device_opt = bool(self.on_device)  # slots then carry fp32 weights and moments
         self.link = torch.bfloat16 if plan.link == "bf16" else torch.float32
         if self.device_opt and self.link != torch.float32:
@@ -271,9 +275,24 @@ class SwapEngine:
             js = [index[id(p)] for p in group["params"]]
             if not js:
                 continue
+            beta1, beta2 = group["betas"]
+            if self.peers > 1:  # the swarm's second moment (atomd.train.optim.AdamW)
+                swarm_adamw_step(
+                    [slot.weights[j] for j in js],
+                    [slot.grads[j] for j in js],
+                    [slot.moments[j] for j in js],
+                    [slot.moments[n + j] for j in js],
+                    step=int(states[js[0]]["step"]) + 1,
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    share=swarm_share(self.peers, beta1),
+                )
+                continue
             # The step counter lives on the host; the fused kernel counts its own copy.
             steps = [torch.full((), float(states[j]["step"]), device=self.device) for j in js]
-            beta1, beta2 = group["betas"]
             adam(
                 [slot.weights[j] for j in js],
                 [slot.grads[j] for j in js],
@@ -729,8 +748,13 @@ class SwapEngine:
                 for layer in self.swapped:
                     self.host_opt.refresh(layer)
 
-    def _optimizers(self) -> list[torch.optim.AdamW]:
+    def _optimizers(self) -> list[AdamW]:
         return [self.resident_opt, *(opt for _, opt in self.host_opt.each())]
+
+    def set_peers(self, peers: int) -> None:
+        self.peers = peers  # the device steps' (below); the host's and resident AdamWs' own
+        for opt in self._optimizers():
+            opt.peers = peers
 
     def settle(self) -> None:
         """Finish the host optimizer's steps and apply the device steps still due (through the

@@ -1,6 +1,6 @@
 """AdamW for swapped layers on the host, and the host's other per-layer work, on one worker.
 
-Each swapped layer has its own ``torch.optim.AdamW`` over its host (fp32 master) parameters,
+Each swapped layer has its own ``atomd.train.optim.AdamW`` over its host (fp32 master) parameters,
 with the same decay groups as ``build_adamw`` (decay on matrices only) and torch's fused CPU
 kernel (multi-threaded). Its state exists from the start (zeros, step 0, as AdamW would create
 it at its first step): creating 12 B/parameter lazily inside the first step made that step
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from atomd.swap.host import HostLayer
 from atomd.swap.record import Recorder, Work
 from atomd.swap.streams import Marker
-from atomd.train.optim import OptimConfig, build_adamw
+from atomd.train.optim import AdamW, OptimConfig, build_adamw
 
 
 class HostOptimizer:
@@ -151,7 +151,7 @@ class HostOptimizer:
     def params(self, layer: int) -> list[Tensor]:
         return [p for g in self.optimizers[layer].param_groups for p in g["params"]]
 
-    def each(self) -> list[tuple[int, torch.optim.AdamW]]:
+    def each(self) -> list[tuple[int, AdamW]]:
         return list(self.optimizers.items())
 
     def close(self) -> None:

@@ -210,7 +210,14 @@ class SyncPlugin:
         engine.settle()
         params = {n: p for n, p in engine.model.named_parameters()}
         self.state = SyncState(params, self.spec, peer_id=self.identity.peer_id, lr=self.lr)
+        self._swarm_adam(self.n_peers(self.state.version))
         self.on_attached()
+
+    def _swarm_adam(self, n_peers: int) -> None:
+        """The steps until the next round average with ``n_peers`` peers' (this one included):
+        AdamW normalises them by the swarm's second moment (``SyncSpec.swarm_adam``)."""
+        assert self.engine is not None
+        self.engine.set_peers(max(1, n_peers) if self.spec.swarm_adam else 1)
 
     def guard_with(
         self, probe_batches: Sequence[Batch], final_batches: Sequence[Batch] | None = None
@@ -486,6 +493,7 @@ class SyncPlugin:
             log.info("rounds from version %d: %d peer(s) train the job (were %d)",
                      self.state.version, n_peers, self._counted)  # fmt: skip
             self._counted = n_peers
+        self._swarm_adam(n_peers)
         self._fit_fraction()
         # Steps this round lasted (at least 1: a consolidation round repeats the last step).
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))

@@ -36,6 +36,11 @@ class StepEngine(Protocol):
         after the last step and may be read or written in place (sync does both)."""
         ...
 
+    def set_peers(self, peers: int) -> None:
+        """How many peers average their updates with this one's from the next step on (1:
+        alone): AdamW then normalises by the swarm's second moment (``optim.AdamW``)."""
+        ...
+
 
 Precision = Literal["bf16", "fp16", "fp32"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -270,6 +275,9 @@ class ResidentEngine:
             state["_growth_tracker"] = int(optimizer["amp.growth_tracker"])
             self.scaler.load_state_dict(state)
             self.skipped_steps = int(optimizer["amp.skipped_steps"])
+
+    def set_peers(self, peers: int) -> None:
+        self.optimizer.peers = peers
 
     def settle(self) -> None:
         """Nothing is in flight: ``train_step`` returns after its optimizer step."""

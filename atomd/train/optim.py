@@ -31,9 +31,108 @@ def named_unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(model.named_parameters())
 
 
-def build_adamw(
-    model: nn.Module, cfg: OptimConfig, *, fused: bool | None = None
-) -> torch.optim.AdamW:
+def swarm_share(peers: int, beta1: float) -> float:
+    """The weight ``a`` of a peer's own second moment in the one it normalises its step by when
+    ``peers`` peers average their updates: ``a * v + (1 - a) * m**2`` estimates the second moment
+    of the mean of ``peers`` gradients (docs/swarm-adam.md). 1 for a peer alone (AdamW)."""
+    if peers <= 1:
+        return 1.0
+    k = (1 - beta1) / (1 + beta1)  # the share of the gradient's variance left in m**2
+    return max(0.0, (1 / peers - k) / (1 - k))
+
+
+def swarm_adamw_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    share: float,
+) -> None:
+    """One AdamW step (``step``: its number, from 1, the same for every tensor) whose
+    denominator is ``sqrt(share * v_hat + (1 - share) * m_hat**2) + eps``; ``share`` 1 is
+    torch's AdamW. The moments are updated in place as AdamW updates them, so the state stays
+    AdamW's and a peer that leaves the swarm goes on with it."""
+    if not params:
+        return
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    if weight_decay:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    denom = torch._foreach_mul(exp_avgs, exp_avgs)
+    torch._foreach_mul_(denom, (1 - share) / bc1**2)
+    torch._foreach_add_(denom, exp_avg_sqs, alpha=share / bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bc1)
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, normalised by the swarm's second moment while ``peers`` > 1.
+
+    A swarm of ``peers`` peers that average their updates trains with ``peers`` times the
+    batch; AdamW's denominator, the root of each peer's own second moment, holds the variance
+    of one peer's gradient, ``peers`` times that of the swarm's, and shrinks every step where
+    noise dominates (docs/swarm-adam.md). ``peers`` is set by the sync plugin each round; alone
+    (1, the default) this is torch's AdamW, fused where asked. The state is AdamW's."""
+
+    peers: int = 1
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if self.peers <= 1:
+            return super().step(closure)
+        # fp16's GradScaler hands a fused AdamW the overflow flag and, where the gradients were
+        # not unscaled yet, the scale: a step that overflowed is skipped, as the kernel skips it.
+        found_inf, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if found_inf is not None and bool(found_inf):
+            return None
+        for group in self.param_groups:
+            beta1, beta2 = (float(b) for b in group["betas"])
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            todo: list[tuple[Tensor, dict[str, Any]]] = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # what AdamW's first step creates
+                    state["step"] = torch.zeros(
+                        (), dtype=torch.float32, device=p.device if on_device else None
+                    )
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                todo.append((p, state))
+            if not todo:
+                continue
+            grads = [p.grad for p, _ in todo]
+            if scale is not None:
+                torch._foreach_div_(grads, scale)  # type: ignore[arg-type]
+            swarm_adamw_step(
+                [p for p, _ in todo],
+                grads,  # type: ignore[arg-type]
+                [st["exp_avg"] for _, st in todo],
+                [st["exp_avg_sq"] for _, st in todo],
+                step=int(todo[0][1]["step"]),
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=float(group["weight_decay"]),
+                eps=float(group["eps"]),
+                share=swarm_share(self.peers, beta1),
+            )
+        return None
+
+
+def build_adamw(model: nn.Module, cfg: OptimConfig, *, fused: bool | None = None) -> AdamW:
     """AdamW with weight decay on matrices only (not on biases, LayerNorms)."""
     decay = [p for _, p in named_unique_parameters(model) if p.dim() >= 2]
     no_decay = [p for _, p in named_unique_parameters(model) if p.dim() < 2]
@@ -44,7 +143,7 @@ def build_adamw(
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": cfg.betas}
     if fused is not None:
         kwargs["fused"] = fused
-    return torch.optim.AdamW(groups, **kwargs)
+    return AdamW(groups, **kwargs)
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, Tensor]:

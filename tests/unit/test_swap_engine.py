@@ -407,3 +407,21 @@ def test_a_split_optimizer_matches_resident(
         assert max_rel_param_diff(exp_avg, {k: ref_opt[k] for k in exp_avg}) < TOL
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("optimizer", ["host", "device"])
+def test_with_peers_swapped_steps_as_resident(optimizer: Optimizer) -> None:
+    """With the swarm's second moment (``set_peers``) the host's and the device's AdamW steps
+    are the resident engine's, and they differ from AdamW alone."""
+    ref = ResidentEngine(_model(), _spec(1.0), CPU)
+    alone = ResidentEngine(_model(), _spec(1.0), CPU)
+    engine = SwapEngine(_model(), _spec(1.0), CPU, _plan(2, 1, optimizer=optimizer))
+    try:
+        ref.set_peers(4)
+        engine.set_peers(4)
+        assert _train(engine) == pytest.approx(_train(ref), rel=1e-6)
+        _train(alone)
+        assert max_rel_param_diff(engine.model_tensors(), ref.model_tensors()) < TOL
+        assert max_rel_param_diff(alone.model_tensors(), ref.model_tensors()) > 100 * TOL
+    finally:
+        engine.close()

@@ -10,7 +10,6 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -24,6 +23,7 @@ from atomd.spec import JobSpec, lr_at
 from atomd.sync import average
 from atomd.sync.exchange import RETRY_DELAY_S, DeltaExchange, PeerRef
 from atomd.telemetry import Telemetry
+from tests.conftest import fake_engine
 
 JOB = "a" * 32
 
@@ -116,7 +116,7 @@ def attach(ex: DeltaExchange) -> Any:
     plugin = ex.plugin(JOB, JobSpec(sync={"codec": "fp32", "every": 1}))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    plugin.attach(cast(Any, SimpleNamespace(model=model, settle=lambda: None)))
+    plugin.attach(fake_engine(model))
     return plugin
 
 
@@ -166,7 +166,7 @@ async def test_the_robust_rule_weighs_longer_rounds_by_the_jobs_schedule(session
     robust rule weighs a longer round by (``robust.Screen._longer``; run ch's warm-up clip)."""
     spec = JobSpec(max_steps=600, warmup_steps=50, sync={"codec": "fp32", "every": 1})
     plugin = exchange(sessions, FakeClient(), FakePeers([])).plugin(JOB, spec)
-    plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+    plugin.attach(fake_engine(torch.nn.Linear(4, 3)))
     screen = plugin.state.screen
     assert screen is not None and screen.lr is not None
     assert [screen.lr(s) for s in (0, 49, 300, 599)] == [lr_at(spec, s) for s in (0, 49, 300, 599)]
@@ -209,7 +209,7 @@ async def test_a_peer_that_starts_training_later_gets_the_rounds_it_missed(
     ex = exchange(sessions, client, peers)
     plugin = ex.plugin(JOB, JobSpec(sync={"codec": "fp32", "every": 1, "max_staleness": 2}))
     torch.manual_seed(0)
-    plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+    plugin.attach(fake_engine(torch.nn.Linear(4, 3)))
     round_of: dict[bytes, int] = {}
     keep = ex._keep
 
@@ -462,7 +462,7 @@ async def test_frames_that_come_during_the_state_transfer_are_kept_and_checked_a
 
     async with running(ex):
         torch.manual_seed(0)
-        plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+        plugin.attach(fake_engine(torch.nn.Linear(4, 3)))
 
         async def queued() -> bool:
             return len(plugin.inbox) == EARLY_PER_SENDER
@@ -508,7 +508,7 @@ async def test_frames_that_come_while_the_trainer_loads_are_kept_for_its_plugin(
     plugin = ex.plugin(JOB, spec)  # torch is loaded; then the state transfer
     async with running(ex):
         torch.manual_seed(0)
-        plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+        plugin.attach(fake_engine(torch.nn.Linear(4, 3)))
 
         async def queued() -> bool:
             return len(plugin.inbox) == 1
@@ -661,7 +661,7 @@ async def test_a_received_delta_carries_the_steps_its_frame_says_its_round_laste
     ex = exchange(sessions, FakeClient(), peers)
     plugin = ex.plugin(JOB, JobSpec(sync={"codec": "fp32", "every": 1}))
     torch.manual_seed(0)
-    plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+    plugin.attach(fake_engine(torch.nn.Linear(4, 3)))
     tensors = [(n, make_codec("fp32").encode(torch.full(s, 0.01)))
                for n, s in plugin.expected_shapes.items()]  # fmt: skip
     for rnd, cadence in ((0, {"period_s": 2.0, "every": 6}), (1, None)):
@@ -683,7 +683,7 @@ async def test_quarantined_senders_and_other_codecs_are_refused(sessions: Any) -
     ex = exchange(sessions, FakeClient(), peers)
     plugin = ex.plugin(JOB, JobSpec(sync={"codec": "topk", "every": 1}))
     torch.manual_seed(0)
-    plugin.attach(cast(Any, SimpleNamespace(model=torch.nn.Linear(4, 3), settle=lambda: None)))
+    plugin.attach(fake_engine(torch.nn.Linear(4, 3)))
     dense = [(n, make_codec("fp32").encode(torch.full(s, 5.0)))
              for n, s in plugin.expected_shapes.items()]  # fmt: skip
     frame = encode_frame(identity=sender, job_id=JOB, round=0, base_version=0, tensors=dense)

@@ -23,11 +23,7 @@ from atomd.sync.guard import LossGuard
 from atomd.sync.runner import RoundOut, SyncPlugin
 from atomd.sync.state import Contribution, MergeReport
 from atomd.sync.wire import FrameDecoder
-
-
-def fake_engine(model: torch.nn.Module) -> Any:
-    """What SyncPlugin uses of a StepEngine: its model, and settle (nothing in flight here)."""
-    return cast(Any, SimpleNamespace(model=model, settle=lambda: None))
+from tests.conftest import fake_engine
 
 
 def plugin(
@@ -1159,3 +1155,24 @@ def test_before_a_snapshot_a_peer_nobody_has_sent_to_commits_its_whole_model() -
     assert p.before_snapshot() is False  # waiting in the inbox
     p.after_step(5)
     assert not state.alone_in_fact() and p.before_snapshot() is False
+
+
+@pytest.mark.parametrize("swarm_adam", [True, False])
+def test_each_round_tells_the_engine_how_many_peers_average_its_steps(swarm_adam: bool) -> None:
+    """From attach and then every boundary, the engine's AdamW takes the swarm's second moment
+    for the peers counted in the round (1 when alone or with ``swarm_adam`` off)."""
+    count = [3]
+    p = SyncPlugin(
+        job_id="j" * 32,
+        spec=SyncSpec(codec="fp32", every=1, swarm_adam=swarm_adam),
+        identity=Identity.generate(),
+        n_peers=lambda base: count[0],
+        send=lambda out: None,
+        absorbed=lambda job, merge: None,
+    )
+    engine = fake_engine(torch.nn.Linear(4, 3))
+    p.attach(engine)
+    for step, peers in ((1, 2), (2, 1), (3, 4)):
+        count[0] = peers
+        p.after_step(step)
+    assert engine.peers == ([3, 2, 1, 4] if swarm_adam else [1, 1, 1, 1])
