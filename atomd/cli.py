@@ -590,6 +590,13 @@ def bench_sync(
     workers: Annotated[
         int, typer.Option(help="Processes of one thread each; 0 runs in this process.")
     ] = 2,
+    sync: Annotated[
+        str | None,
+        typer.Option(
+            help="Sync settings every swarm run takes over its own, as JSON (e.g. "
+            "'{\"swarm_adam\": false}': each peer's own AdamW, as before 2026-12-06)."
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
 ) -> None:
     """Simulated 4-peer swarms on the tiny GPT: val loss, bytes per round, anchor divergence."""
@@ -598,8 +605,14 @@ def bench_sync(
     except ImportError:
         fail("atomd bench needs the bench/ package (a source checkout or `pip install -e .`)")
     try:
+        extra = json.loads(sync) if sync else None
+    except json.JSONDecodeError as e:
+        fail(f"--sync is not JSON: {e}")
+    if extra is not None and not isinstance(extra, dict):
+        fail("--sync takes a JSON object of sync settings")
+    try:
         result = run_sync_bench(
-            quick=quick, runs=runs.split(",") if runs else None, workers=workers
+            quick=quick, runs=runs.split(",") if runs else None, workers=workers, sync=extra
         )
     except ValueError as e:
         fail(str(e))

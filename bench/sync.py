@@ -50,7 +50,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -619,6 +619,25 @@ def extra_runs() -> list[RunSpec]:
             every=6,
             sync={"outer_momentum": 0.7, "final_tail": 0.05},
         ),
+        # sync.swarm_adam (docs/swarm-adam.md): each peer's AdamW divides by the swarm's second
+        # moment, or by its own (the runs named -adamw). The peers' exact mean every step, and
+        # top-k 1 % at a free link's cadence and at a slow link's
+        # (bench/results-sync-swarm-adam-2026-12-06.json).
+        *(
+            RunSpec(
+                f"fp32-h1-sync-plain{suffix}",
+                codec="fp32",
+                every=1,
+                mode="sync",
+                sync={"outer_momentum": 0.0, **extra},
+            )
+            for suffix, extra in (("", {}), ("-adamw", {"swarm_adam": False}))
+        ),
+        *(
+            RunSpec(f"topk-h{h}{suffix}", codec="topk", every=h, sync=extra)
+            for h in (2, 5)
+            for suffix, extra in (("-swarm-adam", {}), ("-adamw", {"swarm_adam": False}))
+        ),
     ]
 
 
@@ -639,8 +658,11 @@ def run(
     budget: Budget | None = None,
     workers: int = 2,
     progress: Callable[[dict[str, Any]], None] | None = _progress,
+    sync: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run the selected runs (default: all) and return the benchmark's JSON object.
+    """Run the selected runs (default: all) and return the benchmark's JSON object. ``sync``:
+    SyncSpec fields every swarm run takes over its own (e.g. ``{"swarm_adam": False}``, the
+    peers' AdamW before 2026-12-06).
 
     ``workers`` > 0 runs them in that many spawned processes of one torch thread each (on two
     shared cores, two single-threaded processes train ~1.5x faster than one with two threads);
@@ -650,6 +672,9 @@ def run(
     names = [r for r in runs or [] if isinstance(r, str)]
     selected = [r for r in runs or [] if isinstance(r, RunSpec)]
     selected += resolve_runs(names) if names or not runs else []
+    if sync:
+        SyncSpec(**sync)  # an unknown or invalid setting is an error before any run starts
+        selected = [r if r.codec is None else replace(r, sync={**r.sync, **sync}) for r in selected]
     # Longest first, so two workers finish together.
     order = sorted(selected, key=lambda r: -(budget.peers or r.peers) * r.batch_size)
     results: dict[str, dict[str, Any]] = {}
@@ -707,12 +732,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="comma-separated run names (default: the default selection); `--list` shows them all",
     )
     parser.add_argument("--list", action="store_true", help="list the known runs and exit")
+    parser.add_argument(
+        "--sync",
+        type=json.loads,
+        default=None,
+        help="sync settings every swarm run takes over its own, as JSON (e.g. "
+        "'{\"swarm_adam\": false}': the peers' own AdamW, as before 2026-12-06)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for r in [*default_runs(), *extra_runs()]:
             print(r.name)
         return
-    print(json.dumps(run(quick=args.quick, runs=args.runs)), flush=True)
+    print(json.dumps(run(quick=args.quick, runs=args.runs, sync=args.sync)), flush=True)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ through a layer before the next layer is needed (layer-major), so one load serve
   soon as its gradient is complete.
 - With the optimizer on the device (``plan.optimizer == "device"``, for hosts whose CPU cannot
   keep up) a layer's step waits for its next load: the load stream brings its gradient and
-  AdamW moments along with its weights, runs torch's fused AdamW on them in the slot (clipping
-  coefficient and learning rate of the step that made the gradient: exact) and the store
+  AdamW moments along with its weights, runs torch's fused AdamW on them in the slot (the
+  swarm's AdamW, ``atomd.train.optim.swarm_adamw_step``, while peers average the steps;
+  clipping coefficient and learning rate of the step that made the gradient: exact) and the store
   stream copies the updated master weights and moments back. ``settle`` applies the steps still
   waiting (before a checkpoint, an evaluation's end, or sync touching the parameters).
 """
@@ -752,6 +753,8 @@ class SwapEngine:
         return [self.resident_opt, *(opt for _, opt in self.host_opt.each())]
 
     def set_peers(self, peers: int) -> None:
+        """For the steps after ``settle`` (a device step still due would take the new count:
+        the sync plugin settles first)."""
         self.peers = peers  # the device steps' (below); the host's and resident AdamWs' own
         for opt in self._optimizers():
             opt.peers = peers

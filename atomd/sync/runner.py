@@ -214,8 +214,9 @@ class SyncPlugin:
         self.on_attached()
 
     def _swarm_adam(self, n_peers: int) -> None:
-        """The steps until the next round average with ``n_peers`` peers' (this one included):
-        AdamW normalises them by the swarm's second moment (``SyncSpec.swarm_adam``)."""
+        """The steps until the next boundary average with ``n_peers`` peers' (this one included,
+        counted on the round's base version): AdamW normalises them by the swarm's second
+        moment (``SyncSpec.swarm_adam``). Called with the engine settled."""
         assert self.engine is not None
         self.engine.set_peers(max(1, n_peers) if self.spec.swarm_adam else 1)
 
@@ -493,7 +494,6 @@ class SyncPlugin:
             log.info("rounds from version %d: %d peer(s) train the job (were %d)",
                      self.state.version, n_peers, self._counted)  # fmt: skip
             self._counted = n_peers
-        self._swarm_adam(n_peers)
         self._fit_fraction()
         # Steps this round lasted (at least 1: a consolidation round repeats the last step).
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
@@ -504,6 +504,7 @@ class SyncPlugin:
             inbox, n_peers=n_peers, steps_short=short, whole=whole, steps=every,
             first=step - every,
         )  # fmt: skip
+        self._swarm_adam(self.n_peers(self.state.version))  # the next round's peers
         # The frame carries this peer's own proposal, not the swarm's period: a peer that sent
         # the largest period it heard would echo every peer's past proposals back to them, and
         # one slow round's proposal would then circulate, kept fresh, for the rest of the job.

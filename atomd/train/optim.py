@@ -67,12 +67,10 @@ def swarm_adamw_step(
     if weight_decay:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-    denom = torch._foreach_mul(exp_avgs, exp_avgs)
-    torch._foreach_mul_(denom, (1 - share) / bc1**2)
-    torch._foreach_add_(denom, exp_avg_sqs, alpha=share / bc2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bc1)
+    for p, m, v in zip(params, exp_avgs, exp_avg_sqs, strict=True):
+        # One tensor's denominator at a time: the peak is the largest tensor, not the model.
+        denom = torch.mul(m, m).mul_((1 - share) / bc1**2).add_(v, alpha=share / bc2)
+        p.addcdiv_(m, denom.sqrt_().add_(eps), value=-lr / bc1)
 
 
 class AdamW(torch.optim.AdamW):
@@ -90,12 +88,18 @@ class AdamW(torch.optim.AdamW):
     def step(self, closure: Any = None) -> Any:
         if self.peers <= 1:
             return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         # fp16's GradScaler hands a fused AdamW the overflow flag and, where the gradients were
         # not unscaled yet, the scale: a step that overflowed is skipped, as the kernel skips it.
         found_inf, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         if found_inf is not None and bool(found_inf):
-            return None
+            return loss
         for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("the swarm's AdamW has no amsgrad or maximize")
             beta1, beta2 = (float(b) for b in group["betas"])
             on_device = bool(group.get("fused") or group.get("capturable"))
             todo: list[tuple[Tensor, dict[str, Any]]] = []
@@ -105,7 +109,7 @@ class AdamW(torch.optim.AdamW):
                 state = self.state[p]
                 if not state:  # what AdamW's first step creates
                     state["step"] = torch.zeros(
-                        (), dtype=torch.float32, device=p.device if on_device else None
+                        (), dtype=torch.float32, device=p.device if on_device else "cpu"
                     )
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -121,6 +125,8 @@ class AdamW(torch.optim.AdamW):
                 grads,  # type: ignore[arg-type]
                 [st["exp_avg"] for _, st in todo],
                 [st["exp_avg_sq"] for _, st in todo],
+                # Every parameter of a group steps together here (each has a gradient every
+                # step), so the first one's count is theirs: one read, not one sync each.
                 step=int(todo[0][1]["step"]),
                 lr=float(group["lr"]),
                 beta1=beta1,
@@ -129,7 +135,7 @@ class AdamW(torch.optim.AdamW):
                 eps=float(group["eps"]),
                 share=swarm_share(self.peers, beta1),
             )
-        return None
+        return loss
 
 
 def build_adamw(model: nn.Module, cfg: OptimConfig, *, fused: bool | None = None) -> AdamW:

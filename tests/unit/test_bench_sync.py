@@ -101,3 +101,20 @@ def test_consolidation_rounds_converge_the_models_to_their_mean() -> None:
     assert b["model_divergence_final"] < 0.02 * a["model_divergence_final"]
     assert b["val_loss"] == pytest.approx(a["val_loss_mean_model"], abs=2e-3)
     assert b["val_loss_mean_model"] == pytest.approx(a["val_loss_mean_model"], abs=1e-4)
+
+
+def test_sync_settings_for_every_run_and_the_swarm_adam_they_turn_off() -> None:
+    """``sync`` overrides every swarm run's settings (the single runs have none); with the
+    swarm's AdamW off the same run trains differently; an unknown setting fails at once."""
+    runs: list[str | RunSpec] = ["fp32-h10", "alone-b16"]
+    on = {r["name"]: r for r in run(runs=runs, budget=TINY, workers=0, progress=None)["runs"]}
+    off = run(runs=runs, budget=TINY, workers=0, progress=None, sync={"swarm_adam": False})
+    by_name = {r["name"]: r for r in off["runs"]}
+    assert on["fp32-h10"]["sync"]["swarm_adam"] is True
+    assert by_name["fp32-h10"]["sync"]["swarm_adam"] is False
+    assert by_name["fp32-h10"]["val_loss"] != pytest.approx(on["fp32-h10"]["val_loss"], abs=1e-6)
+    assert by_name["alone-b16"]["val_loss"] == pytest.approx(on["alone-b16"]["val_loss"])
+    with pytest.raises(ValueError, match="nope"):
+        run(runs=runs, budget=TINY, workers=0, progress=None, sync={"nope": 1})
+    result = CliRunner().invoke(app, ["bench", "sync", "--sync", "[1]", "--workers", "0"])
+    assert result.exit_code == 2 and "JSON object" in result.output

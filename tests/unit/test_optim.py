@@ -105,3 +105,24 @@ def test_a_step_that_overflowed_under_fp16_is_skipped() -> None:
     _run(opt, params, steps=1)
     assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
     assert not opt.state
+
+
+def test_with_peers_each_step_is_the_formula() -> None:
+    """AdamW(peers=4) against the formula written out per step (bias corrections, decay, eps),
+    for the first steps, where a wrong count or correction shows."""
+    gen = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(6, generator=gen))
+    opt = AdamW([p], lr=1e-2, betas=BETAS, weight_decay=0.1, eps=1e-8)
+    opt.peers = 4
+    a = swarm_share(4, BETAS[0])
+    x, m, v = p.detach().double().clone(), torch.zeros(6).double(), torch.zeros(6).double()
+    for t in range(1, 5):
+        g = torch.randn(6, generator=gen)
+        p.grad = g.clone()
+        opt.step()
+        m = BETAS[0] * m + (1 - BETAS[0]) * g.double()
+        v = BETAS[1] * v + (1 - BETAS[1]) * g.double() ** 2
+        m_hat, v_hat = m / (1 - BETAS[0] ** t), v / (1 - BETAS[1] ** t)
+        x = x * (1 - 1e-2 * 0.1) - 1e-2 * m_hat / ((a * v_hat + (1 - a) * m_hat**2).sqrt() + 1e-8)
+        torch.testing.assert_close(p.detach().double(), x, rtol=1e-5, atol=1e-7)
+    assert float(opt.state[p]["step"]) == 4.0
