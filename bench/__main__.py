@@ -49,6 +49,7 @@ BENCHES: dict[str, Bench] = {
         "atomd_bench.membership", "~2 min", "~1 min", {"seconds": 10.0}, function="idle"
     ),
     "sync": Bench("atomd_bench.sync", "~70 min", "~1 min", {"quick": True}),
+    "optim": Bench("atomd_bench.optim", "~30 s", "~10 s", {"quick": True}),
     "tls": Bench("atomd_bench.tls_cost", "~20 s", "~8 s", {"connects": 10, "pings": 50}),
     "attack": Bench("atomd_bench.attack", "~27 min", "~7 min", {"quick": True}),
 }

@@ -2,10 +2,11 @@
 
 Each swapped layer has its own ``atomd.train.optim.AdamW`` over its host (fp32 master) parameters,
 with the same decay groups as ``build_adamw`` (decay on matrices only) and torch's fused CPU
-kernel (multi-threaded; foreach ops for the swarm's second moment while peers average the
-steps). Its state exists from the start (zeros, step 0, as AdamW would create
-it at its first step): creating 12 B/parameter lazily inside the first step made that step
-take 2.5 s instead of 0.9 (gpt3-xl on an H200).
+kernel (multi-threaded; while peers average the steps, the swarm's second moment, one
+compiled loop per large tensor: ``atomd.train.optim.FUSED_MIN_NUMEL``). Its state exists
+from the start (zeros, step 0, as AdamW would create it at its first step): creating 12
+B/parameter lazily inside the first step made that step take 2.5 s instead of 0.9 (gpt3-xl on
+an H200).
 
 One worker thread runs, first in first out, a layer's tasks as the engine submits them (torch
 kernels release the GIL, so the main thread keeps issuing device work):

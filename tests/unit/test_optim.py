@@ -3,9 +3,12 @@ peers it divides by an estimate of the second moment of the mean of their gradie
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
+from atomd.train import optim
 from atomd.train.optim import AdamW, swarm_adamw_step, swarm_share
 
 BETAS = (0.9, 0.95)
@@ -107,14 +110,23 @@ def test_a_step_that_overflowed_under_fp16_is_skipped() -> None:
     assert not opt.state
 
 
-def test_with_peers_each_step_is_the_formula() -> None:
-    """AdamW(peers=4) against the formula written out per step (bias corrections, decay, eps),
-    for the first steps, where a wrong count or correction shows."""
+@pytest.fixture(params=["eager", "compiled"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which of the swarm step's two forms a test's tensors take: eager ops, or the compiled
+    loop that large host tensors take (here every tensor: FUSED_MIN_NUMEL 1)."""
+    monkeypatch.setattr(optim, "FUSED_MIN_NUMEL", 1 if request.param == "compiled" else 1 << 62)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("peers", [4, 30])  # 30: share 0, the step is m / |m|
+def test_with_peers_each_step_is_the_formula(path: str, peers: int) -> None:
+    """AdamW(peers) against the formula written out per step (bias corrections, decay, eps),
+    for the first steps, where a wrong count or correction shows; in both forms."""
     gen = torch.Generator().manual_seed(3)
     p = torch.nn.Parameter(torch.randn(6, generator=gen))
     opt = AdamW([p], lr=1e-2, betas=BETAS, weight_decay=0.1, eps=1e-8)
-    opt.peers = 4
-    a = swarm_share(4, BETAS[0])
+    opt.peers = peers
+    a = swarm_share(peers, BETAS[0])
     x, m, v = p.detach().double().clone(), torch.zeros(6).double(), torch.zeros(6).double()
     for t in range(1, 5):
         g = torch.randn(6, generator=gen)
@@ -126,3 +138,35 @@ def test_with_peers_each_step_is_the_formula() -> None:
         x = x * (1 - 1e-2 * 0.1) - 1e-2 * m_hat / ((a * v_hat + (1 - a) * m_hat**2).sqrt() + 1e-8)
         torch.testing.assert_close(p.detach().double(), x, rtol=1e-5, atol=1e-7)
     assert float(opt.state[p]["step"]) == 4.0
+    if path == "compiled":
+        if optim._kernel_failed:
+            pytest.skip("inductor cannot compile here (no C++ compiler?): eager steps only")
+        assert optim._kernel_ran  # the steps above went through the compiled loop
+
+
+def test_a_kernel_that_does_not_compile_leaves_the_eager_step(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where inductor cannot compile (no C++ compiler, say), the step is the eager one, the
+    failure is logged once and the kernel is not tried again."""
+    calls: list[int] = []
+
+    def broken(*args: object) -> None:
+        calls.append(1)
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(optim, "FUSED_MIN_NUMEL", 1)
+    monkeypatch.setattr(optim, "_kernel", broken)
+    monkeypatch.setattr(optim, "_kernel_ran", False)
+    monkeypatch.setattr(optim, "_kernel_failed", False)
+    mine, ref = _params(), _params()
+    opt, eager = AdamW(mine, lr=1e-2, betas=BETAS), AdamW(ref, lr=1e-2, betas=BETAS)
+    opt.peers = eager.peers = 4
+    with caplog.at_level(logging.WARNING, logger="atomd.train.optim"):
+        _run(opt, mine)
+    monkeypatch.setattr(optim, "FUSED_MIN_NUMEL", 1 << 62)
+    _run(eager, ref)
+    for a, b in zip(mine, ref, strict=True):
+        assert torch.equal(a, b)
+    assert calls == [1] and optim._kernel_failed
+    assert sum("no compiled kernel (no C++ compiler)" in r.message for r in caplog.records) == 1

@@ -15,6 +15,7 @@ from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
 from atomd.swap.plan import Optimizer, Shape, SwapPlan, make_plan
+from atomd.train import optim
 from atomd.train.engine import ResidentEngine, model_tensors
 from atomd.train.optim import OptimConfig
 
@@ -409,10 +410,17 @@ def test_a_split_optimizer_matches_resident(
         engine.close()
 
 
-@pytest.mark.parametrize("optimizer", ["host", "device"])
-def test_with_peers_swapped_steps_as_resident(optimizer: Optimizer) -> None:
+@pytest.mark.parametrize(
+    ("optimizer", "compiled"), [("host", False), ("device", False), ("host", True)]
+)
+def test_with_peers_swapped_steps_as_resident(
+    optimizer: Optimizer, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With the swarm's second moment (``set_peers``) the host's and the device's AdamW steps
-    are the resident engine's, and they differ from AdamW alone."""
+    are the resident engine's, and they differ from AdamW alone; also where every tensor takes
+    the compiled loop (a real model's large host tensors do), the host's on its worker."""
+    if compiled:
+        monkeypatch.setattr(optim, "FUSED_MIN_NUMEL", 1)
     ref = ResidentEngine(_model(), _spec(1.0), CPU)
     alone = ResidentEngine(_model(), _spec(1.0), CPU)
     engine = SwapEngine(_model(), _spec(1.0), CPU, _plan(2, 1, optimizer=optimizer))
