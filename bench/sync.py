@@ -638,6 +638,20 @@ def extra_runs() -> list[RunSpec]:
             for h in (2, 5)
             for suffix, extra in (("-swarm-adam", {}), ("-adamw", {"swarm_adam": False}))
         ),
+        # The same at 8 peers (the swarm's AdamW's share a = 0.076 there, 0.21 at 4), against
+        # one process at 8 times the batch.
+        RunSpec("single-b128", peers=1, batch_size=128),
+        *(
+            RunSpec(f"topk-h2-p8{suffix}", codec="topk", every=2, peers=8, sync=extra)
+            for suffix, extra in (("-swarm-adam", {}), ("-adamw", {"swarm_adam": False}))
+        ),
+        # Issue #14 item 5 (2026-12-06): more entries at H=50 within the 100x bar (33,699 B a
+        # round): top-k 2 %, with the default momentum (0.5 at H=50) and with 0.7
+        # (bench/results-sync-h50-topk-f2-2026-12-06.json).
+        *(
+            RunSpec(f"topk-f2-h50{suffix}", codec="topk", sync={"topk_fraction": 0.02, **extra})
+            for suffix, extra in (("", {}), ("-m7", {"outer_momentum": 0.7}))
+        ),
     ]
 
 
