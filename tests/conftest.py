@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ from atomd.engines import build_engine
 from atomd.launch import PORTS_ENV
 from atomd.spec import JobSpec
 from atomd.swap.hardware import Hardware
+from atomd.train import optim
 from atomd.train.trainer import Trainer
 
 # pytest-xdist's worker ("gw0", "gw1", ...), None when the suite runs in one process.
@@ -106,3 +108,38 @@ def fake_engine(model: torch.nn.Module) -> Any:
     peers: list[int] = []
     return cast(Any, SimpleNamespace(model=model, settle=lambda: None, set_peers=peers.append,
                                      peers=peers))  # fmt: skip
+
+
+class CompiledKernel:
+    """The swarm's AdamW's compiled loop, counted (fixture ``compiled_kernel``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch = monkeypatch
+        self.calls = 0
+        monkeypatch.setattr(optim, "_kernel_failed", False)
+        real = optim._fused_kernel()
+        assert real is not None
+
+        def counting(*args: Any) -> None:
+            real(*args)
+            self.calls += 1
+
+        monkeypatch.setattr(optim, "_kernel", counting)
+
+    def every_tensor(self, on: bool = True) -> None:
+        """Every tensor through the compiled loop (FUSED_MIN_NUMEL 1), or none (eager ops)."""
+        self.monkeypatch.setattr(optim, "FUSED_MIN_NUMEL", 1 if on else 1 << 62)
+
+    def check(self) -> None:
+        """The steps went through the compiled loop; where inductor could not compile, a
+        failure if a C++ compiler is on PATH (a regression), else a skip."""
+        if optim._kernel_failed:
+            if shutil.which("c++") or shutil.which("g++"):
+                pytest.fail("the swarm's AdamW kernel did not compile, with a C++ compiler here")
+            pytest.skip("no C++ compiler: inductor cannot compile, the steps are eager")
+        assert self.calls > 0
+
+
+@pytest.fixture
+def compiled_kernel(monkeypatch: pytest.MonkeyPatch) -> CompiledKernel:
+    return CompiledKernel(monkeypatch)

@@ -49,8 +49,9 @@ def swarm_share(peers: int, beta1: float) -> float:
 FUSED_MIN_NUMEL = 1 << 18
 """A host (CPU) tensor of at least this many entries takes the swarm's step as one compiled
 loop (``_fused_kernel``); smaller ones, and device tensors, take eager ops. A compiled call's
-guards cost ~20 us, and compiling costs seconds once a process: the tiny model (at most 65,536
-entries a tensor) never compiles; a real model's host optimizer does, once."""
+guards cost ~20 us, and compiling costs seconds once a process: the tiny preset (at most 65,536
+entries a tensor with its 256-token vocabulary) never compiles; a real model's host optimizer
+does, once."""
 
 
 def _swarm_step_one(p: Tensor, g: Tensor, m: Tensor, v: Tensor, h: Tensor) -> None:
@@ -105,7 +106,9 @@ def _step_fused(kernel: Callable[..., None], ts: tuple[Tensor, ...], h: Tensor) 
         try:
             if not _kernel_ran:
                 log.info("compiling the swarm's AdamW step for the host (once a process)")
-            kernel(*flat, h)
+            # Under no_grad whatever the caller's mode: a change of mode would recompile.
+            with torch.no_grad():
+                kernel(*flat, h)
         except Exception as e:  # inductor raises many kinds; a compile fails before any write
             _kernel_failed = True
             log.warning("the swarm's AdamW steps with eager ops: no compiled kernel (%s)", e)

@@ -6,22 +6,24 @@ import pytest
 
 from atomd.train import optim
 from atomd_bench import optim as bench
+from tests.conftest import CompiledKernel
 
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_every_form_is_timed_on_the_same_layer(
-    compiled: bool, monkeypatch: pytest.MonkeyPatch
+    compiled: bool, compiled_kernel: CompiledKernel
 ) -> None:
-    monkeypatch.setattr(optim, "FUSED_MIN_NUMEL", 1 if compiled else 1 << 62)
+    compiled_kernel.every_tensor(compiled)
     out = bench.run(d=32, repeats=2, threads=None)
     assert out["params"] == 4 * 32 * 32 + 2 * 4 * 32 * 32 + 6 * 32 + 4 * 32
     assert set(out["forms"]) == {"fused", "foreach", "swarm_eager", "swarm"}
     for form in out["forms"].values():
         assert form["ms"] > 0 and form["params_per_s"] > 0
     assert out["forms"]["fused"]["vs_fused"] == 1.0
-    if compiled and optim._kernel_failed:
-        pytest.skip("inductor cannot compile here: eager steps only")
-    if compiled:
-        assert out["compiled"]  # the swarm form went through the compiled loop
     threshold = 1 if compiled else 1 << 62
     assert threshold == optim.FUSED_MIN_NUMEL  # the eager form put it back
+    if compiled:
+        compiled_kernel.check()  # the swarm form went through the compiled loop
+        assert out["compiled"]
+    else:
+        assert compiled_kernel.calls == 0

@@ -15,9 +15,9 @@ from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
 from atomd.swap.plan import Optimizer, Shape, SwapPlan, make_plan
-from atomd.train import optim
 from atomd.train.engine import ResidentEngine, model_tensors
 from atomd.train.optim import OptimConfig
+from tests.conftest import CompiledKernel
 
 CPU = torch.device("cpu")
 # Smaller than the tiny preset (4 blocks of width 32) so that the whole matrix runs in seconds.
@@ -414,22 +414,28 @@ def test_a_split_optimizer_matches_resident(
     ("optimizer", "compiled"), [("host", False), ("device", False), ("host", True)]
 )
 def test_with_peers_swapped_steps_as_resident(
-    optimizer: Optimizer, compiled: bool, monkeypatch: pytest.MonkeyPatch
+    optimizer: Optimizer, compiled: bool, compiled_kernel: CompiledKernel
 ) -> None:
     """With the swarm's second moment (``set_peers``) the host's and the device's AdamW steps
-    are the resident engine's, and they differ from AdamW alone; also where every tensor takes
-    the compiled loop (a real model's large host tensors do), the host's on its worker."""
-    if compiled:
-        monkeypatch.setattr(optim, "FUSED_MIN_NUMEL", 1)
+    are the resident engine's (eager ops), and they differ from AdamW alone; also where the
+    host's worker takes every tensor through the compiled loop (a real model's large host
+    tensors do)."""
     ref = ResidentEngine(_model(), _spec(1.0), CPU)
     alone = ResidentEngine(_model(), _spec(1.0), CPU)
     engine = SwapEngine(_model(), _spec(1.0), CPU, _plan(2, 1, optimizer=optimizer))
     try:
         ref.set_peers(4)
         engine.set_peers(4)
-        assert _train(engine) == pytest.approx(_train(ref), rel=1e-6)
+        compiled_kernel.every_tensor(False)
+        expected = _train(ref)
         _train(alone)
+        compiled_kernel.every_tensor(compiled)
+        assert _train(engine) == pytest.approx(expected, rel=1e-6)
         assert max_rel_param_diff(engine.model_tensors(), ref.model_tensors()) < TOL
         assert max_rel_param_diff(alone.model_tensors(), ref.model_tensors()) > 100 * TOL
+        if compiled:
+            compiled_kernel.check()
+        else:
+            assert compiled_kernel.calls == 0
     finally:
         engine.close()
