@@ -85,8 +85,6 @@ from atomd.train.optim import (
     build_adamw,
     optimizer_state_by_param,
     optimizer_tensors,
-    swarm_adamw_step,
-    swarm_share,
 )
 from atomd.units import format_bytes
 
@@ -164,7 +162,6 @@ class SwapEngine:
         # The swapped layers whose AdamW step runs on the device ('device': all; 'split': the
         # first ones, needed first by the next forward); the others step on the host.
         self.on_device = set(self.swapped[: plan.steps_on_device])
-        self.peers = 1  # peers averaging their updates with this one's (set_peers)
         self.device_opt = bool(self.on_device)  # slots then carry fp32 weights and moments
         self.link = torch.bfloat16 if plan.link == "bf16" else torch.float32
         if self.device_opt and self.link != torch.float32:
@@ -276,22 +273,18 @@ class SwapEngine:
             js = [index[id(p)] for p in group["params"]]
             if not js:
                 continue
-            beta1, beta2 = group["betas"]
-            if self.peers > 1:  # the swarm's second moment (atomd.train.optim.AdamW)
-                swarm_adamw_step(
+            if opt.peers > 1:  # the swarm's second moment (atomd.train.optim.AdamW)
+                opt.swarm_step(
+                    group,
                     [slot.weights[j] for j in js],
                     [slot.grads[j] for j in js],
                     [slot.moments[j] for j in js],
                     [slot.moments[n + j] for j in js],
                     step=int(states[js[0]]["step"]) + 1,
                     lr=lr,
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    share=swarm_share(self.peers, beta1),
                 )
                 continue
+            beta1, beta2 = group["betas"]
             # The step counter lives on the host; the fused kernel counts its own copy.
             steps = [torch.full((), float(states[j]["step"]), device=self.device) for j in js]
             adam(
@@ -754,8 +747,7 @@ class SwapEngine:
 
     def set_peers(self, peers: int) -> None:
         """For the steps after ``settle`` (a device step still due would take the new count:
-        the sync plugin settles first)."""
-        self.peers = peers  # the device steps' (below); the host's and resident AdamWs' own
+        the sync plugin settles first); a device step reads its host optimizer's."""
         for opt in self._optimizers():
             opt.peers = peers
 

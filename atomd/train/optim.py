@@ -202,7 +202,6 @@ class AdamW(torch.optim.AdamW):
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"]:
                 raise ValueError("the swarm's AdamW has no amsgrad or maximize")
-            beta1, beta2 = (float(b) for b in group["betas"])
             on_device = bool(group.get("fused") or group.get("capturable"))
             todo: list[tuple[Tensor, dict[str, Any]]] = []
             for p in group["params"]:
@@ -222,7 +221,8 @@ class AdamW(torch.optim.AdamW):
             grads = [p.grad for p, _ in todo]
             if scale is not None:
                 torch._foreach_div_(grads, scale)  # type: ignore[arg-type]
-            swarm_adamw_step(
+            self.swarm_step(
+                group,
                 [p for p, _ in todo],
                 grads,  # type: ignore[arg-type]
                 [st["exp_avg"] for _, st in todo],
@@ -231,13 +231,37 @@ class AdamW(torch.optim.AdamW):
                 # step), so the first one's count is theirs: one read, not one sync each.
                 step=int(todo[0][1]["step"]),
                 lr=float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=float(group["weight_decay"]),
-                eps=float(group["eps"]),
-                share=swarm_share(self.peers, beta1),
             )
         return loss
+
+    def swarm_step(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        exp_avgs: list[Tensor],
+        exp_avg_sqs: list[Tensor],
+        *,
+        step: int,
+        lr: float,
+    ) -> None:
+        """The swarm's step (``swarm_adamw_step``) with ``group``'s hyperparameters and this
+        optimizer's ``peers`` over these tensors: its own state, or a copy of it elsewhere (a
+        swapped layer's slot on the device, stepped there)."""
+        beta1, beta2 = (float(b) for b in group["betas"])
+        swarm_adamw_step(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            step=step,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=float(group["weight_decay"]),
+            eps=float(group["eps"]),
+            share=swarm_share(self.peers, beta1),
+        )
 
 
 def build_adamw(model: nn.Module, cfg: OptimConfig, *, fused: bool | None = None) -> AdamW:
