@@ -620,3 +620,49 @@ def test_honest_frames_that_share_few_entries_pass_untouched_and_the_anchors_agr
     assert min(abs(c) for c in frame_cosines) < chance  # what the frames alone would show
     for s in states[1:]:
         assert s.divergence(states[0].anchor) < 1e-7
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_dense_deltas_opposed_pairwise_are_judged_alike_by_every_receiver(flip: bool) -> None:
+    """fp32 a round a step: two peers' one-step deltas can point against each other (honest
+    AdamW steps of the tiny task: cosines down to -0.17 against c = 0.0054). Judged against
+    each receiver's own one-step progress, p1 and p2 refused each other while p0 and p3 merged
+    both, and the anchors parted for good (``atomd bench sync``'s fp32-h1-sync-plain: 12 %).
+    Judged against the swarm's last committed round (the same at every receiver), every
+    honest delta passes as sent and the anchors agree; a delta sent sign-flipped is still
+    refused by every honest peer, a strike."""
+    shapes = {"w": (200, 150), "e": (80, 64)}  # 35,120 entries: chance 0.027
+    g = torch.Generator().manual_seed(0)
+    u = {n: 1e-3 * torch.randn(s, generator=g) for n, s in shapes.items()}  # shared direction
+    w = {n: 1.5e-3 * torch.randn(s, generator=g) for n, s in shapes.items()}  # p1's, -p2's
+    replicas = [{n: torch.zeros(s) for n, s in shapes.items()} for _ in range(4)]
+    states = [SyncState(r, spec(), peer_id=f"p{i}") for i, r in enumerate(replicas)]
+    hostile = 3 if flip else None
+    for rnd in range(4):
+        for i, r in enumerate(replicas):
+            side = (1.0 if i == 1 else -1.0 if i == 2 else 0.0) if rnd else 0.0
+            for n in shapes:
+                r[n].add_(u[n] + side * w[n])
+        outs = [s.prepare() for s in states]
+        sent = [received(f"p{i}", o) for i, o in enumerate(outs)]
+        if hostile is not None and rnd:
+            c = sent[hostile]
+            sent[hostile] = Contribution(c.sender, c.round, c.base_version,
+                                         {n: -t for n, t in c.tensors.items()})  # fmt: skip
+        if rnd:  # what each receiver's own progress says of p2's delta: opposed to p1's
+            own = Screen()
+            own.record_own(rnd, sent[1].tensors)
+            assert not own.judge(rnd, sent[2].tensors, toward=Progress.of(sent[1].tensors)).accepted
+        honest = [i for i in range(4) if i != hostile or not rnd]
+        for i, s in enumerate(states):
+            report = s.merge([c for j, c in enumerate(sent) if j != i], n_peers=4)
+            if i == hostile:
+                continue
+            want = {f"p{j}" for j in honest if j != i}
+            assert {a.sender for a in report.applied} == want, report.refused
+            assert all(a.note is None for a in report.applied)
+            if hostile is not None and rnd:
+                assert [(r.sender, r.strike) for r in report.refused] == [(f"p{hostile}", True)]
+                assert "opposed" in report.refused[0].reason
+    for i in (1, 2):
+        assert states[i].divergence(states[0].anchor) < 1e-7
