@@ -597,6 +597,13 @@ def bench_sync(
             "'{\"swarm_adam\": false}': each peer's own AdamW, as before 2026-12-06)."
         ),
     ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            help="Another draw of the task: initial weights, batch order, delays (default 0); "
+            "the validation windows stay the same."
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One line of JSON.")] = False,
 ) -> None:
     """Simulated 4-peer swarms on the tiny GPT: val loss, bytes per round, anchor divergence."""
@@ -608,11 +615,13 @@ def bench_sync(
         extra = json.loads(sync) if sync else None
     except json.JSONDecodeError as e:
         fail(f"--sync is not JSON: {e}")
-    if extra is not None and not isinstance(extra, dict):
-        fail("--sync takes a JSON object of sync settings")
     try:
         result = run_sync_bench(
-            quick=quick, runs=runs.split(",") if runs else None, workers=workers, sync=extra
+            quick=quick,
+            runs=runs.split(",") if runs else None,
+            workers=workers,
+            sync=extra,
+            seed=seed,
         )
     except ValueError as e:
         fail(str(e))

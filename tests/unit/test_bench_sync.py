@@ -8,7 +8,16 @@ import pytest
 from typer.testing import CliRunner
 
 from atomd.cli import app
-from atomd_bench.sync import Budget, RunSpec, default_runs, resolve_runs, run
+from atomd_bench.sync import (
+    Budget,
+    IdealCodec,
+    RunSpec,
+    default_runs,
+    ideal_frame_bytes,
+    main,
+    resolve_runs,
+    run,
+)
 
 TINY = Budget(steps=12, peers=2, seq_len=32, batch_scale=0.25, every_scale=0.1, val_batches=2)
 
@@ -103,7 +112,9 @@ def test_consolidation_rounds_converge_the_models_to_their_mean() -> None:
     assert b["val_loss_mean_model"] == pytest.approx(a["val_loss_mean_model"], abs=1e-4)
 
 
-def test_sync_settings_for_every_run_and_the_swarm_adam_they_turn_off() -> None:
+def test_sync_settings_for_every_run_and_the_swarm_adam_they_turn_off(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """``sync`` overrides every swarm run's settings (the single runs have none); with the
     swarm's AdamW off the same run trains differently; an unknown setting fails at once."""
     runs: list[str | RunSpec] = ["fp32-h10", "alone-b16"]
@@ -118,3 +129,52 @@ def test_sync_settings_for_every_run_and_the_swarm_adam_they_turn_off() -> None:
         run(runs=runs, budget=TINY, workers=0, progress=None, sync={"nope": 1})
     result = CliRunner().invoke(app, ["bench", "sync", "--sync", "[1]", "--workers", "0"])
     assert result.exit_code == 2 and "JSON object" in result.output
+    with pytest.raises(SystemExit) as exit_info:  # the bench's own entry point says it too
+        main(["--sync", "[1]"])
+    assert exit_info.value.code == 2
+    assert "JSON object" in capsys.readouterr().err
+
+
+def test_the_ideal_codec_reaches_the_rate_distortion_bound() -> None:
+    """At R bits a weight a Gaussian of variance s2 is received with a mean squared error of
+    s2 * 2^(-2R) at best; the oracle delivers that, and shares the bits by water-filling:
+    a chunk of 16x the variance gets 2 bits more a weight (0.5 * log2(16))."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64 * 4096, generator=g, dtype=torch.float64).float()
+    codec = IdealCodec(rate=0.3, seed=1)
+    err = float((codec.decode(codec.encode(x)) - x).double().square().mean())
+    assert err == pytest.approx(float(x.double().square().mean()) * 2 ** (-0.6), rel=0.02)
+    y = torch.cat([x[: 32 * 4096], 4.0 * x[32 * 4096 :]])  # half the chunks at 16x
+    rate = 1.5  # water level below both variances: 0.5 and 2.5 bits a weight
+    got = IdealCodec(rate=rate, seed=1).decode(IdealCodec(rate=rate, seed=1).encode(y)) - y
+    lo, hi = got[: 32 * 4096].double().square().mean(), got[32 * 4096 :].double().square().mean()
+    assert float(lo) == pytest.approx(float(hi), rel=0.05)  # one water level for both
+    assert float(lo) == pytest.approx(2 ** (-1.0), rel=0.05)  # 1 * 2^(-2 * 0.5)
+
+
+def test_an_ideal_run_counts_the_rate_not_its_fp32_frames() -> None:
+    result = run(
+        runs=[RunSpec("ideal", codec="topk", ideal_rate=0.3, every=2)],
+        budget=TINY,
+        workers=0,
+        progress=None,
+    )["runs"][0]
+    assert result["ideal_rate"] == 0.3
+    n, tensors = result["model_fp32_bytes"] // 4, 52
+    assert result["bytes_per_round"] == ideal_frame_bytes(0.3, n, tensors)
+    assert 95 < result["ratio_vs_fp32_model"] < 110
+    assert result["divergence_max"] < 1e-5  # the peers merge what they decode
+
+
+def test_another_seed_is_another_draw_of_the_same_task() -> None:
+    """``seed`` draws other initial weights, batches and delays; the validation windows stay,
+    so the losses of two seeds compare (and seed 0 is the default)."""
+    runs: list[str | RunSpec] = ["alone-b16"]
+    base = run(runs=runs, budget=TINY, workers=0, progress=None)
+    same = run(runs=runs, budget=TINY, workers=0, progress=None, seed=0)
+    other = run(runs=runs, budget=TINY, workers=0, progress=None, seed=1)
+    assert (base["task"]["seed"], other["task"]["seed"]) == (0, 1)
+    assert same["runs"][0]["val_loss"] == base["runs"][0]["val_loss"]
+    assert other["runs"][0]["val_loss"] != pytest.approx(base["runs"][0]["val_loss"], abs=1e-6)
