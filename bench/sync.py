@@ -169,8 +169,10 @@ def _job_spec(batch_size: int, budget: Budget) -> JobSpec:
 
 
 class IdealCodec(Fp32Codec):
-    """An oracle for the codec study: what *any* code of ``rate`` bits a parameter can deliver
-    at best, if a delta's entries are Gaussian with each chunk's own variance.
+    """An oracle for the codec study: what the best code of ``rate`` bits a parameter delivers
+    if a delta's entries are Gaussian with each chunk's own variance (each tensor gets the same
+    rate; within it, the chunks share it). Not a bound for every code: a delta's tails are
+    heavier than Gaussian, and top-k, which uses them, beats it at half its bytes.
 
     Rate-distortion theory gives the least mean squared error at a rate: per chunk of variance
     s2, D = min(theta, s2), with theta chosen so the chunks' rates, n/2 log2(s2 / D), add up
@@ -179,7 +181,8 @@ class IdealCodec(Fp32Codec):
     sender: the receiver gets a shrunk estimate with independent noise; the residual x - x_hat
     stays with the sender as any codec's would. No real code reaches the bound; a code that
     beats it must use more than each chunk's variance (heavier tails than Gaussian, the peers'
-    deltas being alike). Frames carry x_hat as fp32 (the harness counts ``ideal_bytes``).
+    deltas being alike). Frames carry x_hat as fp32 (the harness counts
+    ``ideal_frame_bytes``).
     """
 
     def __init__(self, *, rate: float, seed: int, chunk: int = 4096) -> None:
@@ -222,10 +225,13 @@ class IdealCodec(Fp32Codec):
         return super().encode(out.to(torch.float32).reshape(x.shape))
 
 
-def ideal_frame_bytes(rate: float, numel: int, n_tensors: int, chunk: int = 4096) -> int:
-    """An ideal frame's size: the rate's payload, a bf16 variance per chunk, and the 702 B of
-    a top-k frame's signed header for the tiny model's 52 tensors (measured)."""
-    return math.ceil(rate * numel / 8) + 2 * math.ceil(numel / chunk) + 702 * n_tensors // 52
+def ideal_frame_bytes(rate: float, numels: Sequence[int], chunk: int = 4096) -> int:
+    """An ideal frame's size for tensors of ``numels`` entries: the rate's payload, a bf16
+    variance per chunk, and the 702 B of a top-k frame's signed header for the tiny model's 52
+    tensors (measured; scaled by the tensors' count)."""
+    payload = math.ceil(rate * sum(numels) / 8)
+    chunks = sum(max(1, math.ceil(n / chunk)) for n in numels)
+    return payload + 2 * chunks + 702 * len(numels) // 52
 
 
 def _build(spec: JobSpec) -> ResidentEngine:
@@ -433,7 +439,8 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     model_bytes = states[0].numel * 4
     per_round = sum(bytes_sent) / max(1, len(bytes_sent))
     if run.ideal_rate is not None:
-        per_round = ideal_frame_bytes(run.ideal_rate, states[0].numel, len(states[0].params))
+        numels = [p.numel() for p in states[0].params.values()]
+        per_round = ideal_frame_bytes(run.ideal_rate, numels)
     return {
         "name": run.name,
         "peers": n,
@@ -733,9 +740,9 @@ def extra_runs() -> list[RunSpec]:
             for suffix, extra in (("", {}), ("-m7", {"outer_momentum": 0.7}))
         ),
         # Item 5's bar against the best code for the deltas' variances (2026-12-06, third):
-        # ``IdealCodec`` at 0.3 bits a parameter, a 32.8 kB frame (103x), with top-k's residual
+        # ``IdealCodec`` at 0.3 bits a parameter, a 32.7 kB frame (103x), with top-k's residual
         # in the replica, at H=50's momentum (0.5) and with the plain average; then at 1 and 3
-        # bits a parameter (32x, 11x), where it crosses fp32.
+        # bits a parameter (32x, 11x), where it nears fp32.
         *(
             RunSpec(f"ideal-r0.3-h50{suffix}", codec="topk", ideal_rate=0.3, sync=extra)
             for suffix, extra in (("", {}), ("-m0", {"outer_momentum": 0.0}))
@@ -752,6 +759,19 @@ def resolve_runs(names: Sequence[str] | None) -> list[RunSpec]:
     if unknown:
         raise ValueError(f"unknown run(s) {unknown}; known: {', '.join(known)}")
     return [known[n] for n in names]
+
+
+def check_args(runs: Sequence[str | RunSpec] | None, sync: Any) -> list[RunSpec]:
+    """The runs ``run`` would make, or ValueError for an unknown run or sync setting (before
+    any run starts)."""
+    names = [r for r in runs or [] if isinstance(r, str)]
+    selected = [r for r in runs or [] if isinstance(r, RunSpec)]
+    selected += resolve_runs(names) if names or not runs else []
+    if sync is not None and not isinstance(sync, dict):
+        raise ValueError(f"sync settings must be a JSON object, not {type(sync).__name__}")
+    if sync:
+        SyncSpec(**sync)  # an unknown or invalid setting
+    return selected
 
 
 def run(
@@ -776,13 +796,8 @@ def run(
     budget = budget or (QUICK if quick else Budget())
     if seed is not None:
         budget = replace(budget, seed=seed)
-    names = [r for r in runs or [] if isinstance(r, str)]
-    selected = [r for r in runs or [] if isinstance(r, RunSpec)]
-    selected += resolve_runs(names) if names or not runs else []
-    if sync is not None and not isinstance(sync, dict):
-        raise ValueError(f"sync settings must be a JSON object, not {type(sync).__name__}")
+    selected = check_args(runs, sync)
     if sync:
-        SyncSpec(**sync)  # an unknown or invalid setting is an error before any run starts
         selected = [r if r.codec is None else replace(r, sync={**r.sync, **sync}) for r in selected]
     # Longest first, so two workers finish together.
     order = sorted(selected, key=lambda r: -(budget.peers or r.peers) * r.batch_size)
@@ -862,10 +877,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(r.name)
         return
     try:
-        result = run(quick=args.quick, runs=args.runs, sync=args.sync, seed=args.seed)
-    except ValueError as e:  # an unknown run or sync setting: before any run starts
+        check_args(args.runs, args.sync)
+    except ValueError as e:  # an unknown run or sync setting
         parser.error(str(e))
-    print(json.dumps(result), flush=True)
+    print(json.dumps(run(quick=args.quick, runs=args.runs, sync=args.sync, seed=args.seed)))
 
 
 if __name__ == "__main__":

@@ -576,12 +576,10 @@ class SyncState:
 
         Returns the deltas taken, as merged, by round."""
         taken: dict[int, list[Taken]] = {}
-        # The direction references (rule 4 of ``atomd.sync.robust``): the own progress made
-        # once for the inbox (before any of it moves the start point), a committed round's
-        # once per round; none where deltas point against them by design (consolidation) or
-        # no own progress is trained any more (following the others' last rounds).
-        own: Progress | None = None
-        towards: dict[int, Progress] = {}
+        # The direction reference, made once for the inbox (before any of it moves the start
+        # point); none where deltas point against it by design (consolidation) or no own
+        # progress is trained any more (following the others' last rounds).
+        toward: Progress | None = None
         judge_direction = not (self.averaging or self._following)
         for c in inbox:
             reason, strike = self._refusal(c)
@@ -592,15 +590,9 @@ class SyncState:
                 if not self.screen.knows(c.base_version) and c.base_version >= self.version:
                     self._held.append(c)  # judged when this peer closes that round
                     continue
-                toward = None
-                if judge_direction:
-                    toward = towards.get(c.base_version)
-                    if toward is None:
-                        swarm = self._swarm_direction(c.base_version)
-                        if swarm is not None:
-                            toward = towards[c.base_version] = Progress.of(swarm)
-                        else:
-                            toward = own = own or Progress.of(self.own_progress())
+                # Consolidation rounds send differences from the mean: opposed by design.
+                if toward is None and judge_direction:
+                    toward = Progress.of(self.own_progress())
                 judged = self.screen.judge(c.base_version, c.tensors, toward=toward, every=c.every)
                 cos = judged.cosine
                 if judged.tensors is None:
@@ -621,26 +613,6 @@ class SyncState:
             report.taken.append(t)
             taken.setdefault(c.base_version, []).append(t)
         return taken
-
-    def _swarm_direction(self, base_version: int) -> dict[str, Tensor] | None:
-        """The robust rule's direction reference for deltas of round ``base_version`` where
-        the codec sends every entry: the swarm's newest committed round before it (its sum, the
-        same at every peer that merged the same deltas), so that every honest receiver takes
-        the same decision. None (the own progress judges) where it sends a share (top-k's
-        frames share few entries with the last round's; the unsent residual, in the own
-        progress, is where its next frames come from), and before any round is committed.
-
-        Dense codecs at a round a step (``atomd bench sync``'s fp32-h1-sync-plain): one-step
-        deltas against the own one-step progress had cosines down to -0.17 (506 of 3,600 below
-        -c), the pair that disagreed refused each other while the others merged both, and the
-        anchors parted by 12 %; against the last committed round the cosines were >= 0.21."""
-        if self.fraction is not None:
-            return None
-        rounds = [b for b in self._committed if b < base_version]
-        if not rounds:
-            return None
-        sums = self._committed[max(rounds)][0]
-        return {n: _expand(sums[n], a) for n, a in self.anchor.items()}
 
     @torch.no_grad()
     def own_progress(self) -> dict[str, Tensor]:

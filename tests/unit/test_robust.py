@@ -622,15 +622,22 @@ def test_honest_frames_that_share_few_entries_pass_untouched_and_the_anchors_agr
         assert s.divergence(states[0].anchor) < 1e-7
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known flaw (docs/robust-merge.md, 'Codecs that send every entry at a round a "
+    "step'): judged against each receiver's own one-step progress, two honest peers whose "
+    "steps point apart refuse each other",
+)
 @pytest.mark.parametrize("flip", [False, True])
 def test_dense_deltas_opposed_pairwise_are_judged_alike_by_every_receiver(flip: bool) -> None:
     """fp32 a round a step: two peers' one-step deltas can point against each other (honest
-    AdamW steps of the tiny task: cosines down to -0.17 against c = 0.0054). Judged against
-    each receiver's own one-step progress, p1 and p2 refused each other while p0 and p3 merged
-    both, and the anchors parted for good (``atomd bench sync``'s fp32-h1-sync-plain: 12 %).
-    Judged against the swarm's last committed round (the same at every receiver), every
-    honest delta passes as sent and the anchors agree; a delta sent sign-flipped is still
-    refused by every honest peer, a strike."""
+    AdamW steps of the tiny task: a helper measured cosines down to -0.17 against c = 0.0054).
+    Judged against each receiver's own one-step progress, p1 and p2 refuse each other while
+    p0 and p3 merge both, and the anchors part for good (``atomd bench sync``'s
+    fp32-h1-sync-plain: 0.109). What a fix must give: every honest delta passes as sent and
+    the anchors agree, and a delta sent sign-flipped is still refused by every honest peer.
+    (Judging by the swarm's last committed round, 0fed8da, gave that and was reverted: a
+    member that helps build that round can steer it.)"""
     shapes = {"w": (200, 150), "e": (80, 64)}  # 35,120 entries: chance 0.027
     g = torch.Generator().manual_seed(0)
     u = {n: 1e-3 * torch.randn(s, generator=g) for n, s in shapes.items()}  # shared direction
