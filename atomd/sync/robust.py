@@ -37,9 +37,14 @@ the signal away):
    its tensor (top-k and int8 deltas are made of few large entries; one entry of 1e3 would
    otherwise pass in a large model).
 
-4. *Direction* (``direction``): the cosine between the delta and this peer's own progress that
-   the swarm does not hold yet (``toward``: its replica minus its start point, plus any
-   error-feedback residual; dense, what its own training moved and it has not had merged).
+4. *Direction* (``direction``): the cosine between the delta and where this peer sees the
+   swarm train (``toward``, dense; ``SyncState._take``): with a codec that sends a share of
+   the entries (top-k, rice2, low rank) its own progress that the swarm does not hold yet (its
+   replica minus its start point, plus any error-feedback residual: what its own training
+   moved and it has not had merged); with one that sends them all (fp32, bf16, int8) the
+   newest round before the delta's that this peer merged deltas of, each delta (its own
+   included) as a unit vector, summed (``SyncState._swarm_direction``; the own progress before
+   any).
    Two independent random directions in n dimensions have a cosine of about N(0, 1/n), so
    ``c`` = ``chance_z`` / sqrt(n) (5 sigma) is what chance gives. A delta whose cosine is below
    -c points against where this peer trains (a sign-flipped delta of honest size): refused, a
@@ -57,6 +62,20 @@ the signal away):
    deltas were then clipped by some peers and not by others, and the anchors drifted apart
    (9e-4). Against the dense own progress the same deltas' cosines were at least 0.037
    (6.8 c; median 0.052). It costs no memory either: nothing of the own frames is kept.
+
+   Why the swarm's last round where every entry is sent (2026-12-06): a whole delta of a short
+   round is mostly its sender's own noise, and two peers' one-step deltas can point against each
+   other (fp32 a round a step, a helper's 300-step runs of ``atomd bench sync``: cosines down to
+   -0.17). Each judged against the receiver's own one-step progress, the two refused each other,
+   the others merged both, and the anchors parted for good (fp32-h1-sync-plain on the full task:
+   0.109, val 1.7511). Against the swarm's last round the same deltas' cosines were at least
+   0.21, every receiver takes the same decision (in a synchronous swarm the very same
+   reference), and the anchors agree (1.2e-8, val 1.6863). Each delta counts as a unit vector
+   there, so that no member weighs more than one honest delta: with plain sums (0fed8da,
+   reverted) a member's aligned delta counted up to 4x and could steer the reference until
+   honest deltas pointed against it. Not where a share is sent: a top-k frame shares few entries
+   with the last round's (at top-k 1 %, a round a step, cosines fell to 0.0014, within chance),
+   while its own progress holds the residual its next frames come from.
 
 Honest deltas of peers at the same pace differ in norm by a few percent (the study in
 ``bench/robust_sim.py``: within 3%, per tensor within 1.5x), so at these ratios an honest
@@ -99,9 +118,9 @@ class RobustRule:
     strike_scale: float = 0.5
     """A delta scaled by less than this counts as a strike too (far outside the swarm)."""
     direction: bool = True
-    """Judge a delta's direction against this peer's own progress: one that points
-    against it beyond chance is refused (a strike); one that does not point along it beyond
-    chance is held to ``unaligned_ratio`` (not ``clip_ratio``) times the reference."""
+    """Judge a delta's direction against where this peer sees the swarm train (rule 4): one
+    that points against it beyond chance is refused (a strike); one that does not point along
+    it beyond chance is held to ``unaligned_ratio`` (not ``clip_ratio``) times the reference."""
     chance_z: float = 5.0
     """Two independent random directions in n dimensions have a cosine of about N(0, 1/n):
     a cosine within ``chance_z`` / sqrt(n) of 0 is no evidence either way."""
@@ -109,7 +128,7 @@ class RobustRule:
     """The direction check runs only where that chance bound is below this (n >= 10,000 at
     z = 5): in a toy model of a few dozen weights every cosine is within chance."""
     unaligned_ratio: float = 1.0
-    """The norm bound of a delta that does not point along the own progress beyond chance, as a
+    """The norm bound of a delta that does not point along the reference beyond chance, as a
     multiple of the reference: what an honest peer of equal pace sends."""
     own_floor: float = 0.5
     """Each statistic of the reference is at least this times the own delta's: a smaller
@@ -204,7 +223,7 @@ class Judgement:
     scale: float  # the overall factor applied (1: not clipped)
     strike: bool  # counts against the sender (quarantine)
     stats: DeltaStats | None = None  # of ``tensors``, as the reference now holds them
-    cosine: float | None = None  # with this peer's own progress (None: not judged)
+    cosine: float | None = None  # with the direction reference (None: not judged)
 
     @property
     def accepted(self) -> bool:
@@ -220,9 +239,9 @@ def lower_median(values: list[float]) -> float:
 
 @dataclass(frozen=True)
 class Progress:
-    """The direction reference of the rule (``toward``): this peer's own progress the swarm
-    does not hold yet, as dense tensors, and their L2 norm (computed once for every delta
-    judged against it)."""
+    """The direction reference of the rule (``toward``): where this peer sees the swarm train
+    (its own progress the swarm does not hold yet, or the swarm's last committed round: rule
+    4), as dense tensors, and their L2 norm (computed once for every delta judged against it)."""
 
     tensors: Mapping[str, Tensor]
     norm: float
@@ -372,8 +391,8 @@ class Screen:
         every: int | None = None,
     ) -> Judgement:
         """Bound one delta of round ``base_version`` (see the module docstring). The delta's
-        tensors are not modified; a clipped delta comes back as new tensors. ``toward``: this
-        peer's own progress the swarm does not hold yet, for the direction check (None: no
+        tensors are not modified; a clipped delta comes back as new tensors. ``toward``: where
+        this peer sees the swarm train (rule 4), for the direction check (None: no
         check, where deltas legitimately point against it: consolidation rounds, where each
         peer sends its difference from the mean, or rounds followed after the last step).
         ``every``: the steps the sender's frame says its round lasted (None: not said).
@@ -435,8 +454,9 @@ class Screen:
             if cos < -chance:
                 return Judgement(
                     None,
-                    f"opposed: its cosine with this peer's own progress is {cos:.3g}, below "
-                    f"-{chance:.2g} (what chance gives): it undoes what the swarm trains",
+                    f"opposed: its cosine with where this peer sees the swarm train is "
+                    f"{cos:.3g}, below -{chance:.2g} (what chance gives): it undoes what the "
+                    "swarm trains",
                     0.0,
                     True,
                     cosine=cos,

@@ -75,6 +75,10 @@ _REF_NORMS, _REF_MAXABS = "sync.ref.norms", "sync.ref.maxabs"
 # peer's own, each statistic until an own delta reaches it (``SyncState.merge``).
 INHERIT_ROUNDS = 64
 MAX_SEEN = 65_536  # entries read back from a state: (senders) x (max_staleness + 1) rounds
+# Rounds whose sums of unit deltas a peer keeps for the direction reference (codecs that send
+# every entry: ``SyncState._swarm_direction``): a delta is judged by the newest before its own.
+DIRECTION_ROUNDS = 3
+
 # A round claimed further ahead than this counts for nothing in ``rounds_behind``: no honest
 # peer runs that far ahead of a live swarm (a joiner takes the donor's version).
 MAX_CLAIM_AHEAD = 64
@@ -215,6 +219,9 @@ class SyncState:
         # at most until round ``_inherited_until``.
         self._inherited: DeltaStats | None = None
         self._inherited_until = 0
+        # Where the codec sends every entry: base_version -> the sum of that round's merged
+        # deltas (own included), each as a unit vector (``_swarm_direction``); the newest few.
+        self._directions: dict[int, dict[str, Tensor]] = {}
 
     @property
     def fraction(self) -> float | None:
@@ -576,10 +583,12 @@ class SyncState:
 
         Returns the deltas taken, as merged, by round."""
         taken: dict[int, list[Taken]] = {}
-        # The direction reference, made once for the inbox (before any of it moves the start
-        # point); none where deltas point against it by design (consolidation) or no own
-        # progress is trained any more (following the others' last rounds).
-        toward: Progress | None = None
+        # The direction references (rule 4 of ``atomd.sync.robust``): the own progress made
+        # once for the inbox (before any of it moves the start point), a committed round's
+        # once per round; none where deltas point against them by design (consolidation) or
+        # no own progress is trained any more (following the others' last rounds).
+        own: Progress | None = None
+        towards: dict[int, Progress] = {}
         judge_direction = not (self.averaging or self._following)
         for c in inbox:
             reason, strike = self._refusal(c)
@@ -590,9 +599,15 @@ class SyncState:
                 if not self.screen.knows(c.base_version) and c.base_version >= self.version:
                     self._held.append(c)  # judged when this peer closes that round
                     continue
-                # Consolidation rounds send differences from the mean: opposed by design.
-                if toward is None and judge_direction:
-                    toward = Progress.of(self.own_progress())
+                toward = None
+                if judge_direction:
+                    toward = towards.get(c.base_version)
+                    if toward is None:
+                        swarm = self._swarm_direction(c.base_version)
+                        if swarm is not None:
+                            toward = towards[c.base_version] = Progress.of(swarm)
+                        else:
+                            toward = own = own or Progress.of(self.own_progress())
                 judged = self.screen.judge(c.base_version, c.tensors, toward=toward, every=c.every)
                 cos = judged.cosine
                 if judged.tensors is None:
@@ -613,6 +628,30 @@ class SyncState:
             report.taken.append(t)
             taken.setdefault(c.base_version, []).append(t)
         return taken
+
+    def _swarm_direction(self, base_version: int) -> dict[str, Tensor] | None:
+        """The robust rule's direction reference for deltas of round ``base_version`` where
+        the codec sends every entry: the newest round before it this peer has merged deltas of
+        (its own included), each delta as a unit vector, summed. Nearly the same at every peer
+        (the same in a synchronous swarm), so honest receivers take the same decision, and no
+        member weighs more in it than one honest delta does. None (the own progress judges)
+        where the codec sends a share (top-k's frames share few entries with the last round's;
+        the unsent residual, in the own progress, is where its next frames come from), and
+        before any round of this peer's.
+
+        Why: a one-step dense delta is mostly its sender's noise. Against the receiver's own
+        one-step progress honest cosines went down to -0.17 (fp32 a round a step, a helper's
+        300-step runs), the pair that disagreed refused each other while the others merged
+        both, and the anchors parted (``atomd bench sync``'s fp32-h1-sync-plain: 0.109); against
+        the swarm's last round they were >= 0.21. Plain sums (0fed8da, reverted) let a member
+        whose aligned delta counted 4x steer the reference until honest deltas pointed against
+        it; as unit vectors its share is one honest delta's (docs/robust-merge.md)."""
+        if self.fraction is not None:
+            return None
+        rounds = [b for b in self._directions if b < base_version]
+        if not rounds:
+            return None
+        return self._directions[max(rounds)]
 
     @torch.no_grad()
     def own_progress(self) -> dict[str, Tensor]:
@@ -657,6 +696,17 @@ class SyncState:
         return out
 
     def _add_pending(self, base_version: int, tensors: Mapping[str, Tensor], w: float) -> None:
+        if self.fraction is None:  # the direction reference (``_swarm_direction``)
+            norm = math.sqrt(sum(float(t.double().square().sum()) for t in tensors.values()))
+            if norm > 0:
+                units = self._directions.setdefault(
+                    base_version, {n: torch.zeros_like(a) for n, a in self.anchor.items()}
+                )
+                for name, t in tensors.items():
+                    x = t.to("cpu", torch.float32).reshape(units[name].shape)
+                    units[name].add_(x, alpha=1.0 / norm)
+                for b in sorted(self._directions)[:-DIRECTION_ROUNDS]:
+                    del self._directions[b]
         acc = self._pending.get(base_version)
         if acc is None:
             acc = self._pending[base_version] = {
@@ -814,6 +864,7 @@ class SyncState:
 
         The replica is not touched: after a state transfer call ``reset_replica``.
         """
+        self._directions = {}  # rounds of before the state: no reference for its rounds
         anchor = {k[len(_ANCHOR) :]: t for k, t in d.items() if k.startswith(_ANCHOR)}
         if set(anchor) != set(self.anchor):
             missing = sorted(set(self.anchor) - set(anchor))

@@ -622,22 +622,15 @@ def test_honest_frames_that_share_few_entries_pass_untouched_and_the_anchors_agr
         assert s.divergence(states[0].anchor) < 1e-7
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known flaw (docs/robust-merge.md, 'Codecs that send every entry at a round a "
-    "step'): judged against each receiver's own one-step progress, two honest peers whose "
-    "steps point apart refuse each other",
-)
 @pytest.mark.parametrize("flip", [False, True])
 def test_dense_deltas_opposed_pairwise_are_judged_alike_by_every_receiver(flip: bool) -> None:
     """fp32 a round a step: two peers' one-step deltas can point against each other (honest
     AdamW steps of the tiny task: a helper measured cosines down to -0.17 against c = 0.0054).
-    Judged against each receiver's own one-step progress, p1 and p2 refuse each other while
-    p0 and p3 merge both, and the anchors part for good (``atomd bench sync``'s
-    fp32-h1-sync-plain: 0.109). What a fix must give: every honest delta passes as sent and
-    the anchors agree, and a delta sent sign-flipped is still refused by every honest peer.
-    (Judging by the swarm's last committed round, 0fed8da, gave that and was reverted: a
-    member that helps build that round can steer it.)"""
+    Judged against each receiver's own one-step progress, p1 and p2 refused each other while
+    p0 and p3 merged both, and the anchors parted for good (``atomd bench sync``'s
+    fp32-h1-sync-plain: 0.109). Judged against the swarm's last round (its deltas as unit
+    vectors), every honest delta passes as sent and the anchors agree, and a delta sent
+    sign-flipped is still refused by every honest peer, a strike."""
     shapes = {"w": (200, 150), "e": (80, 64)}  # 35,120 entries: chance 0.027
     g = torch.Generator().manual_seed(0)
     u = {n: 1e-3 * torch.randn(s, generator=g) for n, s in shapes.items()}  # shared direction
@@ -671,5 +664,45 @@ def test_dense_deltas_opposed_pairwise_are_judged_alike_by_every_receiver(flip: 
             if hostile is not None and rnd:
                 assert [(r.sender, r.strike) for r in report.refused] == [(f"p{hostile}", True)]
                 assert "opposed" in report.refused[0].reason
+    for i in (1, 2):
+        assert states[i].divergence(states[0].anchor) < 1e-7
+
+
+def test_a_member_cannot_steer_the_dense_direction_reference() -> None:
+    """A member that knows the swarm's last round sends 3.9x the reference along it by just
+    over chance plus the opposite of its own honest step (what the others' next steps share):
+    it is merged (aligned, under 4x), but in the reference it counts as one unit vector, like
+    each honest delta, so the honest peers keep merging each other untouched and their anchors
+    agree. (With plain sums, 0fed8da, from the third round on every honest peer refused every
+    other honest delta as opposed, with strikes.)"""
+    n, hostile = 200_000, 3
+    g = torch.Generator().manual_seed(0)
+    u = 1e-3 * torch.randn(400, 500, generator=g)  # the shared direction
+    replicas = [{"w": torch.zeros(400, 500)} for _ in range(4)]
+    states = [SyncState(r, spec(), peer_id=f"p{i}") for i, r in enumerate(replicas)]
+    chance = RobustRule().chance_z / math.sqrt(n)
+    for rnd in range(10):
+        for r in replicas:
+            r["w"].add_(u + 2e-3 * torch.randn(400, 500, generator=g))
+        sent = [received(f"p{i}", s.prepare()) for i, s in enumerate(states)]
+        if rnd:
+            honest = sent[hostile].tensors["w"]
+            ref = states[0]._swarm_direction(sent[hostile].base_version)
+            assert ref is not None
+            s_hat = ref["w"] / ref["w"].norm()
+            w = -honest / honest.norm()
+            w = w - (w * s_hat).sum() * s_hat
+            d = 2 * chance * s_hat + w / w.norm()
+            c = sent[hostile]
+            sent[hostile] = Contribution(c.sender, c.round, c.base_version,
+                                         {"w": 3.9 * honest.norm() * d / d.norm()})  # fmt: skip
+        for i, s in enumerate(states):
+            report = s.merge([c for j, c in enumerate(sent) if j != i], n_peers=4)
+            if i == hostile:
+                continue
+            assert not report.refused, report.refused
+            honest_applied = [a for a in report.applied if a.sender != f"p{hostile}"]
+            assert len(honest_applied) == 2 and all(a.note is None for a in honest_applied)
+            assert all(a.cosine is not None and a.cosine > 0.1 for a in honest_applied)
     for i in (1, 2):
         assert states[i].divergence(states[0].anchor) < 1e-7
