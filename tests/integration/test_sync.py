@@ -67,15 +67,11 @@ def test_swarm_trains_with_deltas_and_survives_a_crash(tmp_path: Path) -> None:
         def merged_or_stuck() -> bool:
             """The deadline is the peers' progress, not the clock (a busy machine is slow):
             60 steps are 12 rounds at H=5, and every peer must have merged both others' by
-            then, counted beyond the lead of the first (a peer that learns of the job late
-            first closes rounds early to catch up: once seen at steps 120, 72 and 64)."""
+            then."""
             if all(merged_from_both(d) for d in ds):
                 return True
             steps = [_job(d, jid).get("step", 0) for d in ds]
-            lead = max(steps) - min(steps)
-            assert min(steps) < 60 + lead, (
-                f"steps {steps} and not every peer merged both others' deltas"
-            )
+            assert min(steps) < 60, f"steps {steps} and not every peer merged both others' deltas"
             return False
 
         wait_until(merged_or_stuck, timeout=2 * READY_TIMEOUT, what="deltas merged")
