@@ -584,9 +584,9 @@ class SyncState:
         Returns the deltas taken, as merged, by round."""
         taken: dict[int, list[Taken]] = {}
         # The direction references (rule 4 of ``atomd.sync.robust``): the own progress made
-        # once for the inbox (before any of it moves the start point), a committed round's
-        # once per round; none where deltas point against them by design (consolidation) or
-        # no own progress is trained any more (following the others' last rounds).
+        # once for the inbox (before any of it moves the start point), the swarm's last round
+        # (``_swarm_direction``) once per round; none where deltas point against them by design
+        # (consolidation) or no own progress is trained any more (following the last rounds).
         own: Progress | None = None
         towards: dict[int, Progress] = {}
         judge_direction = not (self.averaging or self._following)
@@ -697,7 +697,7 @@ class SyncState:
 
     def _add_pending(self, base_version: int, tensors: Mapping[str, Tensor], w: float) -> None:
         if self.fraction is None:  # the direction reference (``_swarm_direction``)
-            norm = math.sqrt(sum(float(t.double().square().sum()) for t in tensors.values()))
+            norm = DeltaStats.of(tensors).norm
             if norm > 0:
                 units = self._directions.setdefault(
                     base_version, {n: torch.zeros_like(a) for n, a in self.anchor.items()}
