@@ -263,8 +263,10 @@ class SyncPlugin:
         with fewer steps per round, instead of falling behind until its deltas are refused as
         stale and the others' pile up here.
 
-        A boundary comes every H steps: the fixed ``sync.every``, or with ``"auto"`` the
-        cadence's H, once the previous round's frame has left (one round in flight)."""
+        A boundary comes H steps after the last one (``_round_due``): the fixed ``sync.every``,
+        or with ``"auto"`` the cadence's H once the previous round's frame has left (one round in
+        flight); held while the previous round misses a delta, so a peer ahead falls back in
+        step."""
         state = self.state
         if state is None:
             return
@@ -324,13 +326,22 @@ class SyncPlugin:
         return self._every() - (step - self._round_start) < ABSORB_AHEAD
 
     def _round_due(self, step: int) -> bool:
-        if self.cadence.fixed is not None:
-            return step % self.cadence.fixed == 0
+        """H steps after the last round closed: the fixed ``sync.every`` or the automatic
+        cadence's (which also waits for the previous frame to leave, and leaves a short last
+        round to ``finish``). Either way a due round is held while the previous round still
+        misses a delta (``_previous_open``), for at most max(H, HOLD_MIN) more steps: a peer
+        ahead of the others falls back in step with them. Until 2026-12-06 a fixed H closed
+        at every multiple of H, and a peer ahead stayed ahead: the first peer of a job, a
+        round or more on before the joiners had loaded, took their deltas stale and they
+        refused its as ahead (the crash test of tests/integration/test_sync.py, 3 real
+        daemons at H=5 on a busy machine: [100, 60, 69] steps, a peer that never merged one
+        of the others')."""
         assert self._round_start is not None
-        if self._uploading():
+        fixed = self.cadence.fixed
+        if fixed is None and self._uploading():
             return False
-        every, elapsed = self._every(), step - self._round_start
-        if elapsed < every or self._last_round_takes(step, every, elapsed):
+        every, elapsed = fixed or self._every(), step - self._round_start
+        if elapsed < every or (fixed is None and self._last_round_takes(step, every, elapsed)):
             return False
         if elapsed < every + max(every, HOLD_MIN) and self._previous_open():
             self.held_steps += 1

@@ -83,7 +83,8 @@ def test_a_peer_a_round_behind_the_swarm_closes_its_round_early() -> None:
     me = plugin(sent, absorbed)  # every=3
     assert me.state is not None
     zeros = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
-    me.after_step(3)  # round 0 closed on time
+    for step in (1, 2, 3):
+        me.after_step(step)  # round 0 closed on time
     assert len(sent) == 1 and me.version == 1
     me.inbox.put(Contribution("other", 1, 1, zeros))  # the round this peer is in
     me.after_step(4)
@@ -91,15 +92,18 @@ def test_a_peer_a_round_behind_the_swarm_closes_its_round_early() -> None:
     me.inbox.put(Contribution("other", 2, 2, zeros))  # and the next one: two rounds ahead
     me.after_step(5)
     assert len(sent) == 2 and sent[1].outgoing.base_version == 1 and me.version == 2
-    me.after_step(6)  # the regular boundary still comes every H steps
+    me.after_step(6)
+    me.after_step(7)
+    assert len(sent) == 2  # the next round lasts H steps again, from the early close
+    me.after_step(8)
     assert len(sent) == 3 and me.version == 3
 
     # Far behind (a joiner on an old checkpoint): deltas beyond max_staleness (4) ahead are
     # refused, but counted; the peer closes a round a step until it is back with the swarm.
     me.inbox.put(Contribution("other", 12, 12, zeros))
-    me.after_step(7)
+    me.after_step(9)
     assert "ahead" in absorbed[-1].refused[0].reason and me.version == 4  # closed early
-    step = 7
+    step = 9
     while me.version < 11 and step < 30:
         step += 1
         me.after_step(step)
@@ -333,7 +337,8 @@ def test_adopt_trains_from_the_swarms_estimate_not_the_donors_unsent_progress(
     assert donor.state is not None
     with torch.no_grad():
         donor.state.params["weight"].add_(torch.randn(64, 64, generator=torch.Generator()))
-    donor.after_step(3)
+    for step in (1, 2, 3):
+        donor.after_step(step)
     start, weight = donor.state.start_point()["weight"], donor.state.params["weight"].detach()
     if residual == "replica":  # the donor's replica holds its unsent progress
         assert float((weight - start).norm()) > 1.0
@@ -973,13 +978,15 @@ def _train(me: SyncPlugin, step: int) -> None:
     me.after_step(step)
 
 
-def test_a_peer_ahead_holds_its_round_until_the_previous_one_is_in() -> None:
+@pytest.mark.parametrize("fixed", [False, True], ids=["auto", "fixed"])
+def test_a_peer_ahead_holds_its_round_until_the_previous_one_is_in(fixed: bool) -> None:
     """In phase: the round is due after H = 2 steps, but the other peer's delta of the round
     before is not in; the peer trains on (nobody waits) and closes its round as soon as the delta
-    arrives, or after max(H, HOLD_MIN) more steps without it."""
+    arrives, or after max(H, HOLD_MIN) more steps without it. The same with a fixed H (until
+    2026-12-06 a fixed H closed at every multiple of H, and a peer ahead stayed ahead)."""
     sent: list[RoundOut] = []
     me = auto_plugin(sent, in_phase=False)
-    me.cadence = SetCadence(2)
+    me.cadence = Cadence(2) if fixed else SetCadence(2)
     _train(me, 1)
     _train(me, 2)  # round 0: nothing before it to wait for
     assert [o.step for o in sent] == [2]
@@ -1179,6 +1186,7 @@ def test_each_round_tells_the_engine_how_many_peers_average_its_steps(swarm_adam
     )
     engine = fake_engine(torch.nn.Linear(4, 3))
     p.attach(engine)
+    p._previous_open = lambda: False  # type: ignore[method-assign]  # no round held here
     for step, peers in ((1, 2), (2, 1), (3, 4)):
         count[0] = peers
         p.after_step(step)
