@@ -62,16 +62,41 @@ class Interrupted(KeyboardInterrupt):
 # printed and dropped by Python ("Exception ignored in"), so ``check_interrupts`` delivers it at
 # the launcher's next step (each ``DaemonProcess.start`` and each ``wait_until`` poll).
 _pending: list[int] = []
+# Nesting depth of ``shielded()`` on the main thread: while above 0 a signal is kept, not raised.
+_shield = [0]
 
 
 def _on_signal(signum: int, frame: Any) -> None:
     _pending.append(signum)
-    raise Interrupted(signum)
+    if not _shield[0]:
+        raise Interrupted(signum)
 
 
 def check_interrupts() -> None:
-    """Raise ``Interrupted`` for a signal whose exception Python dropped."""
-    if _pending:
+    """Raise ``Interrupted`` for a signal whose exception Python dropped (not while shielded)."""
+    if _pending and not _shield[0]:
+        raise Interrupted(_pending[-1])
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """Inside, the signals of ``interrupts()`` do not interrupt: a cleanup (stopping daemons,
+    removing network namespaces), each step of which has its own timeout, runs to its end.
+    Without it a second SIGTERM cut the first one's cleanup short: ``timeout`` forwards the
+    signal that a ``pkill`` sends it too, and `atomd bench swarm` so left its daemons' five
+    namespaces behind. A signal that came meanwhile is raised once the block is left normally;
+    while an exception unwinds, that exception goes on. Main thread only (the one that gets
+    signals); elsewhere this changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = len(_pending)
+    _shield[0] += 1
+    try:
+        yield
+    finally:
+        _shield[0] -= 1
+    if len(_pending) > before and not _shield[0]:
         raise Interrupted(_pending[-1])
 
 
@@ -282,17 +307,18 @@ class DaemonProcess:
         who = f"{self.name} (pid {self.proc.pid})"
         if self.proc.poll() is not None and self._terminated_at is None:
             return f"{who}: had already {_ended(self.proc.returncode)}"
-        self.terminate()
-        t0 = self._terminated_at or time.monotonic()
-        try:
-            code = self.proc.wait(timeout=max(0.0, timeout - (time.monotonic() - t0)))
-            return f"{who}: {_ended(code)} after SIGTERM in {time.monotonic() - t0:.1f} s"
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-            return f"{who}: killed (SIGKILL) after {timeout:.0f} s without exiting on SIGTERM"
-        finally:
-            self._terminated_at = None
+        with shielded():  # a second SIGTERM does not leave it running
+            self.terminate()
+            t0 = self._terminated_at or time.monotonic()
+            try:
+                code = self.proc.wait(timeout=max(0.0, timeout - (time.monotonic() - t0)))
+                return f"{who}: {_ended(code)} after SIGTERM in {time.monotonic() - t0:.1f} s"
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+                return f"{who}: killed (SIGKILL) after {timeout:.0f} s without exiting on SIGTERM"
+            finally:
+                self._terminated_at = None
 
 
 def _ended(code: int) -> str:
@@ -305,9 +331,10 @@ def _ended(code: int) -> str:
 def stop_all(daemons: list[DaemonProcess], timeout: float = STOP_TIMEOUT) -> list[str]:
     """SIGTERM every daemon at once, then wait for each (SIGKILL past ``timeout``); one line
     per daemon saying what happened."""
-    for d in daemons:
-        d.terminate()
-    return [d.stop(timeout) for d in daemons]
+    with shielded():
+        for d in daemons:
+            d.terminate()
+        return [d.stop(timeout) for d in daemons]
 
 
 def wait_until(predicate: Any, *, timeout: float, interval: float = 0.1, what: str = "") -> float:

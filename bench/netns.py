@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from atomd.launch import free_port
+from atomd.launch import free_port, shielded
 
 T = TypeVar("T")
 
@@ -257,11 +257,13 @@ class Namespaces:
         return None
 
     def close(self) -> None:
-        """Remove every namespace made here (their veths go with them); idempotent."""
-        for pool in self._threads.values():
-            pool.shutdown(wait=False, cancel_futures=True)
-        self._threads.clear()
-        for ns in reversed(self.created):
-            with contextlib.suppress(subprocess.SubprocessError, OSError):
-                _ip("netns", "del", ns, check=False)
-        self.created.clear()
+        """Remove every namespace made here (their veths go with them); idempotent, and not
+        cut short by a second signal (``shielded``)."""
+        with shielded():
+            for pool in self._threads.values():
+                pool.shutdown(wait=False, cancel_futures=True)
+            self._threads.clear()
+            for ns in reversed(self.created):
+                with contextlib.suppress(subprocess.SubprocessError, OSError):
+                    _ip("netns", "del", ns, check=False)
+            self.created.clear()

@@ -50,7 +50,7 @@ from typing import Any
 
 import httpx
 
-from atomd.launch import check_interrupts, interrupts
+from atomd.launch import check_interrupts, interrupts, shielded
 from atomd_bench import netns
 from atomd_bench.sync import BATCH, LR, PEERS, PRESET, SEED, STEPS, VAL_BATCHES, WARMUP
 
@@ -312,9 +312,10 @@ def run_scenario(
         at_end = [net.counters(i) for i in range(n)]
         peers = [_peer_report(d, seen.job_id) for d in daemons]
     finally:
-        for d in daemons:
-            d.stop()
-        net.close()
+        with shielded():  # a second signal does not leave daemons or namespaces behind
+            for d in daemons:
+                d.stop()
+            net.close()
     wall = seen.ended - seen.started
     report = _scenario_report(
         task, scenario, net.mode, netem, peers, idle, at_start, at_end, seen, wall,

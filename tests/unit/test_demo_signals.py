@@ -39,3 +39,40 @@ def test_sigterm_unwinds_like_ctrl_c_so_every_finally_runs() -> None:
     with pytest.raises(KeyboardInterrupt):
         launcher()
     assert ran == ["cleanup"]
+
+
+def test_a_second_signal_does_not_cut_a_shielded_cleanup_short() -> None:
+    """``timeout`` forwards the SIGTERM a ``pkill`` sends it too: the launcher gets two. The
+    first unwinds; the second, arriving while daemons are stopped, must not stop that."""
+    ran: list[str] = []
+
+    def launcher() -> None:
+        with launch.interrupts():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            finally:
+                with launch.shielded():
+                    os.kill(os.getpid(), signal.SIGTERM)  # mid-cleanup
+                    launch.check_interrupts()  # nor does a poll inside it raise
+                    ran.append("first daemon stopped")
+                    ran.append("namespaces removed")
+
+    with pytest.raises(launch.Interrupted):
+        launcher()
+    assert ran == ["first daemon stopped", "namespaces removed"]
+
+
+def test_a_signal_during_a_shielded_block_is_raised_once_it_is_left() -> None:
+    ran: list[str] = []
+
+    def cleanup() -> None:
+        with launch.shielded():
+            with launch.shielded():  # nested: only the outermost raises
+                os.kill(os.getpid(), signal.SIGINT)
+                ran.append("inner done")
+            ran.append("outer done")
+
+    with launch.interrupts(), pytest.raises(launch.Interrupted) as caught:
+        cleanup()
+    assert caught.value.signum == signal.SIGINT
+    assert ran == ["inner done", "outer done"]
