@@ -364,14 +364,21 @@ class SyncPlugin:
         """In phase: this peer's previous round still misses a delta of a peer training the
         job. Closing the next round now would commit it without that delta (and the delta,
         arriving later, would count a round late): a peer ahead of the others trains on a
-        little longer instead, so that its rounds close just after theirs. Never a wait."""
+        little longer instead, so that its rounds close just after theirs. Never a wait.
+
+        So too when the others are two rounds or more behind it (``rounds_ahead``): their
+        deltas of its previous round are not even on their way, and, stale here, they do not
+        make them count among the peers it waits for."""
         assert self.state is not None
         last = self.state.version - 1
-        if last < 0:
+        if self.state.rounds_ahead() >= 2:
+            return True
+        n = self.n_peers(last)
+        if last < 0 or n <= 1:  # alone, its round committed whole at once: nothing to wait for
             return False
         have = self.state.deltas_in(last) + self.inbox.count(last)
         have += sum(1 for c in self._deferred if c.base_version == last)
-        return have < self.n_peers(last)
+        return have < n
 
     def _fit_fraction(self) -> None:
         """With the automatic cadence and a sparse codec: send the share of entries (at most

@@ -82,6 +82,9 @@ DIRECTION_ROUNDS = 3
 # A round claimed further ahead than this counts for nothing in ``rounds_behind``: no honest
 # peer runs that far ahead of a live swarm (a joiner takes the donor's version).
 MAX_CLAIM_AHEAD = 64
+# A sender's claim counts in ``rounds_ahead`` while it sent a delta within this many of this
+# peer's rounds: a peer that stopped sending (gone) holds nobody back for long.
+CLAIM_FRESH_ROUNDS = 8
 DEFAULT_RULE = RobustRule()
 
 
@@ -206,8 +209,9 @@ class SyncState:
         # Received deltas of rounds this peer has not closed: judged once its own delta of
         # that round is known (they touch nothing before: only closed rounds move the replica).
         self._held: list[Contribution] = []
-        # sender -> the newest base version it sent (accepted or refused as ahead)
-        self._claims: dict[str, int] = {}
+        # sender -> the newest base version it sent (any delta but one refused as a strike),
+        # and this peer's version when it last sent one (``rounds_behind``, ``rounds_ahead``)
+        self._claims: dict[str, tuple[int, int]] = {}
         self.screen = Screen(robust, lr=lr) if robust is not None else None
         # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
         self._sent: dict[str, Tensor] | None = None
@@ -301,9 +305,10 @@ class SyncState:
         return None, False
 
     def _note_claim(self, c: Contribution) -> None:
-        """Remember the newest round each sender claims (for ``rounds_behind``)."""
-        if c.base_version > self._claims.get(c.sender, -1):
-            self._claims[c.sender] = c.base_version
+        """Remember the newest round each sender claims, and that it is sending now (for
+        ``rounds_behind`` and ``rounds_ahead``)."""
+        newest = max(c.base_version, self._claims.get(c.sender, (-1, 0))[0])
+        self._claims[c.sender] = (newest, self.version)
 
     def round_boundary(
         self,
@@ -474,7 +479,8 @@ class SyncState:
         floor = self.version - self.spec.max_staleness
         self._seen = {key for key in self._seen if key[1] >= floor}
         self._committed = {b: c for b, c in self._committed.items() if b >= floor}
-        self._claims = {p: b for p, b in self._claims.items() if b >= floor}
+        fresh = self.version - CLAIM_FRESH_ROUNDS
+        self._claims = {p: (b, at) for p, (b, at) in self._claims.items() if at >= fresh}
 
     @torch.no_grad()
     def follow(self, inbox: Sequence[Contribution]) -> bool:
@@ -592,7 +598,7 @@ class SyncState:
         judge_direction = not (self.averaging or self._following)
         for c in inbox:
             reason, strike = self._refusal(c)
-            if reason is None or reason.startswith("ahead"):
+            if not strike:  # stale ones too: a peer far behind is behind, not gone
                 self._note_claim(c)
             tensors, note, stats, cos = dict(c.tensors), None, None, None
             if reason is None and self.screen is not None:
@@ -761,14 +767,33 @@ class SyncState:
 
     def rounds_behind(self) -> int:
         """Rounds the swarm has closed that this one has not, from the newest round each
-        sender has claimed (accepted, or refused as too far ahead): 0 when the median claim is
-        older than this peer's current round, 1 when it is the current round, 2 when the next
-        (a round behind), ... The median (the lower one), so that one member's claim cannot set
-        the pace; claims more than ``MAX_CLAIM_AHEAD`` rounds ahead count for nothing."""
-        claims = [b for b in self._claims.values() if b - self.version <= MAX_CLAIM_AHEAD]
+        sender has claimed (stale ones left out: they count in ``rounds_ahead``): 0 when the
+        median claim is older than this peer's current round, 1 when it is the current round,
+        2 when the next (a round behind), ... The median (the lower one), so that one member's
+        claim cannot set the pace; claims more than ``MAX_CLAIM_AHEAD`` rounds ahead count for
+        nothing."""
+        floor, top = self.version - self.spec.max_staleness, self.version + MAX_CLAIM_AHEAD
+        claims = [b for b, _ in self._claims.values() if floor <= b <= top]  # not the stale
         if not claims:
             return 0
         return max(0, int(lower_median([float(b) for b in claims])) - self.version + 1)
+
+    def rounds_ahead(self) -> int:
+        """Rounds this peer has closed past the swarm: from the newest round each peer that
+        sent a delta within the last ``CLAIM_FRESH_ROUNDS`` rounds claims, stale ones included
+        (the lower median, as in ``rounds_behind``): 0 when that is this peer's last round,
+        1 when the round before (a delta in flight), 2 when they are a round behind, ...
+
+        A peer far ahead of the others counts them as silent (none of their deltas merged:
+        all stale here) and so holds no round for theirs (``SyncPlugin._previous_open``); they,
+        the majority, do not chase it either (``rounds_behind`` takes the median). Without this
+        the two stayed apart for good: 3 real daemons at a fixed H=5, two stalled while the
+        third ran 40 steps on, were 14-16 rounds apart 150 steps later, every delta refused
+        (``tests/integration/test_sync.py``)."""
+        claims = [b for b, _ in self._claims.values() if b <= self.version + MAX_CLAIM_AHEAD]
+        if not claims:
+            return 0
+        return max(0, self.version - 1 - int(lower_median([float(b) for b in claims])))
 
     def deltas_in(self, base_version: int) -> int:
         """Deltas (own included) this peer holds of round ``base_version`` not yet committed

@@ -113,10 +113,13 @@ def exchange(sessions: Any, client: FakeClient, peers: FakePeers) -> DeltaExchan
 
 
 def attach(ex: DeltaExchange) -> Any:
+    """A plugin closing a round every step: the fake peers send no deltas, and no round is
+    held for theirs (the hold has its own tests in test_sync_runner.py)."""
     plugin = ex.plugin(JOB, JobSpec(sync={"codec": "fp32", "every": 1}))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     plugin.attach(fake_engine(model))
+    plugin._previous_open = lambda: False
     return plugin
 
 
@@ -210,6 +213,7 @@ async def test_a_peer_that_starts_training_later_gets_the_rounds_it_missed(
     plugin = ex.plugin(JOB, JobSpec(sync={"codec": "fp32", "every": 1, "max_staleness": 2}))
     torch.manual_seed(0)
     plugin.attach(fake_engine(torch.nn.Linear(4, 3)))
+    plugin._previous_open = lambda: False  # a round a step: none held for a's deltas
     round_of: dict[bytes, int] = {}
     keep = ex._keep
 

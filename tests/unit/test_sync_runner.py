@@ -20,7 +20,7 @@ from atomd.sync import cadence, runner
 from atomd.sync.cadence import LINK_EVERY, MARGIN, MIN_FRACTION, Cadence
 from atomd.sync.codecs import decode
 from atomd.sync.guard import LossGuard
-from atomd.sync.runner import RoundOut, SyncPlugin
+from atomd.sync.runner import ALONE_EVERY, RoundOut, SyncPlugin
 from atomd.sync.state import Contribution, MergeReport
 from atomd.sync.wire import FrameDecoder
 from tests.conftest import fake_engine
@@ -1003,6 +1003,22 @@ def test_a_peer_ahead_holds_its_round_until_the_previous_one_is_in(fixed: bool) 
         _train(me, step)
         me.delivered(len(sent) - 1, 0.1)
     assert [o.step for o in sent] == [2, 6, 10, 14] and me.held_steps == 6
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["auto", "fixed"])
+def test_a_peer_alone_holds_no_round(fixed: bool) -> None:
+    """Alone, a round commits whole at once and waits for nobody's delta: it is never held
+    (until 2026-12-06 it was, for its own delta: a round every 2H steps, or every 100 with
+    the automatic cadence's 50 steps alone)."""
+    sent: list[RoundOut] = []
+    me = auto_plugin(sent, n_peers=1, in_phase=False)
+    me.cadence = Cadence(2) if fixed else SetCadence(2)
+    for step in range(1, 151):
+        _train(me, step)
+        if sent:
+            me.delivered(sent[-1].outgoing.round, 0.01)
+    every = 2 if fixed else ALONE_EVERY
+    assert [o.step for o in sent] == list(range(every, 151, every)) and me.held_steps == 0
 
 
 def test_deltas_wait_for_a_boundary_that_is_near() -> None:

@@ -12,7 +12,7 @@ from torch import Tensor
 from atomd.spec import SyncSpec
 from atomd.sync.codecs import decode
 from atomd.sync.outer import NesterovOuter, staleness_weight
-from atomd.sync.state import Contribution, Outgoing, SyncState
+from atomd.sync.state import CLAIM_FRESH_ROUNDS, Contribution, Outgoing, SyncState
 
 SHAPES = {"w": (8, 6), "b": (6,), "e": (300,)}
 
@@ -569,6 +569,26 @@ def test_the_next_rounds_delta_waits_even_with_max_staleness_0() -> None:
     assert me.rounds_behind() == 3  # two of three senders are there
     me.absorb([Contribution("liar", 7, 10**9, ones)])  # far-future: refused, counts for nothing
     assert "ahead" in me.last_merge.refused[0].reason and me.rounds_behind() == 3
+
+
+def test_a_peer_far_ahead_knows_it_from_the_stale_deltas_it_refuses() -> None:
+    """A peer that ran 10 rounds on alone refuses the others' deltas as stale, yet they tell
+    it how far ahead it is (``rounds_ahead``: the lower median of the fresh claims), which
+    ``rounds_behind`` leaves out. One low claim among three does not set it, and the claims of
+    peers that stop sending expire after ``CLAIM_FRESH_ROUNDS`` of its rounds."""
+    (me,) = swarm(1, spec(max_staleness=4))[1]
+    for _ in range(10):
+        me.round_boundary([], n_peers=1)
+    assert me.version == 10 and me.rounds_ahead() == 0  # nobody heard from
+    ones = {k: 0.01 * torch.ones(s) for k, s in SHAPES.items()}
+    me.absorb([Contribution("p1", 2, 2, ones), Contribution("p2", 3, 3, ones)])
+    assert [r.reason[:5] for r in me.last_merge.refused] == ["stale", "stale"]
+    assert me.rounds_ahead() == 10 - 1 - 2 and me.rounds_behind() == 0
+    me.absorb([Contribution("p3", 9, 9, ones)])  # one in step: the lower median of 2, 3, 9
+    assert me.rounds_ahead() == 10 - 1 - 3
+    for _ in range(CLAIM_FRESH_ROUNDS + 1):  # p1 and p2 send nothing more; p3 does
+        me.round_boundary([Contribution("p3", me.version, me.version, ones)], n_peers=2)
+    assert me.rounds_ahead() == 0  # p3 alone now: in step
 
 
 def test_lowrank_rounds_keep_the_anchors_equal_and_size_their_frames() -> None:
