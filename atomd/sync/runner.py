@@ -371,7 +371,7 @@ class SyncPlugin:
         make them count among the peers it waits for."""
         assert self.state is not None
         last = self.state.version - 1
-        if self.state.rounds_ahead() >= 2:
+        if self.state.rounds_ahead(without=self._finishers()) >= 2:
             return True
         n = self.n_peers(last)
         if last < 0 or n <= 1:  # alone, its round committed whole at once: nothing to wait for

@@ -44,7 +44,7 @@ the replicas.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -778,7 +778,7 @@ class SyncState:
             return 0
         return max(0, int(lower_median([float(b) for b in claims])) - self.version + 1)
 
-    def rounds_ahead(self) -> int:
+    def rounds_ahead(self, *, without: Collection[str] = ()) -> int:
         """Rounds this peer has closed past the swarm: from the newest round each peer that
         sent a delta within the last ``CLAIM_FRESH_ROUNDS`` rounds claims, stale ones included
         (the lower median, as in ``rounds_behind``): 0 when that is this peer's last round,
@@ -789,8 +789,10 @@ class SyncState:
         the majority, do not chase it either (``rounds_behind`` takes the median). Without this
         the two stayed apart for good: 3 real daemons at a fixed H=5, two stalled while the
         third ran 40 steps on, were 14-16 rounds apart 150 steps later, every delta refused
-        (``tests/integration/test_sync.py``)."""
-        claims = [b for b, _ in self._claims.values() if b <= self.version + MAX_CLAIM_AHEAD]
+        (``tests/integration/test_sync.py``). ``without``: senders left out (peers that have
+        sent their last delta: their claims stay where they finished)."""
+        top = self.version + MAX_CLAIM_AHEAD
+        claims = [b for p, (b, _) in self._claims.items() if b <= top and p not in without]
         if not claims:
             return 0
         return max(0, self.version - 1 - int(lower_median([float(b) for b in claims])))

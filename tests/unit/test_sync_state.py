@@ -586,6 +586,7 @@ def test_a_peer_far_ahead_knows_it_from_the_stale_deltas_it_refuses() -> None:
     assert me.rounds_ahead() == 10 - 1 - 2 and me.rounds_behind() == 0
     me.absorb([Contribution("p3", 9, 9, ones)])  # one in step: the lower median of 2, 3, 9
     assert me.rounds_ahead() == 10 - 1 - 3
+    assert me.rounds_ahead(without={"p1", "p2"}) == 0  # done with the job: they hold nobody
     for _ in range(CLAIM_FRESH_ROUNDS + 1):  # p1 and p2 send nothing more; p3 does
         me.round_boundary([Contribution("p3", me.version, me.version, ones)], n_peers=2)
     assert me.rounds_ahead() == 0  # p3 alone now: in step
