@@ -84,9 +84,10 @@ def shielded() -> Iterator[None]:
     removing network namespaces), each step of which has its own timeout, runs to its end.
     Without it a second SIGTERM cut the first one's cleanup short: ``timeout`` forwards the
     signal that a ``pkill`` sends it too, and `atomd bench swarm` so left its daemons' five
-    namespaces behind. A signal that came meanwhile is raised once the block is left normally;
-    while an exception unwinds, that exception goes on. Main thread only (the one that gets
-    signals); elsewhere this changes nothing."""
+    namespaces behind. A signal that came meanwhile is raised once the block is left, unless an
+    exception is on its way already (the block ran in a ``finally`` or an ``except``): that one
+    goes on, and ``check_interrupts`` raises the signal at the launcher's next step. Main
+    thread only (the one that gets signals); elsewhere this changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -96,7 +97,7 @@ def shielded() -> Iterator[None]:
         yield
     finally:
         _shield[0] -= 1
-    if len(_pending) > before and not _shield[0]:
+    if len(_pending) > before and not _shield[0] and sys.exc_info()[1] is None:
         raise Interrupted(_pending[-1])
 
 

@@ -107,9 +107,10 @@ class Loopback:
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run(
-        ["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=False
-    )
+    r = subprocess.run(  # its own session: a Ctrl-C or a signal to the group does not cut it
+        ["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=False,
+        start_new_session=True,
+    )  # fmt: skip
     if check and r.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
     return r

@@ -313,9 +313,11 @@ def run_scenario(
         peers = [_peer_report(d, seen.job_id) for d in daemons]
     finally:
         with shielded():  # a second signal does not leave daemons or namespaces behind
-            for d in daemons:
-                d.stop()
-            net.close()
+            try:
+                for d in daemons:
+                    d.stop()
+            finally:
+                net.close()
     wall = seen.ended - seen.started
     report = _scenario_report(
         task, scenario, net.mode, netem, peers, idle, at_start, at_end, seen, wall,

@@ -257,6 +257,7 @@ class DeltaExchange:
                 self._deliver_average(job_id, frame, timeout_s), "average"
             ),
             finishers=lambda: self._finishers(job_id),
+            training=lambda base_version: [p.id for p in self._training(job_id, base_version)],
             total_steps=spec.total_steps,
             lr=functools.partial(lr_at, spec),
         )

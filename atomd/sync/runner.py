@@ -139,6 +139,7 @@ class SyncPlugin:
         absorbed: Callable[[str, MergeReport], None] | None = None,
         send_average: Callable[[bytes, float], None] | None = None,
         finishers: Callable[[], Collection[str]] | None = None,
+        training: Callable[[int], Collection[str]] | None = None,
         total_steps: int | None = None,
         lr: Callable[[int], float] | None = None,
     ) -> None:
@@ -148,10 +149,11 @@ class SyncPlugin:
         frame to the loop, with the seconds its uploads may take (``average``; None: no final
         average); ``finishers``: the other live peers of
         the job that have sent their last delta (whose average frames ``finish`` waits for);
-        ``total_steps``: the job's, for the final average's mean of the last models
-        (``sync.final_tail``; None: the last model only); ``lr``: the job's learning rate at
-        each (0-based) step, by which the robust rule weighs a longer round than this peer's
-        (``robust.Screen``; None: by its steps)."""
+        ``training``: the ids of the other live peers training the job in the round on a base
+        version, silent ones included (None: none); ``total_steps``: the job's, for the final
+        average's mean of the last models (``sync.final_tail``; None: the last model only);
+        ``lr``: the job's learning rate at each (0-based) step, by which the robust rule weighs
+        a longer round than this peer's (``robust.Screen``; None: by its steps)."""
         self.job_id = job_id
         self.spec = spec
         self.identity = identity
@@ -160,6 +162,7 @@ class SyncPlugin:
         self.absorbed = absorbed
         self.send_average = send_average
         self._finishers = finishers or (lambda: ())
+        self._training = training or (lambda base_version: ())
         self.inbox = Inbox()
         self.averages = average.Averages()  # the others' average frames (loop puts)
         self.average_s = 0.0  # time spent on the final average (sending, waiting, combining)
@@ -327,8 +330,8 @@ class SyncPlugin:
 
     def _round_due(self, step: int) -> bool:
         """H steps after the last round closed: the fixed ``sync.every`` or the automatic
-        cadence's (which also waits for the previous frame to leave, and leaves a short last
-        round to ``finish``). Either way a due round is held while the previous round still
+        cadence's (which also waits for the previous frame to leave); a short last round is
+        left to ``finish``. Either way a due round is held while the previous round still
         misses a delta (``_previous_open``), for at most max(H, HOLD_MIN) more steps: a peer
         ahead of the others falls back in step with them. Until 2026-12-06 a fixed H closed
         at every multiple of H, and a peer ahead stayed ahead: the first peer of a job, a
@@ -341,7 +344,7 @@ class SyncPlugin:
         if fixed is None and self._uploading():
             return False
         every, elapsed = fixed or self._every(), step - self._round_start
-        if elapsed < every or (fixed is None and self._last_round_takes(step, every, elapsed)):
+        if elapsed < every or self._last_round_takes(step, every, elapsed):
             return False
         if elapsed < every + max(every, HOLD_MIN) and self._previous_open():
             self.held_steps += 1
@@ -349,7 +352,7 @@ class SyncPlugin:
         return True
 
     def _last_round_takes(self, step: int, every: int, elapsed: int) -> bool:
-        """Fewer than H steps are left after ``step`` (automatic cadence, the round ``elapsed``
+        """Fewer than H steps are left after ``step`` (the round ``elapsed``
         steps long): the job's last round (``finish``) takes them, if it then holds at most 2H
         steps (the robust screen's allowance for a longer round), rather than a round now and
         a final one of a step or two right after it, two frames on the link just when the
@@ -366,15 +369,16 @@ class SyncPlugin:
         arriving later, would count a round late): a peer ahead of the others trains on a
         little longer instead, so that its rounds close just after theirs. Never a wait.
 
-        So too when the others are two rounds or more behind it (``rounds_ahead``): their
-        deltas of its previous round are not even on their way, and, stale here, they do not
-        make them count among the peers it waits for."""
+        So too when the peers training the job are two rounds or more behind it
+        (``rounds_ahead``): their deltas of its previous round are not even on their way, and,
+        stale here, they do not make them count among the peers it waits for."""
         assert self.state is not None
         last = self.state.version - 1
-        if self.state.rounds_ahead(without=self._finishers()) >= 2:
+        among = [p for p in self._training(last) if not self.excluded(p)]
+        if self.state.rounds_ahead(among) >= 2:
             return True
         n = self.n_peers(last)
-        if last < 0 or n <= 1:  # alone, its round committed whole at once: nothing to wait for
+        if last < 0 or n <= 1:  # nobody counted: its round committed whole, nothing to wait for
             return False
         have = self.state.deltas_in(last) + self.inbox.count(last)
         have += sum(1 for c in self._deferred if c.base_version == last)

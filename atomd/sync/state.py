@@ -778,24 +778,25 @@ class SyncState:
             return 0
         return max(0, int(lower_median([float(b) for b in claims])) - self.version + 1)
 
-    def rounds_ahead(self, *, without: Collection[str] = ()) -> int:
-        """Rounds this peer has closed past the swarm: from the newest round each peer that
-        sent a delta within the last ``CLAIM_FRESH_ROUNDS`` rounds claims, stale ones included
-        (the lower median, as in ``rounds_behind``): 0 when that is this peer's last round,
-        1 when the round before (a delta in flight), 2 when they are a round behind, ...
+    def rounds_ahead(self, among: Collection[str]) -> int:
+        """Rounds this peer has closed past the swarm: from the newest round each of ``among``
+        (the peers training the job now) claims, if it sent a delta within the last
+        ``CLAIM_FRESH_ROUNDS`` rounds, stale ones included, and this peer's own last round;
+        the lower median of them all: 0 when that is this peer's last round, 1 when the round
+        before (a delta in flight), 2 when they are a round behind, ... With its own round in
+        the median one member's claim moves it only in a swarm of two.
 
         A peer far ahead of the others counts them as silent (none of their deltas merged:
         all stale here) and so holds no round for theirs (``SyncPlugin._previous_open``); they,
         the majority, do not chase it either (``rounds_behind`` takes the median). Without this
         the two stayed apart for good: 3 real daemons at a fixed H=5, two stalled while the
         third ran 40 steps on, were 14-16 rounds apart 150 steps later, every delta refused
-        (``tests/integration/test_sync.py``). ``without``: senders left out (peers that have
-        sent their last delta: their claims stay where they finished)."""
+        (``tests/integration/test_sync.py``). Peers that left or have sent their last delta
+        are not in ``among``: their claims stay where they stopped."""
         top = self.version + MAX_CLAIM_AHEAD
-        claims = [b for p, (b, _) in self._claims.items() if b <= top and p not in without]
-        if not claims:
-            return 0
-        return max(0, self.version - 1 - int(lower_median([float(b) for b in claims])))
+        claims = [b for p, (b, _) in self._claims.items() if p in among and b <= top]
+        mine = self.version - 1
+        return max(0, mine - int(lower_median([float(b) for b in [*claims, mine]])))
 
     def deltas_in(self, base_version: int) -> int:
         """Deltas (own included) this peer holds of round ``base_version`` not yet committed

@@ -76,3 +76,21 @@ def test_a_signal_during_a_shielded_block_is_raised_once_it_is_left() -> None:
         cleanup()
     assert caught.value.signum == signal.SIGINT
     assert ran == ["inner done", "outer done"]
+
+
+def test_a_signal_during_cleanup_does_not_hide_the_error_being_cleaned_up_after() -> None:
+    """A shielded cleanup in a ``finally``: the error it runs for goes on, not the signal;
+    the signal is raised at the launcher's next step."""
+
+    def launcher() -> None:
+        try:
+            raise RuntimeError("the real failure")
+        finally:
+            with launch.shielded():
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    with launch.interrupts():
+        with pytest.raises(RuntimeError, match="the real failure"):
+            launcher()
+        with pytest.raises(launch.Interrupted):
+            launch.check_interrupts()

@@ -1005,11 +1005,12 @@ def test_a_peer_ahead_holds_its_round_until_the_previous_one_is_in(fixed: bool) 
     assert [o.step for o in sent] == [2, 6, 10, 14] and me.held_steps == 6
 
 
-@pytest.mark.parametrize("finished", [False, True], ids=["training", "finished"])
-def test_a_peer_far_ahead_of_the_others_holds_its_rounds(finished: bool) -> None:
+@pytest.mark.parametrize("gone", [False, True], ids=["training", "gone"])
+def test_a_peer_far_ahead_of_the_others_holds_its_rounds(gone: bool) -> None:
     """The others' deltas are stale here (they stalled): none merged, they count as silent
     (n_peers 1), yet they are 4+ rounds behind, so each round is held its 2 extra steps; not
-    for peers that have sent their last delta (their claims stay where they finished)."""
+    for peers no longer training the job (left, or sent their last delta: their claims stay
+    where they stopped)."""
     sent: list[RoundOut] = []
     me = SyncPlugin(
         job_id="j" * 32,
@@ -1017,7 +1018,7 @@ def test_a_peer_far_ahead_of_the_others_holds_its_rounds(finished: bool) -> None
         identity=Identity.generate(),
         n_peers=lambda base: 1,
         send=sent.append,
-        finishers=lambda: {"p1", "p2"} if finished else set(),
+        training=lambda base: set() if gone else {"p1", "p2"},
     )
     torch.manual_seed(0)
     me.attach(fake_engine(torch.nn.Linear(4, 3)))
@@ -1028,8 +1029,8 @@ def test_a_peer_far_ahead_of_the_others_holds_its_rounds(finished: bool) -> None
         me.inbox.put(_other_delta(me, 0, sender))  # stale: 4 rounds behind, at most 1 allowed
     for step in range(9, 17):
         _train(me, step)
-    assert me.state is not None and me.state.rounds_ahead() >= 2
-    if finished:
+    assert me.state is not None and me.state.rounds_ahead({"p1", "p2"}) >= 2
+    if gone:
         assert [o.step for o in sent] == [2, 4, 6, 8, 10, 12, 14, 16] and me.held_steps == 0
     else:
         assert [o.step for o in sent] == [2, 4, 6, 8, 12, 16] and me.held_steps == 4

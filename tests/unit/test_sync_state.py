@@ -573,23 +573,27 @@ def test_the_next_rounds_delta_waits_even_with_max_staleness_0() -> None:
 
 def test_a_peer_far_ahead_knows_it_from_the_stale_deltas_it_refuses() -> None:
     """A peer that ran 10 rounds on alone refuses the others' deltas as stale, yet they tell
-    it how far ahead it is (``rounds_ahead``: the lower median of the fresh claims), which
-    ``rounds_behind`` leaves out. One low claim among three does not set it, and the claims of
-    peers that stop sending expire after ``CLAIM_FRESH_ROUNDS`` of its rounds."""
+    it how far ahead it is (``rounds_ahead``: the lower median of the fresh claims of the
+    peers training the job and its own last round), which ``rounds_behind`` leaves out. One
+    low claim beside a peer in step does not set it; peers no longer training count for
+    nothing, nor do the claims of peers that stop sending, after ``CLAIM_FRESH_ROUNDS``."""
     (me,) = swarm(1, spec(max_staleness=4))[1]
     for _ in range(10):
         me.round_boundary([], n_peers=1)
-    assert me.version == 10 and me.rounds_ahead() == 0  # nobody heard from
+    everyone = {"p1", "p2", "p3"}
+    assert me.version == 10 and me.rounds_ahead(everyone) == 0  # nobody heard from
     ones = {k: 0.01 * torch.ones(s) for k, s in SHAPES.items()}
     me.absorb([Contribution("p1", 2, 2, ones), Contribution("p2", 3, 3, ones)])
     assert [r.reason[:5] for r in me.last_merge.refused] == ["stale", "stale"]
-    assert me.rounds_ahead() == 10 - 1 - 2 and me.rounds_behind() == 0
-    me.absorb([Contribution("p3", 9, 9, ones)])  # one in step: the lower median of 2, 3, 9
-    assert me.rounds_ahead() == 10 - 1 - 3
-    assert me.rounds_ahead(without={"p1", "p2"}) == 0  # done with the job: they hold nobody
+    assert me.rounds_ahead({"p1", "p2"}) == 9 - 3 and me.rounds_behind() == 0  # of 2, 3, 9
+    assert me.rounds_ahead({"p1"}) == 9 - 2  # a swarm of two: the other one sets it
+    me.absorb([Contribution("p3", 9, 9, ones)])
+    assert me.rounds_ahead({"p1", "p3"}) == 0  # 2, 9, 9: one low claim does not set it
+    assert me.rounds_ahead(everyone) == 9 - 3  # 2, 3, 9, 9: two of three behind do
+    assert me.rounds_ahead({"p3"}) == 0  # p1 and p2 gone or done: they hold nobody
     for _ in range(CLAIM_FRESH_ROUNDS + 1):  # p1 and p2 send nothing more; p3 does
         me.round_boundary([Contribution("p3", me.version, me.version, ones)], n_peers=2)
-    assert me.rounds_ahead() == 0  # p3 alone now: in step
+    assert me.rounds_ahead(everyone) == 0  # only p3's claim is fresh: in step
 
 
 def test_lowrank_rounds_keep_the_anchors_equal_and_size_their_frames() -> None:
