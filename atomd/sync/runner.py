@@ -382,6 +382,7 @@ class SyncPlugin:
             return False
         have = self.state.deltas_in(last) + self.inbox.count(last)
         have += sum(1 for c in self._deferred if c.base_version == last)
+        have += self.state.refused_ahead(last)  # came too early: not coming again
         return have < n
 
     def _fit_fraction(self) -> None:

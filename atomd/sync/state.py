@@ -212,6 +212,9 @@ class SyncState:
         # sender -> the newest base version it sent (any delta but one refused as a strike),
         # and this peer's version when it last sent one (``rounds_behind``, ``rounds_ahead``)
         self._claims: dict[str, tuple[int, int]] = {}
+        # base version -> senders whose delta of that round was refused as too far ahead: it
+        # will not come again (``refused_ahead``)
+        self._ahead: dict[int, set[str]] = {}
         self.screen = Screen(robust, lr=lr) if robust is not None else None
         # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
         self._sent: dict[str, Tensor] | None = None
@@ -481,6 +484,7 @@ class SyncState:
         self._committed = {b: c for b, c in self._committed.items() if b >= floor}
         fresh = self.version - CLAIM_FRESH_ROUNDS
         self._claims = {p: (b, at) for p, (b, at) in self._claims.items() if at >= fresh}
+        self._ahead = {b: s for b, s in self._ahead.items() if b >= floor}
 
     @torch.no_grad()
     def follow(self, inbox: Sequence[Contribution]) -> bool:
@@ -600,6 +604,9 @@ class SyncState:
             reason, strike = self._refusal(c)
             if not strike:  # stale ones too: a peer far behind is behind, not gone
                 self._note_claim(c)
+            near = c.base_version <= self.version + MAX_CLAIM_AHEAD
+            if reason is not None and reason.startswith("ahead") and near:
+                self._ahead.setdefault(c.base_version, set()).add(c.sender)
             tensors, note, stats, cos = dict(c.tensors), None, None, None
             if reason is None and self.screen is not None:
                 if not self.screen.knows(c.base_version) and c.base_version >= self.version:
@@ -798,6 +805,14 @@ class SyncState:
         mine = self.version - 1
         return max(0, mine - int(lower_median([float(b) for b in [*claims, mine]])))
 
+    def refused_ahead(self, base_version: int) -> int:
+        """Senders whose delta of round ``base_version`` came while this peer was more than
+        ``max_staleness`` rounds short of it and was refused as ahead: it will not come again,
+        so no round waits for it (``SyncPlugin._previous_open``). Without this, peers behind a
+        peer far ahead held their rounds for its deltas while it held its own for theirs, and
+        the gap never closed (the CI run of d185216: 5-7 rounds apart for 150 steps)."""
+        return len(self._ahead.get(base_version, ()))
+
     def deltas_in(self, base_version: int) -> int:
         """Deltas (own included) this peer holds of round ``base_version`` not yet committed
         (those waiting to be judged included)."""
@@ -939,6 +954,7 @@ class SyncState:
             self.screen.inherit(self._inherited, range(first, self.version))
         self._held = []
         self._claims = {}
+        self._ahead = {}
 
 
 def _read_seen(t: Tensor | None, *, floor: int) -> set[tuple[str, int]]:

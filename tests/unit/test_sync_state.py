@@ -569,6 +569,8 @@ def test_the_next_rounds_delta_waits_even_with_max_staleness_0() -> None:
     assert me.rounds_behind() == 3  # two of three senders are there
     me.absorb([Contribution("liar", 7, 10**9, ones)])  # far-future: refused, counts for nothing
     assert "ahead" in me.last_merge.refused[0].reason and me.rounds_behind() == 3
+    # Refused as ahead, those deltas of round 2 will not come again: no round waits for them.
+    assert me.refused_ahead(2) == 2 and me.refused_ahead(1) == 0 and me.refused_ahead(10**9) == 0
 
 
 def test_a_peer_far_ahead_knows_it_from_the_stale_deltas_it_refuses() -> None:
