@@ -374,11 +374,13 @@ class SyncPlugin:
         stale here, they do not make them count among the peers it waits for."""
         assert self.state is not None
         last = self.state.version - 1
+        if last < 0:
+            return False
         among = [p for p in self._training(last) if not self.excluded(p)]
         if self.state.rounds_ahead(among) >= 2:
             return True
         n = self.n_peers(last)
-        if last < 0 or n <= 1:  # nobody counted: its round committed whole, nothing to wait for
+        if n <= 1:  # nobody counted: its round committed whole, nothing to wait for
             return False
         have = self.state.deltas_in(last) + self.inbox.count(last)
         have += sum(1 for c in self._deferred if c.base_version == last)

@@ -810,8 +810,11 @@ class SyncState:
         ``max_staleness`` rounds short of it and was refused as ahead: it will not come again,
         so no round waits for it (``SyncPlugin._previous_open``). Without this, peers behind a
         peer far ahead held their rounds for its deltas while it held its own for theirs, and
-        the gap never closed (the CI run of d185216: 5-7 rounds apart for 150 steps)."""
-        return len(self._ahead.get(base_version, ()))
+        the gap never closed (the CI run of d185216: 5-7 rounds apart for 150 steps). A sender
+        whose delta of the round was merged since (a frame sent again) counts in ``deltas_in``
+        instead, not twice."""
+        merged = {sender for sender, b in self._seen if b == base_version}
+        return len(self._ahead.get(base_version, set()) - merged)
 
     def deltas_in(self, base_version: int) -> int:
         """Deltas (own included) this peer holds of round ``base_version`` not yet committed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Callable
 
 import pytest
 
@@ -26,18 +27,19 @@ def test_a_signal_whose_exception_was_dropped_is_delivered_at_the_next_step() ->
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def _launcher(cleanup: Callable[[], None]) -> None:
+    """A launcher that gets SIGTERM and runs ``cleanup`` in its ``finally``."""
+    with launch.interrupts():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            cleanup()
+
+
 def test_sigterm_unwinds_like_ctrl_c_so_every_finally_runs() -> None:
     ran: list[str] = []
-
-    def launcher() -> None:
-        with launch.interrupts():
-            try:
-                os.kill(os.getpid(), signal.SIGTERM)
-            finally:
-                ran.append("cleanup")
-
     with pytest.raises(KeyboardInterrupt):
-        launcher()
+        _launcher(lambda: ran.append("cleanup"))
     assert ran == ["cleanup"]
 
 
@@ -46,19 +48,15 @@ def test_a_second_signal_does_not_cut_a_shielded_cleanup_short() -> None:
     first unwinds; the second, arriving while daemons are stopped, must not stop that."""
     ran: list[str] = []
 
-    def launcher() -> None:
-        with launch.interrupts():
-            try:
-                os.kill(os.getpid(), signal.SIGTERM)
-            finally:
-                with launch.shielded():
-                    os.kill(os.getpid(), signal.SIGTERM)  # mid-cleanup
-                    launch.check_interrupts()  # nor does a poll inside it raise
-                    ran.append("first daemon stopped")
-                    ran.append("namespaces removed")
+    def cleanup() -> None:
+        with launch.shielded():
+            os.kill(os.getpid(), signal.SIGTERM)  # mid-cleanup
+            launch.check_interrupts()  # nor does a poll inside it raise
+            ran.append("first daemon stopped")
+            ran.append("namespaces removed")
 
     with pytest.raises(launch.Interrupted):
-        launcher()
+        _launcher(cleanup)
     assert ran == ["first daemon stopped", "namespaces removed"]
 
 
