@@ -573,6 +573,30 @@ def test_the_next_rounds_delta_waits_even_with_max_staleness_0() -> None:
     assert me.refused_ahead(2) == 2 and me.refused_ahead(1) == 0 and me.refused_ahead(10**9) == 0
 
 
+def test_a_delta_refused_as_ahead_then_merged_counts_once() -> None:
+    """A peer's delta of round 4 reaches this one at round 0 and is refused as ahead: it
+    counts as in for round 4 (``refused_ahead``), since it will not come again. When the
+    sender sends it again after this peer has closed round 4 and it is merged, it counts
+    among the round's deltas (``deltas_in``) and no longer as refused: once, not twice
+    (a round then waited for one delta fewer than it missed)."""
+    (mine, theirs), (me, ahead) = swarm(2, spec(max_staleness=2))
+    for rnd in range(5):  # the other peer runs five rounds on alone
+        train(theirs, seed=rnd)
+        out = ahead.prepare()
+        ahead.merge([], n_peers=1)
+    late = received("p1", out)
+    assert late.base_version == 4
+    me.absorb([late])
+    assert me.last_merge.refused[0].reason.startswith("ahead") and me.refused_ahead(4) == 1
+    for rnd in range(5):
+        train(mine, seed=rnd)
+        me.round_boundary([], n_peers=2)
+    assert me.version == 5 and me.refused_ahead(4) == 1 and me.deltas_in(4) == 1
+    me.absorb([late])  # sent again
+    assert not me.last_merge.refused
+    assert me.deltas_in(4) == 2 and me.refused_ahead(4) == 0
+
+
 def test_a_peer_far_ahead_knows_it_from_the_stale_deltas_it_refuses() -> None:
     """A peer that ran 10 rounds on alone refuses the others' deltas as stale, yet they tell
     it how far ahead it is (``rounds_ahead``: the lower median of the fresh claims of the
