@@ -248,7 +248,7 @@ class DeltaExchange:
             job_id=job_id,
             spec=spec.sync,
             identity=self.identity,
-            n_peers=lambda base_version: 1 + len(self._counted(job_id, base_version)),
+            counted=lambda base_version: [p.id for p in self._counted(job_id, base_version)],
             send=lambda out: self._from_trainer(self._deliver(out), f"round-{out.step}"),
             absorbed=lambda job, merge: self._from_trainer(
                 self._record_merge(job, merge), "absorbed"
@@ -268,9 +268,12 @@ class DeltaExchange:
         return plugin
 
     def drop_sender(self, peer_id: str) -> None:
-        """``peer_id`` was quarantined or banned: forget its deltas waiting in every inbox."""
+        """``peer_id`` was quarantined or banned: forget its deltas waiting in every inbox
+        (those held until a round closes leave at the trainer's next merge: ``_inbox``)."""
         for plugin in self.plugins.values():
             plugin.inbox.drop_sender(peer_id)
+        for key in [k for k in self._received if k[1] == peer_id]:
+            del self._received[key]
 
     def _training(self, job_id: str, base_version: int) -> list[PeerRef]:
         """The peers of ``job_id`` in its round on ``base_version``: live, and not done with the
@@ -672,8 +675,10 @@ class DeltaExchange:
             plugin.heard(frame.sender, frame.cadence.period_s)
         if frame.final:
             self._finished.setdefault(job_id, {})[frame.sender] = frame.base_version
-        if not plugin.inbox.put(
-            Contribution(frame.sender, frame.round, frame.base_version, tensors, every)
-        ):
-            log.warning("inbox of job %s full: a delta from %s dropped", job_id, signer)
+        c = Contribution(frame.sender, frame.round, frame.base_version, tensors, every)
+        out = plugin.inbox.put(c)
+        if out is not None:  # never merged, so never reported: its record goes too
+            self._received.pop((job_id, out.sender, out.round), None)
+            if out is c:
+                log.warning("inbox of job %s full: a delta from %s dropped", job_id, signer)
         return frame.wire_bytes

@@ -88,19 +88,21 @@ class Inbox:
         self._lock = threading.Lock()
         self.dropped = 0  # deltas pushed out or refused by the bounds
 
-    def put(self, c: Contribution) -> bool:
-        """Queue ``c``; False if refused (too many senders waiting)."""
+    def put(self, c: Contribution) -> Contribution | None:
+        """Queue ``c``. Returns the delta that leaves instead, if one does: ``c`` itself when
+        it is refused (too many senders waiting), or the sender's oldest, pushed out."""
         with self._lock:
             q = self._items.get(c.sender)
             if q is None:
                 if len(self._items) >= self.max_senders:
                     self.dropped += 1
-                    return False
+                    return c
                 q = self._items[c.sender] = collections.deque(maxlen=self.per_sender)
-            if len(q) == q.maxlen:
+            out = q[0] if len(q) == q.maxlen else None
+            if out is not None:
                 self.dropped += 1
             q.append(c)
-            return True
+            return out
 
     def take(self) -> list[Contribution]:
         with self._lock:
@@ -108,10 +110,11 @@ class Inbox:
             self._items.clear()
         return items
 
-    def count(self, base_version: int) -> int:
-        """Deltas waiting on base version ``base_version``."""
+    def senders(self, base_version: int) -> set[str]:
+        """The senders of the deltas waiting on base version ``base_version``."""
         with self._lock:
-            return sum(1 for q in self._items.values() for c in q if c.base_version == base_version)
+            return {c.sender for q in self._items.values() for c in q
+                    if c.base_version == base_version}  # fmt: skip
 
     def drop_sender(self, sender: str) -> int:
         """Forget what ``sender`` has waiting (it was quarantined); how many deltas that was."""
@@ -134,7 +137,7 @@ class SyncPlugin:
         job_id: str,
         spec: SyncSpec,
         identity: Identity,
-        n_peers: Callable[[int], int],
+        counted: Callable[[int], Collection[str]],
         send: Callable[[RoundOut], None],
         absorbed: Callable[[str, MergeReport], None] | None = None,
         send_average: Callable[[bytes, float], None] | None = None,
@@ -143,7 +146,8 @@ class SyncPlugin:
         total_steps: int | None = None,
         lr: Callable[[int], float] | None = None,
     ) -> None:
-        """``n_peers``: peers (this one included) that take part in the round on a base version;
+        """``counted``: the ids of the other peers whose deltas the round on a base version
+        waits for (``n_peers``: they and this one);
         ``send``: hand a round's frame to the loop; ``absorbed``: deltas merged between
         boundaries (job id, report), for the records; ``send_average``: hand the job's average
         frame to the loop, with the seconds its uploads may take (``average``; None: no final
@@ -157,7 +161,7 @@ class SyncPlugin:
         self.job_id = job_id
         self.spec = spec
         self.identity = identity
-        self.n_peers = n_peers
+        self.counted = counted
         self.send = send
         self.absorbed = absorbed
         self.send_average = send_average
@@ -194,7 +198,7 @@ class SyncPlugin:
         # The last frame's payload over the codec's estimate before zstd (what zstd keeps).
         self._packed = 1.0
         self._last_step_end: float | None = None
-        self._counted = 0  # the last round's n_peers (logged when it changes)
+        self._n_logged = 0  # the last round's n_peers (logged when it changes)
         self._attached_at = time.monotonic()  # the job's time here, for the average's budget
         self.total_steps = total_steps
         self.lr = lr
@@ -239,8 +243,27 @@ class SyncPlugin:
             final = list(final_batches)
             self.final_probe = lambda: engine.evaluate(final)
 
+    def n_peers(self, base_version: int) -> int:
+        """Peers (this one included) that take part in the round on ``base_version``."""
+        return 1 + len(self.counted(base_version))
+
+    def _missing(self, base_version: int, *, queued: bool = False) -> set[str]:
+        """The counted peers whose delta of round ``base_version`` is not in yet: not merged,
+        held, nor refused as one that will not come again (``SyncState.senders_in``), and with
+        ``queued`` not waiting in the inbox or for the boundary either. Who, not how many (a
+        review of 2026-12-06: by count, a delta of a peer no longer counted, or one sent
+        twice, took the place of a missing one, and the round closed without it)."""
+        assert self.state is not None
+        here = self.state.senders_in(base_version)
+        if queued:
+            here |= self.inbox.senders(base_version)
+            here |= {c.sender for c in self._deferred if c.base_version == base_version}
+        return {p for p in self.counted(base_version) if p not in here and not self.excluded(p)}
+
     def _inbox(self) -> list[Contribution]:
         items, self._deferred = [*self._deferred, *self.inbox.take()], []
+        if self.state is not None:
+            self.state.drop_held(self.excluded)
         return [c for c in items if not self.excluded(c.sender)]
 
     def _settle(self) -> None:
@@ -305,9 +328,9 @@ class SyncPlugin:
         if self.cadence.auto:
             if self._uploading():
                 return False
-            others = self.n_peers(self.state.version) - 1
             if behind < 2:
-                return 0 < others <= self.state.deltas_in(self.state.version)
+                version = self.state.version
+                return self.n_peers(version) > 1 and not self._missing(version)
         elif behind < 2:
             return False
         log.info("step %d: the swarm has closed %d rounds this peer has not; closing "
@@ -379,13 +402,7 @@ class SyncPlugin:
         among = [p for p in self._training(last) if not self.excluded(p)]
         if self.state.rounds_ahead(among) >= 2:
             return True
-        n = self.n_peers(last)
-        if n <= 1:  # nobody counted: its round committed whole, nothing to wait for
-            return False
-        have = self.state.deltas_in(last) + self.inbox.count(last)
-        have += sum(1 for c in self._deferred if c.base_version == last)
-        have += self.state.refused_ahead(last)  # came too early: not coming again
-        return have < n
+        return bool(self._missing(last, queued=True))  # none counted: nothing to wait for
 
     def _fit_fraction(self) -> None:
         """With the automatic cadence and a sparse codec: send the share of entries (at most
@@ -521,10 +538,10 @@ class SyncPlugin:
         whole = alone or (
             n_peers == 1 and not self._finishers() and self.state.rounds_behind() == 0
         )
-        if n_peers != self._counted:  # membership as this peer sees it: rare, worth a line
+        if n_peers != self._n_logged:  # membership as this peer sees it: rare, worth a line
             log.info("rounds from version %d: %d peer(s) train the job (were %d)",
-                     self.state.version, n_peers, self._counted)  # fmt: skip
-            self._counted = n_peers
+                     self.state.version, n_peers, self._n_logged)  # fmt: skip
+            self._n_logged = n_peers
         self._fit_fraction()
         # Steps this round lasted (at least 1: a consolidation round repeats the last step).
         every = max(1, step - (self._round_start if self._round_start is not None else step - 1))
@@ -623,11 +640,10 @@ class SyncPlugin:
         try:
             while not stop.is_set():
                 version = self.state.version
-                others = self.n_peers(version) - 1
-                if others < 1:
+                if self.n_peers(version) <= 1:
                     return
                 self._absorb()
-                if self.state.deltas_in(version) >= others:
+                if not self._missing(version):
                     self._settle()
                     inbox = self._inbox()
                     if self.guard is not None:
@@ -640,8 +656,9 @@ class SyncPlugin:
                     self.followed += 1
                     continue
                 if time.monotonic() >= deadline:
-                    log.info("following round %d: %d of %d peers' deltas in; not waiting "
-                             "longer", version, self.state.deltas_in(version), others)  # fmt: skip
+                    log.info("following round %d: %d of %d other peers' deltas in; not "
+                             "waiting longer", version, self.n_peers(version) - 1
+                             - len(self._missing(version)), self.n_peers(version) - 1)  # fmt: skip
                     return
                 stop.wait(0.05)
         finally:
@@ -782,11 +799,12 @@ class SyncPlugin:
         try:
             while True:
                 self._absorb()
-                have, want = self.state.deltas_in(last), self.n_peers(last)
-                if have >= want:
+                missing = self._missing(last)
+                if not missing:
                     return True
                 if stop.is_set() or time.monotonic() >= deadline:
-                    log.info("%s: %d of %d peers' deltas in; not waiting longer", what, have, want)
+                    log.info("%s: %d of %d peers' deltas in; not waiting longer", what,
+                             self.n_peers(last) - len(missing), self.n_peers(last))  # fmt: skip
                     return False
                 stop.wait(0.05)
         finally:

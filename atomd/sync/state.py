@@ -212,9 +212,9 @@ class SyncState:
         # sender -> the newest base version it sent (any delta but one refused as a strike),
         # and this peer's version when it last sent one (``rounds_behind``, ``rounds_ahead``)
         self._claims: dict[str, tuple[int, int]] = {}
-        # base version -> senders whose delta of that round was refused as too far ahead: it
-        # will not come again (``refused_ahead``)
-        self._ahead: dict[int, set[str]] = {}
+        # base version -> senders whose delta of that round came and was refused as too far
+        # ahead, or as stale for this peer's last round: it will not come again (``senders_in``)
+        self._gone: dict[int, set[str]] = {}
         self.screen = Screen(robust, lr=lr) if robust is not None else None
         # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
         self._sent: dict[str, Tensor] | None = None
@@ -484,7 +484,7 @@ class SyncState:
         self._committed = {b: c for b, c in self._committed.items() if b >= floor}
         fresh = self.version - CLAIM_FRESH_ROUNDS
         self._claims = {p: (b, at) for p, (b, at) in self._claims.items() if at >= fresh}
-        self._ahead = {b: s for b, s in self._ahead.items() if b >= floor}
+        self._gone = {b: s for b, s in self._gone.items() if b >= min(floor, self.version - 1)}
 
     @torch.no_grad()
     def follow(self, inbox: Sequence[Contribution]) -> bool:
@@ -604,9 +604,18 @@ class SyncState:
             reason, strike = self._refusal(c)
             if not strike:  # stale ones too: a peer far behind is behind, not gone
                 self._note_claim(c)
-            near = c.base_version <= self.version + MAX_CLAIM_AHEAD
-            if reason is not None and reason.startswith("ahead") and near:
-                self._ahead.setdefault(c.base_version, set()).add(c.sender)
+            if (
+                reason is not None
+                and not strike
+                and (
+                    (
+                        reason.startswith("ahead")
+                        and c.base_version <= self.version + MAX_CLAIM_AHEAD
+                    )
+                    or (reason.startswith("stale") and c.base_version == self.version - 1)
+                )
+            ):
+                self._gone.setdefault(c.base_version, set()).add(c.sender)
             tensors, note, stats, cos = dict(c.tensors), None, None, None
             if reason is None and self.screen is not None:
                 if not self.screen.knows(c.base_version) and c.base_version >= self.version:
@@ -788,10 +797,11 @@ class SyncState:
     def rounds_ahead(self, among: Collection[str]) -> int:
         """Rounds this peer has closed past the swarm: from the newest round each of ``among``
         (the peers training the job now) claims, if it sent a delta within the last
-        ``CLAIM_FRESH_ROUNDS`` rounds, stale ones included, and this peer's own last round;
-        the lower median of them all: 0 when that is this peer's last round, 1 when the round
-        before (a delta in flight), 2 when they are a round behind, ... With its own round in
-        the median one member's claim moves it only in a swarm of two.
+        ``CLAIM_FRESH_ROUNDS`` rounds, stale ones included (one that did not counts as this
+        peer's own last round), and this peer's own last round; the lower median of them all:
+        0 when that is this peer's last round, 1 when the round before (a delta in flight), 2
+        when they are a round behind, ... With its own round in the median one member's claim
+        moves it only in a swarm of two.
 
         A peer far ahead of the others counts them as silent (none of their deltas merged:
         all stale here) and so holds no round for theirs (``SyncPlugin._previous_open``); they,
@@ -801,20 +811,36 @@ class SyncState:
         (``tests/integration/test_sync.py``). Peers that left or have sent their last delta
         are not in ``among``: their claims stay where they stopped."""
         top = self.version + MAX_CLAIM_AHEAD
-        claims = [b for p, (b, _) in self._claims.items() if p in among and b <= top]
+        claims = {p: b for p, (b, _) in self._claims.items() if p in among and b <= top}
         mine = self.version - 1
-        return max(0, mine - int(lower_median([float(b) for b in [*claims, mine]])))
+        # A peer of ``among`` without a claim to go by (it has sent nothing lately: fetching
+        # the state, or stalled) counts as in step: so one member's stale claims set the median
+        # only in a swarm of two, as the README says (a review of 2026-12-06 found a third
+        # peer that had not sent left the stale member alone in the median).
+        unknown = sum(1 for p in set(among) if p not in claims)
+        values = [*claims.values(), *[mine] * (unknown + 1)]
+        return max(0, mine - int(lower_median([float(b) for b in values])))
 
-    def refused_ahead(self, base_version: int) -> int:
-        """Senders whose delta of round ``base_version`` came while this peer was more than
-        ``max_staleness`` rounds short of it and was refused as ahead: it will not come again,
-        so no round waits for it (``SyncPlugin._previous_open``). Without this, peers behind a
-        peer far ahead held their rounds for its deltas while it held its own for theirs, and
-        the gap never closed (the CI run of d185216: 5-7 rounds apart for 150 steps). A sender
-        whose delta of the round was merged since (a frame sent again) counts in ``deltas_in``
-        instead, not twice."""
+    def senders_in(self, base_version: int) -> set[str]:
+        """The peers (this one included) whose delta of round ``base_version`` is in here:
+        merged (committed or pending, a whole own round included), held until this peer closes
+        that round, or come and refused as too far ahead, or as stale for this peer's last
+        round, which will not come again. ``SyncPlugin`` holds a round for the peers it counts
+        that are not among them. By identity, not by count: a sender that no longer counts
+        (quarantined, gone, silent) or one delta sent twice fills no other peer's place.
+        Without the refused ones, peers behind a peer far ahead held their rounds for its
+        deltas while it held its own for theirs, and the gap never closed (the CI run of
+        d185216: 5-7 rounds apart for 150 steps)."""
+        held = {h.sender for h in self._held if h.base_version == base_version}
         merged = {sender for sender, b in self._seen if b == base_version}
-        return len(self._ahead.get(base_version, set()) - merged)
+        return merged | held | self._gone.get(base_version, set())
+
+    def drop_held(self, excluded: Callable[[str], bool]) -> int:
+        """Forget the held deltas of senders now ``excluded`` (quarantined or banned after they
+        came): they would be merged when this peer closes their round. How many that was."""
+        before = len(self._held)
+        self._held = [h for h in self._held if not excluded(h.sender)]
+        return before - len(self._held)
 
     def deltas_in(self, base_version: int) -> int:
         """Deltas (own included) this peer holds of round ``base_version`` not yet committed
@@ -957,7 +983,7 @@ class SyncState:
             self.screen.inherit(self._inherited, range(first, self.version))
         self._held = []
         self._claims = {}
-        self._ahead = {}
+        self._gone = {}
 
 
 def _read_seen(t: Tensor | None, *, floor: int) -> set[tuple[str, int]]:

@@ -77,10 +77,10 @@ def _c(sender: str, base: int) -> Contribution:
 
 def test_one_sender_cannot_push_out_the_others() -> None:
     inbox = Inbox(per_sender=2, max_senders=3)
-    assert inbox.put(_c("honest", 7))
-    for base in range(100):  # a flood from one member
-        inbox.put(_c("flood", base))
-    assert inbox.put(_c("other", 7))
+    assert inbox.put(_c("honest", 7)) is None
+    out = [inbox.put(_c("flood", base)) for base in range(100)]  # a flood from one member
+    assert [c.base_version for c in out if c is not None] == list(range(98)), "its oldest go"
+    assert inbox.put(_c("other", 7)) is None
     taken = inbox.take()
     assert [c.sender for c in taken].count("flood") == 2, "only its newest two wait"
     assert {(c.sender, c.base_version) for c in taken} >= {("honest", 7), ("other", 7)}
@@ -90,10 +90,11 @@ def test_one_sender_cannot_push_out_the_others() -> None:
 
 def test_senders_beyond_the_bound_are_refused_not_the_waiting_ones() -> None:
     inbox = Inbox(per_sender=1, max_senders=2)
-    assert inbox.put(_c("a", 1)) and inbox.put(_c("b", 1))
-    assert not inbox.put(_c("c", 1))
+    assert inbox.put(_c("a", 1)) is None and inbox.put(_c("b", 1)) is None
+    refused = _c("c", 1)
+    assert inbox.put(refused) is refused  # what leaves is the newcomer
     assert inbox.drop_sender("a") == 1
-    assert inbox.put(_c("c", 1))
+    assert inbox.put(_c("c", 1)) is None
     assert sorted(c.sender for c in inbox.take()) == ["b", "c"]
 
 

@@ -747,3 +747,20 @@ async def test_the_traffic_time_is_the_links_not_the_databases(
         monkeypatch.setattr(client, "post_bytes", broken)
         plugin.after_step(2)
         await until(lambda: _async_true(len(recorded) == 2), "recorded though uploads failed")
+
+
+async def test_frames_pushed_out_of_the_inbox_leave_no_record_behind(sessions: Any) -> None:
+    """A member sends 12 frames of distinct rounds: the inbox keeps its newest 4, and the
+    exchange forgets the 8 it pushed out (they will never be merged, so never reported):
+    what it keeps per frame stays bounded by the inbox's bound (a review of 2026-12-06: one
+    record a frame, for the life of the job)."""
+    sender = Identity.generate()
+    peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
+    ex = exchange(sessions, FakeClient(), peers)
+    plugin = attach(ex)
+    for f in frames_of(sessions, sender, 12):  # rounds 0..11
+        await ex.receive(JOB, f, sender.peer_id)
+    assert len(plugin.inbox) == 4 and plugin.inbox.dropped == 8
+    assert len(ex._received) == 4
+    ex.drop_sender(sender.peer_id)  # quarantined: its waiting frames and their records go
+    assert len(plugin.inbox) == 0 and len(ex._received) == 0

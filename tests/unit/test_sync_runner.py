@@ -7,7 +7,7 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -39,7 +39,7 @@ def plugin(
         job_id="j" * 32,
         spec=SyncSpec(codec="fp32", every=every),
         identity=Identity.generate(),
-        n_peers=lambda base: 2,
+        counted=lambda base: ["other"],
         send=peer_sends.append,
         absorbed=lambda job, merge: absorbed.append(merge),
         lr=lr,
@@ -211,7 +211,7 @@ def test_the_last_peer_training_commits_what_it_sends_while_others_follow(
         job_id="j" * 32,
         spec=SyncSpec(codec="topk", topk_fraction=0.1, every=2, outer_momentum=0.0),
         identity=Identity.generate(),
-        n_peers=lambda base: 1,  # nobody else trains these rounds
+        counted=lambda base: [],  # nobody else trains these rounds
         send=sent.append,
         finishers=lambda: ["f" * 32] if followed is True else [],
     )
@@ -256,7 +256,7 @@ def test_the_job_ends_on_the_model_the_probe_prefers(
         job_id="j" * 32,
         spec=SyncSpec(codec="topk", topk_fraction=0.25, every=3, final_wait_s=0.1),
         identity=Identity.generate(),
-        n_peers=lambda base: 2,
+        counted=lambda base: ["other"],
         send=lambda out: None,
     )
     torch.manual_seed(0)
@@ -363,7 +363,7 @@ def test_a_swap_engine_settles_before_sync_touches_its_masters(optimizer: str) -
             job_id="j" * 32,
             spec=SyncSpec(codec="fp32", every=2),
             identity=Identity.generate(),
-            n_peers=lambda base: 1,
+            counted=lambda base: [],
             send=lambda out: None,
         )
         me.attach(engine)
@@ -406,7 +406,7 @@ def test_consolidation_rounds_bring_the_peers_models_to_their_average() -> None:
             job_id="j" * 32,
             spec=spec,
             identity=Identity.generate(),
-            n_peers=lambda base: 2,
+            counted=lambda base, me=me: [peers[1 - me].identity.peer_id] if len(peers) == 2 else [],
             send=to_other(me),
         )
         torch.manual_seed(0)  # the same initial model
@@ -483,7 +483,8 @@ def _three_peers_that_finish_together(
             job_id="j" * 32,
             spec=spec,
             identity=ids[me],
-            n_peers=lambda base: 3 if base == 0 else 1,  # round 0 is everyone's last
+            # round 0 is everyone's last: nobody counted after it
+            counted=lambda base, me=me: [ids[j].peer_id for j in range(3) if j != me and base == 0],
             send=send,
             send_average=send_average,
             finishers=lambda me=me: [ids[j].peer_id for j in range(3) if j != me],
@@ -579,7 +580,7 @@ def test_the_last_models_join_the_tail_after_their_steps() -> None:
         job_id="j" * 32,
         spec=SyncSpec(codec="fp32", every=3, final_tail=0.3),
         identity=Identity.generate(),
-        n_peers=lambda base: 1,
+        counted=lambda base: [],
         send=lambda out: None,
         total_steps=10,
     )
@@ -599,7 +600,7 @@ def test_the_last_models_join_the_tail_after_their_steps() -> None:
             job_id="j" * 32,
             spec=SyncSpec(codec="fp32", final_tail=0.0),
             identity=Identity.generate(),
-            n_peers=lambda base: 1,
+            counted=lambda base: [],
             send=lambda out: None,
             total_steps=10,
         ).tail
@@ -690,7 +691,7 @@ class SetCadence(Cadence):
 
 def auto_plugin(
     sent: list[RoundOut],
-    n_peers: int = 2,
+    others: Sequence[str] = ("other",),
     *,
     in_phase: bool = True,
     total_steps: int | None = None,
@@ -701,7 +702,7 @@ def auto_plugin(
         job_id="j" * 32,
         spec=SyncSpec(codec="fp32"),  # every: "auto", the default
         identity=Identity.generate(),
-        n_peers=lambda base: n_peers,
+        counted=lambda base: others,
         send=sent.append,
         total_steps=total_steps,
     )
@@ -850,7 +851,7 @@ def test_the_last_round_takes_the_steps_too_few_for_a_round_of_their_own() -> No
 
 def test_alone_the_automatic_cadence_closes_rounds_rarely() -> None:
     sent: list[RoundOut] = []
-    me = auto_plugin(sent, n_peers=1)
+    me = auto_plugin(sent, others=())
     me.cadence = SetCadence(1)
     for step in range(1, runner.ALONE_EVERY + 1):
         me.after_step(step)
@@ -891,7 +892,7 @@ def test_peers_at_different_h_commit_the_same_sums(codec: str) -> None:
             job_id="j" * 32,
             spec=spec.model_copy(update={"every": every[i]}),
             identity=Identity.generate(),
-            n_peers=lambda base: 3,
+            counted=lambda base, i=i: [f"p{j}" for j in range(3) if j != i],
             send=sender(i),
         )
         torch.manual_seed(0)
@@ -932,7 +933,7 @@ def test_with_the_automatic_cadence_the_last_peer_of_a_round_closes_it_at_once()
     """Peers stay in phase: once every other peer's delta of this peer's current round is in,
     it closes the round without waiting for its H steps (unless its last frame is in flight)."""
     sent: list[RoundOut] = []
-    me = auto_plugin(sent, n_peers=3)
+    me = auto_plugin(sent, others=("a", "b"))
     me.cadence = SetCadence(10)
     zeros = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
     me.after_step(1)
@@ -952,7 +953,7 @@ def test_with_the_automatic_cadence_the_last_peer_of_a_round_closes_it_at_once()
     # Also near the job's end (rule 5 leaves a due round to the last one, not this): the
     # others then commit its delta in time.
     sent.clear()
-    me = auto_plugin(sent, n_peers=3, total_steps=8)
+    me = auto_plugin(sent, others=("a", "b"), total_steps=8)
     me.cadence = SetCadence(10)
     me.after_step(1)
     me.inbox.put(Contribution("a", 0, 0, zeros))
@@ -1016,7 +1017,7 @@ def test_a_peer_far_ahead_of_the_others_holds_its_rounds(gone: bool) -> None:
         job_id="j" * 32,
         spec=SyncSpec(codec="fp32", every=2, max_staleness=1),
         identity=Identity.generate(),
-        n_peers=lambda base: 1,
+        counted=lambda base: [],
         send=sent.append,
         training=lambda base: set() if gone else {"p1", "p2"},
     )
@@ -1042,7 +1043,7 @@ def test_a_peer_alone_holds_no_round(fixed: bool) -> None:
     (until 2026-12-06 it was, for its own delta: a round every 2H steps, or every 100 with
     the automatic cadence's 50 steps alone)."""
     sent: list[RoundOut] = []
-    me = auto_plugin(sent, n_peers=1, in_phase=False)
+    me = auto_plugin(sent, others=(), in_phase=False)
     me.cadence = Cadence(2) if fixed else SetCadence(2)
     for step in range(1, 151):
         _train(me, step)
@@ -1083,7 +1084,7 @@ def test_mid_round_a_closed_rounds_deltas_are_merged_as_they_arrive() -> None:
     frames arrive over ~2 s: gain 0.35 while they waited, 0.53 merged at once)."""
     sent: list[RoundOut] = []
     absorbed: list[MergeReport] = []
-    me = auto_plugin(sent, n_peers=4, in_phase=False)
+    me = auto_plugin(sent, others=("p1", "p2", "p3"), in_phase=False)
     me.absorbed = lambda job, merge: absorbed.append(merge)
     me.cadence = SetCadence(12)
     for step in range(1, 13):
@@ -1134,7 +1135,7 @@ def test_a_slow_link_makes_the_automatic_cadence_send_fewer_entries() -> None:
         job_id="j" * 32,
         spec=SyncSpec(codec="topk"),  # every: "auto", 1% of the entries
         identity=Identity.generate(),
-        n_peers=lambda base: 2,
+        counted=lambda base: ["other"],
         send=sent.append,
     )
     torch.manual_seed(0)
@@ -1191,7 +1192,7 @@ def test_before_a_snapshot_a_peer_nobody_has_sent_to_commits_its_whole_model() -
         job_id="j" * 32,
         spec=SyncSpec(codec="topk", topk_fraction=0.1, every=3),
         identity=Identity.generate(),
-        n_peers=lambda base: 2,  # the joiner is counted already
+        counted=lambda base: ["joiner"],  # the joiner is counted already
         send=sent.append,
     )
     torch.manual_seed(0)
@@ -1227,7 +1228,7 @@ def test_each_round_tells_the_engine_how_many_peers_average_its_steps(swarm_adam
         job_id="j" * 32,
         spec=SyncSpec(codec="fp32", every=1, swarm_adam=swarm_adam),
         identity=Identity.generate(),
-        n_peers=lambda base: count[0],
+        counted=lambda base: [f"p{i}" for i in range(1, count[0])],
         send=lambda out: None,
         absorbed=lambda job, merge: None,
     )
@@ -1238,3 +1239,109 @@ def test_each_round_tells_the_engine_how_many_peers_average_its_steps(swarm_adam
         count[0] = peers
         p.after_step(step)
     assert engine.peers == ([3, 2, 1, 4] if swarm_adam else [1, 1, 1, 1])
+
+
+# A review of the hold (2026-12-06) found rounds waiting for counts of deltas, not for peers.
+# Each test below failed before the hold counted identities (``SyncPlugin._missing``).
+
+
+def _fixed_plugin(
+    sent: list[RoundOut],
+    counted: Callable[[int], Collection[str]],
+    *,
+    training: Collection[str] = (),
+    max_staleness: int = 4,
+) -> SyncPlugin:
+    me = SyncPlugin(
+        job_id="j" * 32,
+        spec=SyncSpec(codec="fp32", every=2, max_staleness=max_staleness),
+        identity=Identity.generate(),
+        counted=counted,
+        send=sent.append,
+        training=lambda base: set(training),
+    )
+    torch.manual_seed(0)
+    me.attach(fake_engine(torch.nn.Linear(4, 3)))
+    return me
+
+
+def test_a_refused_delta_of_a_peer_not_counted_fills_no_counted_peers_place() -> None:
+    """'far' is not counted (silent here: none of its deltas applied) and its delta of round 3
+    came while this peer was at round 0: refused as ahead. 'slow' is counted and its delta of
+    round 3 is missing: round 4 is held for it. By count, far's refusal took slow's place."""
+    sent: list[RoundOut] = []
+    me = _fixed_plugin(sent, lambda base: ["slow"], training={"slow", "far"}, max_staleness=1)
+    assert me.state is not None
+    me.inbox.put(_other_delta(me, 3, "far"))  # refused as ahead: 3 > 0 + 1
+    me.inbox.put(_other_delta(me, 0, "slow"))
+    step = 0
+    while me.version < 4:  # slow's delta of each round comes in time, but not of round 3
+        step += 1
+        before = me.version
+        _train(me, step)
+        if before < me.version < 3:
+            me.inbox.put(_other_delta(me, me.version, "slow"))
+    assert [o.step for o in sent] == [2, 4, 6, 8] and me.state.senders_in(3) >= {"far"}
+    for step in (9, 10):
+        _train(me, step)
+    assert [o.step for o in sent] == [2, 4, 6, 8] and me.held_steps == 1  # held for slow
+
+
+def test_a_delta_sent_twice_fills_no_other_peers_place() -> None:
+    """A counted member sends a second frame of the same round (another round number: past
+    the replay guard, refused as a duplicate when merged); the round is still held for the
+    other counted peer, whose delta is missing."""
+    sent: list[RoundOut] = []
+    me = _fixed_plugin(sent, lambda base: ["p1", "p2"], training={"p1", "p2"})
+    for step in (1, 2):
+        _train(me, step)
+    d = _other_delta(me, 0, "p1")
+    me.inbox.put(d)
+    _train(me, 3)  # merged
+    me.inbox.put(Contribution("p1", 1000, 0, d.tensors))
+    _train(me, 4)  # round 1 due; p2's delta of round 0 missing
+    assert [o.step for o in sent] == [2] and me.held_steps == 1
+
+
+def test_a_peer_quarantined_after_its_delta_merged_fills_no_other_peers_place() -> None:
+    """p1's delta of round 0 merged, then p1 is quarantined (no longer counted); p2's is
+    missing: the next round is held for p2."""
+    sent: list[RoundOut] = []
+    counted = {"p1", "p2"}
+    me = _fixed_plugin(sent, lambda base: sorted(counted), training=counted)
+    for step in (1, 2):
+        _train(me, step)
+    me.inbox.put(_other_delta(me, 0, "p1"))
+    _train(me, 3)
+    counted.discard("p1")
+    _train(me, 4)
+    assert [o.step for o in sent] == [2] and me.held_steps == 1
+
+
+def test_with_max_staleness_0_no_round_waits_for_a_delta_refused_as_stale() -> None:
+    """With max_staleness 0 the other's delta of the round just closed is refused as stale
+    when it comes: it came, and will not count, so the next round is not held for it."""
+    sent: list[RoundOut] = []
+    me = _fixed_plugin(sent, lambda base: ["other"], training={"other"}, max_staleness=0)
+    for step in (1, 2):
+        _train(me, step)
+    me.inbox.put(_other_delta(me, 0))
+    _train(me, 3)
+    assert me.state is not None and me.state.last_merge.refused[0].reason.startswith("stale")
+    _train(me, 4)
+    assert [o.step for o in sent] == [2, 4] and me.held_steps == 0
+
+
+def test_a_quarantined_senders_held_delta_is_not_merged() -> None:
+    """Q's delta of this peer's current round is held until the round closes; Q is then
+    quarantined (excluded, its inbox share dropped): the held delta leaves with it."""
+    sent: list[RoundOut] = []
+    me = _fixed_plugin(sent, lambda base: ["Q"], training={"Q"})
+    me.inbox.put(_other_delta(me, 0, "Q"))
+    _train(me, 1)
+    assert me.state is not None and me.state.held() == 1
+    me.excluded = lambda sender: sender == "Q"
+    me.inbox.drop_sender("Q")
+    _train(me, 2)  # round 0 closes
+    assert [o.step for o in sent] == [2] and sent[0].merge.applied == []
+    assert me.state.held() == 0

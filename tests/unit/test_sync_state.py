@@ -569,16 +569,19 @@ def test_the_next_rounds_delta_waits_even_with_max_staleness_0() -> None:
     assert me.rounds_behind() == 3  # two of three senders are there
     me.absorb([Contribution("liar", 7, 10**9, ones)])  # far-future: refused, counts for nothing
     assert "ahead" in me.last_merge.refused[0].reason and me.rounds_behind() == 3
-    # Refused as ahead, those deltas of round 2 will not come again: no round waits for them.
-    assert me.refused_ahead(2) == 2 and me.refused_ahead(1) == 0 and me.refused_ahead(10**9) == 0
+    # Refused as ahead, those deltas of round 2 will not come again: no round waits for them
+    # (p1's of round 1 is held until this peer closes that round; the liar's counts nowhere).
+    assert me.senders_in(2) == {"p2", "p3"} and me.senders_in(1) == {"p1"}
+    assert me.senders_in(10**9) == set()
 
 
 def test_a_delta_refused_as_ahead_then_merged_counts_once() -> None:
-    """A peer's delta of round 4 reaches this one at round 0 and is refused as ahead: it
-    counts as in for round 4 (``refused_ahead``), since it will not come again. When the
-    sender sends it again after this peer has closed round 4 and it is merged, it counts
-    among the round's deltas (``deltas_in``) and no longer as refused: once, not twice
-    (a round then waited for one delta fewer than it missed)."""
+    """A peer's delta of round 4 reaches this one at round 0 and is refused as ahead: its
+    sender counts as in for round 4 (``senders_in``), since it will not come again. When it
+    sends it again after this peer has closed round 4 and it is merged, it is among the
+    round's deltas (``deltas_in``), and its sender is still in once: rounds wait for peers,
+    not for counts (by count, 9f8dc6e took it twice, and a round waited for one delta fewer
+    than it missed)."""
     (mine, theirs), (me, ahead) = swarm(2, spec(max_staleness=2))
     for rnd in range(5):  # the other peer runs five rounds on alone
         train(theirs, seed=rnd)
@@ -587,14 +590,14 @@ def test_a_delta_refused_as_ahead_then_merged_counts_once() -> None:
     late = received("p1", out)
     assert late.base_version == 4
     me.absorb([late])
-    assert me.last_merge.refused[0].reason.startswith("ahead") and me.refused_ahead(4) == 1
+    assert me.last_merge.refused[0].reason.startswith("ahead") and me.senders_in(4) == {"p1"}
     for rnd in range(5):
         train(mine, seed=rnd)
         me.round_boundary([], n_peers=2)
-    assert me.version == 5 and me.refused_ahead(4) == 1 and me.deltas_in(4) == 1
+    assert me.version == 5 and me.senders_in(4) == {"p0", "p1"} and me.deltas_in(4) == 1
     me.absorb([late])  # sent again
     assert not me.last_merge.refused
-    assert me.deltas_in(4) == 2 and me.refused_ahead(4) == 0
+    assert me.deltas_in(4) == 2 and me.senders_in(4) == {"p0", "p1"}
 
 
 def test_a_peer_far_ahead_knows_it_from_the_stale_deltas_it_refuses() -> None:
@@ -984,3 +987,18 @@ def test_a_delta_two_rounds_late_at_one_peer_leaves_the_anchors_in_agreement() -
         states[i].round_boundary(inbox[i], n_peers=3)
     assert states[0].divergence(states[2].anchor) < 1e-6
     assert states[0].divergence(states[1].anchor) < 1e-6
+
+
+def test_one_stale_member_does_not_hold_a_swarm_of_three() -> None:
+    """M sends stale deltas; B trains but has sent nothing lately (fetching the state, or
+    stalled): B counts as in step with this peer, so M's claim alone does not make this peer
+    hold its rounds as if the swarm were far behind. With B's own stale claim it does."""
+    (me,) = swarm(1, spec(max_staleness=4))[1]
+    for _ in range(10):
+        me.round_boundary([], n_peers=1)
+    ones = {k: 0.01 * torch.ones(s) for k, s in SHAPES.items()}
+    me.absorb([Contribution("M", 0, 0, ones)])
+    assert me.rounds_ahead({"M", "B"}) == 0  # of 0, 9, 9
+    assert me.rounds_ahead({"M"}) == 9  # a swarm of two: the other sets it
+    me.absorb([Contribution("B", 1, 1, ones)])
+    assert me.rounds_ahead({"M", "B"}) == 9 - 1  # of 0, 1, 9
