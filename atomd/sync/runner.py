@@ -305,10 +305,12 @@ class SyncPlugin:
         if self.guard is not None:
             self.guard.stepped()
         try:
+            held = self.held_steps
             if not self._round_due(step):
                 self._absorb(defer=self._defer(step))
                 if not self._catch_up(step):
                     return
+                self.held_steps = held  # closed after all: not a step held
             self._boundary(step)
         finally:
             if self.tail is not None and self.tail.due(step):

@@ -307,6 +307,14 @@ class SyncState:
                 return f"tensor {name} holds NaN or Inf", True
         return None, False
 
+    def _not_again(self, c: Contribution, reason: str) -> bool:
+        """``c``, refused for ``reason`` (not a strike), is its sender's delta of a round that
+        a hold might wait for, and it will not come again: too far ahead (yet not beyond the
+        claims that count), or stale for this peer's last round (``max_staleness`` 0)."""
+        if reason.startswith("ahead"):
+            return c.base_version <= self.version + MAX_CLAIM_AHEAD
+        return reason.startswith("stale") and c.base_version == self.version - 1
+
     def _note_claim(self, c: Contribution) -> None:
         """Remember the newest round each sender claims, and that it is sending now (for
         ``rounds_behind`` and ``rounds_ahead``)."""
@@ -604,17 +612,7 @@ class SyncState:
             reason, strike = self._refusal(c)
             if not strike:  # stale ones too: a peer far behind is behind, not gone
                 self._note_claim(c)
-            if (
-                reason is not None
-                and not strike
-                and (
-                    (
-                        reason.startswith("ahead")
-                        and c.base_version <= self.version + MAX_CLAIM_AHEAD
-                    )
-                    or (reason.startswith("stale") and c.base_version == self.version - 1)
-                )
-            ):
+            if reason is not None and not strike and self._not_again(c, reason):
                 self._gone.setdefault(c.base_version, set()).add(c.sender)
             tensors, note, stats, cos = dict(c.tensors), None, None, None
             if reason is None and self.screen is not None:
