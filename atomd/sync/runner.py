@@ -642,10 +642,12 @@ class SyncPlugin:
         try:
             while not stop.is_set():
                 version = self.state.version
-                if self.n_peers(version) <= 1:
+                others = self.n_peers(version) - 1
+                if others < 1:
                     return
                 self._absorb()
-                if not self._missing(version):
+                missing = self._missing(version)
+                if not missing:
                     self._settle()
                     inbox = self._inbox()
                     if self.guard is not None:
@@ -659,8 +661,7 @@ class SyncPlugin:
                     continue
                 if time.monotonic() >= deadline:
                     log.info("following round %d: %d of %d other peers' deltas in; not "
-                             "waiting longer", version, self.n_peers(version) - 1
-                             - len(self._missing(version)), self.n_peers(version) - 1)  # fmt: skip
+                             "waiting longer", version, others - len(missing), others)  # fmt: skip
                     return
                 stop.wait(0.05)
         finally:
@@ -805,8 +806,9 @@ class SyncPlugin:
                 if not missing:
                     return True
                 if stop.is_set() or time.monotonic() >= deadline:
+                    want = self.n_peers(last)
                     log.info("%s: %d of %d peers' deltas in; not waiting longer", what,
-                             self.n_peers(last) - len(missing), self.n_peers(last))  # fmt: skip
+                             want - len(missing), want)  # fmt: skip
                     return False
                 stop.wait(0.05)
         finally:
