@@ -263,7 +263,7 @@ class SyncPlugin:
     def _inbox(self) -> list[Contribution]:
         items, self._deferred = [*self._deferred, *self.inbox.take()], []
         if self.state is not None:
-            self.state.drop_held(self.excluded)
+            self.state.drop_excluded(self.excluded)
         return [c for c in items if not self.excluded(c.sender)]
 
     def _settle(self) -> None:
@@ -642,28 +642,26 @@ class SyncPlugin:
         try:
             while not stop.is_set():
                 version = self.state.version
-                others = self.n_peers(version) - 1
-                if others < 1:
+                if self.n_peers(version) <= 1:
                     return
-                self._absorb()
-                missing = self._missing(version)
-                if not missing:
-                    self._settle()
-                    inbox = self._inbox()
-                    if self.guard is not None:
-                        followed = self.guard.follow(inbox)
-                    else:
-                        followed = self.state.follow(inbox)
-                    self._report(self.state.last_merge)
-                    if not followed:
-                        return
-                    self.followed += 1
-                    continue
-                if time.monotonic() >= deadline:
-                    log.info("following round %d: %d of %d other peers' deltas in; not "
-                             "waiting longer", version, others - len(missing), others)  # fmt: skip
+                missing = self._until_in(version, stop, deadline)
+                if missing:
+                    others = self.n_peers(version) - 1
+                    if not stop.is_set():
+                        log.info("following round %d: %d of %d other peers' deltas in; "
+                                 "not waiting longer", version, others - len(missing),
+                                 others)  # fmt: skip
                     return
-                stop.wait(0.05)
+                self._settle()
+                inbox = self._inbox()
+                if self.guard is not None:
+                    followed = self.guard.follow(inbox)
+                else:
+                    followed = self.state.follow(inbox)
+                self._report(self.state.last_merge)
+                if not followed:
+                    return
+                self.followed += 1
         finally:
             self.follow_s += time.perf_counter() - started
             if self.followed:
@@ -800,19 +798,24 @@ class SyncPlugin:
         deadline = time.monotonic() + self.spec.final_wait_s
         started = time.perf_counter()
         try:
-            while True:
-                self._absorb()
-                missing = self._missing(last)
-                if not missing:
-                    return True
-                if stop.is_set() or time.monotonic() >= deadline:
-                    want = self.n_peers(last)
-                    log.info("%s: %d of %d peers' deltas in; not waiting longer", what,
-                             want - len(missing), want)  # fmt: skip
-                    return False
-                stop.wait(0.05)
+            missing = self._until_in(last, stop, deadline)
+            if missing:
+                want = self.n_peers(last)
+                log.info("%s: %d of %d peers' deltas in; not waiting longer", what,
+                         want - len(missing), want)  # fmt: skip
+            return not missing
         finally:
             self.wait_s += time.perf_counter() - started
+
+    def _until_in(self, base_version: int, stop: threading.Event, deadline: float) -> set[str]:
+        """Absorb the deltas that arrive until every counted peer's of round ``base_version``
+        is in, ``stop`` is set or ``deadline`` (monotonic) passes; those still missing then."""
+        while True:
+            self._absorb()
+            missing = self._missing(base_version)
+            if not missing or stop.is_set() or time.monotonic() >= deadline:
+                return missing
+            stop.wait(0.05)
 
     def state_tensors(self) -> dict[str, Tensor]:
         if self.state is None:

@@ -833,11 +833,15 @@ class SyncState:
         merged = {sender for sender, b in self._seen if b == base_version}
         return merged | held | self._gone.get(base_version, set())
 
-    def drop_held(self, excluded: Callable[[str], bool]) -> int:
-        """Forget the held deltas of senders now ``excluded`` (quarantined or banned after they
-        came): they would be merged when this peer closes their round. How many that was."""
+    def drop_excluded(self, excluded: Callable[[str], bool]) -> int:
+        """Forget what senders now ``excluded`` (quarantined or banned) left here: their held
+        deltas, which would be merged when this peer closes their round, and the rounds they
+        claimed, which would otherwise pace this peer's (``rounds_behind``: a member
+        quarantined while it claimed rounds ahead made a peer whose only other member it was
+        close rounds early). How many held deltas that was."""
         before = len(self._held)
         self._held = [h for h in self._held if not excluded(h.sender)]
+        self._claims = {p: c for p, c in self._claims.items() if not excluded(p)}
         return before - len(self._held)
 
     def deltas_in(self, base_version: int) -> int:

@@ -28,20 +28,26 @@ from tests.conftest import fake_engine
 
 def plugin(
     peer_sends: list[RoundOut],
-    absorbed: list[MergeReport],
+    absorbed: list[MergeReport] | None = None,
     *,
     every: int = 3,
     width: int = 4,
     lr: Callable[[int], float] | None = None,
+    counted: Callable[[int], Collection[str]] = lambda base: ["other"],
+    training: Collection[str] = (),
+    max_staleness: int = 4,
 ) -> SyncPlugin:
-    """One of two peers (fp32, a fixed H), attached to a linear layer of ``width`` inputs."""
+    """One peer (fp32, a fixed H) attached to a linear layer of ``width`` inputs; it counts
+    the peers ``counted`` names (by default one other), and ``training`` train the job."""
+    merges = absorbed if absorbed is not None else []
     p = SyncPlugin(
         job_id="j" * 32,
-        spec=SyncSpec(codec="fp32", every=every),
+        spec=SyncSpec(codec="fp32", every=every, max_staleness=max_staleness),
         identity=Identity.generate(),
-        counted=lambda base: ["other"],
+        counted=counted,
         send=peer_sends.append,
-        absorbed=lambda job, merge: absorbed.append(merge),
+        absorbed=lambda job, merge: merges.append(merge),
+        training=lambda base: set(training),
         lr=lr,
     )
     torch.manual_seed(0)
@@ -1245,32 +1251,14 @@ def test_each_round_tells_the_engine_how_many_peers_average_its_steps(swarm_adam
 # Each test below failed before the hold counted identities (``SyncPlugin._missing``).
 
 
-def _fixed_plugin(
-    sent: list[RoundOut],
-    counted: Callable[[int], Collection[str]],
-    *,
-    training: Collection[str] = (),
-    max_staleness: int = 4,
-) -> SyncPlugin:
-    me = SyncPlugin(
-        job_id="j" * 32,
-        spec=SyncSpec(codec="fp32", every=2, max_staleness=max_staleness),
-        identity=Identity.generate(),
-        counted=counted,
-        send=sent.append,
-        training=lambda base: set(training),
-    )
-    torch.manual_seed(0)
-    me.attach(fake_engine(torch.nn.Linear(4, 3)))
-    return me
-
-
 def test_a_refused_delta_of_a_peer_not_counted_fills_no_counted_peers_place() -> None:
     """'far' is not counted (silent here: none of its deltas applied) and its delta of round 3
     came while this peer was at round 0: refused as ahead. 'slow' is counted and its delta of
     round 3 is missing: round 4 is held for it. By count, far's refusal took slow's place."""
     sent: list[RoundOut] = []
-    me = _fixed_plugin(sent, lambda base: ["slow"], training={"slow", "far"}, max_staleness=1)
+    me = plugin(
+        sent, every=2, counted=lambda base: ["slow"], training={"slow", "far"}, max_staleness=1
+    )
     assert me.state is not None
     me.inbox.put(_other_delta(me, 3, "far"))  # refused as ahead: 3 > 0 + 1
     me.inbox.put(_other_delta(me, 0, "slow"))
@@ -1292,7 +1280,7 @@ def test_a_delta_sent_twice_fills_no_other_peers_place() -> None:
     the replay guard, refused as a duplicate when merged); the round is still held for the
     other counted peer, whose delta is missing."""
     sent: list[RoundOut] = []
-    me = _fixed_plugin(sent, lambda base: ["p1", "p2"], training={"p1", "p2"})
+    me = plugin(sent, every=2, counted=lambda base: ["p1", "p2"], training={"p1", "p2"})
     for step in (1, 2):
         _train(me, step)
     d = _other_delta(me, 0, "p1")
@@ -1308,7 +1296,7 @@ def test_a_peer_quarantined_after_its_delta_merged_fills_no_other_peers_place() 
     missing: the next round is held for p2."""
     sent: list[RoundOut] = []
     counted = {"p1", "p2"}
-    me = _fixed_plugin(sent, lambda base: sorted(counted), training=counted)
+    me = plugin(sent, every=2, counted=lambda base: sorted(counted), training=counted)
     for step in (1, 2):
         _train(me, step)
     me.inbox.put(_other_delta(me, 0, "p1"))
@@ -1322,7 +1310,7 @@ def test_with_max_staleness_0_no_round_waits_for_a_delta_refused_as_stale() -> N
     """With max_staleness 0 the other's delta of the round just closed is refused as stale
     when it comes: it came, and will not count, so the next round is not held for it."""
     sent: list[RoundOut] = []
-    me = _fixed_plugin(sent, lambda base: ["other"], training={"other"}, max_staleness=0)
+    me = plugin(sent, every=2, counted=lambda base: ["other"], training={"other"}, max_staleness=0)
     for step in (1, 2):
         _train(me, step)
     me.inbox.put(_other_delta(me, 0))
@@ -1336,7 +1324,7 @@ def test_a_quarantined_senders_held_delta_is_not_merged() -> None:
     """Q's delta of this peer's current round is held until the round closes; Q is then
     quarantined (excluded, its inbox share dropped): the held delta leaves with it."""
     sent: list[RoundOut] = []
-    me = _fixed_plugin(sent, lambda base: ["Q"], training={"Q"})
+    me = plugin(sent, every=2, counted=lambda base: ["Q"], training={"Q"})
     me.inbox.put(_other_delta(me, 0, "Q"))
     _train(me, 1)
     assert me.state is not None and me.state.held() == 1

@@ -575,6 +575,21 @@ def test_the_next_rounds_delta_waits_even_with_max_staleness_0() -> None:
     assert me.senders_in(10**9) == set()
 
 
+def test_an_excluded_senders_claims_and_held_deltas_are_forgotten() -> None:
+    """A member quarantined after it sent leaves nothing behind: its held delta is not merged
+    when this peer closes that round, and the rounds it claimed no longer pace this peer's
+    (``rounds_behind``: it was this peer's only other member, so its claim alone set it)."""
+    (me,) = swarm(1, spec(max_staleness=4))[1]
+    ones = {k: torch.ones(s) for k, s in SHAPES.items()}
+    # Held: rounds this peer has not closed yet; the newer one is claimed.
+    me.absorb([Contribution("bad", 1, me.version + 1, ones), Contribution("bad", 2, 3, ones)])
+    assert me.held() == 2 and me.rounds_behind() == 4 and me.senders_in(1) == {"bad"}
+    assert me.drop_excluded(lambda sender: sender == "other") == 0  # others stay
+    assert me.held() == 2 and me.rounds_behind() == 4
+    assert me.drop_excluded(lambda sender: sender == "bad") == 2
+    assert me.held() == 0 and me.rounds_behind() == 0 and me.senders_in(1) == set()
+
+
 def test_a_delta_refused_as_ahead_then_merged_counts_once() -> None:
     """A peer's delta of round 4 reaches this one at round 0 and is refused as ahead: its
     sender counts as in for round 4 (``senders_in``), since it will not come again. When it
