@@ -20,7 +20,6 @@ from pydantic import (
 
 from atomd.model.config import GPTConfig
 from atomd.model.presets import PRESETS
-from atomd.sync.cadence import LINK_EVERY, MIN_FRACTION
 from atomd.units import parse_bytes
 
 # Upper bounds: far beyond any real job, small enough that arithmetic on them stays exact.
@@ -96,8 +95,10 @@ class SyncSpec(_Spec):
         le=1,
         description="Share of each tensor's entries a sparse codec sends; default: "
         + ", ".join(f"{v} for {c}" for c, v in SPARSE_FRACTION.items())
-        + f". With every 'auto' the most it sends: fewer (down to {MIN_FRACTION:.2%}) where the "
-        f"link would space rounds more than {LINK_EVERY} steps apart (docs/cadence.md).",
+        # The numbers are atomd.sync.cadence's MIN_FRACTION and LINK_EVERY (tests/unit/
+        # test_spec.py holds them equal; the spec imports nothing of the sync package).
+        + ". With every 'auto' the most it sends: fewer (down to 0.25%) where the link would "
+        "space rounds more than 5 steps apart (docs/cadence.md).",
     )
     value_bits: Literal[4, 8] = Field(
         4,

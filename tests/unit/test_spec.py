@@ -92,3 +92,13 @@ def test_outer_momentum_defaults_by_codec_and_cadence_and_shows_in_the_spec() ->
     assert stored["sync"]["outer_momentum"] == OUTER_MOMENTUM["topk"]
     again = JobSpec.model_validate({**stored, "sync": {**stored["sync"], "every": "auto"}})
     assert again.sync is not None and again.sync.outer_momentum == OUTER_MOMENTUM["topk"]
+
+
+def test_topk_fraction_help_states_the_cadences_bounds() -> None:
+    """The spec names the automatic cadence's floor on the share and its rounds' spacing in
+    words (it imports nothing of the sync package); they must be the cadence's own."""
+    from atomd.sync.cadence import LINK_EVERY, MIN_FRACTION
+
+    text = SyncSpec.model_fields["topk_fraction"].description or ""
+    assert f"down to {MIN_FRACTION:.2%}" in text
+    assert f"more than {LINK_EVERY} steps apart" in text
