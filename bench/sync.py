@@ -732,6 +732,20 @@ def extra_runs() -> list[RunSpec]:
             RunSpec(f"topk-h2-p8{suffix}", codec="topk", every=2, peers=8, sync=extra)
             for suffix, extra in (("-swarm-adam", {}), ("-adamw", {"swarm_adam": False}))
         ),
+        # What keeps 8 peers from the batch-128 process (2026-12-06, sixth): the peers' exact
+        # mean every step, with the swarm's AdamW (bench/results-sync-p8-exact-2026-12-06.json).
+        RunSpec(
+            "fp32-h1-sync-plain-p8",
+            codec="fp32",
+            every=1,
+            mode="sync",
+            peers=8,
+            sync={"outer_momentum": 0.0},
+        ),
+        # ... and top-k at 8 peers with twice the entries, or a round every step
+        # (bench/results-sync-p8-topk-2026-12-06.json).
+        RunSpec("topk-f2-h2-p8", codec="topk", every=2, peers=8, sync={"topk_fraction": 0.02}),
+        RunSpec("topk-h1-p8", codec="topk", every=1, peers=8),
         # Issue #14 item 5 (2026-12-06): more entries at H=50 within the 100x bar (33,699 B a
         # round): top-k 2 %, with the default momentum (0.5 at H=50) and with 0.7
         # (bench/results-sync-h50-topk-f2-2026-12-06.json).
