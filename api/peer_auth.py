@@ -1,11 +1,11 @@
 """The peer plane's FastAPI dependency: a signed request, its body read within its limit.
 
 In this order, so that nobody but an admitted peer can make this daemon read or hash a body:
-the ``X-Atomd-*`` headers are checked (form, swarm, target, clock, key id), then the body is
-read up to the route's limit (a declared ``Content-Length`` over it is refused before reading,
-a body that streams past it as soon as it does), then the signature, the swarm secret and the
-allow-list are checked. A refusal is reported to ``on_reject`` (rate limit and records) and
-answered 401/403/413 by ``api.errors``.
+the ``X-Atomd-*`` headers are checked (form, swarm, target, clock, key id, the key's
+admission: allow-list and bans), then the body is read up to the route's limit (a declared
+``Content-Length`` over it is refused before reading, a body that streams past it as soon as
+it does), then the signature and the swarm secret are checked. A refusal is reported to
+``on_reject`` (rate limit and records) and answered 401/403/413 by ``api.errors``.
 """
 
 from __future__ import annotations

@@ -85,7 +85,14 @@ class WireError(AtomdError):
     bad_signature, unknown_sender, stale, replayed, wrong_shape, non_finite, malformed,
     wrong_job, wrong_codec or unsupported_version. The message says what was expected."""
 
+    MAX_MESSAGE = 1000
+
     def __init__(self, reason: str, message: str = "") -> None:
+        # Some messages quote what the sender sent (tensor names, shapes): a frame of a few
+        # hundred bytes listed a thousand 900-character names, and the refusal written to the
+        # rounds' records and answered was 2,800x its size.
+        if len(message) > self.MAX_MESSAGE:
+            message = message[: self.MAX_MESSAGE - 3] + "..."
         super().__init__(f"{reason}: {message}" if message else reason)
         self.reason = reason
 

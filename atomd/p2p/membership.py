@@ -49,6 +49,12 @@ from atomd.p2p.messages import (
 
 log = get_logger(__name__)
 
+# The most members a daemon keeps (``Membership._make_room``): four full join replies.
+MAX_KNOWN = 4 * MAX_MEMBERS
+# How far ahead of this daemon's clock a previous life of it may have dated its incarnation
+# (``Membership._refutable``): a clock set back by up to this much across a restart.
+INCARNATION_SKEW_MS = 24 * 3600 * 1000
+
 PeerState = MemberState
 Update = MemberRecord  # one piece of gossip: what a member is, as of an incarnation
 _RANK: dict[str, int] = {"alive": 0, "suspect": 1, "dead": 2, "left": 3}
@@ -104,9 +110,12 @@ class Membership:
         swarm: str = "default",
         on_change: Callable[[Member, PeerState | None], None] | None = None,
         on_hearsay: Callable[[str], None] | None = None,
+        max_known: int = MAX_KNOWN,
     ) -> None:
         """``identity`` signs this daemon's own records (without one they go unsigned, and
-        other members will not believe them: tests of the merge rules only)."""
+        other members will not believe them: tests of the merge rules only); ``max_known``:
+        the most members it keeps (``_make_room``)."""
+        self.max_known = max_known
         self.me = Member(me.id, me.url, me.public_key, "alive", me.incarnation)
         self.identity = identity
         self.swarm = swarm
@@ -190,7 +199,7 @@ class Membership:
         A record that is not the member's own word (``record_problem``) is refused; a
         suspicion or death heard from others changes nothing here but asks for a probe."""
         if u.id == self.me.id:
-            if u.state in ("suspect", "dead") and u.incarnation >= self.me.incarnation:
+            if u.state in ("suspect", "dead") and self._refutable(u.incarnation):
                 self.refute(u.incarnation)
             return False
         problem = record_problem(u, self.swarm)
@@ -212,6 +221,8 @@ class Membership:
         if known is None:
             if u.state == "left" and not direct:
                 return False  # a stranger who is gone: nothing to add
+            if not self._make_room(direct):
+                return False
             member = Member(u.id, u.url, u.public_key, u.state, u.incarnation, signed=u)
             self.members[u.id] = member
             self._enqueue(u)
@@ -232,6 +243,38 @@ class Membership:
         if u.state != before:
             self._changed(known, before)
         return True
+
+    def _make_room(self, direct: bool) -> bool:
+        """Room for one more member: at ``max_known`` the one dead or gone the longest is
+        forgotten; with none, a member heard from itself (``direct``) takes the place of the
+        one not heard from directly for the longest, and one only gossiped about is refused.
+        Without a bound one member could gossip self-signed records of fresh keys, and every
+        daemon kept them all and probed the URLs they named (a review of 2026-12-06: 1,152
+        members from one sender in 18 messages)."""
+        if len(self.members) < self.max_known:
+            return True
+        gone = [m for m in self.members.values() if m.state in ("dead", "left")]
+        if gone:
+            victim = min(gone, key=lambda m: m.state_since)
+        elif direct:
+            victim = min(self.members.values(), key=lambda m: m.last_seen)
+        else:
+            return False
+        del self.members[victim.id]
+        self._gossip.pop(victim.id, None)
+        log.info("forgot member %s (%s) for a new one: %d known at most", victim.id[:8],
+                 victim.state, self.max_known)  # fmt: skip
+        return True
+
+    def _refutable(self, incarnation: int) -> bool:
+        """A suspicion of this daemon at ``incarnation`` is one to outrank: at its own
+        incarnation or above, up to what a previous life of it could have signed (incarnations
+        start from the wall clock in ms: now, plus INCARNATION_SKEW_MS for a clock set back
+        since). Higher is a lie, and outranking it would take this daemon's incarnation with
+        it: a suspicion at the largest counter made the next one unsignable, and every ping
+        and answer of the victim failed from then on (a review of 2026-12-06)."""
+        plausible = max(self.me.incarnation, int(time.time() * 1000) + INCARNATION_SKEW_MS)
+        return self.me.incarnation <= incarnation <= plausible
 
     def refute(self, incarnation: int) -> None:
         """Someone suspects us: outrank that with a higher incarnation, alive."""

@@ -483,13 +483,13 @@ class SwarmNode:
             liars=self._liars, key_at=self._key_at, at_least=at_least,
         )  # fmt: skip
 
-    def _key_at(self, url: str) -> tuple[str, str] | None:
-        """The member at a donor URL: (peer id, public key), for its signed manifest."""
-        url = url.rstrip("/")
-        for m in self.membership.all():
-            if m.url == url and m is not self.membership.me:
-                return m.id, m.public_key
-        return None
+    def _key_at(self, url: str, signer: str) -> tuple[str, str] | None:
+        """The member ``signer`` if it is at the donor URL: (peer id, public key), for its
+        signed manifest (``transfer.KeyAt``)."""
+        m = self.membership.get(signer)
+        if m is None or m is self.membership.me or m.url != url.rstrip("/"):
+            return None
+        return m.id, m.public_key
 
     # -- which peers train a job (for the delta exchange, ``atomd.sync.exchange``) -------------
 

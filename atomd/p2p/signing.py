@@ -330,9 +330,13 @@ class RequestVerifier:
     """Checks signed peer-plane requests for this daemon (``self_id``) against an
     ``Admission`` and refuses replays.
 
-    Cheap checks come first (form, swarm, target, clock, key id: ``check_headers``, before the
-    body is read), then the signature, then admission: a 403 is only given to a request proven
-    to come from that key, so a refusal recorded against a peer id is never forged. Nonces are
+    Cheap checks come first (form, swarm, target, clock, key id, and the key's admission: the
+    allow-list and bans; ``check_headers``, before the body is read), then the signature and
+    the swarm secret. A key the allow-list leaves out or a ban names is refused before its
+    body, so it cannot make this daemon read or hash one (until 2026-12-06 it was refused
+    after: a model-sized delta body read first); its refusal names the key the headers claim,
+    not one proven to have signed, and nothing but the aggregated refusal records takes it
+    from there. Nonces are
     recorded last, for accepted requests only, so garbage cannot fill the replay cache.
     ``blocked`` names why a key is refused (banned by the operator), or None."""
 
@@ -391,6 +395,21 @@ class RequestVerifier:
                 f"got {signed.peer_id}",
                 status=401,
             )
+        # The allow-list and bans need no body: refused before one is read (the key is the
+        # one the headers claim, its signature not checked yet).
+        allowed = self.admission.allowed_keys
+        if allowed and signed.key not in allowed:
+            raise PeerAuthError(
+                f"key not allowed: a request in the name of peer {signed.peer_id} (key "
+                f"{signed.key}), which is not among the {len(allowed)} keys of this daemon's "
+                "ATOMD_ALLOWED_KEYS",
+                status=403,
+            )
+        why = self.blocked(signed.key) if self.blocked is not None else None
+        if why is not None:
+            raise PeerAuthError(
+                f"a request in the name of peer {signed.peer_id}, banned here: {why}", status=403
+            )
         return signed
 
     def verify(
@@ -446,16 +465,6 @@ class RequestVerifier:
                     f"expected the same ATOMD_SWARM_SECRET as this daemon's",
                     status=403,
                 )
-        allowed = self.admission.allowed_keys
-        if allowed and signed.key not in allowed:
-            raise PeerAuthError(
-                f"key not allowed: peer {signed.peer_id} (key {signed.key}) is not among the "
-                f"{len(allowed)} keys of this daemon's ATOMD_ALLOWED_KEYS",
-                status=403,
-            )
-        why = self.blocked(signed.key) if self.blocked is not None else None
-        if why is not None:
-            raise PeerAuthError(f"peer {signed.peer_id} is banned here: {why}", status=403)
         self.replay_cache.record(
             signed.nonce, request_time=signed.time, now=now, ttl_s=2 * self.max_skew_s + body_s
         )

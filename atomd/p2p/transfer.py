@@ -125,8 +125,9 @@ def _check_sizes(url: str, manifest: StateManifest, root: Path, max_file_bytes: 
         )
 
 
-KeyAt = Callable[[str], tuple[str, str] | None]
-"""A donor URL -> (its peer id, its public key hex), from the membership; None if unknown."""
+KeyAt = Callable[[str, str], tuple[str, str] | None]
+"""(A donor URL, the peer its manifest names as signer) -> (that peer's id, its public key
+hex), from the membership, when that member is at that URL; None otherwise."""
 
 
 async def _fetch_from(
@@ -148,9 +149,17 @@ async def _fetch_from(
             f"{url} has state at step {step}, not from step {at_least} on", status=404
         )
     if key_at is not None:  # the donor's own word: its signature over the step and the files
-        who = key_at(url)
+        if manifest.signer is None:
+            raise LyingDonorError(f"{url}: the manifest is not signed")
+        # The member the manifest names, if it is the one at this URL: by URL alone, a member
+        # advertising an honest donor's URL was taken for it, and the honest manifest then
+        # failed against that member's key (the donor branded a liar for good; 2026-12-06).
+        who = key_at(url, manifest.signer)
         if who is None:
-            raise CheckpointError(f"{url} is no member this daemon knows: not a donor")
+            raise CheckpointError(
+                f"{url} is not the URL of member {manifest.signer}, who its manifest says signed "
+                "it: not a donor"
+            )
         problem = manifest_problem(manifest, client.swarm, job_id, *who)
         if problem is not None:
             raise LyingDonorError(f"{url}: {problem}")

@@ -88,6 +88,8 @@ STRIKING_WIRE_ERRORS = frozenset({"wrong_codec", "wrong_shape", "non_finite"})
 # the inbox's bounds (``runner.Inbox``).
 EARLY_PER_SENDER = 4
 EARLY_MAX_SENDERS = 256
+# ... and their bytes in all, in the largest frames the job takes (each about its fp32 model).
+EARLY_MAX_FRAMES = 8
 # This peer's last frames, kept to send to a peer that starts training the job after they went
 # out (``_catch_up``): the round's and the job's max_staleness before it (older ones are refused
 # as stale anyway), at most KEPT_FRAME_BYTES in all (a large model's frames are large).
@@ -592,6 +594,13 @@ class DeltaExchange:
         return await self._accept(job_id, plugin, body, signer)
 
     def _keep_early(self, job_id: str, signer: str, body: bytes) -> int:
+        """Keep a frame that came while the job fetches its state, to be checked once it is
+        attached (``_drain_early``): only from a known member (a key that only had the swarm
+        secret filled every place with junk before, 2026-12-06), at most EARLY_PER_SENDER of
+        each, EARLY_MAX_SENDERS senders and EARLY_MAX_FRAMES frames' worth of bytes in all
+        (the sender holding the most gives its oldest up first)."""
+        if self.peers.public_key(signer) is None:
+            raise WireError("unknown_sender", f"sender {signer} is not a known peer")
         senders = self._early.setdefault(job_id, {})
         q = senders.get(signer)
         if q is None:
@@ -599,6 +608,13 @@ class DeltaExchange:
                 raise NotFoundError(f"job {job_id} is not training here yet")
             q = senders[signer] = deque(maxlen=EARLY_PER_SENDER)
         q.append(body)
+        cap = EARLY_MAX_FRAMES * self.max_frame_bytes(job_id)
+        held = {who: sum(map(len, kept)) for who, kept in senders.items()}
+        while sum(held.values()) > cap:
+            most = max(held, key=held.__getitem__)
+            held[most] -= len(senders[most].popleft())
+            if not senders[most]:
+                del senders[most], held[most]
         return len(body)
 
     async def _drain_early(self, job_id: str) -> None:
@@ -639,14 +655,13 @@ class DeltaExchange:
             expected_shapes=plugin.expected_shapes,
             max_bytes=self.max_frame_bytes(job_id),
             seen=self._replay_guard,
+            sender=signer,
         )
 
         def decode() -> tuple[DeltaFrame, dict[str, Tensor]]:
             for i in range(0, len(body), FEED_CHUNK):
                 decoder.feed(body[i : i + FEED_CHUNK])
-            frame = decoder.finish()
-            if frame.sender != signer:
-                raise WireError("bad_signature", f"frame of {frame.sender} sent by {signer}")
+            frame = decoder.finish()  # a frame of another sender than ``signer`` is refused
             check_codec(frame, codec)
             return frame, decode_tensors(frame, plugin.expected_shapes)
 

@@ -166,16 +166,21 @@ class ReplayGuard:
     """Frames accepted recently, by (job, sender, round, base_version) and by signature.
 
     Holds at most ``max_entries``; when full the oldest goes early, and since a replay of it could
-    then pass, every frame created no later than it is refused too."""
+    then pass, every frame of its sender created no later than it is refused too. Per sender:
+    with one floor for all (before 2026-12-06), a member that sent ``max_entries`` frames dated
+    a minute ahead had every honest frame of the next minute refused as a replay. A sender's
+    floor is forgotten once it is older than ``max_age_s`` (the decoders' limit: a frame created
+    before it is refused as stale anyway), so floors do not pile up."""
 
-    def __init__(self, *, max_entries: int = 10_000) -> None:
+    def __init__(self, *, max_entries: int = 10_000, max_age_s: float = 600.0) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries
+        self.max_age_s = max_age_s
         # key -> (signature, created_at); insertion order is acceptance order.
         self._frames: OrderedDict[tuple[str, str, int, int], tuple[str, float]] = OrderedDict()
         self._signatures: set[str] = set()
-        self._floor = -math.inf  # created_at of the newest frame forgotten early
+        self._floor: dict[str, float] = {}  # sender -> created_at of its newest forgotten early
         # Decoders may finish in worker threads; check-and-record must be atomic.
         self._lock = threading.Lock()
 
@@ -191,6 +196,7 @@ class ReplayGuard:
         base_version: int,
         signature: str,
         created_at: float,
+        now: float | None = None,
     ) -> None:
         """Remember a frame; ``WireError("replayed")`` if it, or its key, may have been seen."""
         key = (job_id, sender, round, base_version)
@@ -201,18 +207,23 @@ class ReplayGuard:
                     f"a frame from {sender} for round {round}, base version {base_version} "
                     "was already received; expected each (round, base version) once",
                 )
-            if created_at <= self._floor:
+            floor = self._floor.get(sender, -math.inf)
+            if created_at <= floor:
                 raise WireError(
                     "replayed",
-                    f"cannot rule out a replay of a frame created at {created_at:.6f} (too many "
-                    f"recent frames); expected one created after {self._floor:.6f}",
+                    f"cannot rule out a replay of a frame of {sender} created at "
+                    f"{created_at:.6f} (too many recent frames); expected one created after "
+                    f"{floor:.6f}",
                 )
             self._frames[key] = (signature, created_at)
             self._signatures.add(signature)
             if len(self._frames) > self.max_entries:
-                _, (old_signature, old_created_at) = self._frames.popitem(last=False)
-                self._signatures.discard(old_signature)
-                self._floor = max(self._floor, old_created_at)
+                (_, old_sender, _, _), (old_sig, old_at) = self._frames.popitem(last=False)
+                self._signatures.discard(old_sig)
+                self._floor[old_sender] = max(self._floor.get(old_sender, -math.inf), old_at)
+                if len(self._floor) > self.max_entries:
+                    horizon = (time.time() if now is None else now) - self.max_age_s
+                    self._floor = {p: t for p, t in self._floor.items() if t >= horizon}
 
 
 class _Entry(NamedTuple):
@@ -245,8 +256,11 @@ class FrameDecoder:
     tensors until everything is checked.
 
     ``public_key_of`` maps a peer id to its Ed25519 public key (hex), None if unknown.
-    ``expected_shapes`` names every tensor a frame must hold, and its shape. A refusal is final:
-    later calls raise the same ``WireError``."""
+    ``expected_shapes`` names every tensor a frame must hold, and its shape. ``sender``: the
+    peer that signed the request carrying the frame, whose own it must be, refused before
+    ``seen`` records it (a member forwarding another's frame, checked after, had the replay
+    guard refuse the sender's own upload of it as a replay). A refusal is final: later calls
+    raise the same ``WireError``."""
 
     def __init__(
         self,
@@ -257,8 +271,10 @@ class FrameDecoder:
         max_bytes: int,
         max_age_s: float = 600.0,
         seen: ReplayGuard | None = None,
+        sender: str | None = None,
     ) -> None:
         self.job_id = job_id
+        self.sender = sender
         self.public_key_of = public_key_of
         self.expected_shapes = {name: tuple(shape) for name, shape in expected_shapes.items()}
         self.max_bytes = max_bytes
@@ -371,6 +387,8 @@ class FrameDecoder:
             raise WireError(
                 "wrong_job", f"frame is for job {header.job_id!r}, expected {self.job_id!r}"
             )
+        if self.sender is not None and header.sender != self.sender:
+            raise WireError("bad_signature", f"frame of {header.sender} sent by {self.sender}")
         public_key = self.public_key_of(header.sender)
         if public_key is None:
             raise WireError("unknown_sender", f"sender {header.sender} is not a known peer")

@@ -76,6 +76,44 @@ def test_suspicion_of_self_is_refuted() -> None:
     assert ms.me.incarnation == 11
 
 
+def test_a_suspicion_no_life_of_this_daemon_could_have_signed_is_not_refuted() -> None:
+    """Suspicions are unsigned hearsay, so anyone can say one. One at the largest counter made
+    the victim refute to a counter no record can hold: every later ping, answer and join
+    reply of it raised (a review of 2026-12-06). A suspicion beyond what a previous life of
+    this daemon could have signed (its clock, plus a day) is ignored; one a previous life
+    could have (a clock set back across a restart) is still outranked."""
+    me = ident("victim")
+    ms = Membership(upd("victim", inc=int(time.time() * 1000)), identity=me)
+    before = ms.me.incarnation
+    for lie in (MAX_COUNTER, int(time.time() * 1000) + 2 * 86_400_000):
+        ms.apply(upd("victim", "suspect", lie))
+        assert ms.me.incarnation == before
+    Gossip(sender=ms.me.update(), updates=ms.gossip())  # it can still speak
+    earlier_life = before + 3_600_000  # an hour ahead of this life's start
+    ms.apply(upd("victim", "dead", earlier_life))
+    assert ms.me.incarnation == earlier_life + 1 and ms.me.state == "alive"
+
+
+def test_the_members_kept_are_bounded() -> None:
+    """Keys are free, and gossip adds any member whose record its own key signed: one member
+    gossiping 64 fresh records a ping grew every daemon's table without end (a review of
+    2026-12-06: 1,152 members in 18 pings). At ``max_known`` a new member takes the place of
+    the one dead or gone the longest; with none, one heard from itself takes the place of the
+    one not heard from directly for the longest; one only gossiped about is refused."""
+    ms = Membership(upd("me"), max_known=4)
+    for name in ("k0", "k1", "k2", "k3"):
+        assert ms.apply(upd(name))
+    assert ms.mark(pid("k1"), "dead")
+    assert ms.apply(upd("k4"))  # k1, dead, makes room
+    assert ms.get(pid("k1")) is None and len(ms.members) == 4
+    assert not ms.apply(upd("k5"))  # gossip about a stranger, and nobody to forget
+    assert ms.get(pid("k5")) is None and len(ms.members) == 4
+    ms.members[pid("k0")].last_seen -= 60  # the longest not heard from directly
+    assert ms.apply(upd("k5"), direct=True)
+    assert ms.get(pid("k0")) is None and ms.get(pid("k5")) is not None
+    assert len(ms.members) == 4
+
+
 def test_hearsay_about_gone_strangers_adds_nothing_and_changes_are_reported() -> None:
     seen: list[tuple[str, str | None, str]] = []
     ms = Membership(upd("me"), on_change=lambda m, before: seen.append((m.id, before, m.state)))

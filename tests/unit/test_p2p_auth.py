@@ -487,7 +487,9 @@ class PeerApp:
 LIMIT = 4 << 20  # the test app's body limit
 
 
-def make_peer_app(adm: Admission, *, failing_on_reject: bool = False) -> PeerApp:
+def make_peer_app(
+    adm: Admission, *, failing_on_reject: bool = False, blocked: dict[str, str] | None = None
+) -> PeerApp:
     rejected: list[AtomdError] = []
 
     async def on_reject(request: Request, error: AtomdError) -> None:
@@ -498,7 +500,8 @@ def make_peer_app(adm: Admission, *, failing_on_reject: bool = False) -> PeerApp
 
     app = FastAPI()
     errors.install(app)
-    auth = peer_auth(verifier_for(adm), limit=lambda r: LIMIT, on_reject=on_reject)
+    verifier = verifier_for(adm, blocked=(blocked or {}).get)
+    auth = peer_auth(verifier, limit=lambda r: LIMIT, on_reject=on_reject)
     Peer = Annotated[SignedRequest, Depends(auth)]
 
     @app.post("/p2p/v1/echo")
@@ -614,6 +617,26 @@ async def test_bodies_are_bounded_before_they_are_read(alice: Identity) -> None:
     assert [type(e).__name__ for e in peer_app.rejected] == [
         "PeerAuthError", "TooLargeError", "TooLargeError"
     ]  # fmt: skip
+
+
+async def test_a_key_the_allow_list_leaves_out_or_a_ban_names_is_refused_before_its_body(
+    alice: Identity, bob: Identity
+) -> None:
+    """The allow-list and the operator's bans need no body: a key they refuse cannot make this
+    daemon read or hash one (before 2026-12-06 they were checked after the whole body, up to
+    the route's limit, a model-sized frame on the delta route, had been read)."""
+    listed = make_peer_app(admission(secret=b"s3cret", allowed=frozenset({alice.public_key_hex})))
+    banning = make_peer_app(admission(), blocked={bob.public_key_hex: "operator's ban: flood"})
+    for peer_app in (listed, banning):
+        transport = httpx.ASGITransport(app=peer_app.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://peer") as http:
+            body = Counted(LIMIT)
+            headers = sign(bob, admission(secret=b"guess"), "POST", "/p2p/v1/echo", b"")
+            answer = await http.post("/p2p/v1/echo", content=body, headers=headers)
+        assert answer.status_code == 403, answer.text
+        assert body.sent <= 65536, f"{body.sent} bytes of a refused key's body were read"
+    assert "key not allowed" in str(listed.rejected[0])
+    assert "banned here: operator's ban: flood" in str(banning.rejected[0])
 
 
 # PeerClient against a real server ------------------------------------------------------------

@@ -489,6 +489,50 @@ async def test_frames_that_come_during_the_state_transfer_are_kept_and_checked_a
     assert not ex._early and ex.max_frame_bytes(JOB) == 0
 
 
+async def test_only_members_frames_are_kept_during_the_state_transfer_and_boundedly(
+    sessions: Any,
+) -> None:
+    """What a peer keeps while it fetches its state is checked only once it is attached, so
+    only a known member's body is kept (keys are free: before 2026-12-06 fresh keys took every
+    place, and the members' frames were then refused and their deltas lost), and all the bodies
+    kept hold at most EARLY_MAX_FRAMES of the largest frames the job takes; over that, the
+    sender holding the most gives up its oldest."""
+    from atomd.sync.exchange import EARLY_MAX_FRAMES, EARLY_PER_SENDER
+
+    members = [Identity.generate() for _ in range(3)]
+    keys = {i.peer_id: i.public_key_hex for i in members}
+    ex = exchange(sessions, FakeClient(), FakePeers([Peer(i.peer_id, "u") for i in members], keys))
+    ex.plugin(JOB, JobSpec(sync={"codec": "fp32", "every": 1}))  # fetching its state
+    with pytest.raises(WireError, match="unknown_sender"):
+        await ex.receive(JOB, b"junk", Identity.generate().peer_id)
+    big = ex.max_frame_bytes(JOB)
+    for _ in range(EARLY_PER_SENDER):
+        for i in members:
+            assert await ex.receive(JOB, bytes(big), i.peer_id) == big
+    kept = ex._early[JOB]
+    assert sum(len(b) for q in kept.values() for b in q) <= EARLY_MAX_FRAMES * big
+    assert sorted(len(q) for q in kept.values()) == [2, 3, 3]  # 12 would be 1.5x the bound
+    assert await ex.receive(JOB, b"small", members[0].peer_id) == 5  # a small one still fits
+    ex.release(JOB)
+
+
+async def test_a_member_forwarding_anothers_frame_does_not_make_it_a_replay(
+    sessions: Any,
+) -> None:
+    """Every peer of a job receives every other's frames. One re-posting another's frame is
+    refused before the replay guard records it, so the sender's own upload, a moment later,
+    is still taken (checked after, it was refused as a replay: its delta lost there)."""
+    honest, hostile = Identity.generate(), Identity.generate()
+    keys = {i.peer_id: i.public_key_hex for i in (honest, hostile)}
+    ex = exchange(sessions, FakeClient(), FakePeers([Peer(honest.peer_id, "h")], keys))
+    plugin = attach(ex)
+    (f,) = frames_of(sessions, honest, 1)
+    with pytest.raises(WireError, match="bad_signature"):
+        await ex.receive(JOB, f, hostile.peer_id)
+    assert await ex.receive(JOB, f, honest.peer_id) == len(f)
+    assert len(plugin.inbox) == 1
+
+
 async def test_frames_that_come_while_the_trainer_loads_are_kept_for_its_plugin(
     sessions: Any,
 ) -> None:

@@ -190,15 +190,50 @@ async def test_the_whole_transfer_has_a_deadline(tmp_path: Path, donors: Any) ->
 
 async def test_the_donors_manifest_must_be_signed_by_the_donor(tmp_path: Path, donors: Any) -> None:
     urls = {b: await donors(b) for b in ("ok", "forged", "resized", "signed")}
-    members = {urls[b]: (DONORS[b].peer_id, DONORS[b].public_key_hex) for b in urls}
+    members = {(urls[b], DONORS[b].peer_id): (DONORS[b].peer_id, DONORS[b].public_key_hex)
+               for b in urls}  # fmt: skip
     liars: set[str] = set()
     async with PeerClient(
         Identity.generate(), Admission("s", None, frozenset()), tls=False
     ) as client:
         step = await fetch_state(client, list(urls.values()), "job1", tmp_path / "j",
-                                 liars=liars, key_at=members.get)  # fmt: skip
+                                 liars=liars, key_at=lambda u, s: members.get((u, s)))  # fmt: skip
     assert step == 7
     assert liars == {urls["ok"], urls["forged"], urls["resized"]}, "unsigned, forged, altered"
+
+
+async def test_a_member_advertising_a_donors_url_cannot_have_it_taken_for_a_liar(
+    tmp_path: Path, donors: Any
+) -> None:
+    """Any member signs its own record with any URL, another's included. The donor's key is
+    the one of the member its manifest names, if that member is at the URL (``SwarmNode.
+    _key_at``): found by URL alone, a member whose id sorted first and who advertised the
+    honest donor's URL was taken for it, the honest manifest failed against its key, and the
+    honest donor was never asked for state again (a review of 2026-12-06)."""
+    from atomd.p2p.membership import Membership, Update
+    from atomd.p2p.messages import sign_record
+    from atomd.p2p.node import SwarmNode
+
+    url = await donors("signed")
+    honest = DONORS["signed"]
+    hostile = Identity.generate()
+    while hostile.peer_id > honest.peer_id:
+        hostile = Identity.generate()
+    me = Identity.generate()
+    ms = Membership(Update(id=me.peer_id, url="http://me:1", public_key=me.public_key_hex,
+                           state="alive", incarnation=1), identity=me, swarm="s")  # fmt: skip
+    for who in (hostile, honest):
+        record = Update(id=who.peer_id, url=url, public_key=who.public_key_hex, state="alive",
+                        incarnation=1)  # fmt: skip
+        assert ms.apply(sign_record(record, who, "s"), direct=True)
+    node = SimpleNamespace(membership=ms)
+    liars: set[str] = set()
+    async with PeerClient(
+        Identity.generate(), Admission("s", None, frozenset()), tls=False
+    ) as client:
+        step = await fetch_state(client, [url], "job1", tmp_path / "j", liars=liars,
+                                 key_at=lambda u, signer: SwarmNode._key_at(node, u, signer))  # type: ignore[arg-type]  # fmt: skip
+    assert step == 7 and not liars
 
 
 def test_the_signed_manifest_covers_the_tokenizer_file() -> None:

@@ -72,6 +72,7 @@ def decoder(
     max_bytes: int = 1 << 20,
     seen: ReplayGuard | None = None,
     keys: Callable[[str], str | None] = KEYS.get,
+    sender: str | None = None,
 ) -> FrameDecoder:
     return FrameDecoder(
         job_id=JOB,
@@ -79,6 +80,7 @@ def decoder(
         expected_shapes=SHAPES if shapes is None else shapes,
         max_bytes=max_bytes,
         seen=seen,
+        sender=sender,
     )
 
 
@@ -298,6 +300,56 @@ def test_replay_guard_is_bounded() -> None:
     refused(first, "replayed", seen=seen)
     refused(frame(round=7, now=t - 4), "replayed", seen=seen)
     receive(frame(round=8, now=t), seen=seen)
+
+
+def test_replay_guard_floors_are_per_sender() -> None:
+    """One member's frames filling the guard raise its own floor only: with one floor for all,
+    frames dated a minute ahead (allowed: clocks differ) had every honest frame of the next
+    minute refused as a replay (a review of 2026-12-06)."""
+    seen = ReplayGuard(max_entries=2)
+    ahead = time.time() + 59
+    for r in range(3):
+        receive(frame(identity=OTHER, round=r, now=ahead), seen=seen)
+    receive(frame(round=3), seen=seen)  # made now, by another sender: accepted
+    refused(frame(identity=OTHER, round=9, now=ahead - 1), "replayed", seen=seen)
+
+
+def test_replay_guard_forgets_floors_older_than_any_frame_it_takes() -> None:
+    """A sender's floor goes once older than the decoders' age limit (frames before it are
+    refused as stale anyway), so fresh keys cannot pile floors up."""
+    seen = ReplayGuard(max_entries=2, max_age_s=600)
+    t = 1_000_000.0
+    for at, sender in ((t, "a"), (t + 1, "b"), (t + 2, "c"), (t + 601, "d")):
+        seen.record(job_id=JOB, sender=sender, round=0, base_version=0, signature=sender,
+                    created_at=at, now=at)  # fmt: skip
+    assert set(seen._floor) == {"a", "b"}  # their frames forgotten, their floors kept
+    seen.record(job_id=JOB, sender="e", round=0, base_version=0, signature="e",
+                created_at=t + 602, now=t + 602)  # fmt: skip
+    assert set(seen._floor) == {"c"}  # a's and b's: older than 600 s
+
+
+def test_a_frame_is_its_signers_own_before_it_is_recorded() -> None:
+    """A member re-posting another's frame (it receives them all) is refused before the replay
+    guard records the frame: checked after, the sender's own upload of it, a moment later,
+    was refused as a replay and its delta lost there (a review of 2026-12-06)."""
+    seen = ReplayGuard()
+    data = frame()  # ME's
+    refused(data, "bad_signature", seen=seen, sender=OTHER.peer_id)
+    assert len(seen) == 0
+    receive(data, seen=seen, sender=ME.peer_id)
+
+
+def test_a_refusal_that_quotes_the_frame_is_bounded() -> None:
+    """A refusal's message goes into the rounds' records and the answer: one that lists what
+    the frame named is cut, so a frame of a few hundred bytes (a thousand 900-character names,
+    zstd-compressed) cannot write a megabyte."""
+    data = frame()
+    _, header, payload = split(data)
+    entry = {"name": "n" * 900, "shape": [1], "codec": "fp32", "meta": {}, "nbytes": 4}
+    big = join(resign({**header, "tensors": [entry] * 1000}), payload)
+    assert len(big) < 2000
+    err = refused(big, "malformed")
+    assert len(str(err)) <= WireError.MAX_MESSAGE + len("malformed: ")
 
 
 def test_stale_and_future() -> None:
