@@ -102,7 +102,10 @@ class ControlGate:
                                    "<token>)", [(b"www-authenticate", b"Bearer")])  # fmt: skip
                 return
         declared = headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
+        # ASCII digits only: "²".isdigit() holds, and int("²") raises.
+        if declared is not None and (
+            not (declared.isascii() and declared.isdigit()) or int(declared) > MAX_BODY_BYTES
+        ):
             await self._refuse(scope, send, 413, "too_large",
                                f"a body of {declared[:20]} bytes; the control API takes at most "
                                f"{MAX_BODY_BYTES}")  # fmt: skip

@@ -56,7 +56,7 @@ async def read_body(request: Request, limit: int, *, deadline_s: float | None = 
     sender disconnects before the body is whole, or it takes longer than ``deadline_s``."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):  # int("²") raises
             raise TooLargeError(f"Content-Length {declared[:20]!r} is not a number of bytes")
         if int(declared) > limit:
             raise TooLargeError(f"a body of {declared} bytes; this route takes at most {limit}")

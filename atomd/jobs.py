@@ -465,6 +465,11 @@ class JobManager:
     async def stop(self, job_id: str, scope: Scope = "local") -> JobRecord:
         job = await self.get(job_id)
         if scope == "swarm" and self.swarm is not None:
+            if job.origin not in (None, self.peer_id):  # the others would not take it
+                raise JobConflictError(
+                    f"job {job_id} was started by peer {job.origin}: only its origin stops it "
+                    f"on every peer; POST /v1/jobs/{job_id}/stop stops this daemon's copy"
+                )
             self.swarm.broadcast_stop(job_id)
         active = self.active
         if active is None or active.id != job_id:
@@ -474,10 +479,21 @@ class JobManager:
         return await self._request_stop(active, "stopped by request")
 
     async def stop_from_peer(self, job_id: str, peer_id: str) -> None:
-        """A peer stopped ``job_id`` swarm-wide: stop our copy (if we train it)."""
+        """A peer stopped ``job_id`` swarm-wide: stop our copy (if we train it), if that peer
+        started the job. ``JobConflictError`` from another: any member could otherwise end
+        every peer's copy of every job with one message each, and a stopped job is not joined
+        again (a review of 2026-12-06)."""
         active = self.active
-        if active is not None and active.id == job_id and active.stop_reason is None:
-            await self._request_stop(active, f"stopped by the swarm (peer {peer_id[:12]})")
+        if active is None or active.id != job_id or active.stop_reason is not None:
+            return
+        if active.origin is not None and peer_id != active.origin:
+            log.warning("job %s: a stop from peer %s refused; only its origin %s stops it on "
+                        "every peer", job_id, peer_id, active.origin)  # fmt: skip
+            raise JobConflictError(
+                f"job {job_id} was started by peer {active.origin}: only its origin stops it "
+                "on every peer"
+            )
+        await self._request_stop(active, f"stopped by the swarm (peer {peer_id[:12]})")
 
     async def _request_stop(self, active: ActiveJob, reason: str) -> JobRecord:
         active.stop_reason = reason

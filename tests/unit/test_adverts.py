@@ -66,3 +66,43 @@ async def test_an_advert_naming_a_path_is_not_joined(tmp_path: Path) -> None:
         await jobs.shutdown()
         await task
         await engine.dispose()
+
+
+async def test_only_its_origin_stops_a_job_on_every_peer(tmp_path: Path) -> None:
+    """A stop heard from the swarm ends this daemon's copy only if the job's origin sent it:
+    from any member, one message each ended every peer's copy of every job, for good (a
+    stopped job is not joined again; a review of 2026-12-06). An operator of another peer
+    is told so, and can stop its own copy."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from atomd.errors import JobConflictError
+    from atomd.jobs import ActiveJob
+
+    settings = Settings(data_dir=tmp_path / "d", device="cpu")
+    await asyncio.to_thread(migrate.upgrade, settings.db_path)
+    engine = make_engine(settings.db_path)
+    sessions = make_sessionmaker(engine)
+    origin, job_id = "o" * 32, "a" * 32
+    jobs = JobManager(jobs_dir=settings.jobs_dir, sessions=sessions, telemetry=Telemetry(),
+                      device="cpu", peer_id="p" * 32)  # fmt: skip
+    stops: list[str] = []
+    jobs.swarm = SimpleNamespace(broadcast_stop=stops.append)  # type: ignore[assignment]
+    try:
+        async with sessions() as s, s.begin():
+            await repo.create_job(s, job_id=job_id, spec={}, out_dir="/x", state="running",
+                                  scope="swarm", origin=origin)  # fmt: skip
+        active = ActiveJob(job_id, JobSpec(preset="tiny"), tmp_path, False, "swarm", origin)
+        jobs.active = active
+        with pytest.raises(JobConflictError, match="only its origin"):
+            await jobs.stop_from_peer(job_id, "m" * 32)
+        assert active.stop_reason is None and not active.stop_event.is_set()
+        with pytest.raises(JobConflictError, match="only its origin stops it on every peer"):
+            await jobs.stop(job_id, scope="swarm")
+        assert stops == [] and active.stop_reason is None
+        await jobs.stop_from_peer(job_id, origin)
+        assert active.stop_event.is_set() and "stopped by the swarm" in str(active.stop_reason)
+    finally:
+        jobs.active = None
+        await engine.dispose()

@@ -614,8 +614,15 @@ async def test_bodies_are_bounded_before_they_are_read(alice: Identity) -> None:
         answer = await http.post("/p2p/v1/echo", content=streamed, headers=headers)
         assert answer.status_code == 413 and "streamed past" in answer.json()["detail"]
         assert streamed.sent <= LIMIT + 2 * 65536
+        # Not a length: "²".isdigit() holds and int("²") raised (a 500 before 2026-12-06).
+        headers = {
+            **sign(alice, adm, "POST", "/p2p/v1/echo", b"{}"),
+            "Content-Length": "²".encode("latin-1"),
+        }
+        answer = await http.post("/p2p/v1/echo", content=b"{}", headers=headers)
+        assert answer.status_code == 413 and "not a number" in answer.json()["detail"]
     assert [type(e).__name__ for e in peer_app.rejected] == [
-        "PeerAuthError", "TooLargeError", "TooLargeError"
+        "PeerAuthError", "TooLargeError", "TooLargeError", "TooLargeError"
     ]  # fmt: skip
 
 
