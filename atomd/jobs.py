@@ -22,6 +22,7 @@ import functools
 import hashlib
 import importlib
 import logging
+import math
 import os
 import sys
 import threading
@@ -76,6 +77,9 @@ SHUTDOWN_REASON = "interrupted by daemon shutdown; resumes when the daemon start
 # How long a peer that asks for this daemon's live state waits for the trainer to checkpoint
 # at its next step boundary, before it gets the newest checkpoint on disk instead.
 LIVE_STATE_TIMEOUT_S = 30.0
+# At most one live-state checkpoint per job this often (``live_state``); a peer asking sooner
+# gets the one written last. Each costs ~6 model sizes of disk writes, and any member may ask.
+LIVE_STATE_EVERY_S = 30.0
 RESUMING_REASON = "resuming from the last good checkpoint"
 
 
@@ -150,6 +154,7 @@ class ActiveJob:
     logged_at: float = 0.0  # monotonic time of the last progress line in the log
     snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
     step: int = 0  # the newest step reported by the trainer
+    live_at: float = -math.inf  # monotonic time of its last live-state checkpoint
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -382,6 +387,12 @@ class JobManager:
             raise NotFoundError(
                 f"job {job_id} has closed no round here yet: start from its initial weights"
             )
+        if time.monotonic() - a.live_at < LIVE_STATE_EVERY_S:
+            # Written moments ago: that one (a member asking in a loop made the trainer write
+            # ~6 model sizes at every step; a review of 2026-12-06).
+            log.info("job %s: live state written %.0f s ago; serving it", job_id,
+                     time.monotonic() - a.live_at)  # fmt: skip
+            return False
         fut = a.snapshots.ask()
         try:
             step = await asyncio.wait_for(asyncio.wrap_future(fut), LIVE_STATE_TIMEOUT_S)
@@ -390,6 +401,7 @@ class JobManager:
             log.info("job %s: no live state for a peer (%s); serving the newest checkpoint",
                      job_id, e or "timed out")  # fmt: skip
             return False
+        a.live_at = time.monotonic()
         log.info("job %s: live state at step %d checkpointed for a peer", job_id, step)
         return True
 

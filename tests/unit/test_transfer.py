@@ -292,7 +292,7 @@ async def test_a_donor_refuses_a_state_younger_than_asked_or_before_its_first_ro
     closed no round yet (the joiner starts from the initial weights, the swarm's model then);
     old enough and past its first round, it is asked."""
     from atomd.errors import NotFoundError
-    from atomd.jobs import ActiveJob, JobManager
+    from atomd.jobs import LIVE_STATE_EVERY_S, ActiveJob, JobManager
     from atomd.spec import JobSpec
     from atomd.telemetry import Telemetry
     from atomd.train.trainer import SnapshotRequests
@@ -317,6 +317,18 @@ async def test_a_donor_refuses_a_state_younger_than_asked_or_before_its_first_ro
             break
     snaps.serve(lambda: 50)
     assert await task is True
+    # Asked again at once (any member may ask, in a loop): the one just written is served,
+    # nothing more is asked of the trainer.
+    assert await jobs.live_state("j" * 32, at_least=50) is False
+    assert not snaps._waiting
+    jobs.active.live_at -= LIVE_STATE_EVERY_S  # long enough ago: asked again
+    again = asyncio.create_task(jobs.live_state("j" * 32, at_least=50))
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if snaps._waiting:
+            break
+    snaps.serve(lambda: 60)
+    assert await again is True
 
 
 async def test_a_swarm_job_expects_its_frames_from_its_launch_until_its_release(
