@@ -178,8 +178,10 @@ class SwarmNode:
         self._changes: asyncio.Queue[tuple[Update, PeerState | None]] = asyncio.Queue()
         self._tg: asyncio.TaskGroup | None = None
         self._lan: list[str] = []
-        # job id -> peer id -> when we last heard that peer train it (monotonic seconds)
+        # job id -> peer id -> when we last heard that peer train it (monotonic seconds); a
+        # known member's newest job only (``_trains``)
         self._job_peers: dict[str, dict[str, float]] = {}
+        self._job_of: dict[str, str] = {}  # peer id -> the job it was last heard training
         self._heard: set[str] = set()  # every member a message came from since we started
         self._joined = asyncio.Event()  # joined a swarm once, or there is nobody to join
         self._liars: set[str] = set()  # donor URLs whose state transfer lied: not asked again
@@ -527,7 +529,19 @@ class SwarmNode:
         self._trains(job_id, peer_id)
 
     def _trains(self, job_id: str, peer_id: str) -> None:
-        """``peer_id`` was heard training ``job_id`` just now (its advert, or its frame)."""
+        """``peer_id`` was heard training ``job_id`` just now (its advert, or its frame). A
+        peer trains one job at a time, and only known members count (``job_peers``): so this
+        holds at most one entry a member (a member advertising a fresh job id on every
+        message grew it without end; a review of 2026-12-06)."""
+        if self.membership.get(peer_id) is None:
+            return
+        before = self._job_of.get(peer_id)
+        if before is not None and before != job_id:
+            others = self._job_peers.get(before, {})
+            others.pop(peer_id, None)
+            if not others:
+                self._job_peers.pop(before, None)
+        self._job_of[peer_id] = job_id
         self._job_peers.setdefault(job_id, {})[peer_id] = time.monotonic()
 
     async def peer_curves(self, job_id: str) -> list[tuple[Member, ProgressCurve | str]]:

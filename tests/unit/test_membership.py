@@ -501,7 +501,7 @@ def test_a_frame_heard_says_its_sender_is_alive_and_trains_the_job() -> None:
     m.apply(upd("a"))
     fake = SimpleNamespace(
         settings=SimpleNamespace(gossip_interval=0.5), membership=m, _job_peers={}, _heard=set(),
-        quarantine=SimpleNamespace(excluded=lambda _pid: False),
+        quarantine=SimpleNamespace(excluded=lambda _pid: False), _job_of={},
     )  # fmt: skip
     fake._trains = lambda job, peer: SwarmNode._trains(fake, job, peer)  # type: ignore[arg-type]
     assert SwarmNode.job_peers(fake, "j") == []  # type: ignore[arg-type]
@@ -510,6 +510,19 @@ def test_a_frame_heard_says_its_sender_is_alive_and_trains_the_job() -> None:
         SwarmNode.heard(fake, "j", pid(name))  # type: ignore[arg-type]
     assert [p.id for p in SwarmNode.job_peers(fake, "j")] == [pid("a")]  # type: ignore[arg-type]
     assert fake._heard == {pid("a")} and m.members[pid("a")].heard_at >= before
+
+
+def test_who_trains_what_holds_one_job_a_known_member() -> None:
+    """A member advertising a fresh job id on every message, or a stranger's advert, adds no
+    entry that stays: a peer trains one job at a time, and only members count (a review of
+    2026-12-06 found one entry a message kept for good)."""
+    m = Membership(upd("me"))
+    m.apply(upd("a"))
+    fake = SimpleNamespace(membership=m, _job_peers={}, _job_of={})
+    for i in range(100):
+        SwarmNode._trains(fake, f"job{i}", pid("a"))  # type: ignore[arg-type]
+        SwarmNode._trains(fake, f"job{i}", pid("stranger"))  # type: ignore[arg-type]
+    assert list(fake._job_peers) == ["job99"] and list(fake._job_peers["job99"]) == [pid("a")]
 
 
 def _restarted(live: list[str], donors: dict[str, str]) -> Any:
