@@ -90,6 +90,8 @@ EARLY_PER_SENDER = 4
 EARLY_MAX_SENDERS = 256
 # ... and their bytes in all, in the largest frames the job takes (each about its fp32 model).
 EARLY_MAX_FRAMES = 8
+# Frames refused from one sender that are recorded a row each in a minute (``_may_record``).
+REFUSAL_ROWS = 30
 # This peer's last frames, kept to send to a peer that starts training the job after they went
 # out (``_catch_up``): the round's and the job's max_staleness before it (older ones are refused
 # as stale anyway), at most KEPT_FRAME_BYTES in all (a large model's frames are large).
@@ -198,6 +200,8 @@ class DeltaExchange:
         self._numel: dict[str, int] = {}
         # job -> sender -> frames that came before the plugin was attached (``_drain_early``)
         self._early: dict[str, dict[str, deque[bytes]]] = {}
+        # (job, sender) -> (start of its minute, refused frames recorded in it): ``_may_record``
+        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}
         # job -> this peer's last frames, oldest first (``_catch_up``)
         self._kept: dict[str, deque[_Kept]] = {}
         # job -> held while a round's frame is being uploaded: one delivery at a time (``_deliver``)
@@ -617,6 +621,23 @@ class DeltaExchange:
                 del senders[most], held[most]
         return len(body)
 
+    def _may_record(self, job_id: str, signer: str) -> bool:
+        """Whether a frame refused from ``signer`` gets a row in the job's rounds: at most
+        REFUSAL_ROWS a minute a sender (each is still counted in /metrics). A member sending
+        junk frames, refused without a strike, wrote a row each, without end (a review of
+        2026-12-06)."""
+        now = time.monotonic()
+        if len(self._refusals) > EARLY_MAX_SENDERS:  # senders of more than a minute ago go
+            self._refusals = {k: v for k, v in self._refusals.items() if now - v[0] < 60.0}
+        start, n = self._refusals.get((job_id, signer), (now, 0))
+        if now - start >= 60.0:
+            start, n = now, 0
+        self._refusals[(job_id, signer)] = (start, n + 1)
+        if n == REFUSAL_ROWS:
+            log.warning("job %s: more than %d frames of %s refused this minute; the rest are "
+                        "counted, not recorded", job_id, REFUSAL_ROWS, signer)  # fmt: skip
+        return n < REFUSAL_ROWS
+
     async def _drain_early(self, job_id: str) -> None:
         """The frames kept while the job fetched its state, checked and queued as if they came
         now (its plugin is attached; the state it took refuses the deltas it holds already)."""
@@ -668,9 +689,11 @@ class DeltaExchange:
         try:
             frame, tensors = await asyncio.to_thread(decode)
         except WireError as e:
-            await self._record(
-                job_id, [_Row(-1, "received", signer, len(body), None, False, str(e))], ratio_of=0
-            )
+            if self._may_record(job_id, signer):
+                row = _Row(-1, "received", signer, len(body), None, False, str(e))
+                await self._record(job_id, [row], ratio_of=0)
+            else:
+                self.telemetry.rounds.labels("received", "false").inc()
             if e.reason in STRIKING_WIRE_ERRORS:  # signed by a member: no honest peer sends it
                 await self.peers.judge(signer, True, str(e))
             raise

@@ -516,6 +516,33 @@ async def test_only_members_frames_are_kept_during_the_state_transfer_and_bounde
     ex.release(JOB)
 
 
+async def test_a_senders_refused_frames_are_recorded_at_most_so_many_a_minute(
+    sessions: Any,
+) -> None:
+    """A refused frame is recorded a row in the job's rounds, but a member sending junk frames
+    (refused without a strike) wrote a row each without end: REFUSAL_ROWS a minute a sender
+    are recorded, the rest counted only."""
+    from atomd.sync.exchange import REFUSAL_ROWS
+
+    junk, other = Identity.generate(), Identity.generate()
+    keys = {i.peer_id: i.public_key_hex for i in (junk, other)}
+    ex = exchange(sessions, FakeClient(), FakePeers([Peer(junk.peer_id, "j")], keys))
+    attach(ex)
+    for _ in range(REFUSAL_ROWS + 5):
+        with pytest.raises(WireError):
+            await ex.receive(JOB, b"ATD1junk", junk.peer_id)
+    with pytest.raises(WireError):
+        await ex.receive(JOB, b"ATD1junk", other.peer_id)
+    rows = await rounds(sessions)
+    assert [r.peer_id for r in rows].count(junk.peer_id) == REFUSAL_ROWS
+    assert [r.peer_id for r in rows].count(other.peer_id) == 1
+    start, n = ex._refusals[(JOB, junk.peer_id)]
+    ex._refusals[(JOB, junk.peer_id)] = (start - 60, n)  # a minute on: recorded again
+    with pytest.raises(WireError):
+        await ex.receive(JOB, b"ATD1junk", junk.peer_id)
+    assert [r.peer_id for r in await rounds(sessions)].count(junk.peer_id) == REFUSAL_ROWS + 1
+
+
 async def test_a_member_forwarding_anothers_frame_does_not_make_it_a_replay(
     sessions: Any,
 ) -> None:
