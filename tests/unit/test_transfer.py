@@ -310,25 +310,23 @@ async def test_a_donor_refuses_a_state_younger_than_asked_or_before_its_first_ro
     with pytest.raises(NotFoundError, match="no round"):
         await jobs.live_state("j" * 32, at_least=50)
     jobs.active.plugin.version = 1  # type: ignore[union-attr]
-    task = asyncio.create_task(jobs.live_state("j" * 32, at_least=50))
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if snaps._waiting:
-            break
-    snaps.serve(lambda: 50)
-    assert await task is True
+
+    async def asked_and_served(step: int) -> bool:
+        task = asyncio.create_task(jobs.live_state("j" * 32, at_least=50))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if snaps._waiting:
+                break
+        snaps.serve(lambda: step)
+        return await task
+
+    assert await asked_and_served(50) is True
     # Asked again at once (any member may ask, in a loop): the one just written is served,
     # nothing more is asked of the trainer.
     assert await jobs.live_state("j" * 32, at_least=50) is False
     assert not snaps._waiting
     jobs.active.live_at -= LIVE_STATE_EVERY_S  # long enough ago: asked again
-    again = asyncio.create_task(jobs.live_state("j" * 32, at_least=50))
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if snaps._waiting:
-            break
-    snaps.serve(lambda: 60)
-    assert await again is True
+    assert await asked_and_served(60) is True
 
 
 async def test_a_swarm_job_expects_its_frames_from_its_launch_until_its_release(
