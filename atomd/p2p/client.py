@@ -1,7 +1,8 @@
 """The peer client: calls other daemons' peer planes, signing every request for its target.
 
 Messages go out and come back as the typed models of ``atomd.p2p.messages``; an answer that
-does not fit its model, or is larger than ``MAX_ANSWER_BYTES``, is a ``PeerRequestError``.
+does not fit its model, or is larger than its model's ``MAX_ANSWER_BYTES``, is a
+``PeerRequestError``.
 Every call has a timeout. A request is signed for the peer id it is meant for: given by the
 caller where the membership knows it, otherwise asked of the URL first (``GET /p2p/v1/info``,
 remembered per URL and asked again when the peer answers that the request was not for it).
@@ -35,8 +36,6 @@ from atomd.p2p.tls import CertificateError, PeerTransport, expecting, stream_pee
 
 DEFAULT_TIMEOUT_S = 5.0
 INFO_TIMEOUT_S = 3.0
-# A JSON answer larger than this is refused rather than held in memory; files go by stream().
-MAX_ANSWER_BYTES = 16 << 20
 # Enough of an error answer to show its detail.
 MAX_ERROR_BYTES = 64 << 10
 # Connections to peers are kept open between calls for KEEPALIVE_S: a settled swarm probes
@@ -298,8 +297,11 @@ class PeerClient:
         timeout: float | None,
         content_type: str = _JSON,
     ) -> M:
+        cap = reply.MAX_ANSWER_BYTES  # files go by stream()
         try:
-            data = await self._exchange(method, base_url, path, body, target, timeout, content_type)
+            data = await self._exchange(
+                method, base_url, path, body, target, timeout, content_type, cap
+            )
         except PeerRequestError as e:
             # Our remembered peer id for that URL is out of date: ask who is there, once.
             stale = (e.status == 401 and "wrong target" in str(e)) or (
@@ -308,7 +310,9 @@ class PeerClient:
             if target is not None or not stale:
                 raise
             self.forget(base_url)
-            data = await self._exchange(method, base_url, path, body, None, timeout, content_type)
+            data = await self._exchange(
+                method, base_url, path, body, None, timeout, content_type, cap
+            )
         return parse_answer(reply, data, base_url, path)
 
     async def _exchange(
@@ -320,6 +324,7 @@ class PeerClient:
         target: str | None,
         timeout: float | None,
         content_type: str,
+        cap: int,
     ) -> bytes:
         limit = self._timeout if timeout is None else timeout
         try:
@@ -327,7 +332,7 @@ class PeerClient:
                 asyncio.timeout(limit),
                 self._open(method, base_url, path, body, target, limit, content_type) as response,
             ):
-                data = await _read_capped(response, MAX_ANSWER_BYTES)
+                data = await _read_capped(response, cap)
                 status = response.status_code
         except TimeoutError:
             raise PeerRequestError(
@@ -335,7 +340,7 @@ class PeerClient:
             ) from None
         if data is None:
             raise PeerRequestError(
-                f"peer {base_url}: {method} {path} answered more than {MAX_ANSWER_BYTES} bytes",
+                f"peer {base_url}: {method} {path} answered more than {cap} bytes",
                 status=status,
             )
         return data

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -77,6 +77,12 @@ class Message(BaseModel):
     """Base of every peer-plane message: immutable, strict, no unknown fields."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    # The largest answer of this type a peer client reads (``PeerClient``): refused unread
+    # beyond. pydantic parses with the GIL held, so a peer answering 16 MiB (the one bound for
+    # every answer until 2026-12-06) stalled this daemon's event loop ~1 s an answer, off the
+    # loop or not. The largest honest one is a join reply of 1,024 members (~0.4 MiB).
+    MAX_ANSWER_BYTES: ClassVar[int] = 1 << 20
 
     def to_bytes(self) -> bytes:
         """Compact JSON, field aliases as on the wire."""
@@ -326,6 +332,9 @@ class CurvePoint(Message):
 
 class ProgressCurve(Message):
     """``GET /p2p/v1/jobs/{job_id}/progress``: the answering peer's loss curve of a job."""
+
+    # 402 points of ~150 bytes; every dashboard refresh asks every peer for one.
+    MAX_ANSWER_BYTES: ClassVar[int] = 256 << 10
 
     points: list[CurvePoint] = Field(max_length=2 * MAX_CURVE_POINTS + 2)
 

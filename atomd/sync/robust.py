@@ -256,7 +256,7 @@ class Progress:
         as zero), or None when either is zero. ``norm``: the delta's, when known."""
         if norm is None:
             norm = DeltaStats.of(tensors).norm
-        if norm <= 0.0 or self.norm <= 0.0:
+        if not (0.0 < norm < math.inf and 0.0 < self.norm < math.inf):
             return None
         dot = 0.0
         for name, t in self.tensors.items():
@@ -264,7 +264,9 @@ class Progress:
             if x is not None:
                 flat = t.detach().reshape(-1).to("cpu", torch.float64)
                 dot += float(x.detach().reshape(-1).to("cpu", torch.float64).dot(flat))
-        return max(-1.0, min(1.0, dot / (norm * self.norm)))
+        cos = dot / (norm * self.norm)
+        # Never made up: max(-1, min(1, nan)) is 1.0, "aligned", which would switch rule 4 off.
+        return max(-1.0, min(1.0, cos)) if math.isfinite(cos) else None
 
 
 @dataclass

@@ -723,8 +723,12 @@ class SyncState:
                     base_version, {n: torch.zeros_like(a) for n, a in self.anchor.items()}
                 )
                 for name, t in tensors.items():
-                    x = t.to("cpu", torch.float32).reshape(units[name].shape)
-                    units[name].add_(x, alpha=1.0 / norm)
+                    # Divided in float64: 1 / norm of a delta of norm under ~3e-39 (finite,
+                    # well-formed, accepted as small) does not fit a float32 alpha, and the
+                    # trainer thread raised, failing the job on every peer that merged it (a
+                    # review of 2026-12-06).
+                    x = t.to("cpu", torch.float64).reshape(units[name].shape) / norm
+                    units[name].add_(x.to(torch.float32))
                 for b in sorted(self._directions)[:-DIRECTION_ROUNDS]:
                     del self._directions[b]
         acc = self._pending.get(base_version)

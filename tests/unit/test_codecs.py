@@ -712,3 +712,37 @@ def test_lowrank_huge_scales_are_refused() -> None:
     scales = np.full(2 * r, 3e38, "<f4").tobytes()
     with pytest.raises(WireError, match="NaN or Inf"):
         decode(replace(enc, payload=enc.payload[:values] + scales))
+
+
+def test_rice2_decode_memory_is_bounded_by_the_tensor_not_the_metadata() -> None:
+    """A rice2 frame of k = numel and b = 31 (in range; remainders all zero, so positions stay
+    in range) is a few hundred bytes with zstd (which ``_unpack`` takes for any codec), yet
+    ``_from_bits`` made one int64 per bit, twice: ~530 bytes an entry, 130x the tensor's fp32
+    size (550 MB and 5.5 s for 1M entries), per tensor of every frame."""
+    import tracemalloc
+
+    import numpy as np
+    import zstandard
+
+    from atomd.sync.codecs import Encoded, decode
+
+    numel = 1 << 18
+    k, b = numel, 31
+    ubytes = math.ceil(k / 8)  # every quotient 0: k zero bits
+    raw = (
+        np.array([1.0, 0.5], "<f4").tobytes()
+        + bytes(ubytes)
+        + bytes(math.ceil(k * b / 8))
+        + bytes(math.ceil(2 * k / 8))
+    )
+    payload = zstandard.ZstdCompressor(level=3).compress(raw)
+    assert len(payload) < 1024
+    evil = Encoded("rice2", (numel,), {"k": k, "b": b, "ubytes": ubytes, "zstd": 1}, payload)
+    tracemalloc.start()
+    try:
+        out = decode(evil)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (numel,)
+    assert peak <= 24 * 4 * numel, f"{peak / (4 * numel):.0f}x the tensor's fp32 size"

@@ -818,3 +818,34 @@ async def test_a_body_slower_than_its_deadline_is_refused() -> None:
     scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
     with pytest.raises(MessageError, match=r"longer than 0.3 s \(\d+ bytes had come\)"):
         await read_body(StarletteRequest(scope, receive), 1000, deadline_s=0.3)
+
+
+async def test_an_answer_larger_than_its_type_takes_is_refused_unread() -> None:
+    """Every answer type has its own bound (``Message.MAX_ANSWER_BYTES``): a loss curve is
+    ~60 kB, so a peer answering 15 MiB of points (16 MiB was the one bound for every answer)
+    is refused before anything is parsed; pydantic holds the GIL while it parses, and such an
+    answer held this daemon's event loop ~1 s at every dashboard refresh (a review of
+    2026-12-06). An honest curve still passes."""
+    from atomd.p2p.messages import ProgressCurve
+
+    honest = b'{"points":[{"step":1,"loss":2.5,"tokens_per_s":10.0,"at":1.7e9}]}'
+    flood = b'{"points":[' + b",".join([b"{}"] * ((15 << 20) // 3)) + b"]}"
+    answers = iter([honest, flood])
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200, content=next(answers), headers={"Content-Type": "application/json"}
+        )
+
+    assert ProgressCurve.MAX_ANSWER_BYTES < len(flood) < 16 << 20
+    admission = Admission(swarm="lab", secret=None, allowed_keys=frozenset())
+    client = PeerClient(Identity.generate(), admission, tls=False,
+                        transport=httpx.MockTransport(answer))  # fmt: skip
+    target = Identity.generate().peer_id
+    async with client:
+        curve = await client.get("http://peer", "/p2p/v1/jobs/j/progress", ProgressCurve,
+                                 target=target)  # fmt: skip
+        assert [p.step for p in curve.points] == [1]
+        with pytest.raises(PeerRequestError, match=f"more than {ProgressCurve.MAX_ANSWER_BYTES}"):
+            await client.get("http://peer", "/p2p/v1/jobs/j/progress", ProgressCurve,
+                             target=target)  # fmt: skip

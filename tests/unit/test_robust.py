@@ -706,3 +706,50 @@ def test_a_member_cannot_steer_the_dense_direction_reference() -> None:
             assert all(a.cosine is not None and a.cosine > 0.1 for a in honest_applied)
     for i in (1, 2):
         assert states[i].divergence(states[0].anchor) < 1e-7
+
+
+def test_a_tiny_delta_does_not_poison_the_dense_direction_reference() -> None:
+    """A member's delta with a norm below 1 / float32's largest (one entry of 1e-40, the rest
+    0: finite, passes every check, accepted as small) enters the round's sum of unit vectors
+    (``SyncState._add_pending``) as ``add_(x, alpha=1 / norm)``: alpha 1e40 does not fit a
+    float32, and torch raises RuntimeError on the trainer thread: the job fails, at every
+    honest peer that merges the frame. The merge must go on, the reference stay finite, and
+    the sign-flipped delta of the next round still be refused as opposed."""
+    shapes = {"w": (200, 150), "e": (80, 64)}
+    g = torch.Generator().manual_seed(0)
+    u = {n: 1e-3 * torch.randn(s, generator=g) for n, s in shapes.items()}
+    replicas = [{n: torch.zeros(s) for n, s in shapes.items()} for _ in range(4)]
+    states = [SyncState(r, spec(), peer_id=f"p{i}") for i, r in enumerate(replicas)]
+    hostile = 3
+    for rnd in range(3):
+        for r in replicas:
+            for n in shapes:
+                r[n].add_(u[n] + 2e-4 * torch.randn(r[n].shape, generator=g))
+        sent = [received(f"p{i}", s.prepare()) for i, s in enumerate(states)]
+        c = sent[hostile]
+        if rnd == 1:  # a delta of ~underflow norm
+            tiny = {n: torch.zeros(s) for n, s in shapes.items()}
+            tiny["w"][0, 0] = 1e-40
+            sent[hostile] = Contribution(c.sender, c.round, c.base_version, tiny)
+        if rnd == 2:  # sign-flipped honest delta
+            sent[hostile] = Contribution(c.sender, c.round, c.base_version,
+                                         {n: -t for n, t in c.tensors.items()})  # fmt: skip
+        for i, s in enumerate(states):
+            if i == hostile:
+                s.merge([], n_peers=4)
+                continue
+            report = s.merge([x for j, x in enumerate(sent) if j != i], n_peers=4)
+            ref = s._swarm_direction(s.version + 1)
+            if ref is not None:
+                assert all(bool(torch.isfinite(t).all()) for t in ref.values()), "NaN reference"
+            if rnd == 2:
+                assert [(r.sender, r.strike) for r in report.refused] == [("p3", True)], (
+                    report.applied
+                )
+
+
+def test_progress_cosine_is_never_made_up_from_nan() -> None:
+    """A non-finite reference must not read as a perfectly aligned cosine of 1.0."""
+    ref = Progress.of({"w": torch.tensor([float("nan"), 1.0])})
+    cos = ref.cosine({"w": torch.tensor([-1.0, -1.0])})
+    assert cos is None or not cos > 0.0
