@@ -24,6 +24,7 @@ import importlib
 import logging
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -80,6 +81,9 @@ LIVE_STATE_TIMEOUT_S = 30.0
 # At most one live-state checkpoint per job this often (``live_state``); a peer asking sooner
 # gets the one written last. Each costs ~6 model sizes of disk writes, and any member may ask.
 LIVE_STATE_EVERY_S = 30.0
+# A checkpoint holds about this many fp32 copies of the model: the weights, AdamW's two moments
+# and the sync state (anchor, outer momentum, residuals).
+CHECKPOINT_MODEL_SIZES = 6
 RESUMING_REASON = "resuming from the last good checkpoint"
 
 
@@ -526,6 +530,25 @@ class JobManager:
         self._considering.add(job_id)
         self._tg.create_task(self._join(job_id, advert, donors), name=f"join-{job_id}")
 
+    def _disk_problem(self, spec: JobSpec) -> str | None:
+        """Why this daemon's disk cannot hold the checkpoints a swarm's job asks it to keep
+        (``keep_checkpoints``, and one more while the next is written, each about
+        CHECKPOINT_MODEL_SIZES fp32 models), or None. A member's advert chooses them: up to
+        1,000 kept, which would fill the disk of every peer that joined (a review of
+        2026-12-06)."""
+        size = CHECKPOINT_MODEL_SIZES * 4 * num_parameters(spec.model_shape)
+        need = (spec.keep_checkpoints + 1) * size
+        where = self.jobs_dir
+        while not where.exists() and where.parent != where:
+            where = where.parent
+        free = shutil.disk_usage(where).free
+        if need <= free:
+            return None
+        return (
+            f"keeping {spec.keep_checkpoints} checkpoints of this model takes up to "
+            f"{need / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB are free under {where}"
+        )
+
     async def _join(self, job_id: str, advert: dict[str, Any], donors: list[str]) -> None:
         try:
             async with self.sessions() as s:
@@ -544,6 +567,13 @@ class JobManager:
                     update={"shard_index": shard_for_peer(self.peer_id, spec.num_shards)}
                 )
             admit(local_data(spec, self.data_names))
+            problem = self._disk_problem(spec)
+            if problem is not None:
+                log.warning("not joining the swarm's job %s: %s", job_id, problem)
+                async with self.sessions() as s, s.begin():
+                    await repo.add_event(s, kind="job.refused", job_id=job_id,
+                                         message=f"not joined: {problem}")  # fmt: skip
+                return
             if self.active is not None or self._closing.is_set():
                 return
             out_dir = self.job_dir(job_id)

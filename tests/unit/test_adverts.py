@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from atomd.config import Settings
 from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
@@ -105,4 +107,45 @@ async def test_only_its_origin_stops_a_job_on_every_peer(tmp_path: Path) -> None
         assert active.stop_event.is_set() and "stopped by the swarm" in str(active.stop_reason)
     finally:
         jobs.active = None
+        await engine.dispose()
+
+
+async def test_a_job_whose_checkpoints_would_not_fit_the_disk_is_not_joined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member's advert chooses how many checkpoints every joiner keeps (up to 1,000): a
+    joiner checks they fit its free disk first, and says why it does not join."""
+    import shutil
+
+    from atomd import jobs as jobs_module
+    from atomd.jobs import CHECKPOINT_MODEL_SIZES
+    from atomd.model.config import num_parameters
+
+    settings = Settings(data_dir=tmp_path / "d", device="cpu")
+    await asyncio.to_thread(migrate.upgrade, settings.db_path)
+    engine = make_engine(settings.db_path)
+    sessions = make_sessionmaker(engine)
+    jobs = JobManager(jobs_dir=settings.jobs_dir, sessions=sessions, telemetry=Telemetry(),
+                      device="cpu", peer_id="p" * 32)  # fmt: skip
+    bound = CHECKPOINT_MODEL_SIZES * 4 * num_parameters(JobSpec(preset="tiny").model_shape)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(jobs_module.shutil, "disk_usage",
+                        lambda path: usage._replace(free=10 * bound))  # fmt: skip
+    assert jobs._disk_problem(JobSpec(preset="tiny", keep_checkpoints=3)) is None
+    task = asyncio.create_task(jobs.run())
+    await jobs.wait_started()
+    try:
+        advert = {"id": "a" * 32, "spec": {"preset": "tiny", "keep_checkpoints": 1000}}
+        jobs.offer(advert, ["http://127.0.0.1:1"])
+        for _ in range(200):
+            async with sessions() as s:
+                events = await repo.list_events(s, kind="job.refused")
+            if events:
+                break
+            await asyncio.sleep(0.02)
+        assert events and "keeping 1000 checkpoints" in events[0].message, events
+        assert jobs.active is None
+    finally:
+        await jobs.shutdown()
+        await task
         await engine.dispose()
