@@ -249,6 +249,13 @@ def admit(spec: JobSpec) -> None:
         )
 
 
+def _origin_only(job_id: str, origin: str, more: str = "") -> JobConflictError:
+    """The refusal of a swarm-wide stop of ``job_id`` by a daemon other than its ``origin``."""
+    return JobConflictError(
+        f"job {job_id} was started by peer {origin}: only its origin stops it on every peer{more}"
+    )
+
+
 TRAINING_MODULES = ("atomd.train.trainer", "atomd.sync.runner")
 
 
@@ -482,9 +489,8 @@ class JobManager:
         job = await self.get(job_id)
         if scope == "swarm" and self.swarm is not None:
             if job.origin not in (None, self.peer_id):  # the others would not take it
-                raise JobConflictError(
-                    f"job {job_id} was started by peer {job.origin}: only its origin stops it "
-                    f"on every peer; POST /v1/jobs/{job_id}/stop stops this daemon's copy"
+                raise _origin_only(
+                    job_id, job.origin, f"; POST /v1/jobs/{job_id}/stop stops this daemon's copy"
                 )
             self.swarm.broadcast_stop(job_id)
         active = self.active
@@ -505,10 +511,7 @@ class JobManager:
         if active.origin is not None and peer_id != active.origin:
             log.warning("job %s: a stop from peer %s refused; only its origin %s stops it on "
                         "every peer", job_id, peer_id, active.origin)  # fmt: skip
-            raise JobConflictError(
-                f"job {job_id} was started by peer {active.origin}: only its origin stops it "
-                "on every peer"
-            )
+            raise _origin_only(job_id, active.origin)
         await self._request_stop(active, f"stopped by the swarm (peer {peer_id[:12]})")
 
     async def _request_stop(self, active: ActiveJob, reason: str) -> JobRecord:
@@ -549,6 +552,13 @@ class JobManager:
             f"{need / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB are free under {where}"
         )
 
+    async def _refuse_join(self, job_id: str, problem: str) -> None:
+        """Not joining the swarm's ``job_id``: say why in the log and a ``job.refused`` event."""
+        log.warning("not joining the swarm's job %s: %s", job_id, problem)
+        async with self.sessions() as s, s.begin():
+            await repo.add_event(s, kind="job.refused", job_id=job_id,
+                                 message=f"not joined: {problem}")  # fmt: skip
+
     async def _join(self, job_id: str, advert: dict[str, Any], donors: list[str]) -> None:
         try:
             async with self.sessions() as s:
@@ -557,10 +567,7 @@ class JobManager:
             spec = JobSpec.model_validate(advert.get("spec", {}))
             problem = advert_problem(spec, self.data_names)
             if problem is not None:
-                log.warning("not joining the swarm's job %s: %s", job_id, problem)
-                async with self.sessions() as s, s.begin():
-                    await repo.add_event(s, kind="job.refused", job_id=job_id,
-                                         message=f"not joined: {problem}")  # fmt: skip
+                await self._refuse_join(job_id, problem)
                 return
             if spec.num_shards > 1:
                 spec = spec.model_copy(
@@ -569,10 +576,7 @@ class JobManager:
             admit(local_data(spec, self.data_names))
             problem = self._disk_problem(spec)
             if problem is not None:
-                log.warning("not joining the swarm's job %s: %s", job_id, problem)
-                async with self.sessions() as s, s.begin():
-                    await repo.add_event(s, kind="job.refused", job_id=job_id,
-                                         message=f"not joined: {problem}")  # fmt: skip
+                await self._refuse_join(job_id, problem)
                 return
             if self.active is not None or self._closing.is_set():
                 return

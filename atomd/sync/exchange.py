@@ -90,8 +90,10 @@ EARLY_PER_SENDER = 4
 EARLY_MAX_SENDERS = 256
 # ... and their bytes in all, in the largest frames the job takes (each about its fp32 model).
 EARLY_MAX_FRAMES = 8
-# Frames refused from one sender that are recorded a row each in a minute (``_may_record``).
+# Frames refused from one sender that are recorded a row each in REFUSAL_WINDOW_S
+# (``_may_record``).
 REFUSAL_ROWS = 30
+REFUSAL_WINDOW_S = 60.0
 # This peer's last frames, kept to send to a peer that starts training the job after they went
 # out (``_catch_up``): the round's and the job's max_staleness before it (older ones are refused
 # as stale anyway), at most KEPT_FRAME_BYTES in all (a large model's frames are large).
@@ -627,10 +629,12 @@ class DeltaExchange:
         junk frames, refused without a strike, wrote a row each, without end (a review of
         2026-12-06)."""
         now = time.monotonic()
-        if len(self._refusals) > EARLY_MAX_SENDERS:  # senders of more than a minute ago go
-            self._refusals = {k: v for k, v in self._refusals.items() if now - v[0] < 60.0}
+        if len(self._refusals) > EARLY_MAX_SENDERS:  # senders of past windows go
+            self._refusals = {
+                k: v for k, v in self._refusals.items() if now - v[0] < REFUSAL_WINDOW_S
+            }
         start, n = self._refusals.get((job_id, signer), (now, 0))
-        if now - start >= 60.0:
+        if now - start >= REFUSAL_WINDOW_S:
             start, n = now, 0
         self._refusals[(job_id, signer)] = (start, n + 1)
         if n == REFUSAL_ROWS:

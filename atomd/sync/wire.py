@@ -57,6 +57,7 @@ PREFIX = struct.Struct("<4sBI")  # magic, version, header length: 9 bytes
 MAX_HEADER_BYTES = 1 << 20  # the header as JSON (decompressed)
 HEADER_ZSTD_LEVEL = 3
 MAX_FUTURE_S = 60.0  # clock skew allowed for created_at
+MAX_AGE_S = 600.0  # a frame created longer ago is refused as stale
 
 _HEADER_KEYS = frozenset(
     {
@@ -172,7 +173,7 @@ class ReplayGuard:
     floor is forgotten once it is older than ``max_age_s`` (the decoders' limit: a frame created
     before it is refused as stale anyway), so floors do not pile up."""
 
-    def __init__(self, *, max_entries: int = 10_000, max_age_s: float = 600.0) -> None:
+    def __init__(self, *, max_entries: int = 10_000, max_age_s: float = MAX_AGE_S) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries
@@ -269,7 +270,7 @@ class FrameDecoder:
         public_key_of: Callable[[str], str | None],
         expected_shapes: Mapping[str, tuple[int, ...]],
         max_bytes: int,
-        max_age_s: float = 600.0,
+        max_age_s: float = MAX_AGE_S,
         seen: ReplayGuard | None = None,
         sender: str | None = None,
     ) -> None:

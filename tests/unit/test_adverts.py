@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +14,29 @@ from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.jobs import JobManager, advert_data_problem, advert_problem, local_data
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
+
+
+async def _manager(tmp_path: Path) -> tuple[JobManager, Any, Any]:
+    """A job manager on a migrated database under ``tmp_path``: (manager, sessions, engine)."""
+    settings = Settings(data_dir=tmp_path / "d", device="cpu")
+    await asyncio.to_thread(migrate.upgrade, settings.db_path)
+    engine = make_engine(settings.db_path)
+    sessions = make_sessionmaker(engine)
+    jobs = JobManager(jobs_dir=settings.jobs_dir, sessions=sessions, telemetry=Telemetry(),
+                      device="cpu", peer_id="p" * 32)  # fmt: skip
+    return jobs, sessions, engine
+
+
+async def _refusals_of(jobs: JobManager, sessions: Any, advert: dict[str, Any]) -> list[Any]:
+    """Offer ``advert`` to a running ``jobs`` and wait (up to 4 s) for its ``job.refused``."""
+    jobs.offer(advert, ["http://127.0.0.1:1"])
+    for _ in range(200):
+        async with sessions() as s:
+            events = await repo.list_events(s, kind="job.refused")
+        if events:
+            return list(events)
+        await asyncio.sleep(0.02)
+    return []
 
 
 def test_only_the_bundled_corpus_or_registered_names() -> None:
@@ -43,23 +67,12 @@ def test_no_field_of_an_advert_names_a_local_file(tmp_path: Path) -> None:
 async def test_an_advert_naming_a_path_is_not_joined(tmp_path: Path) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_text("the operator's private notes " * 1000)
-    settings = Settings(data_dir=tmp_path / "d", device="cpu")
-    await asyncio.to_thread(migrate.upgrade, settings.db_path)
-    engine = make_engine(settings.db_path)
-    sessions = make_sessionmaker(engine)
-    jobs = JobManager(jobs_dir=settings.jobs_dir, sessions=sessions, telemetry=Telemetry(),
-                      device="cpu", peer_id="p" * 32)  # fmt: skip
+    jobs, sessions, engine = await _manager(tmp_path)
     task = asyncio.create_task(jobs.run())
     await jobs.wait_started()
     try:
         advert = {"id": "a" * 32, "spec": {"preset": "tiny", "data": str(secret)}}
-        jobs.offer(advert, ["http://127.0.0.1:1"])
-        for _ in range(200):
-            async with sessions() as s:
-                events = await repo.list_events(s, kind="job.refused")
-            if events:
-                break
-            await asyncio.sleep(0.02)
+        events = await _refusals_of(jobs, sessions, advert)
         assert events and "may not name a local path" in events[0].message
         assert jobs.active is None
         async with sessions() as s:
@@ -77,18 +90,11 @@ async def test_only_its_origin_stops_a_job_on_every_peer(tmp_path: Path) -> None
     is told so, and can stop its own copy."""
     from types import SimpleNamespace
 
-    import pytest
-
     from atomd.errors import JobConflictError
     from atomd.jobs import ActiveJob
 
-    settings = Settings(data_dir=tmp_path / "d", device="cpu")
-    await asyncio.to_thread(migrate.upgrade, settings.db_path)
-    engine = make_engine(settings.db_path)
-    sessions = make_sessionmaker(engine)
+    jobs, sessions, engine = await _manager(tmp_path)
     origin, job_id = "o" * 32, "a" * 32
-    jobs = JobManager(jobs_dir=settings.jobs_dir, sessions=sessions, telemetry=Telemetry(),
-                      device="cpu", peer_id="p" * 32)  # fmt: skip
     stops: list[str] = []
     jobs.swarm = SimpleNamespace(broadcast_stop=stops.append)  # type: ignore[assignment]
     try:
@@ -121,12 +127,7 @@ async def test_a_job_whose_checkpoints_would_not_fit_the_disk_is_not_joined(
     from atomd.jobs import CHECKPOINT_MODEL_SIZES
     from atomd.model.config import num_parameters
 
-    settings = Settings(data_dir=tmp_path / "d", device="cpu")
-    await asyncio.to_thread(migrate.upgrade, settings.db_path)
-    engine = make_engine(settings.db_path)
-    sessions = make_sessionmaker(engine)
-    jobs = JobManager(jobs_dir=settings.jobs_dir, sessions=sessions, telemetry=Telemetry(),
-                      device="cpu", peer_id="p" * 32)  # fmt: skip
+    jobs, sessions, engine = await _manager(tmp_path)
     bound = CHECKPOINT_MODEL_SIZES * 4 * num_parameters(JobSpec(preset="tiny").model_shape)
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(jobs_module.shutil, "disk_usage",
@@ -136,13 +137,7 @@ async def test_a_job_whose_checkpoints_would_not_fit_the_disk_is_not_joined(
     await jobs.wait_started()
     try:
         advert = {"id": "a" * 32, "spec": {"preset": "tiny", "keep_checkpoints": 1000}}
-        jobs.offer(advert, ["http://127.0.0.1:1"])
-        for _ in range(200):
-            async with sessions() as s:
-                events = await repo.list_events(s, kind="job.refused")
-            if events:
-                break
-            await asyncio.sleep(0.02)
+        events = await _refusals_of(jobs, sessions, advert)
         assert events and "keeping 1000 checkpoints" in events[0].message, events
         assert jobs.active is None
     finally:
