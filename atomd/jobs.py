@@ -28,7 +28,6 @@ import shutil
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,6 +60,7 @@ from atomd.errors import (
 )
 from atomd.logs import get_logger
 from atomd.model.config import num_parameters
+from atomd.p2p.messages import job_id_for
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 from atomd.train.checkpoint import checkpoint_root, list_checkpoints, sha256_file
@@ -148,6 +148,10 @@ class ActiveJob:
     resume: bool
     scope: Scope = "local"
     origin: str | None = None
+    # A joined job's origin key and its signature of the advert (``messages.sign_advert``),
+    # carried on in this daemon's adverts; None for a job started here (the swarm signs it).
+    origin_key: str | None = None
+    origin_signature: str | None = None
     donors: list[str] = field(default_factory=list)
     stop_event: threading.Event = field(default_factory=threading.Event)
     queue: asyncio.Queue[_Message] = field(default_factory=asyncio.Queue)
@@ -159,6 +163,14 @@ class ActiveJob:
     snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
     step: int = 0  # the newest step reported by the trainer
     live_at: float = -math.inf  # monotonic time of its last live-state checkpoint
+
+
+def _resumed(job: JobRecord, spec: JobSpec) -> ActiveJob:
+    """``job`` of the database, to continue here from its newest checkpoint."""
+    return ActiveJob(
+        id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True, scope=job.scope,
+        origin=job.origin, origin_key=job.origin_key, origin_signature=job.origin_signature,
+    )  # fmt: skip
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -371,7 +383,10 @@ class JobManager:
         a = self.active
         if a is None or a.scope != "swarm" or a.stop_event.is_set() or self._hash_pending(a):
             return None
-        return {"id": a.id, "spec": a.spec.model_dump(), "origin": a.origin}
+        return {
+            "id": a.id, "spec": a.spec.model_dump(), "origin": a.origin,
+            "origin_key": a.origin_key, "signature": a.origin_signature,
+        }  # fmt: skip
 
     def trains(self, job_id: str) -> bool:
         """Whether this daemon trains swarm job ``job_id`` now (and is not stopping it)."""
@@ -441,7 +456,7 @@ class JobManager:
     async def start(self, spec: JobSpec, scope: Scope = "swarm") -> JobRecord:
         self._check_free()
         admit(local_data(spec, self.data_names))  # cheap: a stat() and arithmetic
-        job_id = uuid.uuid4().hex
+        job_id = job_id_for(self.peer_id)
         out_dir = self.job_dir(job_id)
         async with self.sessions() as s, s.begin():
             job = await repo.create_job(
@@ -477,12 +492,7 @@ class JobManager:
         spec = JobSpec.model_validate(job.spec)
         admit(local_data(spec, self.data_names))
         job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", "")
-        self._launch(
-            ActiveJob(
-                id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True, scope=job.scope,
-                origin=job.origin,
-            )
-        )  # fmt: skip
+        self._launch(_resumed(job, spec))
         return job
 
     async def stop(self, job_id: str, scope: Scope = "local") -> JobRecord:
@@ -582,6 +592,8 @@ class JobManager:
                 return
             out_dir = self.job_dir(job_id)
             origin = str(advert.get("origin") or "") or None
+            # The origin's seal of the advert (``SwarmNode`` checked it), carried on in ours.
+            key, signature = advert.get("origin_key"), advert.get("signature")
             async with self.sessions() as s, s.begin():
                 await repo.create_job(
                     s,
@@ -590,6 +602,8 @@ class JobManager:
                     out_dir=str(out_dir),
                     scope="swarm",
                     origin=origin,
+                    origin_key=key,
+                    origin_signature=signature,
                 )
                 await repo.add_event(
                     s,
@@ -600,7 +614,7 @@ class JobManager:
             self._launch(
                 ActiveJob(
                     id=job_id, spec=spec, out_dir=out_dir, resume=True, scope="swarm",
-                    origin=origin, donors=donors,
+                    origin=origin, donors=donors, origin_key=key, origin_signature=signature,
                 )
             )  # fmt: skip
         except (AtomdError, ValueError) as e:
@@ -628,13 +642,7 @@ class JobManager:
             log.info("resuming job %s from %s", job.id, job.out_dir)
             # Pending until the trainer has loaded the checkpoint and runs again.
             await self._set_state(job.id, "pending", RESUMING_REASON, "job.resuming", "")
-            spec = JobSpec.model_validate(job.spec)
-            self._launch(
-                ActiveJob(
-                    id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True,
-                    scope=job.scope, origin=job.origin,
-                )
-            )  # fmt: skip
+            self._launch(_resumed(job, JobSpec.model_validate(job.spec)))
 
     def _launch(self, active: ActiveJob) -> None:
         assert self._tg is not None, "JobManager.run() is not running"

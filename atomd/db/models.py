@@ -118,7 +118,8 @@ class Job(Base):
         CheckConstraint(_one_of("scope", JOB_SCOPES), name="scope"),
     )
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # uuid4 hex
+    # 32 hex: a random head, then its origin's tag (``p2p.messages.job_id_for``)
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
     spec: Mapped[dict[str, Any]]
     state: Mapped[str] = mapped_column(String(16), index=True)
     reason: Mapped[str | None] = mapped_column(Text)
@@ -135,6 +136,9 @@ class Job(Base):
     # "swarm": announced to the peers, who join it; "local": this daemon's alone (0002).
     scope: Mapped[str] = mapped_column(String(8), default="local", server_default="local")
     origin: Mapped[str | None] = mapped_column(String(128))  # peer id that started it
+    # A joined job: the origin's public key and its signature of the job's advert (0006).
+    origin_key: Mapped[str | None] = mapped_column(String(64))
+    origin_signature: Mapped[str | None] = mapped_column(String(128))
     # The newest progress point's sync figures: cadence in force, time in sync (0003).
     sync: Mapped[dict[str, Any] | None]
 

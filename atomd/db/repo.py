@@ -102,8 +102,11 @@ async def create_job(
     state: str = "pending",
     scope: str = "local",
     origin: str | None = None,
+    origin_key: str | None = None,
+    origin_signature: str | None = None,
 ) -> JobRecord:
-    """Record a new job (``scope`` "swarm": announced to the peers; ``origin``: who started it)."""
+    """Record a new job (``scope`` "swarm": announced to the peers; ``origin``: who started it;
+    a joined job's ``origin_key`` and ``origin_signature``: its origin's seal of its advert)."""
     _check("job state", state, JOB_STATES)
     _check("job scope", scope, JOB_SCOPES)
     now = utcnow()
@@ -114,6 +117,8 @@ async def create_job(
         out_dir=out_dir,
         scope=scope,
         origin=origin,
+        origin_key=origin_key,
+        origin_signature=origin_signature,
         created_at=now,
         started_at=now if state == "running" else None,
         updated_at=now,

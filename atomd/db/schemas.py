@@ -78,6 +78,8 @@ class JobRecord(_Record):
     updated_at: AwareDatetime
     scope: JobScope = "local"
     origin: str | None = None
+    origin_key: str | None = None
+    origin_signature: str | None = None
     sync: dict[str, Any] | None = None
 
 

@@ -9,7 +9,10 @@ field and the reason (``MessageError``, answered 422).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import secrets
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from urllib.parse import urlsplit
@@ -173,11 +176,72 @@ def record_problem(r: MemberRecord, swarm: str) -> str | None:
 
 
 class JobAdvert(Message):
-    """The swarm job a member trains, carried on its messages so that free peers join it."""
+    """The swarm job a member trains, carried on its messages so that free peers join it.
+
+    Signed by the job's ``origin`` (the daemon that started it) over the job id and the spec
+    every peer trains alike (``advert_payload``); every member that trains the job carries that
+    signature on, so a joiner believes the origin and the spec it records, whoever told it.
+    """
 
     id: JobId
     spec: JobSpec
     origin: PeerId | None = None
+    origin_key: PublicKeyHex | None = None
+    signature: SignatureHex | None = None
+
+
+ADVERT_VERSION = "atomd-job-v1"
+JOB_NONCE_HEX = 12  # a job id's random head; the other 20 hex digits name its origin
+
+
+def job_id_for(origin: str, nonce: str | None = None) -> str:
+    """A job id of ``origin``'s: a random head (``nonce``), then 80 bits of sha256 over the
+    origin and that head. The id names who started the job: no other key can claim it
+    (``advert_forgery``), short of 2^80 tries."""
+    head = secrets.token_hex(JOB_NONCE_HEX // 2) if nonce is None else nonce
+    tail = hashlib.sha256(f"{ADVERT_VERSION}\n{origin}\n{head}".encode()).hexdigest()
+    return head + tail[: 32 - JOB_NONCE_HEX]
+
+
+def shared_spec(spec: JobSpec) -> JobSpec:
+    """What every peer of a swarm job trains alike: the spec without this peer's data shard."""
+    return spec.model_copy(update={"shard_index": 0})
+
+
+def advert_payload(a: JobAdvert, swarm: str) -> bytes:
+    """What a job's origin signs of its advert (its signature aside): the swarm, the job id,
+    the origin and its key, and the digest of the shared spec (canonical JSON)."""
+    spec = json.dumps(shared_spec(a.spec).model_dump(mode="json"), sort_keys=True,
+                      separators=(",", ":"))  # fmt: skip
+    digest = hashlib.sha256(spec.encode()).hexdigest()
+    fields = (ADVERT_VERSION, swarm, a.id, a.origin or "", a.origin_key or "", digest)
+    return "\n".join(fields).encode()
+
+
+def sign_advert(a: JobAdvert, identity: Identity, swarm: str) -> JobAdvert:
+    """``a`` signed by ``identity``, which becomes its origin."""
+    unsigned = a.model_copy(
+        update={"origin": identity.peer_id, "origin_key": identity.public_key_hex,
+                "signature": None}
+    )  # fmt: skip
+    sig = identity.sign(advert_payload(unsigned, swarm)).hex()
+    return unsigned.model_copy(update={"signature": sig})
+
+
+def advert_forgery(a: JobAdvert, swarm: str) -> str | None:
+    """Why ``a`` is not its origin's own advert, or None: it names its origin and the origin's
+    key, the job id is one the origin made (``job_id_for``), and the origin signed the id and
+    the shared spec. A member could otherwise record itself as the origin of another's job (and
+    stop every joiner's copy), or change the spec it passes on (a review of 2026-12-06)."""
+    if a.origin is None or a.origin_key is None or a.signature is None:
+        return f"the advert of job {a.id} is not signed by its origin"
+    if peer_id_from_public_key(a.origin_key) != a.origin:
+        return f"the advert of job {a.id}: peer id {a.origin} is not that of key {a.origin_key}"
+    if a.id != job_id_for(a.origin, a.id[:JOB_NONCE_HEX]):
+        return f"job id {a.id} is not one its named origin {a.origin} made"
+    if not verify_signature(a.origin_key, advert_payload(a, swarm), bytes.fromhex(a.signature)):
+        return f"the advert of job {a.id} is not signed by its origin {a.origin}"
+    return None
 
 
 class Gossip(Message):

@@ -40,6 +40,8 @@ from atomd.p2p.messages import (
     PingReqReply,
     ProgressCurve,
     StopJob,
+    advert_forgery,
+    sign_advert,
 )
 from atomd.p2p.quarantine import Quarantine, Verdict
 from atomd.p2p.signing import Admission, RequestVerifier
@@ -425,13 +427,23 @@ class SwarmNode:
 
     def _advert(self) -> JobAdvert | None:
         advert = self.jobs.advert()
-        return JobAdvert.model_validate(advert) if advert else None
+        return self._sealed(advert) if advert else None
+
+    def _sealed(self, advert: dict[str, Any]) -> JobAdvert:
+        """``advert`` as told to peers: signed here if this daemon started the job; a joined
+        job's carries its origin's signature (``JobManager.advert``)."""
+        a = JobAdvert.model_validate(advert)
+        return sign_advert(a, self.identity, self.settings.swarm) if a.origin == self.peer_id else a
 
     def _on_message(self, sender: str, msg: Gossip) -> None:
         if self.membership.get(sender) is not None:  # bounded by the members we know
             self._heard.add(sender)
         advert = msg.job
         if advert is None:
+            return
+        forged = advert_forgery(advert, self.settings.swarm)
+        if forged is not None:  # neither joined nor counted as training the job
+            self._repeated.log("forged-advert", logging.WARNING, "peer %s: %s", sender, forged)
             return
         self._trains(advert.id, sender)
         if self.settings.auto_join and not self.quarantine.excluded(sender):
@@ -456,7 +468,7 @@ class SwarmNode:
 
     def announce(self, advert: dict[str, Any]) -> None:
         """Tell every live peer about a new swarm job now (gossip would in a few periods)."""
-        msg = Announce(sender=self.membership.me.update(), job=JobAdvert.model_validate(advert))
+        msg = Announce(sender=self.membership.me.update(), job=self._sealed(advert))
         for m in self.membership.others("alive"):
             self._spawn(self._send(m, paths.ANNOUNCE, msg), f"announce-{m.id[:8]}")
 

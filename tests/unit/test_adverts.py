@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,6 +13,9 @@ from atomd.config import Settings
 from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.jobs import JobManager, advert_data_problem, advert_problem, local_data
+from atomd.p2p.identity import Identity
+from atomd.p2p.membership import Update
+from atomd.p2p.messages import JobAdvert, advert_forgery, job_id_for, sign_advert
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 
@@ -143,4 +147,105 @@ async def test_a_job_whose_checkpoints_would_not_fit_the_disk_is_not_joined(
     finally:
         await jobs.shutdown()
         await task
+        await engine.dispose()
+
+
+def _signed(origin: Identity, spec: JobSpec | None = None) -> JobAdvert:
+    """A job of ``origin``'s, its advert signed by it."""
+    advert = JobAdvert(id=job_id_for(origin.peer_id), spec=spec or JobSpec(preset="tiny"))
+    return sign_advert(advert, origin, "default")
+
+
+def test_an_advert_is_believed_only_as_its_origin_made_it() -> None:
+    """A job's advert names its origin, and the origin signed the job id and the spec every
+    peer trains alike. A member that passed it on could otherwise record itself as the origin
+    of another's job (and then stop every joiner's copy) or change the spec it passes on."""
+    origin, evil = Identity.generate(), Identity.generate()
+    honest = _signed(origin)
+    assert advert_forgery(honest, "default") is None
+    # A joiner passes it on with its own data shard: still the origin's.
+    sharded = honest.model_copy(update={"spec": honest.spec.model_copy(
+        update={"num_shards": 4, "shard_index": 3})})  # fmt: skip
+    assert advert_forgery(sharded, "default") is not None, "num_shards is the origin's"
+    four = _signed(origin, JobSpec(preset="tiny", num_shards=4))
+    mine = four.model_copy(update={"spec": four.spec.model_copy(update={"shard_index": 3})})
+    assert advert_forgery(mine, "default") is None
+    # Another member claims the job, re-signed by its own key: the id is not its.
+    claimed = sign_advert(honest, evil, "default")
+    assert claimed.origin == evil.peer_id
+    assert "is not one its named origin" in (advert_forgery(claimed, "default") or "")
+    # ... or keeps the origin and changes the spec, or drops the signature.
+    lr = honest.model_copy(update={"spec": honest.spec.model_copy(update={"lr": 1.0})})
+    assert "not signed by its origin" in (advert_forgery(lr, "default") or "")
+    bare = honest.model_copy(update={"signature": None})
+    assert "not signed by its origin" in (advert_forgery(bare, "default") or "")
+    wrong_key = honest.model_copy(update={"origin_key": evil.public_key_hex})
+    assert "is not that of key" in (advert_forgery(wrong_key, "default") or "")
+    # Another swarm's advert, and a job id of the old kind (random), are not believed.
+    assert advert_forgery(honest, "other") is not None
+    legacy = sign_advert(honest.model_copy(update={"id": "a" * 32}), origin, "default")
+    assert advert_forgery(legacy, "default") is not None
+    # Through the wire (JSON and back) it still holds.
+    again = JobAdvert.model_validate_json(honest.model_dump_json(by_alias=True))
+    assert advert_forgery(again, "default") is None
+
+
+async def test_a_forged_advert_is_neither_joined_nor_counted(tmp_path: Path) -> None:
+    """The swarm node offers the job manager only an advert its origin made, and counts the
+    sender as training the job only then; a joined job carries the origin's seal on in its own
+    adverts, across a restart (a real SQLite file)."""
+    from typing import cast
+
+    from atomd.config import Settings
+    from atomd.db.engine import make_engine, make_sessionmaker
+    from atomd.jobs import ActiveJob
+    from atomd.p2p.membership import Member
+    from atomd.p2p.messages import Gossip
+    from atomd.p2p.node import SwarmNode
+
+    origin, evil, me = Identity.generate(), Identity.generate(), Identity.generate()
+    offers: list[dict[str, Any]] = []
+    fake_jobs = SimpleNamespace(offer=lambda advert, donors: offers.append(advert),
+                                advert=lambda: None)  # fmt: skip
+    settings = Settings(data_dir=tmp_path / "n", device="cpu", auto_join=True)
+    await asyncio.to_thread(migrate.upgrade, settings.db_path)
+    engine = make_engine(settings.db_path)
+    node = SwarmNode(settings=settings, identity=me, sessions=make_sessionmaker(engine),
+                     telemetry=Telemetry(), jobs=cast(Any, fake_jobs))  # fmt: skip
+    for i in (origin, evil):
+        node.membership.members[i.peer_id] = Member(
+            i.peer_id, "https://127.0.0.1:42001", i.public_key_hex, "alive", 1
+        )
+    honest = _signed(origin)
+    claimed = sign_advert(honest, evil, "default")
+    record = node.membership.members[evil.peer_id]
+    sender = Update(id=evil.peer_id, url=record.url, public_key=evil.public_key_hex,
+                    state="alive", incarnation=1)  # fmt: skip
+    node._on_message(evil.peer_id, Gossip(sender=sender, job=claimed))
+    assert offers == [] and node.job_peers(claimed.id) == []
+    node._on_message(evil.peer_id, Gossip(sender=sender, job=honest))  # passed on as it is
+    assert [o["origin"] for o in offers] == [origin.peer_id]
+    assert [m.id for m in node.job_peers(honest.id)] == [evil.peer_id]
+    await engine.dispose()
+
+    # The job manager records the seal with the job and carries it on, across a restart.
+    jobs, sessions, engine = await _manager(tmp_path)
+    try:
+        offer = offers[0]
+        async with sessions() as s, s.begin():
+            await repo.create_job(s, job_id=honest.id, spec=offer["spec"], out_dir="/x",
+                                  state="running", scope="swarm", origin=offer["origin"],
+                                  origin_key=offer["origin_key"],
+                                  origin_signature=offer["signature"])  # fmt: skip
+        async with sessions() as s:
+            row = await repo.get_job(s, job_id=honest.id)
+        assert row is not None
+        from atomd.jobs import _resumed
+
+        jobs.active = _resumed(row, JobSpec.model_validate(row.spec))
+        assert isinstance(jobs.active, ActiveJob)
+        told = JobAdvert.model_validate(jobs.advert())
+        assert advert_forgery(told, "default") is None and told.origin == origin.peer_id
+    finally:
+        jobs.active = None
         await engine.dispose()
