@@ -23,6 +23,10 @@ class CheckpointError(AtomdError):
     """A checkpoint is missing, corrupt, truncated or does not fit the model."""
 
 
+class DonorStateError(CheckpointError):
+    """A state taken from another peer evaluates far worse than it should: not trained on."""
+
+
 class TrainingError(AtomdError):
     """Training cannot continue (for example the loss became NaN)."""
 

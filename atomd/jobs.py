@@ -54,6 +54,7 @@ from atomd.errors import (
     AtomdError,
     ConfigError,
     DataError,
+    DonorStateError,
     JobConflictError,
     NotFoundError,
     SpecError,
@@ -63,10 +64,16 @@ from atomd.model.config import num_parameters
 from atomd.p2p.messages import job_id_for
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
-from atomd.train.checkpoint import checkpoint_root, list_checkpoints, sha256_file
+from atomd.train.checkpoint import (
+    checkpoint_dir,
+    checkpoint_root,
+    list_checkpoints,
+    sha256_file,
+)
 from atomd.train.metrics import StepReport, read_metrics
 
 if TYPE_CHECKING:  # torch loads when the first job trains, not when the daemon starts
+    from atomd.p2p.transfer import Fetched
     from atomd.train.trainer import RoundPlugin, SnapshotRequests, TrainSummary
 
 log = get_logger(__name__)
@@ -84,6 +91,8 @@ LIVE_STATE_EVERY_S = 30.0
 # A checkpoint holds about this many fp32 copies of the model: the weights, AdamW's two moments
 # and the sync state (anchor, outer momentum, residuals).
 CHECKPOINT_MODEL_SIZES = 6
+# Donors whose state a joiner refuses (``DonorStateError``) before it gives up on the job.
+DONOR_TRIES = 3
 RESUMING_REASON = "resuming from the last good checkpoint"
 
 
@@ -100,7 +109,8 @@ class SwarmLink(Protocol):
         *,
         max_file_bytes: int | None = None,
         at_least: int = 0,
-    ) -> int | None: ...
+    ) -> Fetched | None: ...
+    def distrust(self, donor: str) -> None: ...
     async def settled_donors(self, job_id: str, *, give_up: Callable[[], bool]) -> list[str]: ...
 
 
@@ -159,10 +169,13 @@ class ActiveJob:
     tokens_seen: int = 0
     plugin: RoundPlugin | None = None  # the delta exchange (swarm jobs)
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
+    donor: str | None = None  # ... from this peer's URL
+    claimed_val: float | None = None  # ... where the job's other members measured this loss
     logged_at: float = 0.0  # monotonic time of the last progress line in the log
     snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
     step: int = 0  # the newest step reported by the trainer
     live_at: float = -math.inf  # monotonic time of its last live-state checkpoint
+    tries: int = 0  # donors' states the trainer refused
 
 
 def _resumed(job: JobRecord, spec: JobSpec) -> ActiveJob:
@@ -675,6 +688,7 @@ class JobManager:
             data_seed=data_seed(self.peer_id, active.spec.seed),
             plugin=active.plugin,
             adopt_step=active.adopt_step,
+            adopt_claim=active.claimed_val,
             snapshots=active.snapshots,
         )
         if active.resume:
@@ -691,31 +705,39 @@ class JobManager:
             await asyncio.to_thread(load_training_modules)
             if self._hash_pending(active):
                 await self._pin_data(active)
-            if active.scope == "swarm" and self.swarm is not None:
-                if self.exchange is not None:  # first: the kept frames wait for its state
-                    active.plugin = self.exchange.plugin(active.id, active.spec)
-                if not await self._take_swarm_state(active):
-                    return
-                from atomd.train.trainer import SnapshotRequests
+            while True:  # again with another donor while the trainer refuses a donor's state
+                if active.scope == "swarm" and self.swarm is not None:
+                    if self.exchange is not None and active.plugin is None:
+                        # first: the kept frames wait for its state
+                        active.plugin = self.exchange.plugin(active.id, active.spec)
+                    if not await self._take_swarm_state(active):
+                        return
+                    from atomd.train.trainer import SnapshotRequests
 
-                active.snapshots = SnapshotRequests()
-            fut = loop.run_in_executor(self._executor, self._train_blocking, active, loop)
-            while not fut.done() or not active.queue.empty():
-                getter = asyncio.ensure_future(active.queue.get())
-                waiting: set[asyncio.Future[Any]] = {fut, getter}
-                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    continue
-                items = [getter.result()]
-                while not active.queue.empty():
-                    items.append(active.queue.get_nowait())
-                await self._record(active, items)
+                    active.snapshots = SnapshotRequests()
+                fut = loop.run_in_executor(self._executor, self._train_blocking, active, loop)
+                await self._follow(active, fut)
+                if not await self._donor_refused(active, fut):
+                    break
             await self._finish(active, fut)
         finally:
             self._release(active)
             if self.active is None and not self._closing.is_set():
                 self.telemetry.job_state.state("none")
+
+    async def _follow(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> None:
+        """Record what the trainer reports until it has returned and said everything."""
+        while not fut.done() or not active.queue.empty():
+            getter = asyncio.ensure_future(active.queue.get())
+            waiting: set[asyncio.Future[Any]] = {fut, getter}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                continue
+            items = [getter.result()]
+            while not active.queue.empty():
+                items.append(active.queue.get_nowait())
+            await self._record(active, items)
 
     async def _take_swarm_state(self, active: ActiveJob) -> bool:
         """Before a swarm job trains here: fetch the swarm's newest state from a peer that
@@ -734,7 +756,7 @@ class JobManager:
         # are the swarm's model then, and the joiner starts from them at round 0 like it.
         at_least = own_step + 1
         try:
-            step = await self.swarm.fetch_state(
+            got = await self.swarm.fetch_state(
                 active.id, donors, root, max_file_bytes=state_file_bound(active.spec),
                 at_least=at_least,
             )  # fmt: skip
@@ -747,10 +769,32 @@ class JobManager:
                 functools.partial(self._release, active),
             )  # fmt: skip
             return False
-        if step is not None and step >= own_step:
-            active.adopt_step = step
-            log.info("job %s continues from the swarm's state at step %d", active.id, step)
+        if got is not None and got.step >= own_step:
+            active.adopt_step, active.donor = got.step, got.donor
+            active.claimed_val = got.claimed_val
+            log.info("job %s continues from the swarm's state at step %d", active.id, got.step)
         return True
+
+    async def _donor_refused(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> bool:
+        """Whether the trainer refused the state it took from ``active.donor`` (``DonorStateError``)
+        and the job should take another: the donor is not asked again and its checkpoint is
+        removed, up to DONOR_TRIES donors."""
+        e = None if fut.cancelled() else fut.exception()
+        if not isinstance(e, DonorStateError) or active.donor is None or self.swarm is None:
+            return False
+        donor, step = active.donor, active.adopt_step
+        active.tries += 1
+        log.warning("job %s: %s; not asking %s again", active.id, e, donor)
+        self.swarm.distrust(donor)
+        if step is not None:
+            where = checkpoint_dir(checkpoint_root(active.out_dir), step)
+            await asyncio.to_thread(shutil.rmtree, where, True)
+        async with self.sessions() as s, s.begin():
+            await repo.add_event(s, kind="job.state_refused", job_id=active.id,
+                                 message=f"{e} (from {donor})")  # fmt: skip
+        active.donors = [d for d in active.donors if d != donor]
+        active.adopt_step = active.donor = active.claimed_val = None
+        return active.tries < DONOR_TRIES
 
     async def _record(self, active: ActiveJob, items: Sequence[_Message]) -> None:
         points: list[ProgressPoint] = []

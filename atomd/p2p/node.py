@@ -12,7 +12,9 @@ the small ``SwarmJobs`` interface.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import statistics
 import time
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
@@ -45,7 +47,7 @@ from atomd.p2p.messages import (
 )
 from atomd.p2p.quarantine import Quarantine, Verdict
 from atomd.p2p.signing import Admission, RequestVerifier
-from atomd.p2p.transfer import fetch_state
+from atomd.p2p.transfer import Fetched, fetch_state
 from atomd.rejections import Rejections
 from atomd.telemetry import Telemetry
 
@@ -53,6 +55,10 @@ log = get_logger(__name__)
 
 SEND_TIMEOUT_S = 3.0  # a job announcement or stop to one peer
 CURVE_TIMEOUT_S = 3.0  # one peer's loss curve, for the dashboard
+# Validation losses of the job's other members (the donor aside) a joiner needs before it
+# checks a fetched state against them: of two, the higher median is the larger, so one lying
+# member cannot lower it below an honest one's.
+CLAIM_QUORUM = 2
 DONORS_TIMEOUT_S = 30.0  # a restarted daemon waits at most this long to hear who trains a job
 REJECTIONS_FLUSH_S = 60.0
 # Members that count as training a job they were heard training (``SwarmNode.job_peers``).
@@ -491,11 +497,33 @@ class SwarmNode:
         *,
         max_file_bytes: int | None = None,
         at_least: int = 0,
-    ) -> int | None:
-        return await fetch_state(
+    ) -> Fetched | None:
+        """The newest state of ``job_id`` from the first donor that delivers it whole, with what
+        the job's other members last measured (``Fetched.claimed_val``: the higher median of
+        their newest validation losses, from at least CLAIM_QUORUM of them: one lying member
+        cannot lower it, and so cannot have an honest donor's state refused)."""
+        got = await fetch_state(
             self.client, donors, job_id, root, max_file_bytes=max_file_bytes,
             liars=self._liars, key_at=self._key_at, at_least=at_least,
         )  # fmt: skip
+        if got is None:
+            return None
+        claims = [
+            last
+            for m, curve in await self.peer_curves(job_id)
+            if m.url != got.donor.rstrip("/") and not isinstance(curve, str)
+            for last in [
+                next((p.val_loss for p in reversed(curve.points) if p.val_loss is not None), None)
+            ]
+            if last is not None
+        ]
+        if len(claims) < CLAIM_QUORUM:
+            return got
+        return dataclasses.replace(got, claimed_val=statistics.median_high(claims))
+
+    def distrust(self, donor: str) -> None:
+        """A state ``donor`` gave was refused (``DonorStateError``): it is not asked again."""
+        self._liars.add(donor)
 
     def _key_at(self, url: str, signer: str) -> tuple[str, str] | None:
         """The member ``signer`` if it is at the donor URL: (peer id, public key), for its

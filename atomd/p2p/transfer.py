@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -61,7 +62,7 @@ def checkpoint_file(root: Path, step: int, name: str) -> Path | None:
     """The path of one transferable file of checkpoint ``step``, if it still exists."""
     if name not in TRANSFER_FILES + OPTIONAL_FILES:
         return None
-    path = root / f"step-{step:08d}" / name
+    path = ckpt.checkpoint_dir(root, step) / name
     return path if path.is_file() else None
 
 
@@ -93,6 +94,17 @@ class _Download:
             )
         if self.hash.hexdigest() != self.expect_sha256:
             raise LyingDonorError(f"{self.path.name}: sha256 mismatch (corrupt in transfer)")
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A state fetched: its step and the donor's URL; ``claimed_val``: what the job's other
+    members last measured, the higher median of their newest validation losses (None with
+    fewer than ``SwarmNode``'s quorum of them), for the joiner's check of the state."""
+
+    step: int
+    donor: str
+    claimed_val: float | None = None
 
 
 class LyingDonorError(CheckpointError):
@@ -185,7 +197,7 @@ async def _fetch_from(
             sort_keys=True,
         )
         await asyncio.to_thread((tmp / ckpt.META_FILE).write_text, meta)
-        await asyncio.to_thread(_fsync_and_publish, tmp, root / f"step-{step:08d}")
+        await asyncio.to_thread(_fsync_and_publish, tmp, ckpt.checkpoint_dir(root, step))
     except BaseException:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
         raise
@@ -225,14 +237,14 @@ async def fetch_state(
     liars: set[str] | None = None,
     key_at: KeyAt | None = None,
     at_least: int = 0,
-) -> int | None:
+) -> Fetched | None:
     """Fetch the newest checkpoint of ``job_id`` from the first donor that delivers it whole,
     within ``deadline_s`` in all. A file announced larger than ``max_file_bytes`` (what the
     job's model implies) or than the free disk is not downloaded; a donor that lies (sizes,
     hashes) is added to ``liars`` and not asked again.
 
-    Returns the step fetched, or None when no donor has one from step ``at_least`` on (the job
-    starts from its seed, or from the joiner's own checkpoint).
+    Returns the step fetched and its donor, or None when no donor has one from step
+    ``at_least`` on (the job starts from its seed, or from the joiner's own checkpoint).
     """
     try:
         async with asyncio.timeout(deadline_s):
@@ -255,11 +267,13 @@ async def _fetch_state(
     liars: set[str],
     key_at: KeyAt | None = None,
     at_least: int = 0,
-) -> int | None:
+) -> Fetched | None:
     await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
     honest = [u for u in donors if u not in liars]
     if not honest and donors:
-        raise CheckpointError(f"every donor of job {job_id} lied before: {', '.join(donors)}")
+        raise CheckpointError(
+            f"every donor of job {job_id} was refused before: {', '.join(donors)}"
+        )
     donors = honest
     no_state = 0
     for attempt in range(rounds):
@@ -283,7 +297,7 @@ async def _fetch_state(
                 log.warning("state transfer from %s failed: %s; trying the next peer", url, e)
                 continue
             log.info("fetched job %s at step %d from %s", job_id, step, url)
-            return step
+            return Fetched(step, url)
         if no_state == len(donors) * (attempt + 1):
             return None  # every donor answered: nobody has a checkpoint yet
         await asyncio.sleep(1.0)

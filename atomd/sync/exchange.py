@@ -94,6 +94,7 @@ EARLY_MAX_FRAMES = 8
 # (``_may_record``).
 REFUSAL_ROWS = 30
 REFUSAL_WINDOW_S = 60.0
+REFUSAL_SENDERS = 256  # (job, sender) windows kept before those of past minutes are pruned
 # This peer's last frames, kept to send to a peer that starts training the job after they went
 # out (``_catch_up``): the round's and the job's max_staleness before it (older ones are refused
 # as stale anyway), at most KEPT_FRAME_BYTES in all (a large model's frames are large).
@@ -629,7 +630,7 @@ class DeltaExchange:
         junk frames, refused without a strike, wrote a row each, without end (a review of
         2026-12-06)."""
         now = time.monotonic()
-        if len(self._refusals) > EARLY_MAX_SENDERS:  # senders of past windows go
+        if len(self._refusals) > REFUSAL_SENDERS:  # senders of past windows go
             self._refusals = {
                 k: v for k, v in self._refusals.items() if now - v[0] < REFUSAL_WINDOW_S
             }

@@ -82,6 +82,11 @@ def checkpoint_root(out_dir: Path) -> Path:
     return out_dir / "checkpoints"
 
 
+def checkpoint_dir(root: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives under ``root``."""
+    return root / f"{_PREFIX}{step:08d}"
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Checkpoint folders under ``root``, newest (highest step) first. Temp folders are skipped."""
     if not root.is_dir():
@@ -108,7 +113,7 @@ def save_checkpoint(
     from safetensors.torch import save_file  # torch loads only where tensors are written
 
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{_PREFIX}{step:08d}"
+    final = checkpoint_dir(root, step)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from atomd import __version__
 from atomd.data.dataset import VAL_BATCH, TokenDataset, load_dataset
 from atomd.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_json
-from atomd.errors import CheckpointError, ConfigError, TrainingError
+from atomd.errors import CheckpointError, ConfigError, DonorStateError, TrainingError
 from atomd.logs import get_logger
 from atomd.model.gpt import GPT, GPTConfig
 from atomd.spec import JobSpec, lr_at
@@ -135,6 +135,34 @@ def _settle(
         pass
 
 
+# A donor's state may evaluate at most this much worse than the job's untrained model (an early
+# swarm is barely better than it), and than what the job's other members last measured (their
+# evaluation lags the state by up to an eval interval, and the swarm's estimate a joiner
+# adopts by up to a round): ``donor_state_problem``.
+UNTRAINED_SLACK = (1.05, 0.05)
+CLAIMED_SLACK = (1.25, 0.1)
+
+
+def donor_state_problem(untrained: float, taken: float, claimed: float | None) -> str | None:
+    """Why a state taken from a peer, whose validation loss is ``taken``, is not trained on, or
+    None: it is not finite, or worse than the job's ``untrained`` model or than the loss the
+    job's other members ``claimed`` (None: unknown) by more than the slack (a factor and a
+    term)."""
+    if not math.isfinite(taken):
+        return f"its validation loss is {taken}"
+    (f, t), (cf, ct) = UNTRAINED_SLACK, CLAIMED_SLACK
+    if taken > untrained * f + t:
+        return (
+            f"its validation loss {taken:.4f} is worse than the untrained model's {untrained:.4f}"
+        )
+    if claimed is not None and taken > claimed * cf + ct:
+        return (
+            f"its validation loss {taken:.4f} is far worse than the {claimed:.4f} the job's "
+            "other members last measured"
+        )
+    return None
+
+
 class Trainer:
     """Trains one model on one process with the step engine it is handed (resident or
     swapped: ``atomd.engines.build_engine``) and that engine's ``plan`` (what plan.json and
@@ -156,6 +184,7 @@ class Trainer:
         data_seed: int | None = None,
         plugin: RoundPlugin | None = None,
         adopt_step: int | None = None,
+        adopt_claim: float | None = None,
         snapshots: SnapshotRequests | None = None,
     ) -> None:
         self.spec = spec
@@ -170,6 +199,9 @@ class Trainer:
         # A checkpoint at this step came from another peer (state transfer): the plugin decides
         # what of the donor's state this peer trains on (see SyncPlugin.adopt).
         self.adopt_step = adopt_step
+        # ... and the validation loss the job's other members last measured (None: unknown):
+        # the state is refused if it evaluates far worse (``donor_state_problem``).
+        self.adopt_claim = adopt_claim
         self.snapshots = snapshots
         self.stop_event = stop_event or threading.Event()
         self.ckpt_root = ckpt.checkpoint_root(out_dir)
@@ -220,12 +252,12 @@ class Trainer:
         (out_dir / "plan.json").write_text(json.dumps(self.plan, indent=2) + "\n")
         self.start_step = 0
         self.last_checkpoint: Path | None = None
-        if resume:
-            self._resume()
         # The same windows whatever the batch size; at most a micro-batch of them at a time.
         self.val_batches = self.dataset.val_batches(
             count=spec.eval_batches, batch_size=min(spec.micro_batch_size, VAL_BATCH)
         )
+        if resume:
+            self._resume()
         guard_with = getattr(plugin, "guard_with", None)
         if guard_with is not None:  # the swarm's merges are checked on a fixed batch's loss
             guard_with(
@@ -245,12 +277,25 @@ class Trainer:
             raise CheckpointError(
                 f"{found.path} holds a {saved} model, the spec asks for {self.model_config}"
             )
+        donated = found.step == self.adopt_step
+        # A donor's state is checked against this job's untrained model (the engine holds it
+        # until the load) and the other members' word: a state far worse than either is a
+        # broken or hostile donor's, and the job takes another's (``JobManager``).
+        untrained = self.engine.evaluate(self.val_batches) if donated else None
         self.engine.load_tensors(found.model, found.state)
-        ckpt.set_rng_state(found.state)
         if self.plugin is not None:
             has_sync_state = self.plugin.load_state_tensors(found.state)
-            if has_sync_state and found.step == self.adopt_step:
+            if has_sync_state and donated:
                 self.plugin.adopt()
+        if untrained is not None:
+            taken = self.engine.evaluate(self.val_batches)
+            problem = donor_state_problem(untrained, taken, self.adopt_claim)
+            if problem is not None:
+                raise DonorStateError(f"the state of step {found.step} from a peer: {problem}")
+            claim = "unknown" if self.adopt_claim is None else f"{self.adopt_claim:.4f}"
+            log.info("the state of step %d from a peer: validation loss %.4f (untrained %.4f, "
+                     "the other members %s)", found.step, taken, untrained, claim)  # fmt: skip
+        ckpt.set_rng_state(found.state)
         self.start_step = found.step
         self.last_checkpoint = found.path
         self.metrics.truncate_after(found.step)
@@ -296,7 +341,7 @@ class Trainer:
         if (
             flushed
             or self.last_checkpoint is None
-            or self.last_checkpoint.name != f"step-{step:08d}"
+            or self.last_checkpoint.name != ckpt.checkpoint_dir(self.ckpt_root, step).name
         ):
             self.save(step)
         return step
@@ -374,7 +419,7 @@ class Trainer:
             if self.snapshots is not None:
                 self.snapshots.close()
         if self.last_checkpoint is None or ckpt.list_checkpoints(self.ckpt_root)[:1] != [
-            self.ckpt_root / f"step-{step:08d}"
+            ckpt.checkpoint_dir(self.ckpt_root, step)
         ]:
             self.save(step)
         state: Literal["finished", "stopped"] = "finished" if step >= total else "stopped"

@@ -249,3 +249,44 @@ async def test_a_forged_advert_is_neither_joined_nor_counted(tmp_path: Path) -> 
     finally:
         jobs.active = None
         await engine.dispose()
+
+
+async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path: Path) -> None:
+    """The trainer refused a donor's state (``DonorStateError``): the job manager removes that
+    checkpoint, records why, does not ask the donor again and takes another's, up to
+    DONOR_TRIES donors; any other failure is the job's own."""
+    from atomd.errors import DonorStateError
+    from atomd.jobs import DONOR_TRIES, ActiveJob
+    from atomd.train import checkpoint as ckpt
+
+    jobs, sessions, engine = await _manager(tmp_path)
+    distrusted: list[str] = []
+    jobs.swarm = SimpleNamespace(distrust=distrusted.append)  # type: ignore[assignment]
+    loop = asyncio.get_running_loop()
+
+    def failed(e: BaseException) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = loop.create_future()
+        fut.set_exception(e)
+        return fut
+
+    try:
+        active = ActiveJob("a" * 32, JobSpec(preset="tiny"), tmp_path / "job", True, "swarm",
+                           donors=["https://d1", "https://d2"])  # fmt: skip
+        for n in range(1, DONOR_TRIES + 1):
+            where = ckpt.checkpoint_dir(ckpt.checkpoint_root(active.out_dir), 40)
+            where.mkdir(parents=True)
+            active.adopt_step, active.donor = 40, f"https://d{n}"
+            again = await jobs._donor_refused(active, failed(DonorStateError("far worse")))
+            assert again == (n < DONOR_TRIES) and not where.exists()
+            assert active.adopt_step is None and active.donor is None
+            assert f"https://d{n}" not in active.donors
+        assert distrusted == [f"https://d{n}" for n in range(1, DONOR_TRIES + 1)]
+        async with sessions() as s:
+            events = await repo.list_events(s, kind="job.state_refused")
+        assert len(events) == DONOR_TRIES
+        assert any("far worse (from https://d1)" in e.message for e in events)
+        active.tries, active.donor = 0, "https://d9"
+        assert not await jobs._donor_refused(active, failed(ValueError("a bug")))
+        assert distrusted[-1] != "https://d9"
+    finally:
+        await engine.dispose()

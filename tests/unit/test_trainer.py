@@ -174,3 +174,58 @@ def test_a_snapshot_of_the_live_state_is_written_at_the_next_step(
     assert step in steps and 40 in steps
     with pytest.raises(RuntimeError, match="stopped"):
         snapshots.ask().result(timeout=0)
+
+
+def test_the_rule_for_a_donors_state() -> None:
+    """A state from a peer is refused if it is not finite, worse than the untrained model, or
+    far worse than the loss the job's other members last measured; within the slack it is
+    taken (an early swarm is barely better than the untrained model)."""
+    from atomd.train.trainer import donor_state_problem
+
+    assert donor_state_problem(8.3, 8.3, None) is None
+    assert donor_state_problem(8.3, 8.6, None) is None  # within 5 % + 0.05
+    assert "untrained" in (donor_state_problem(8.3, 8.8, None) or "")
+    assert "is nan" in (donor_state_problem(8.3, float("nan"), None) or "")
+    assert "is inf" in (donor_state_problem(8.3, float("inf"), 2.0) or "")
+    assert donor_state_problem(8.3, 2.0, 1.9) is None
+    assert donor_state_problem(8.3, 2.4, 1.9) is None  # the claim lags: 1.9 * 1.25 + 0.1
+    assert "other members last measured" in (donor_state_problem(8.3, 8.3, 1.9) or "")
+
+
+def test_a_donors_state_worse_than_untrained_is_refused_and_a_good_one_taken(
+    tmp_path: Path, text_file: Path
+) -> None:
+    """The trainer evaluates a state taken from a peer (``adopt_step``) on the job's validation
+    windows before it trains on it: the donor's weights scaled x10 (a hostile donor) evaluate
+    far worse than the untrained model and are refused with ``DonorStateError``; the honest
+    state is taken, and refused only where the other members' word says it is far behind."""
+    import shutil
+
+    from atomd.errors import DonorStateError
+    from atomd.train import checkpoint as ckpt
+
+    spec = fast_spec(data=str(text_file), max_steps=20, lr=3e-3, checkpoint_interval=100)
+    donor = tmp_path / "donor"
+    trainer_for(spec, donor, device="cpu").run()
+    found = ckpt.load_latest(ckpt.checkpoint_root(donor))
+    assert found is not None and found.step == 20
+
+    def joiner(name: str, scale: float, claim: float | None = None) -> Any:
+        out = tmp_path / name
+        root = ckpt.checkpoint_root(out)
+        root.mkdir(parents=True)
+        shutil.copytree(ckpt.checkpoint_dir(ckpt.checkpoint_root(donor), 20),
+                        ckpt.checkpoint_dir(root, 20))  # fmt: skip
+        if scale != 1.0:
+            model = {n: t * scale for n, t in found.model.items()}
+            ckpt.save_checkpoint(root, step=20, model=model, state=found.state, meta=found.meta,
+                                 keep=2)  # fmt: skip
+        return trainer_for(spec, out, device="cpu", resume=True, adopt_step=20, adopt_claim=claim)
+
+    with pytest.raises(DonorStateError, match="worse than the untrained model"):
+        joiner("hostile", 10.0)
+    taken = joiner("honest", 1.0, claim=3.2)
+    trained = taken.engine.evaluate(taken.val_batches)
+    assert taken.start_step == 20 and trained < 3.5
+    with pytest.raises(DonorStateError, match="other members last measured"):
+        joiner("behind", 1.0, claim=(trained - 0.1) / 1.25 - 0.05)

@@ -133,8 +133,8 @@ async def test_failed_donors_cost_an_attempt_and_leave_nothing(tmp_path: Path, d
     async with PeerClient(
         Identity.generate(), Admission("s", None, frozenset()), tls=False
     ) as client:
-        step = await fetch_state(client, urls, "job1", root)
-    assert step == 7
+        got = await fetch_state(client, urls, "job1", root)
+    assert got is not None and got.step == 7 and got.donor == urls[-1]
     assert sorted(p.name for p in root.iterdir()) == ["step-00000007"]  # no .incoming left
     got = ckpt.load_latest(root)
     assert got is not None and torch.equal(got.model["w"], torch.arange(50_000.0))
@@ -169,10 +169,10 @@ async def test_lying_donors_are_not_asked_again_and_sizes_are_bounded(
     async with PeerClient(
         Identity.generate(), Admission("s", None, frozenset()), tls=False
     ) as client:
-        step = await fetch_state(client, urls, "job1", root, max_file_bytes=1 << 20, liars=liars)
-        assert step == 7 and liars == set(urls[:2])
+        got = await fetch_state(client, urls, "job1", root, max_file_bytes=1 << 20, liars=liars)
+        assert got is not None and got.step == 7 and liars == set(urls[:2])
         assert not [p for p in root.iterdir() if p.name.startswith(".incoming")]
-        with pytest.raises(CheckpointError, match="every donor of job job1 lied"):
+        with pytest.raises(CheckpointError, match="every donor of job job1 was refused"):
             await fetch_state(client, urls[:2], "job1", tmp_path / "j2", liars=liars)
         # Without a model bound, 10^12 bytes do not fit the disk: refused before downloading.
         with pytest.raises(CheckpointError, match="could not fetch"):
@@ -198,7 +198,7 @@ async def test_the_donors_manifest_must_be_signed_by_the_donor(tmp_path: Path, d
     ) as client:
         step = await fetch_state(client, list(urls.values()), "job1", tmp_path / "j",
                                  liars=liars, key_at=lambda u, s: members.get((u, s)))  # fmt: skip
-    assert step == 7
+    assert step is not None and step.step == 7 and step.donor == urls["signed"]
     assert liars == {urls["ok"], urls["forged"], urls["resized"]}, "unsigned, forged, altered"
 
 
@@ -233,7 +233,7 @@ async def test_a_member_advertising_a_donors_url_cannot_have_it_taken_for_a_liar
     ) as client:
         step = await fetch_state(client, [url], "job1", tmp_path / "j", liars=liars,
                                  key_at=lambda u, signer: SwarmNode._key_at(node, u, signer))  # type: ignore[arg-type]  # fmt: skip
-    assert step == 7 and not liars
+    assert step is not None and step.step == 7 and not liars
 
 
 def test_the_signed_manifest_covers_the_tokenizer_file() -> None:
@@ -280,7 +280,8 @@ async def test_a_donor_younger_than_asked_has_no_state(tmp_path: Path, donors: A
         Identity.generate(), Admission("s", None, frozenset()), tls=False
     ) as client:
         assert await fetch_state(client, urls, "job1", tmp_path / "j", at_least=8) is None
-        assert await fetch_state(client, urls, "job1", tmp_path / "k", at_least=7) == 7
+        got = await fetch_state(client, urls, "job1", tmp_path / "k", at_least=7)
+        assert got is not None and got.step == 7
     assert not (tmp_path / "j").exists() or list((tmp_path / "j").iterdir()) == []
 
 
@@ -371,3 +372,47 @@ async def test_a_swarm_job_expects_its_frames_from_its_launch_until_its_release(
         jobs._launch(local)
     jobs._release(local)
     assert calls == [] and driven == ["s" * 32, "l" * 32]
+
+
+async def test_the_members_word_on_a_fetched_state_needs_two_and_one_cannot_lower_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a fetched state, the node asks the job's other members for their newest
+    validation loss (the donor's own word does not count): the higher median of at least two
+    (``CLAIM_QUORUM``), so one member claiming a tiny loss cannot have an honest state refused."""
+    from atomd.p2p import node as node_module
+    from atomd.p2p.messages import CurvePoint, ProgressCurve
+    from atomd.p2p.node import SwarmNode
+    from atomd.p2p.transfer import Fetched
+
+    def curve(*vals: float | None) -> ProgressCurve:
+        return ProgressCurve(points=[CurvePoint(step=i, val_loss=v, tokens_per_s=1.0, at=1.0)
+                                     for i, v in enumerate(vals)])  # fmt: skip
+
+    answers: list[tuple[Any, Any]] = []
+
+    async def fetched(*args: Any, **kwargs: Any) -> Fetched:
+        return Fetched(7, "https://donor")
+
+    async def peer_curves(job_id: str) -> list[tuple[Any, Any]]:
+        return answers
+
+    monkeypatch.setattr(node_module, "fetch_state", fetched)
+    node = SimpleNamespace(client=None, _liars=set(), _key_at=None, peer_curves=peer_curves)
+
+    async def claimed() -> float | None:
+        got = await SwarmNode.fetch_state(node, "j", ["https://donor"], Path("/x"))  # type: ignore[arg-type]
+        assert got is not None and got.step == 7
+        return got.claimed_val
+
+    def m(url: str) -> Any:
+        return SimpleNamespace(url=url)
+
+    answers[:] = [(m("https://donor"), curve(0.1)), (m("https://a"), curve(2.0, 1.9, None))]
+    assert await claimed() is None, "the donor's word aside, one member is no quorum"
+    answers.append((m("https://b"), "timed out"))
+    assert await claimed() is None
+    answers.append((m("https://liar"), curve(0.01)))
+    assert await claimed() == 1.9, "the liar cannot lower it"
+    answers.append((m("https://c"), curve(2.1)))
+    assert await claimed() == 1.9
