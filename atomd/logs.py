@@ -7,8 +7,36 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 _FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (line breaks, escape sequences'
+    ESC, other control characters, bidirectional overrides) written as its Python escape
+    (``\\n``, ``\\x1b``, ``\\u202e``): one log line or table cell stays one, and shows
+    what was sent instead of acting on the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class LineFormatter(logging.Formatter):
+    """One record, one line: the message (which may quote a peer's words: an error answer's
+    detail) through ``printable``, so that no peer forges a log line or writes escape
+    sequences to the operator's terminal. A traceback keeps its line breaks, not its other
+    control characters."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:  # noqa: N802
+        return "\n".join(map(printable, super().formatException(ei).split("\n")))
+
+    def formatStack(self, stack_info: str) -> str:  # noqa: N802
+        return "\n".join(map(printable, super().formatStack(stack_info).split("\n")))
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -24,7 +52,7 @@ def setup_logging(level: str | int | None = None) -> None:
     timestamped format, uvicorn's included. Idempotent."""
     level = level or os.environ.get("ATOMD_LOG_LEVEL", "INFO")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.setFormatter(LineFormatter(_FORMAT))
     handler._atomd = True  # type: ignore[attr-defined]
     for name in _LOGGERS:
         logger = logging.getLogger(name)
