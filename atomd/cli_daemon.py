@@ -11,8 +11,10 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from atomd.client import ControlClient
+from atomd.logs import printable
 
 URL = Annotated[
     str, typer.Option("--url", envvar="ATOMD_URL", help="Control API of the daemon to talk to.")
@@ -33,9 +35,20 @@ job_app = typer.Typer(
 )
 
 
+class _PlainConsole(Console):
+    """A console that prints every string as it is: no rich markup (`[bold]`, `[link=...]`;
+    a stray `[/x]` raised MarkupError), no emoji codes, control characters escaped
+    (``atomd.logs.printable``). The tables show what peers chose (a member's URL, a reason
+    quoting its frame, a joined job's spec): a review of 2026-12-06."""
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        return super().render_str(printable(text), **{**kwargs, "markup": False, "emoji": False})
+
+
 def _console() -> Console:
     # Piped output keeps whole ids and timestamps instead of squeezing to 80 columns.
-    return Console() if sys.stdout.isatty() else Console(width=240)
+    width = None if sys.stdout.isatty() else 240
+    return _PlainConsole(width=width, markup=False, emoji=False)
 
 
 def _print(data: Any, as_json: bool, render: Any) -> None:

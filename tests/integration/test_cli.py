@@ -7,8 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -161,3 +166,67 @@ def test_migrate_from_a_folder_with_its_own_migrations_package(tmp_path: Path) -
     from atomd.db.migrate import head_revision
 
     assert f"revision {head_revision()}" in proc.stdout
+
+
+@contextmanager
+def control_api_answering(answers: dict[str, Any]) -> Iterator[str]:
+    """A stand-in for a daemon's control API on loopback: each path's JSON answer."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(answers[self.path.split("?")[0]]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_a_peers_words_are_printed_as_they_are(tmp_path: Path) -> None:
+    """`atomd peers` and `atomd job show` print what members chose: a member's URL (printable
+    ASCII, signed by itself), a reason quoting its frame (a tensor's name), a joined job's spec
+    (its advert's text_field). The tables read them as rich markup: `[/x]` ended the command
+    with a MarkupError, `[link=...]` and `[blink]` styled the operator's terminal, `:skull:`
+    became an emoji, and an ESC went through (a review of 2026-12-06). Now each is printed as
+    sent, a control character escaped."""
+    me, evil = "a" * 32, "b" * 32
+    url = "https://evil.example:7071/[/x]"
+    reason = "quarantined here: tensor '[link=https://evil.example/]x[/link]' \x1b[2J :skull:"
+    peers = [
+        {"id": me, "url": "https://10.0.0.1:7071", "state": "alive", "is_self": True,
+         "last_seen_at": "2026-12-06T10:00:00Z", "rtt_ms": None},
+        {"id": evil, "url": url, "state": "alive", "is_self": False,
+         "last_seen_at": "2026-12-06T10:00:00Z", "rtt_ms": 1.5, "excluded": "quarantined",
+         "excluded_reason": reason},
+    ]  # fmt: skip
+    job_id = "c" * 32
+    job = {
+        "id": job_id, "state": "running", "reason": "[blink]from the swarm[/blink]",
+        "spec": {"preset": "tiny", "text_field": "[/x]"}, "out_dir": str(tmp_path), "step": 3,
+        "tokens": 96, "loss": 2.5, "val_loss": None, "created_at": "2026-12-06T10:00:00Z",
+        "started_at": None, "finished_at": None,
+    }  # fmt: skip
+    answers = {"/v1/peers": peers, f"/v1/jobs/{job_id}": job, f"/v1/jobs/{job_id}/progress": []}
+    with control_api_answering(answers) as api:
+        shown = run("peers", "--url", api, timeout=120)
+        assert shown.returncode == 0, shown.stderr
+        assert url in shown.stdout
+        assert "[link=https://evil.example/]x[/link]" in shown.stdout and ":skull:" in shown.stdout
+        assert "\x1b" not in shown.stdout and "\\x1b[2J" in shown.stdout
+        shown = run("job", "show", job_id, "--url", api, timeout=120)
+        assert shown.returncode == 0, shown.stderr
+        assert "[blink]from the swarm[/blink]" in shown.stdout
+        assert '"text_field":"[/x]"' in shown.stdout
