@@ -282,7 +282,8 @@ async def get_curves(ctx: Ctx, job_id: str) -> CurvesPublic:
     """Each curve spans the whole run in at most 402 logged steps (every n-th step, the
     steps with a validation loss, the newest). The peers' are asked over the signed peer
     plane, at once, each within 3 s, at most every 2 s (a cached answer in between); a peer
-    that did not answer is listed with the reason."""
+    that did not answer is listed with the reason. At most 32 peers are asked (the first heard
+    training the job); ``left_out`` counts the others."""
     await ctx.jobs.get(job_id)
     now = time.monotonic()
     cached = ctx.curves.get(job_id)
@@ -291,13 +292,15 @@ async def get_curves(ctx: Ctx, job_id: str) -> CurvesPublic:
     mine = curve_of(await ctx.jobs.progress_curve(job_id, MAX_CURVE_POINTS))
     me = ctx.swarm.peer_id if ctx.swarm is not None else ""
     peers = [_curve(me, mine, is_self=True)]
+    left_out = 0
     if ctx.swarm is not None:
-        for member, got in await ctx.swarm.peer_curves(job_id):
+        answers, left_out = await ctx.swarm.peer_curves(job_id)
+        for member, got in answers:
             if isinstance(got, str):
                 peers.append(PeerCurvePublic(peer_id=member.id, points=[], error=got))
             else:
                 peers.append(_curve(member.id, got))
-    answer = CurvesPublic(job_id=job_id, peers=peers)
+    answer = CurvesPublic(job_id=job_id, peers=peers, left_out=left_out)
     ctx.curves[job_id] = (time.monotonic(), answer)
     while len(ctx.curves) > CURVES_CACHED:
         ctx.curves.pop(next(iter(ctx.curves)))

@@ -208,7 +208,7 @@ function renderJob(job, curves) {
     stat("tokens/s", last ? fmt(last.tokens_per_s) : "–"),
     stat("scope", job.scope + (job.origin ? ` · from ${short(job.origin)}` : "")),
     stat("cadence", sync.every ? `${sync.every} steps/round` : "–"),
-    stat("peers training", String(curves.peers.length)));
+    stat("peers training", String(curves.peers.length + (curves.left_out || 0))));
   const bar = $("job-bar");
   bar.hidden = !maxSteps;
   if (maxSteps) bar.firstElementChild.style.width = `${Math.min(100, (100 * job.step) / maxSteps)}%`;
@@ -231,7 +231,9 @@ function renderJob(job, curves) {
   for (const i of $("legend").querySelectorAll("i")) i.style.background = i.dataset.color;
   const errors = curves.peers.filter((p) => p.error)
     .map((p) => `${short(p.peer_id)}: ${p.error}`);
-  $("curve-errors").textContent = errors.length ? `Curves missing: ${errors.join("; ")}` : "";
+  const missing = errors.length ? `Curves missing: ${errors.join("; ")}` : "";
+  const notAsked = curves.left_out ? `${curves.left_out} more peers train it (not shown).` : "";
+  $("curve-errors").textContent = [missing, notAsked].filter(Boolean).join(" ");
 }
 
 // "peer URL: POST /p2p/v1/jobs/ID/deltas answered 404: why" -> "404: why"

@@ -166,5 +166,7 @@ class PeerCurvePublic(BaseModel):
 class CurvesPublic(BaseModel):
     job_id: str
     peers: list[PeerCurvePublic] = Field(
-        description="This daemon first, then each live peer heard training the job"
+        description="This daemon first, then each live peer heard training the job (the "
+        "first 32 heard)"
     )
+    left_out: int = Field(0, description="Further peers heard training the job, not asked")

@@ -59,6 +59,10 @@ CURVE_TIMEOUT_S = 3.0  # one peer's loss curve, for the dashboard
 # checks a fetched state against them: of two, the higher median is the larger, so one lying
 # member cannot lower it below an honest one's.
 CLAIM_QUORUM = 2
+# Peers asked for their loss curves at each dashboard refresh: the first heard training the
+# job. Keys are free with the swarm secret alone, and 4,096 of them advertising the job made
+# a refresh cost ~50 s of the event loop and 146 MB of JSON (a review of 2026-12-06).
+MAX_CURVE_PEERS = 32
 DONORS_TIMEOUT_S = 30.0  # a restarted daemon waits at most this long to hear who trains a job
 REJECTIONS_FLUSH_S = 60.0
 # Members that count as training a job they were heard training (``SwarmNode.job_peers``).
@@ -508,9 +512,10 @@ class SwarmNode:
         )  # fmt: skip
         if got is None:
             return None
+        answers, _ = await self.peer_curves(job_id)
         claims = [
             last
-            for m, curve in await self.peer_curves(job_id)
+            for m, curve in answers
             if m.url != got.donor.rstrip("/") and not isinstance(curve, str)
             for last in [
                 next((p.val_loss for p in reversed(curve.points) if p.val_loss is not None), None)
@@ -584,9 +589,14 @@ class SwarmNode:
         self._job_of[peer_id] = job_id
         self._job_peers.setdefault(job_id, {})[peer_id] = time.monotonic()
 
-    async def peer_curves(self, job_id: str) -> list[tuple[Member, ProgressCurve | str]]:
-        """The loss curve of ``job_id`` from every live peer heard training it, asked at once
-        (each within ``CURVE_TIMEOUT_S``); for a peer that did not answer, why."""
+    async def peer_curves(
+        self, job_id: str
+    ) -> tuple[list[tuple[Member, ProgressCurve | str]], int]:
+        """The loss curve of ``job_id`` from the first ``MAX_CURVE_PEERS`` live peers heard
+        training it, asked at once (each within ``CURVE_TIMEOUT_S``), for a peer that did not
+        answer why; and how many more train it (not asked)."""
+        peers = self.job_peers(job_id)
+        asked, left_out = peers[:MAX_CURVE_PEERS], max(0, len(peers) - MAX_CURVE_PEERS)
 
         async def one(m: Member) -> tuple[Member, ProgressCurve | str]:
             try:
@@ -598,7 +608,7 @@ class SwarmNode:
                 return m, str(e)[:300]
             return m, curve
 
-        return list(await asyncio.gather(*(one(m) for m in self.job_peers(job_id))))
+        return list(await asyncio.gather(*(one(m) for m in asked))), left_out
 
     def job_donors(self, job_id: str) -> list[str]:
         return [m.url for m in self.job_peers(job_id)]

@@ -296,7 +296,7 @@ async def test_events_and_curves_are_typed_and_bounded(make_client: Factory) -> 
             break
         await asyncio.sleep(0.05)
     (mine,) = curves["peers"]
-    assert mine["is_self"] and mine["error"] is None
+    assert mine["is_self"] and mine["error"] is None and curves["left_out"] == 0
     steps = [p["step"] for p in mine["points"]]
     assert steps == sorted(steps) and steps[0] == 1 and mine["points"][0]["loss"] > 0
     assert (await c.get("/v1/jobs/" + "0" * 32 + "/curves")).status_code == 404

@@ -20,11 +20,12 @@ from atomd.p2p.messages import (
     JoinReply,
     PingReq,
     PingReqReply,
+    ProgressCurve,
     parse,
     record_problem,
     sign_record,
 )
-from atomd.p2p.node import SwarmNode
+from atomd.p2p.node import MAX_CURVE_PEERS, SwarmNode
 
 FAST = SwimConfig(
     period=0.02, settled_period=0.02, ping_timeout=0.05, indirect_timeout=0.08,
@@ -523,6 +524,26 @@ def test_who_trains_what_holds_one_job_a_known_member() -> None:
         SwarmNode._trains(fake, f"job{i}", pid("a"))  # type: ignore[arg-type]
         SwarmNode._trains(fake, f"job{i}", pid("stranger"))  # type: ignore[arg-type]
     assert list(fake._job_peers) == ["job99"] and list(fake._job_peers["job99"]) == [pid("a")]
+
+
+async def test_a_dashboard_refresh_asks_a_bounded_number_of_peers_for_curves() -> None:
+    """Every dashboard refresh (each 2 s) asks the job's peers for their loss curves. With the
+    swarm secret alone keys are free: a member that advertised the job under 4,096 keys made
+    each refresh ask 4,096 peers for up to 402 points each, parsed and sent on to the browser
+    (measured: ~50 s of the event loop, 146 MB of JSON a refresh; a review of 2026-12-06).
+    Only the first MAX_CURVE_PEERS heard training it are asked; the rest are counted."""
+    members = [SimpleNamespace(id=f"{i:032x}", url=f"https://m{i}") for i in range(4096)]
+    asked: list[str] = []
+
+    async def get(url: str, path: str, reply: Any, **kw: Any) -> ProgressCurve:
+        asked.append(url)
+        return ProgressCurve(points=[])
+
+    fake = SimpleNamespace(client=SimpleNamespace(get=get), job_peers=lambda _job: members)
+    answers, left_out = await SwarmNode.peer_curves(fake, "j")  # type: ignore[arg-type]
+    assert asked == [m.url for m in members[:MAX_CURVE_PEERS]]
+    assert [m.id for m, _ in answers] == [m.id for m in members[:MAX_CURVE_PEERS]]
+    assert left_out == 4096 - MAX_CURVE_PEERS
 
 
 def _restarted(live: list[str], donors: dict[str, str]) -> Any:

@@ -394,8 +394,8 @@ async def test_the_members_word_on_a_fetched_state_needs_two_and_one_cannot_lowe
     async def fetched(*args: Any, **kwargs: Any) -> Fetched:
         return Fetched(7, "https://donor")
 
-    async def peer_curves(job_id: str) -> list[tuple[Any, Any]]:
-        return answers
+    async def peer_curves(job_id: str) -> tuple[list[tuple[Any, Any]], int]:
+        return answers, 0
 
     monkeypatch.setattr(node_module, "fetch_state", fetched)
     node = SimpleNamespace(client=None, _liars=set(), _key_at=None, peer_curves=peer_curves)
