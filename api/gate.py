@@ -5,12 +5,17 @@ A pure ASGI middleware (it sees the request before FastAPI reads the body), in t
 1. **Host**: the ``Host`` header must name one of the control API's own names (loopback names,
    its bind address, ``ATOMD_CONTROL_HOSTS``): a web page that rebinds its DNS name to
    127.0.0.1 sends its own name and is refused (400), so it cannot drive a token-free API.
-2. **Rate limit**: a source refused too often is answered 429 (``atomd.rejections``).
-3. **Token**: with ``ATOMD_CONTROL_TOKEN`` set, every path but ``/healthz`` and the dashboard's
+2. **Cross-site**: a request the operator's browser sends for a page of another site (its
+   ``Origin`` is not one of those names, or ``Sec-Fetch-Site: cross-site``) is refused (403),
+   not counted against the source (the operator's own machine: a page could otherwise get
+   the CLI rate-limited). A page can send a "simple" POST without preflight, with the real
+   Host: it stopped jobs of a daemon without a token (a review of 2026-12-06).
+3. **Rate limit**: a source refused too often is answered 429 (``atomd.rejections``).
+4. **Token**: with ``ATOMD_CONTROL_TOKEN`` set, every path but ``/healthz`` and the dashboard's
    data-free shell (``/dashboard`` and its assets, ``atomd_api.dashboard``) needs
    ``Authorization: Bearer <token>`` (``/docs``, ``/openapi.json`` and ``/metrics`` too), checked
    before the body is read (401).
-4. **Body**: a declared ``Content-Length`` over ``MAX_BODY_BYTES`` is refused before reading
+5. **Body**: a declared ``Content-Length`` over ``MAX_BODY_BYTES`` is refused before reading
    (413); a body that streams past it is cut off with 413 (the body is read here, bounded,
    and handed to the route whole).
 
@@ -23,6 +28,7 @@ import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from atomd.config import Settings
 from atomd.rejections import Rejections
@@ -47,6 +53,23 @@ def _host_name(raw: str) -> str:
     return raw.rsplit(":", 1)[0] if raw.count(":") == 1 else raw
 
 
+def _cross_site(headers: dict[str, str], hosts: frozenset[str]) -> str | None:
+    """Why a browser sent this request for a web page of another site, or None. The CLI and
+    curl send neither header; the dashboard and ``/docs`` are of this site."""
+    if headers.get("sec-fetch-site", "").strip().lower() == "cross-site":
+        return "a request made by a web page of another site (Sec-Fetch-Site: cross-site)"
+    origin = headers.get("origin")
+    if origin is None:
+        return None
+    try:
+        host = urlsplit(origin.strip()).hostname
+    except ValueError:
+        host = None
+    if host is not None and host in hosts:
+        return None
+    return f"a request made by the web page at {origin[:100]!r}, not a page of this control API"
+
+
 class ControlGate:
     def __init__(self, app: ASGIApp, settings: Settings, rejections: Rejections | None) -> None:
         self.app = app
@@ -56,10 +79,10 @@ class ControlGate:
 
     async def _refuse(
         self, scope: Scope, send: Send, status: int, kind: str, detail: str,
-        headers: list[tuple[bytes, bytes]] | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None, count: bool = True,
     ) -> None:  # fmt: skip
         source = scope["client"][0] if scope.get("client") else "?"
-        if self.rejections is not None and status != 429:
+        if self.rejections is not None and status != 429 and count:
             self.rejections.refused("control", source, status, f"{scope.get('path', '')[:100]}: "
                                     f"{detail}")  # fmt: skip
         body = json.dumps({"error": kind, "detail": detail}).encode()
@@ -83,6 +106,10 @@ class ControlGate:
             await self._refuse(scope, send, 400, "invalid",
                                f"Host {shown!r} is not a name of this control API; allowed: "
                                f"{allowed} (ATOMD_CONTROL_HOSTS)")  # fmt: skip
+            return
+        why = _cross_site(headers, self.hosts)
+        if why is not None:
+            await self._refuse(scope, send, 403, "forbidden", why, count=False)
             return
         source = scope["client"][0] if scope.get("client") else "?"
         wait = self.rejections.retry_after(source) if self.rejections is not None else None

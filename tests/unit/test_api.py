@@ -172,6 +172,34 @@ async def test_only_its_own_host_names_are_answered(make_client: Factory) -> Non
         assert (await c.get("/v1/jobs", headers={"Host": host})).status_code == 200, host
 
 
+async def test_a_web_page_cannot_drive_the_api_from_the_operators_browser(
+    make_client: Factory,
+) -> None:
+    """Cross-site requests: a page the operator visits can send a "simple" POST (no-cors, no
+    preflight) to 127.0.0.1:7070 with the real Host. Without a token (the loopback default)
+    it stopped a job, swarm-wide where this daemon is its origin: a job id is no secret to a
+    hostile member, every advert carries it (a review of 2026-12-06). Refused (403) when the
+    browser says the request is cross-site (Origin, Sec-Fetch-Site), and not counted against
+    the source, which is the operator's own machine: pages cannot rate-limit its CLI."""
+    c = await make_client()
+    r = await c.post("/v1/jobs", json={**FAST, "max_steps": 100000})
+    job = r.json()["id"]
+    evil = {"Origin": "https://evil.example", "Content-Type": "text/plain"}
+    for _ in range(40):
+        r = await c.post(f"/v1/jobs/{job}/stop", params={"scope": "swarm"}, headers=evil)
+        assert r.status_code == 403 and r.json()["error"] == "forbidden", r.text
+    for headers in ({"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"}):
+        assert (await c.post(f"/v1/jobs/{job}/stop", headers=headers)).status_code == 403
+        assert (await c.get("/v1/jobs", headers=headers)).status_code == 403
+    assert (await c.get(f"/v1/jobs/{job}")).json()["state"] in ("pending", "running")
+    # The dashboard and /docs (same origin), a typed URL, the CLI (no such header) pass.
+    same = {"Origin": "http://127.0.0.1:7070", "Sec-Fetch-Site": "same-origin"}
+    assert (await c.get("/v1/jobs", headers=same)).status_code == 200
+    assert (await c.get("/dashboard", headers={"Sec-Fetch-Site": "none"})).status_code == 200
+    r = await c.post(f"/v1/jobs/{job}/stop", headers=same)
+    assert r.status_code == 200 and r.json()["state"] == "stopping"
+
+
 async def test_a_source_refused_too_often_is_rate_limited(make_client: Factory) -> None:
     c = await make_client(token="t0k")
     codes = [(await c.get("/v1/jobs")).status_code for _ in range(60)]
