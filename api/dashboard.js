@@ -93,7 +93,10 @@ function niceTicks(lo, hi, n) {
   const mag = 10 ** Math.floor(Math.log10(step0));
   const step = [1, 2, 5, 10].map((m) => m * mag).find((s) => s >= step0) || step0;
   const out = [];
-  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(v);
+  // At most 2n + 1: where the range is below the numbers' precision (a peer's curve may hold
+  // two losses one ulp apart), v += step no longer moves v.
+  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9 && out.length <= 2 * n;
+    v += step) out.push(v);
   return out;
 }
 function drawChart(box, series, opts) {

@@ -186,3 +186,48 @@ def test_dashboard_shows_a_running_swarm_in_chromium(swarm: list[DaemonProcess])
     # The token never reached a server log: the fragment is not sent, the header not logged.
     for d in swarm:
         assert TOKEN not in d.log(), d.name
+
+
+# Runs dashboard.js in a Worker (a stand-in document: the script only registers its start
+# there) and calls niceTicks(lo, hi, n) for each case; "hung" after 5 s.
+TICKS_IN_A_WORKER = """async ([source, calls]) => {
+  const stub = "self.document = { addEventListener() {} };\\n";
+  const tail = "\\nonmessage = (e) => " +
+    "postMessage(e.data.map(([lo, hi, n]) => niceTicks(lo, hi, n)));";
+  const url = URL.createObjectURL(new Blob([stub + source + tail], { type: "text/javascript" }));
+  const worker = new Worker(url);
+  try {
+    return await new Promise((resolve, reject) => {
+      worker.onmessage = (e) => resolve(e.data);
+      worker.onerror = (e) => reject(new Error(e.message));
+      worker.postMessage(calls);
+      setTimeout(() => resolve("hung"), 5000);
+    });
+  } finally {
+    worker.terminate();
+  }
+}"""
+
+
+def test_a_peers_curve_cannot_hang_the_charts() -> None:
+    """A chart's axis spans the values of every curve drawn on it, the peers' included (until
+    this daemon's first evaluation, the validation chart holds only theirs). Two validation
+    losses one ulp apart (1 and 1 + 2^-52, both valid in a peer's curve) made the axis step
+    smaller than the numbers' precision: `v += step` no longer moved, and niceTicks pushed
+    ticks until the array could grow no more (RangeError after a frozen tab, at every
+    refresh, and the job's section was never drawn; a review of 2026-12-06). At most 2n + 1
+    ticks now; honest ranges are ticked as before."""
+    source = (REPO / "api" / "dashboard.js").read_text()
+    hostile = [[1, 1 + 2**-52, 4], [1e6 - 1e-10, 1e6, 4], [0, 5e-324, 5]]
+    assert sync_playwright is not None
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            got = page.evaluate(TICKS_IN_A_WORKER, [source, [[0, 10, 5], [2.05, 4.61, 4]]])
+            assert got == [[0, 2, 4, 6, 8, 10], [3, 4]]
+            got = page.evaluate(TICKS_IN_A_WORKER, [source, hostile])
+        finally:
+            browser.close()
+    assert got != "hung"
+    assert all(len(ticks) <= 2 * n + 1 for ticks, (_, _, n) in zip(got, hostile, strict=True))
