@@ -49,7 +49,12 @@ from atomd.data.sources import BYTES as BYTES_TOKENIZER
 from atomd.data.sources import DEFAULT as DEFAULT_TOKENIZER
 from atomd.db import repo
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
-from atomd.devices import TRAIN_BYTES_PER_PARAMETER, host_memory_available
+from atomd.devices import (
+    TRAIN_BYTES_PER_PARAMETER,
+    host_memory_available,
+    host_step_bytes,
+    trains_on_host,
+)
 from atomd.errors import (
     AtomdError,
     ConfigError,
@@ -247,13 +252,14 @@ def state_file_bound(spec: JobSpec) -> int:
     return num_parameters(spec.model_shape) * 4 * 16 + (64 << 20)
 
 
-def admit(spec: JobSpec) -> None:
+def admit(spec: JobSpec, device: str = "auto") -> None:
     """Refuse, with the reason, a job that cannot start here (before anything is queued).
 
     Cheap on purpose (microseconds, no torch): it runs on the request path of ``POST
-    /v1/jobs``. The parameter count follows from the preset's shape in closed form; whatever
-    else can fail (building the model, loading the data) fails on the trainer thread after the
-    201 and is recorded on the job."""
+    /v1/jobs``. The parameter count and, where the job trains on the CPU (``device``, the
+    daemon's setting: ``trains_on_host``), one micro-batch's activations follow from the spec
+    in closed form (``host_step_bytes``); whatever else can fail (building the model, loading
+    the data) fails on the trainer thread after the 201 and is recorded on the job."""
     try:
         check_source(spec.data)
     except DataError as e:
@@ -264,14 +270,49 @@ def admit(spec: JobSpec) -> None:
         raise SpecError(str(e), field="tokenizer") from None
     if spec.init_from is not None and not exists(expand_path(spec.init_from)):
         raise SpecError(f"init_from {spec.init_from!r} does not exist", field="init_from")
-    need = num_parameters(spec.model_shape) * TRAIN_BYTES_PER_PARAMETER
     have = host_memory_available()
-    if have is not None and need > have:
+    if have is None:
+        return
+    state = num_parameters(spec.model_shape) * TRAIN_BYTES_PER_PARAMETER
+    if state > have:
         raise SpecError(
-            f"preset {spec.preset!r} needs about {need / 2**30:.1f} GiB of host memory for its "
+            f"preset {spec.preset!r} needs about {state / 2**30:.1f} GiB of host memory for its "
             f"weights, gradients and AdamW state; this host has {have / 2**30:.1f} GiB available",
             field="preset",
         )
+    if not trains_on_host(device):
+        return  # the activations live in the GPU's memory
+    acts = host_step_bytes(spec)
+    if state + acts > have:
+        fit = _sequences_that_fit(spec, have - state)
+        if fit:
+            plural = "s fit" if fit > 1 else " fits"
+            hint, lower = f"{fit} sequence{plural}", "micro_batch_size"
+        else:
+            hint, lower = "not one sequence fits", "seq_len"
+        raise SpecError(
+            f"preset {spec.preset!r} with micro_batch_size {spec.micro_batch_size} and seq_len "
+            f"{spec.effective_seq_len} needs about {(state + acts) / 2**30:.1f} GiB of host "
+            f"memory, training on the CPU: {state / 2**30:.1f} GiB for its weights, gradients "
+            f"and AdamW state and {acts / 2**30:.1f} GiB for one micro-batch's activations and "
+            f"the step's working buffers; "
+            f"this host has {have / 2**30:.1f} GiB available ({hint}): lower {lower} "
+            f"(grad_accum keeps the tokens per step)",
+            field=lower,
+        )
+
+
+def _sequences_that_fit(spec: JobSpec, room: int) -> int:
+    """The largest micro_batch_size below the spec's whose activations fit ``room`` bytes
+    (0: none); the activations grow with it, so a bisection of a dozen estimates finds it."""
+    lo, hi = 0, spec.micro_batch_size  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if host_step_bytes(spec.model_copy(update={"micro_batch_size": mid})) <= room:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _origin_only(job_id: str, origin: str, more: str = "") -> JobConflictError:
@@ -468,7 +509,7 @@ class JobManager:
 
     async def start(self, spec: JobSpec, scope: Scope = "swarm") -> JobRecord:
         self._check_free()
-        admit(local_data(spec, self.data_names))  # cheap: a stat() and arithmetic
+        admit(local_data(spec, self.data_names), self.device)  # cheap: a stat() and arithmetic
         job_id = job_id_for(self.peer_id)
         out_dir = self.job_dir(job_id)
         async with self.sessions() as s, s.begin():
@@ -503,7 +544,7 @@ class JobManager:
                 f"job {job_id} is {job.state}; only a stopped, failed or pending job resumes"
             )
         spec = JobSpec.model_validate(job.spec)
-        admit(local_data(spec, self.data_names))
+        admit(local_data(spec, self.data_names), self.device)
         job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", "")
         self._launch(_resumed(job, spec))
         return job
@@ -596,7 +637,11 @@ class JobManager:
                 spec = spec.model_copy(
                     update={"shard_index": shard_for_peer(self.peer_id, spec.num_shards)}
                 )
-            admit(local_data(spec, self.data_names))
+            try:
+                admit(local_data(spec, self.data_names), self.device)
+            except SpecError as e:  # e.g. an advert's micro-batch whose activations do not fit
+                await self._refuse_join(job_id, str(e))
+                return
             problem = self._disk_problem(spec)
             if problem is not None:
                 await self._refuse_join(job_id, problem)

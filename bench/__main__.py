@@ -3,7 +3,7 @@ print their JSON, one object per line on stdout; what runs and how long it takes
 first.
 
 The durations are those measured on a quiet 2-core machine without a GPU (``make bench``:
-about 100 min in all, most of it the sync convergence runs; ``make bench-quick``: a few minutes).
+about 110 min in all, most of it the sync convergence runs; ``make bench-quick``: a few minutes).
 ``python -m atomd_bench swarm [OPTIONS]`` runs the real-daemon swarm benchmark with its own
 options (``--help``); it is not part of the default list (its full run takes hours here), nor
 is ``join`` (where a joining peer starts: two simulated peers, ~1 min with its defaults), nor
@@ -52,6 +52,9 @@ BENCHES: dict[str, Bench] = {
     "optim": Bench("atomd_bench.optim", "~30 s", "~10 s", {"quick": True}),
     "tls": Bench("atomd_bench.tls_cost", "~20 s", "~8 s", {"connects": 10, "pings": 50}),
     "attack": Bench("atomd_bench.attack", "~27 min", "~7 min", {"quick": True}),
+    "activation_memory": Bench(
+        "atomd_bench.activation_memory", "~10 min", "~1.5 min", {"quick": True}
+    ),
 }
 # Benchmarks that take their own command-line options after their name: (module, function).
 WITH_OPTIONS: dict[str, tuple[str, str]] = {

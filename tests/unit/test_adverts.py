@@ -290,3 +290,32 @@ async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path
         assert distrusted[-1] != "https://d9"
     finally:
         await engine.dispose()
+
+
+async def test_a_job_whose_activations_would_not_fit_host_memory_is_not_joined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member may advertise micro_batch_size 4096 so that every free peer joins it; on the
+    CPU its activations (~20 GiB for tiny) would bring the kernel's OOM killer onto the
+    daemon. A joiner that trains on the CPU counts them first, and says why it does not join."""
+    from atomd import jobs as jobs_module
+    from atomd.devices import TRAIN_BYTES_PER_PARAMETER
+    from atomd.model.config import num_parameters
+
+    state = num_parameters(JobSpec(preset="tiny").model_shape) * TRAIN_BYTES_PER_PARAMETER
+    monkeypatch.setattr(jobs_module, "host_memory_available", lambda: state + (1 << 30))
+    jobs, sessions, engine = await _manager(tmp_path)  # device cpu
+    task = asyncio.create_task(jobs.run())
+    await jobs.wait_started()
+    try:
+        advert = {"id": "a" * 32, "spec": {"preset": "tiny", "micro_batch_size": 4096}}
+        events = await _refusals_of(jobs, sessions, advert)
+        assert events and "one micro-batch's activations" in events[0].message
+        assert "lower micro_batch_size" in events[0].message
+        assert jobs.active is None
+        async with sessions() as s:
+            assert await repo.get_job(s, job_id="a" * 32) is None
+    finally:
+        await jobs.shutdown()
+        await task
+        await engine.dispose()
