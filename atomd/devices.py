@@ -69,9 +69,9 @@ def trains_on_host(device: str) -> bool:
 ALLOCATOR_SLACK = 1.5
 """What the process's peak RSS may reach per byte of activations alive: glibc's allocator keeps
 freed chunks below its adaptive mmap threshold (up to 32 MiB) for reuse, and they fragment.
-Tiny, micro_batch_size 256, grad_accum 2 and 4 (1280 MiB of activations estimated): 1856 and
-1920 MiB at the peak, where the same runs with every tensor mmap'd peaked at 1233 MiB
-(``atomd bench activation_memory``)."""
+Tiny, micro_batch_size 256 (1280 MiB of activations estimated), grad_accum 2: 1742-1856 MiB
+at the peak in two runs, grad_accum 4: 1920, where with every tensor mmap'd they peaked at
+1229-1233 MiB (``atomd bench activation_memory``)."""
 
 TRAINING_RESERVE_BYTES = 128 * 2**20
 """What training on the CPU keeps in the process besides its tensors from the first step on

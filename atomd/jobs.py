@@ -294,8 +294,8 @@ def admit(spec: JobSpec, device: str = "auto") -> None:
             f"preset {spec.preset!r} with micro_batch_size {spec.micro_batch_size} and seq_len "
             f"{spec.effective_seq_len} needs about {(state + acts) / 2**30:.1f} GiB of host "
             f"memory, training on the CPU: {state / 2**30:.1f} GiB for its weights, gradients "
-            f"and AdamW state and {acts / 2**30:.1f} GiB for one micro-batch's activations and "
-            f"the step's working buffers; "
+            f"and AdamW state and {acts / 2**30:.1f} GiB for one micro-batch's activations "
+            f"(with the allocator's slack); "
             f"this host has {have / 2**30:.1f} GiB available ({hint}): lower {lower} "
             f"(grad_accum keeps the tokens per step)",
             field=lower,
