@@ -31,6 +31,26 @@ async def _manager(tmp_path: Path) -> tuple[JobManager, Any, Any]:
     return jobs, sessions, engine
 
 
+async def _why_not_joined(
+    jobs: JobManager, sessions: Any, engine: Any, spec: dict[str, Any]
+) -> str:
+    """Run ``jobs``, offer it a job of ``spec``, and say why it did not join (its first
+    ``job.refused`` event); asserts that it joined nothing. Stops ``jobs`` and ``engine``."""
+    task = asyncio.create_task(jobs.run())
+    await jobs.wait_started()
+    try:
+        events = await _refusals_of(jobs, sessions, {"id": "a" * 32, "spec": spec})
+        assert events, "no job.refused event"
+        assert jobs.active is None
+        async with sessions() as s:
+            assert await repo.get_job(s, job_id="a" * 32) is None
+        return str(events[0].message)
+    finally:
+        await jobs.shutdown()
+        await task
+        await engine.dispose()
+
+
 async def _refusals_of(jobs: JobManager, sessions: Any, advert: dict[str, Any]) -> list[Any]:
     """Offer ``advert`` to a running ``jobs`` and wait (up to 4 s) for its ``job.refused``."""
     jobs.offer(advert, ["http://127.0.0.1:1"])
@@ -72,19 +92,8 @@ async def test_an_advert_naming_a_path_is_not_joined(tmp_path: Path) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_text("the operator's private notes " * 1000)
     jobs, sessions, engine = await _manager(tmp_path)
-    task = asyncio.create_task(jobs.run())
-    await jobs.wait_started()
-    try:
-        advert = {"id": "a" * 32, "spec": {"preset": "tiny", "data": str(secret)}}
-        events = await _refusals_of(jobs, sessions, advert)
-        assert events and "may not name a local path" in events[0].message
-        assert jobs.active is None
-        async with sessions() as s:
-            assert await repo.get_job(s, job_id="a" * 32) is None
-    finally:
-        await jobs.shutdown()
-        await task
-        await engine.dispose()
+    why = await _why_not_joined(jobs, sessions, engine, {"preset": "tiny", "data": str(secret)})
+    assert "may not name a local path" in why
 
 
 async def test_only_its_origin_stops_a_job_on_every_peer(tmp_path: Path) -> None:
@@ -137,17 +146,8 @@ async def test_a_job_whose_checkpoints_would_not_fit_the_disk_is_not_joined(
     monkeypatch.setattr(jobs_module.shutil, "disk_usage",
                         lambda path: usage._replace(free=10 * bound))  # fmt: skip
     assert jobs._disk_problem(JobSpec(preset="tiny", keep_checkpoints=3)) is None
-    task = asyncio.create_task(jobs.run())
-    await jobs.wait_started()
-    try:
-        advert = {"id": "a" * 32, "spec": {"preset": "tiny", "keep_checkpoints": 1000}}
-        events = await _refusals_of(jobs, sessions, advert)
-        assert events and "keeping 1000 checkpoints" in events[0].message, events
-        assert jobs.active is None
-    finally:
-        await jobs.shutdown()
-        await task
-        await engine.dispose()
+    spec = {"preset": "tiny", "keep_checkpoints": 1000}
+    assert "keeping 1000 checkpoints" in await _why_not_joined(jobs, sessions, engine, spec)
 
 
 def _signed(origin: Identity, spec: JobSpec | None = None) -> JobAdvert:
@@ -305,17 +305,6 @@ async def test_a_job_whose_activations_would_not_fit_host_memory_is_not_joined(
     state = num_parameters(JobSpec(preset="tiny").model_shape) * TRAIN_BYTES_PER_PARAMETER
     monkeypatch.setattr(jobs_module, "host_memory_available", lambda: state + (1 << 30))
     jobs, sessions, engine = await _manager(tmp_path)  # device cpu
-    task = asyncio.create_task(jobs.run())
-    await jobs.wait_started()
-    try:
-        advert = {"id": "a" * 32, "spec": {"preset": "tiny", "micro_batch_size": 4096}}
-        events = await _refusals_of(jobs, sessions, advert)
-        assert events and "one micro-batch's activations" in events[0].message
-        assert "lower micro_batch_size" in events[0].message
-        assert jobs.active is None
-        async with sessions() as s:
-            assert await repo.get_job(s, job_id="a" * 32) is None
-    finally:
-        await jobs.shutdown()
-        await task
-        await engine.dispose()
+    spec = {"preset": "tiny", "micro_batch_size": 4096}
+    why = await _why_not_joined(jobs, sessions, engine, spec)
+    assert "one micro-batch's activations" in why and "lower micro_batch_size" in why
