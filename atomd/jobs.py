@@ -839,6 +839,10 @@ class JobManager:
                                  message=f"{e} (from {donor})")  # fmt: skip
         active.donors = [d for d in active.donors if d != donor]
         active.adopt_step = active.donor = active.claimed_val = None
+        # The next try gets a fresh plugin, as the first did: this one holds the refused
+        # trainer's model and the sync state built on it (a second model beside it on the
+        # device), and the refused donor's anchor and round, with the frames queued since.
+        active.plugin = None
         return active.tries < DONOR_TRIES
 
     async def _record(self, active: ActiveJob, items: Sequence[_Message]) -> None:

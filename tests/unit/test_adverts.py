@@ -308,3 +308,58 @@ async def test_a_job_whose_activations_would_not_fit_host_memory_is_not_joined(
     spec = {"preset": "tiny", "micro_batch_size": 4096}
     why = await _why_not_joined(jobs, sessions, engine, spec)
     assert "one micro-batch's activations" in why and "lower micro_batch_size" in why
+
+
+async def test_a_refused_donor_state_leaves_its_model_behind_before_the_next_try(
+    tmp_path: Path, text_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trainer refused a donor's state: before the job builds a trainer for the next
+    donor's, nothing keeps the refused one's model (its engine, the sync state the plugin built
+    on it and loaded the donor's anchor into) alive. Kept by the job's plugin, a second model
+    and its AdamW state were allocated beside it: a model that fits the device once did not."""
+    import gc
+    import logging
+    import weakref
+
+    from atomd.engines import build_engine
+    from atomd.errors import DonorStateError
+    from atomd.jobs import ActiveJob
+    from atomd.sync.runner import SyncPlugin
+    from atomd.train import checkpoint as ckpt
+    from atomd.train.trainer import Trainer
+    from tests.conftest import fast_spec, trainer_for
+
+    spec = fast_spec(data=str(text_file), max_steps=4, checkpoint_interval=100)
+    trainer_for(spec, tmp_path / "donor", device="cpu").run()
+    found = ckpt.load_latest(ckpt.checkpoint_root(tmp_path / "donor"))
+    assert found is not None
+    out = tmp_path / "job"
+    hostile = {n: t * 10 for n, t in found.model.items()}  # far worse than untrained
+    ckpt.save_checkpoint(ckpt.checkpoint_root(out), step=4, model=hostile, state=found.state,
+                         meta=found.meta, keep=2)  # fmt: skip
+
+    jobs, _sessions, engine = await _manager(tmp_path)
+    jobs.swarm = SimpleNamespace(distrust=lambda donor: None)  # type: ignore[assignment]
+    # Not captured: a captured warning's record holds the exception, and so those frames.
+    caplog.set_level(logging.CRITICAL, logger="atomd.jobs")
+    plugin = SyncPlugin(job_id="a" * 32, spec=spec.sync, identity=Identity.generate(),
+                        counted=lambda base: [], send=lambda out: None)  # fmt: skip
+    active = ActiveJob("a" * 32, spec, out, True, "swarm", plugin=plugin, adopt_step=4,
+                       donor="https://d1", donors=["https://d1", "https://d2"])  # fmt: skip
+    del plugin
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    built = build_engine(spec, "cpu")
+    model = weakref.ref(built.engine.model)
+    try:
+        Trainer(spec, out, built.engine, plan=built.plan, resume=True, plugin=active.plugin,
+                adopt_step=4)  # fmt: skip
+    except DonorStateError as e:
+        fut.set_exception(e)
+    del built
+    try:
+        assert await jobs._donor_refused(active, fut)
+        del fut  # as the job's next try does: the refused trainer's frames go with it
+        gc.collect()
+        assert model() is None, "the refused state's model is still held"
+    finally:
+        await engine.dispose()
