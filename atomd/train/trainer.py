@@ -272,21 +272,29 @@ class Trainer:
         if found is None:
             log.info("no checkpoint in %s; starting from step 0", self.ckpt_root)
             return
-        saved = GPTConfig.from_dict(found.meta["model_config"])
-        if saved != self.model_config:
-            raise CheckpointError(
-                f"{found.path} holds a {saved} model, the spec asks for {self.model_config}"
-            )
         donated = found.step == self.adopt_step
         # A donor's state is checked against this job's untrained model (the engine holds it
         # until the load) and the other members' word: a state far worse than either is a
-        # broken or hostile donor's, and the job takes another's (``JobManager``).
+        # broken or hostile donor's, and the job takes another's (``JobManager``); so is one
+        # that does not load (another model, misshapen tensors or sync state).
         untrained = self.engine.evaluate(self.val_batches) if donated else None
-        self.engine.load_tensors(found.model, found.state)
-        if self.plugin is not None:
-            has_sync_state = self.plugin.load_state_tensors(found.state)
-            if has_sync_state and donated:
-                self.plugin.adopt()
+        try:
+            saved = GPTConfig.from_dict(found.meta["model_config"])
+            if saved != self.model_config:
+                raise CheckpointError(
+                    f"{found.path} holds a {saved} model, the spec asks for {self.model_config}"
+                )
+            self.engine.load_tensors(found.model, found.state)
+            if self.plugin is not None:
+                has_sync_state = self.plugin.load_state_tensors(found.state)
+                if has_sync_state and donated:
+                    self.plugin.adopt()
+        except (CheckpointError, KeyError, TypeError, ValueError) as e:
+            if not donated:
+                raise
+            raise DonorStateError(
+                f"the state of step {found.step} from a peer does not load: {e}"
+            ) from e
         if untrained is not None:
             taken = self.engine.evaluate(self.val_batches)
             problem = donor_state_problem(untrained, taken, self.adopt_claim)

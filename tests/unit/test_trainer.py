@@ -229,3 +229,44 @@ def test_a_donors_state_worse_than_untrained_is_refused_and_a_good_one_taken(
     assert taken.start_step == 20 and trained < 3.5
     with pytest.raises(DonorStateError, match="other members last measured"):
         joiner("behind", 1.0, claim=(trained - 0.1) / 1.25 - 0.05)
+
+
+def test_a_donors_state_that_does_not_load_is_refused_like_a_bad_one(
+    tmp_path: Path, text_file: Path
+) -> None:
+    """A donor's state that does not fit the job's model (another model config in its meta, a
+    tensor of another shape, a sync state that does not fit) is refused (``DonorStateError``):
+    the job takes another donor's, as for a state that evaluates badly. A hostile donor failed
+    the joiner's job outright with it (a CheckpointError, or a ValueError from the sync state).
+    The joiner's own checkpoint that does not fit is still the job's own error."""
+    import dataclasses
+
+    from atomd.errors import CheckpointError, DonorStateError
+    from atomd.model.config import GPTConfig
+    from atomd.p2p.identity import Identity
+    from atomd.sync.runner import SyncPlugin
+    from atomd.train import checkpoint as ckpt
+
+    spec = fast_spec(data=str(text_file), max_steps=4, checkpoint_interval=100)
+    trainer_for(spec, tmp_path / "donor", device="cpu").run()
+    found = ckpt.load_latest(ckpt.checkpoint_root(tmp_path / "donor"))
+    assert found is not None and found.step == 4
+    config = GPTConfig.from_dict(found.meta["model_config"])
+    other = dataclasses.replace(config, n_layer=config.n_layer + 1).to_dict()
+    head = next(iter(found.model))
+    cases = {
+        "config": ({**found.meta, "model_config": other}, found.model, found.state),
+        "shape": (found.meta, {**found.model, head: found.model[head][:1]}, found.state),
+        "sync": (found.meta, found.model, {**found.state, "sync.anchor.x": torch.zeros(1)}),
+    }
+    for name, (meta, model, state) in cases.items():
+        for adopt in (4, None):
+            out = tmp_path / f"{name}-{adopt}"
+            ckpt.save_checkpoint(ckpt.checkpoint_root(out), step=4, model=model, state=state,
+                                 meta=meta, keep=2)  # fmt: skip
+            plugin = SyncPlugin(job_id="j" * 32, spec=spec.sync, identity=Identity.generate(),
+                                counted=lambda base: [], send=lambda out: None)  # fmt: skip
+            with pytest.raises((CheckpointError, ValueError)) as raised:
+                trainer_for(spec, out, device="cpu", resume=True, adopt_step=adopt,
+                            plugin=plugin)  # fmt: skip
+            assert isinstance(raised.value, DonorStateError) == (adopt is not None), name
