@@ -138,9 +138,23 @@ def _settle(
 # A donor's state may evaluate at most this much worse than the job's untrained model (an early
 # swarm is barely better than it), and than what the job's other members last measured (their
 # evaluation lags the state by up to an eval interval, and the swarm's estimate a joiner
-# adopts by up to a round): ``donor_state_problem``.
+# adopts by up to a round; the joiner evaluates fewer windows): ``donor_state_problem``.
 UNTRAINED_SLACK = (1.05, 0.05)
 CLAIMED_SLACK = (1.25, 0.1)
+# The validation batches a donor's state is evaluated on: the swarm goes on meanwhile, and a
+# restarted peer whose first deltas lag more than max_staleness rounds has them refused by
+# some peers and not others (4 real daemons, a round every ~0.9 s, two evaluations of 20
+# batches: 4.5 s from the fetch to the first step, deltas 5-6 rounds stale, the settled
+# anchors 0.077 apart; bench/results-swarm-2026-12-06eq.json).
+ADOPT_EVAL_BATCHES = 4
+
+
+def untrained_loss(vocab_size: int) -> float:
+    """The validation loss of an untrained model: a uniform guess over the vocabulary (GPT-2's
+    initialisation gives near-uniform logits: the tiny preset's 256 tokens, 5.531 measured
+    against ln 256 = 5.545). A swarm job starts from random weights (an advert may not name
+    ``init_from``), so the joiner need not evaluate one."""
+    return math.log(vocab_size)
 
 
 def donor_state_problem(untrained: float, taken: float, claimed: float | None) -> str | None:
@@ -273,11 +287,10 @@ class Trainer:
             log.info("no checkpoint in %s; starting from step 0", self.ckpt_root)
             return
         donated = found.step == self.adopt_step
-        # A donor's state is checked against this job's untrained model (the engine holds it
-        # until the load) and the other members' word: a state far worse than either is a
-        # broken or hostile donor's, and the job takes another's (``JobManager``); so is one
-        # that does not load (another model, misshapen tensors or sync state).
-        untrained = self.engine.evaluate(self.val_batches) if donated else None
+        # A donor's state is checked against an untrained model's loss and the other members'
+        # word: a state far worse than either is a broken or hostile donor's, and the job takes
+        # another's (``JobManager``); so is one that does not load (another model, misshapen
+        # tensors or sync state).
         try:
             saved = GPTConfig.from_dict(found.meta["model_config"])
             if saved != self.model_config:
@@ -295,8 +308,9 @@ class Trainer:
             raise DonorStateError(
                 f"the state of step {found.step} from a peer does not load: {e}"
             ) from e
-        if untrained is not None:
-            taken = self.engine.evaluate(self.val_batches)
+        if donated:
+            untrained = untrained_loss(self.model_config.vocab_size)
+            taken = self.engine.evaluate(self.val_batches[:ADOPT_EVAL_BATCHES])
             problem = donor_state_problem(untrained, taken, self.adopt_claim)
             if problem is not None:
                 raise DonorStateError(f"the state of step {found.step} from a peer: {problem}")

@@ -270,3 +270,17 @@ def test_a_donors_state_that_does_not_load_is_refused_like_a_bad_one(
                 trainer_for(spec, out, device="cpu", resume=True, adopt_step=adopt,
                             plugin=plugin)  # fmt: skip
             assert isinstance(raised.value, DonorStateError) == (adopt is not None), name
+
+
+@pytest.mark.parametrize(("tokenizer", "vocab"), [("bytes", None), ("default", 4096)])
+def test_an_untrained_model_scores_a_uniform_guess(
+    tmp_path: Path, text_file: Path, tokenizer: str, vocab: int | None
+) -> None:
+    """The donor check takes ln(vocabulary) for the untrained model's loss instead of
+    evaluating one (``untrained_loss``): it holds for the initialisation swarm jobs start from."""
+    from atomd.train.trainer import untrained_loss
+
+    spec = fast_spec(data=str(text_file), tokenizer=tokenizer, vocab_size=vocab)
+    t = trainer_for(spec, tmp_path, device="cpu")
+    measured = t.engine.evaluate(t.val_batches)
+    assert abs(measured - untrained_loss(t.model_config.vocab_size)) < 0.02 * measured
