@@ -512,6 +512,14 @@ class SwarmNode:
         )  # fmt: skip
         if got is None:
             return None
+        # The donor trains the job (it served its live state): counted in the rounds from now
+        # on. A restarted peer whose membership had not yet heard any member train it counted
+        # itself alone, and a peer alone commits its whole delta where the others commit what
+        # it sends (4 real daemons, SIGKILL: settled anchors 0.0097 apart, run er).
+        donor = next((m for m in self.membership.others("alive", "suspect")
+                      if m.url == got.donor.rstrip("/")), None)  # fmt: skip
+        if donor is not None:
+            self._trains(job_id, donor.id)
         answers, _ = await self.peer_curves(job_id)
         claims = [
             last

@@ -398,7 +398,8 @@ async def test_the_members_word_on_a_fetched_state_needs_two_and_one_cannot_lowe
         return answers, 0
 
     monkeypatch.setattr(node_module, "fetch_state", fetched)
-    node = SimpleNamespace(client=None, _liars=set(), _key_at=None, peer_curves=peer_curves)
+    node = SimpleNamespace(client=None, _liars=set(), _key_at=None, peer_curves=peer_curves,
+                           membership=SimpleNamespace(others=lambda *states: []))  # fmt: skip
 
     async def claimed() -> float | None:
         got = await SwarmNode.fetch_state(node, "j", ["https://donor"], Path("/x"))  # type: ignore[arg-type]
@@ -416,3 +417,47 @@ async def test_the_members_word_on_a_fetched_state_needs_two_and_one_cannot_lowe
     assert await claimed() == 1.9, "the liar cannot lower it"
     answers.append((m("https://c"), curve(2.1)))
     assert await claimed() == 1.9
+
+
+async def test_the_donor_of_a_fetched_state_counts_as_training_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted peer whose membership has not yet heard any member train the job counted
+    itself alone in its first rounds (a peer alone commits its whole delta, where the others
+    commit what it sends): the donor that served the state trains it, and counts from then on."""
+    from typing import cast
+
+    from atomd.config import Settings
+    from atomd.db import migrate
+    from atomd.db.engine import make_engine, make_sessionmaker
+    from atomd.p2p import node as node_module
+    from atomd.p2p.membership import Member
+    from atomd.p2p.node import SwarmNode
+    from atomd.p2p.transfer import Fetched
+    from atomd.telemetry import Telemetry
+
+    settings = Settings(data_dir=tmp_path, device="cpu")
+    migrate.upgrade(settings.db_path)
+    engine = make_engine(settings.db_path)
+    node = SwarmNode(settings=settings, identity=Identity.generate(),
+                     sessions=make_sessionmaker(engine), telemetry=Telemetry(),
+                     jobs=cast(Any, None))  # fmt: skip
+    donor = Identity.generate()
+    url = "https://127.0.0.1:42001"
+    node.membership.members[donor.peer_id] = Member(donor.peer_id, url, donor.public_key_hex,
+                                                    "alive", 1)  # fmt: skip
+
+    async def fetched(*args: Any, **kwargs: Any) -> Fetched:
+        return Fetched(7, url + "/")
+
+    async def no_curves(job_id: str) -> tuple[list[Any], int]:
+        return [], 0
+
+    monkeypatch.setattr(node_module, "fetch_state", fetched)
+    monkeypatch.setattr(node, "peer_curves", no_curves)
+    job = "j" * 32
+    assert node.job_peers(job) == []
+    got = await node.fetch_state(job, [url], tmp_path / "ckpt")
+    assert got is not None and got.step == 7
+    assert [m.id for m in node.job_peers(job)] == [donor.peer_id]
+    await engine.dispose()
