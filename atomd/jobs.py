@@ -35,6 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.data.sources import (
@@ -96,6 +97,9 @@ LIVE_STATE_EVERY_S = 30.0
 # A checkpoint holds about this many fp32 copies of the model: the weights, AdamW's two moments
 # and the sync state (anchor, outer momentum, residuals).
 CHECKPOINT_MODEL_SIZES = 6
+# How long the trainer's reports wait for room on a full disk (``_record_when_room``).
+RECORD_FULL_S = 30.0
+RECORD_RETRY_S = 0.5
 # Donors whose state a joiner refuses (``DonorStateError``) before it gives up on the job.
 DONOR_TRIES = 3
 RESUMING_REASON = "resuming from the last good checkpoint"
@@ -782,7 +786,27 @@ class JobManager:
             items = [getter.result()]
             while not active.queue.empty():
                 items.append(active.queue.get_nowait())
-            await self._record(active, items)
+            await self._record_when_room(active, items)
+
+    async def _record_when_room(self, active: ActiveJob, items: Sequence[_Message]) -> None:
+        """``_record``, again while the database's disk is full, for up to RECORD_FULL_S. The
+        trainer's checkpoint can fill the disk for a moment before it fails and is removed
+        (the job then fails with the reason): a progress commit in that moment raised out of
+        the job's task and ended the daemon (CI, 2026-12-06, the full-disk test). Past the
+        bound the items are dropped, said in the log (the trainer's metrics.jsonl has them)."""
+        deadline = time.monotonic() + RECORD_FULL_S
+        while True:
+            try:
+                await self._record(active, items)
+                return
+            except OperationalError as e:
+                if "full" not in str(e):
+                    raise
+                if time.monotonic() >= deadline:
+                    log.error("job %s: %d report(s) of the trainer not recorded: the database's "
+                              "disk is full", active.id, len(items))  # fmt: skip
+                    return
+                await asyncio.sleep(RECORD_RETRY_S)
 
     async def _take_swarm_state(self, active: ActiveJob) -> bool:
         """Before a swarm job trains here: fetch the swarm's newest state from a peer that

@@ -363,3 +363,46 @@ async def test_a_refused_donor_state_leaves_its_model_behind_before_the_next_try
         assert model() is None, "the refused state's model is still held"
     finally:
         await engine.dispose()
+
+
+async def test_a_full_disk_while_recording_progress_waits_instead_of_ending_the_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer's checkpoint can fill the disk for a moment before it fails and is removed:
+    a progress commit in that moment raised out of the job's task and ended the daemon (the
+    full-disk integration test in CI). The reports wait for room, then are dropped with a log
+    line; any other database error still raises."""
+    from sqlalchemy.exc import OperationalError
+
+    from atomd import jobs as jobs_module
+    from atomd.jobs import ActiveJob
+
+    jobs, _, engine = await _manager(tmp_path)
+    monkeypatch.setattr(jobs_module, "RECORD_RETRY_S", 0.01)
+    active = ActiveJob("a" * 32, JobSpec(preset="tiny"), tmp_path / "job", False)
+    calls: list[int] = []
+    fail: list[BaseException] = []
+
+    async def record(a: Any, items: Any) -> None:
+        calls.append(len(items))
+        if fail:
+            raise fail.pop()
+
+    def full() -> OperationalError:
+        return OperationalError("COMMIT", None, Exception("database or disk is full"))
+
+    monkeypatch.setattr(jobs, "_record", record)
+    try:
+        fail[:] = [full(), full()]
+        await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
+        assert calls == [1, 1, 1] and not fail
+        fail[:] = [OperationalError("COMMIT", None, Exception("database is locked"))]
+        with pytest.raises(OperationalError, match="locked"):
+            await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
+        monkeypatch.setattr(jobs_module, "RECORD_FULL_S", 0.0)
+        calls.clear()
+        fail[:] = [full()]
+        await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
+        assert calls == [1], "dropped past the bound, not retried"
+    finally:
+        await engine.dispose()
