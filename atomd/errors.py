@@ -24,7 +24,12 @@ class CheckpointError(AtomdError):
 
 
 class DonorStateError(CheckpointError):
-    """A state taken from another peer evaluates far worse than it should: not trained on."""
+    """A state taken from another peer evaluates far worse than it should: not trained on.
+    ``step``: the step of its checkpoint."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class TrainingError(AtomdError):

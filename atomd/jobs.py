@@ -71,6 +71,7 @@ from atomd.p2p.messages import job_id_for
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 from atomd.train.checkpoint import (
+    DONATED_FILE,
     checkpoint_dir,
     checkpoint_root,
     list_checkpoints,
@@ -845,22 +846,26 @@ class JobManager:
         return True
 
     async def _donor_refused(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> bool:
-        """Whether the trainer refused the state it took from ``active.donor`` (``DonorStateError``)
-        and the job should take another: the donor is not asked again and its checkpoint is
-        removed, up to DONOR_TRIES donors."""
+        """Whether the trainer refused a state another peer gave (``DonorStateError``) and the
+        job should take another: its checkpoint is removed, its donor (``active.donor``, or the
+        one the checkpoint names when it was fetched before this daemon stopped) is not asked
+        again, up to DONOR_TRIES states."""
         e = None if fut.cancelled() else fut.exception()
-        if not isinstance(e, DonorStateError) or active.donor is None or self.swarm is None:
+        if not isinstance(e, DonorStateError) or self.swarm is None:
             return False
-        donor, step = active.donor, active.adopt_step
+        where = checkpoint_dir(checkpoint_root(active.out_dir), e.step)
+        donor = active.donor
+        if donor is None:
+            named = where / DONATED_FILE
+            donor = await asyncio.to_thread(named.read_text) if named.exists() else None
         active.tries += 1
-        log.warning("job %s: %s; not asking %s again", active.id, e, donor)
-        self.swarm.distrust(donor)
-        if step is not None:
-            where = checkpoint_dir(checkpoint_root(active.out_dir), step)
-            await asyncio.to_thread(shutil.rmtree, where, True)
+        log.warning("job %s: %s; not asking %s again", active.id, e, donor or "its donor")
+        if donor:
+            self.swarm.distrust(donor)
+        await asyncio.to_thread(shutil.rmtree, where, True)
         async with self.sessions() as s, s.begin():
             await repo.add_event(s, kind="job.state_refused", job_id=active.id,
-                                 message=f"{e} (from {donor})")  # fmt: skip
+                                 message=f"{e} (from {donor or 'a peer'})")  # fmt: skip
         active.donors = [d for d in active.donors if d != donor]
         active.adopt_step = active.donor = active.claimed_val = None
         # The next try gets a fresh plugin, as the first did: this one holds the refused

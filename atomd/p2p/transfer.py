@@ -197,6 +197,7 @@ async def _fetch_from(
             sort_keys=True,
         )
         await asyncio.to_thread((tmp / ckpt.META_FILE).write_text, meta)
+        await asyncio.to_thread((tmp / ckpt.DONATED_FILE).write_text, url)
         await asyncio.to_thread(_fsync_and_publish, tmp, ckpt.checkpoint_dir(root, step))
     except BaseException:
         await asyncio.to_thread(shutil.rmtree, tmp, True)

@@ -36,6 +36,10 @@ MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer (atomd.data.tokenizer)
+# In a checkpoint another peer gave (a state transfer), until the trainer has checked it: a
+# daemon that stops between the fetch and the check checks it when it resumes (the file names
+# the donor; it is not listed in meta.json, and a checkpoint is read without it).
+DONATED_FILE = "donated"
 _PREFIX = "step-"
 
 

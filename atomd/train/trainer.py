@@ -286,7 +286,9 @@ class Trainer:
         if found is None:
             log.info("no checkpoint in %s; starting from step 0", self.ckpt_root)
             return
-        donated = found.step == self.adopt_step
+        # Taken from a peer just now, or before this daemon stopped and had not checked it.
+        marker = found.path / ckpt.DONATED_FILE
+        donated = found.step == self.adopt_step or marker.exists()
         # A donor's state is checked against an untrained model's loss and the other members'
         # word: a state far worse than either is a broken or hostile donor's, and the job takes
         # another's (``JobManager``); so is one that does not load (another model, misshapen
@@ -306,14 +308,17 @@ class Trainer:
             if not donated:
                 raise
             raise DonorStateError(
-                f"the state of step {found.step} from a peer does not load: {e}"
+                f"the state of step {found.step} from a peer does not load: {e}", found.step
             ) from e
         if donated:
             untrained = untrained_loss(self.model_config.vocab_size)
             taken = self.engine.evaluate(self.val_batches[:ADOPT_EVAL_BATCHES])
             problem = donor_state_problem(untrained, taken, self.adopt_claim)
             if problem is not None:
-                raise DonorStateError(f"the state of step {found.step} from a peer: {problem}")
+                raise DonorStateError(
+                    f"the state of step {found.step} from a peer: {problem}", found.step
+                )
+            marker.unlink(missing_ok=True)
             claim = "unknown" if self.adopt_claim is None else f"{self.adopt_claim:.4f}"
             log.info("the state of step %d from a peer: validation loss %.4f (untrained %.4f, "
                      "the other members %s)", found.step, taken, untrained, claim)  # fmt: skip

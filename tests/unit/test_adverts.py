@@ -276,7 +276,7 @@ async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path
             where = ckpt.checkpoint_dir(ckpt.checkpoint_root(active.out_dir), 40)
             where.mkdir(parents=True)
             active.adopt_step, active.donor = 40, f"https://d{n}"
-            again = await jobs._donor_refused(active, failed(DonorStateError("far worse")))
+            again = await jobs._donor_refused(active, failed(DonorStateError("far worse", 40)))
             assert again == (n < DONOR_TRIES) and not where.exists()
             assert active.adopt_step is None and active.donor is None
             assert f"https://d{n}" not in active.donors
@@ -288,6 +288,14 @@ async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path
         active.tries, active.donor = 0, "https://d9"
         assert not await jobs._donor_refused(active, failed(ValueError("a bug")))
         assert distrusted[-1] != "https://d9"
+        # A state fetched before the daemon stopped, refused when it resumed: the donor its
+        # checkpoint names is distrusted, and the checkpoint goes.
+        active.donor = None
+        where = ckpt.checkpoint_dir(ckpt.checkpoint_root(active.out_dir), 41)
+        where.mkdir(parents=True)
+        (where / ckpt.DONATED_FILE).write_text("https://d7")
+        assert await jobs._donor_refused(active, failed(DonorStateError("far worse", 41)))
+        assert distrusted[-1] == "https://d7" and not where.exists()
     finally:
         await engine.dispose()
 

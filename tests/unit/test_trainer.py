@@ -210,7 +210,9 @@ def test_a_donors_state_worse_than_untrained_is_refused_and_a_good_one_taken(
     found = ckpt.load_latest(ckpt.checkpoint_root(donor))
     assert found is not None and found.step == 20
 
-    def joiner(name: str, scale: float, claim: float | None = None) -> Any:
+    def joiner(name: str, scale: float, claim: float | None = None, marked: bool = False) -> Any:
+        """A trainer taking the donor's state (x ``scale``): told so (``adopt_step``), or, with
+        ``marked``, resuming a checkpoint fetched before it stopped (its ``donated`` file)."""
         out = tmp_path / name
         root = ckpt.checkpoint_root(out)
         root.mkdir(parents=True)
@@ -220,10 +222,19 @@ def test_a_donors_state_worse_than_untrained_is_refused_and_a_good_one_taken(
             model = {n: t * scale for n, t in found.model.items()}
             ckpt.save_checkpoint(root, step=20, model=model, state=found.state, meta=found.meta,
                                  keep=2)  # fmt: skip
-        return trainer_for(spec, out, device="cpu", resume=True, adopt_step=20, adopt_claim=claim)
+        if marked:
+            (ckpt.checkpoint_dir(root, 20) / ckpt.DONATED_FILE).write_text("https://donor")
+        step = None if marked else 20
+        return trainer_for(spec, out, device="cpu", resume=True, adopt_step=step, adopt_claim=claim)
 
     with pytest.raises(DonorStateError, match="worse than the untrained model"):
         joiner("hostile", 10.0)
+    with pytest.raises(DonorStateError, match="worse than the untrained model") as refused:
+        joiner("hostile-then-stopped", 10.0, marked=True)
+    assert refused.value.step == 20
+    checked = joiner("honest-then-stopped", 1.0, marked=True)
+    marker = ckpt.checkpoint_dir(ckpt.checkpoint_root(tmp_path / "honest-then-stopped"), 20)
+    assert checked.start_step == 20 and not (marker / ckpt.DONATED_FILE).exists(), "checked once"
     taken = joiner("honest", 1.0, claim=3.2)
     trained = taken.engine.evaluate(taken.val_batches)
     assert taken.start_step == 20 and trained < 3.5

@@ -139,6 +139,8 @@ async def test_failed_donors_cost_an_attempt_and_leave_nothing(tmp_path: Path, d
     got = ckpt.load_latest(root)
     assert got is not None and torch.equal(got.model["w"], torch.arange(50_000.0))
     assert json.loads((root / "step-00000007" / "meta.json").read_text())["step"] == 7
+    # Marked as another peer's until the trainer has checked it (``ckpt.DONATED_FILE``).
+    assert (root / "step-00000007" / ckpt.DONATED_FILE).read_text() == urls[-1]
 
 
 async def test_only_bad_donors_is_an_error_and_nothing_is_kept(tmp_path: Path, donors: Any) -> None:
