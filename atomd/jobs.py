@@ -179,7 +179,6 @@ class ActiveJob:
     tokens_seen: int = 0
     plugin: RoundPlugin | None = None  # the delta exchange (swarm jobs)
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
-    donor: str | None = None  # ... from this peer's URL
     claimed_val: float | None = None  # ... where the job's other members measured this loss
     logged_at: float = 0.0  # monotonic time of the last progress line in the log
     snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
@@ -840,24 +839,21 @@ class JobManager:
             )  # fmt: skip
             return False
         if got is not None and got.step >= own_step:
-            active.adopt_step, active.donor = got.step, got.donor
-            active.claimed_val = got.claimed_val
+            active.adopt_step, active.claimed_val = got.step, got.claimed_val
             log.info("job %s continues from the swarm's state at step %d", active.id, got.step)
         return True
 
     async def _donor_refused(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> bool:
         """Whether the trainer refused a state another peer gave (``DonorStateError``) and the
-        job should take another: its checkpoint is removed, its donor (``active.donor``, or the
-        one the checkpoint names when it was fetched before this daemon stopped) is not asked
-        again, up to DONOR_TRIES states."""
+        job should take another: its checkpoint is removed, its donor (the one the checkpoint's
+        ``DONATED_FILE`` names: the fetch writes it, the trainer removes it once the state
+        passed) is not asked again, up to DONOR_TRIES states."""
         e = None if fut.cancelled() else fut.exception()
         if not isinstance(e, DonorStateError) or self.swarm is None:
             return False
         where = checkpoint_dir(checkpoint_root(active.out_dir), e.step)
-        donor = active.donor
-        if donor is None:
-            named = where / DONATED_FILE
-            donor = await asyncio.to_thread(named.read_text) if named.exists() else None
+        named = where / DONATED_FILE
+        donor = await asyncio.to_thread(named.read_text) if named.exists() else None
         active.tries += 1
         log.warning("job %s: %s; not asking %s again", active.id, e, donor or "its donor")
         if donor:
@@ -867,7 +863,7 @@ class JobManager:
             await repo.add_event(s, kind="job.state_refused", job_id=active.id,
                                  message=f"{e} (from {donor or 'a peer'})")  # fmt: skip
         active.donors = [d for d in active.donors if d != donor]
-        active.adopt_step = active.donor = active.claimed_val = None
+        active.adopt_step = active.claimed_val = None
         # The next try gets a fresh plugin, as the first did: this one holds the refused
         # trainer's model and the sync state built on it (a second model beside it on the
         # device), and the refused donor's anchor and round, with the frames queued since.

@@ -516,15 +516,15 @@ class SwarmNode:
         # on. A restarted peer whose membership had not yet heard any member train it counted
         # itself alone, and a peer alone commits its whole delta where the others commit what
         # it sends (4 real daemons, SIGKILL: settled anchors 0.0097 apart, run er).
-        donor = next((m for m in self.membership.others("alive", "suspect")
-                      if m.url == got.donor.rstrip("/")), None)  # fmt: skip
+        url = got.donor.rstrip("/")
+        donor = next((m for m in self.membership.others("alive", "suspect") if m.url == url), None)
         if donor is not None:
             self._trains(job_id, donor.id)
         answers, _ = await self.peer_curves(job_id)
         claims = [
             last
             for m, curve in answers
-            if m.url != got.donor.rstrip("/") and not isinstance(curve, str)
+            if m.url != url and not isinstance(curve, str)
             for last in [
                 next((p.val_loss for p in reversed(curve.points) if p.val_loss is not None), None)
             ]

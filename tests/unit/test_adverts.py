@@ -275,22 +275,25 @@ async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path
         for n in range(1, DONOR_TRIES + 1):
             where = ckpt.checkpoint_dir(ckpt.checkpoint_root(active.out_dir), 40)
             where.mkdir(parents=True)
-            active.adopt_step, active.donor = 40, f"https://d{n}"
+            (where / ckpt.DONATED_FILE).write_text(f"https://d{n}")  # as the fetch writes it
+            active.adopt_step = 40
             again = await jobs._donor_refused(active, failed(DonorStateError("far worse", 40)))
             assert again == (n < DONOR_TRIES) and not where.exists()
-            assert active.adopt_step is None and active.donor is None
+            assert active.adopt_step is None
             assert f"https://d{n}" not in active.donors
         assert distrusted == [f"https://d{n}" for n in range(1, DONOR_TRIES + 1)]
         async with sessions() as s:
             events = await repo.list_events(s, kind="job.state_refused")
         assert len(events) == DONOR_TRIES
         assert any("far worse (from https://d1)" in e.message for e in events)
-        active.tries, active.donor = 0, "https://d9"
+        active.tries = 0
+        kept = ckpt.checkpoint_dir(ckpt.checkpoint_root(active.out_dir), 39)
+        kept.mkdir(parents=True)
+        (kept / ckpt.DONATED_FILE).write_text("https://d9")
         assert not await jobs._donor_refused(active, failed(ValueError("a bug")))
-        assert distrusted[-1] != "https://d9"
+        assert distrusted[-1] != "https://d9" and kept.exists()
         # A state fetched before the daemon stopped, refused when it resumed: the donor its
         # checkpoint names is distrusted, and the checkpoint goes.
-        active.donor = None
         where = ckpt.checkpoint_dir(ckpt.checkpoint_root(active.out_dir), 41)
         where.mkdir(parents=True)
         (where / ckpt.DONATED_FILE).write_text("https://d7")
@@ -345,6 +348,8 @@ async def test_a_refused_donor_state_leaves_its_model_behind_before_the_next_try
     hostile = {n: t * 10 for n, t in found.model.items()}  # far worse than untrained
     ckpt.save_checkpoint(ckpt.checkpoint_root(out), step=4, model=hostile, state=found.state,
                          meta=found.meta, keep=2)  # fmt: skip
+    marked = ckpt.checkpoint_dir(ckpt.checkpoint_root(out), 4) / ckpt.DONATED_FILE
+    marked.write_text("https://d1")  # as the fetch writes it
 
     jobs, _sessions, engine = await _manager(tmp_path)
     jobs.swarm = SimpleNamespace(distrust=lambda donor: None)  # type: ignore[assignment]
@@ -353,7 +358,7 @@ async def test_a_refused_donor_state_leaves_its_model_behind_before_the_next_try
     plugin = SyncPlugin(job_id="a" * 32, spec=spec.sync, identity=Identity.generate(),
                         counted=lambda base: [], send=lambda out: None)  # fmt: skip
     active = ActiveJob("a" * 32, spec, out, True, "swarm", plugin=plugin, adopt_step=4,
-                       donor="https://d1", donors=["https://d1", "https://d2"])  # fmt: skip
+                       donors=["https://d1", "https://d2"])  # fmt: skip
     del plugin
     fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     built = build_engine(spec, "cpu")
