@@ -47,13 +47,28 @@ the signal away):
    any).
    Two independent random directions in n dimensions have a cosine of about N(0, 1/n), so
    ``c`` = ``chance_z`` / sqrt(n) (5 sigma) is what chance gives. A delta whose cosine is below
-   -c points against where this peer trains (a sign-flipped delta of honest size): refused, a
-   strike. A delta whose cosine is within +-c shows no sign of pointing where training goes
-   (noise): it is held to ``unaligned_ratio`` (1) times the reference instead of
-   ``clip_ratio`` (4), and clipped below half its size it strikes. Skipped where c >
+   -c points against where this peer trains (a sign-flipped delta of honest size): refused,
+   but not a strike (below). A delta whose cosine is within +-c shows no sign of pointing
+   where training goes (noise): it is held to ``unaligned_ratio`` (1) times the reference
+   instead of ``clip_ratio`` (4), and clipped below half its size it strikes. Skipped where c >
    ``max_chance`` (models under 10,000 weights, where every cosine is within chance), where
    the peer has no progress of its own to compare with (just after taking a state), and in
    consolidation rounds (each peer sends its difference from the mean: opposed by design).
+
+   Why an opposed delta is refused but not struck (2026-12-06): strikes are for what no honest
+   peer sends, and honest peers out of step send opposed deltas. Three real daemons at H=5,
+   two of them stalled (SIGSTOP) while the third ran 40 steps and 8 rounds on, alone: its
+   anchor took its own rounds whole (with top-k's momentum) while theirs took them a third
+   each, and for a few rounds after the stall each side judged the other's honest deltas at
+   cosines down to -0.083 (15 c): opposed refusals in 13 of 14 runs, 3 of a sender's 10 in 2.
+   With them strikes, 2 of 20 runs failed: the one ahead quarantined both others for an hour
+   and the swarm split for good (the busy machine's flake of
+   ``tests/integration/test_sync.py::test_a_peer_far_ahead_falls_back_in_step``). A sign
+   flipper's deltas came at -0.006 to -0.093 (``bench attack``): the size of an opposition
+   does not tell them apart. The refusal alone keeps every opposed delta out of the model; what
+   the flipper can still merge is a flipped delta within chance of 0, held to 1x the reference
+   like noise (what a quarantine after three refusals also let by: one such delta, run of
+   2026-12-06).
 
    Why the own progress and not the own *frame* of the round (the rule before 2026-12-03): two
    peers' top-k frames share few entries, and at the small shares a slow link gets (0.25 %)
@@ -119,7 +134,8 @@ class RobustRule:
     """A delta scaled by less than this counts as a strike too (far outside the swarm)."""
     direction: bool = True
     """Judge a delta's direction against where this peer sees the swarm train (rule 4): one
-    that points against it beyond chance is refused (a strike); one that does not point along
+    that points against it beyond chance is refused (not a strike: honest peers out of step
+    send such deltas, module docstring); one that does not point along
     it beyond chance is held to ``unaligned_ratio`` (not ``clip_ratio``) times the reference."""
     chance_z: float = 5.0
     """Two independent random directions in n dimensions have a cosine of about N(0, 1/n):
@@ -460,7 +476,7 @@ class Screen:
                     f"{cos:.3g}, below -{chance:.2g} (what chance gives): it undoes what the "
                     "swarm trains",
                     0.0,
-                    True,
+                    False,  # honest peers out of step send these too (module docstring)
                     cosine=cos,
                 )
             if cos < chance:

@@ -407,15 +407,16 @@ def noise(scale: float, like: dict[str, Tensor], seed: int) -> dict[str, Tensor]
 
 
 @pytest.mark.parametrize("sparse", [False, True])
-def test_a_sign_flipped_honest_delta_is_refused_as_a_strike(sparse: bool) -> None:
+def test_a_sign_flipped_honest_delta_is_refused_without_a_strike(sparse: bool) -> None:
     """The hostile member sends its honest delta with the sign flipped: its norm is honest (the
-    norm rule lets it by), its cosine with this peer's own delta is minus an honest one."""
+    norm rule lets it by), its cosine with this peer's own delta is minus an honest one. Refused,
+    not struck: honest peers out of step send opposed deltas too (``atomd.sync.robust``)."""
     keep = topk if sparse else (lambda d: d)
     screen = Screen()
     screen.record_own(0, keep(drift(0)))
     flipped = {n: -t for n, t in keep(drift(1)).items()}
     j = screen.judge(0, flipped, toward=Progress.of(drift(0)))
-    assert not j.accepted and j.strike and j.reason is not None and "opposed" in j.reason
+    assert not j.accepted and not j.strike and j.reason is not None and "opposed" in j.reason
     assert j.cosine is not None and j.cosine < -0.05
     # Without the direction check it passed untouched: what the check adds.
     plain = Screen(RobustRule(direction=False))
@@ -512,8 +513,8 @@ def test_consolidation_deltas_are_not_judged_by_direction() -> None:
 
 def test_a_sign_flipping_member_is_refused_by_real_sync_states() -> None:
     """Three honest SyncStates training along a shared direction (top-k 1 %) and a fourth that
-    sends its delta sign-flipped: every honest peer refuses it with a strike, merges the
-    others untouched, and the honest anchors agree."""
+    sends its delta sign-flipped: every honest peer refuses it (as opposed: not a strike),
+    merges the others untouched, and the honest anchors agree."""
     init = {n: torch.zeros(s) for n, s in BIG.items()}
     replicas = [{k: v.clone() for k, v in init.items()} for _ in range(4)]
     sync = spec(codec="topk", topk_fraction=0.01)
@@ -532,7 +533,7 @@ def test_a_sign_flipping_member_is_refused_by_real_sync_states() -> None:
                 f"p{j}" for j in range(3) if j != i
             )
             assert all(a.note is None for a in report.applied)
-            assert [(r.sender, r.strike) for r in report.refused] == [("p3", True)]
+            assert [(r.sender, r.strike) for r in report.refused] == [("p3", False)]
             assert "opposed" in report.refused[0].reason
         states[3].merge([], n_peers=4)
     for s in states[1:3]:
@@ -662,7 +663,7 @@ def test_dense_deltas_opposed_pairwise_are_judged_alike_by_every_receiver(flip: 
             assert {a.sender for a in report.applied} == want, report.refused
             assert all(a.note is None for a in report.applied)
             if hostile is not None and rnd:
-                assert [(r.sender, r.strike) for r in report.refused] == [(f"p{hostile}", True)]
+                assert [(r.sender, r.strike) for r in report.refused] == [(f"p{hostile}", False)]
                 assert "opposed" in report.refused[0].reason
     for i in (1, 2):
         assert states[i].divergence(states[0].anchor) < 1e-7
@@ -743,9 +744,10 @@ def test_a_tiny_delta_does_not_poison_the_dense_direction_reference() -> None:
             if ref is not None:
                 assert all(bool(torch.isfinite(t).all()) for t in ref.values()), "NaN reference"
             if rnd == 2:
-                assert [(r.sender, r.strike) for r in report.refused] == [("p3", True)], (
+                assert [(r.sender, r.strike) for r in report.refused] == [("p3", False)], (
                     report.applied
                 )
+                assert "opposed" in report.refused[0].reason
 
 
 def test_progress_cosine_is_never_made_up_from_nan() -> None:
