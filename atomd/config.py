@@ -30,6 +30,11 @@ ENV_PREFIX = "ATOMD_"
 # the port range `atomd demo` and the test suite's daemons take theirs from.
 _OTHER_VARS = {"ATOMD_CONFIG", "ATOMD_URL", "ATOMD_TEST_PORTS"}
 
+# A job's records kept (``atomd.db.retention``): its newest sync rounds, and its newest
+# progress points at full resolution (about as many older ones, thinned, besides).
+ROUNDS_KEEP = 20_000
+PROGRESS_KEEP = 10_000
+
 
 def _default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
@@ -129,6 +134,17 @@ class Settings(BaseSettings):
     events_keep: int = Field(
         100_000, ge=100, le=100_000_000,
         description="Events (audit log rows) kept; older ones are deleted every minute.",
+    )  # fmt: skip
+    rounds_keep: int = Field(
+        ROUNDS_KEEP, ge=1_000, le=100_000_000,
+        description="Sync rounds (a row per delta sent or received) kept per job, the newest; "
+        "older ones are deleted every minute.",
+    )  # fmt: skip
+    progress_keep: int = Field(
+        PROGRESS_KEEP, ge=100, le=100_000_000,
+        description="Progress points (logged steps) kept per job at full resolution, the "
+        "newest; every minute the older ones are thinned to about as many again, spread over "
+        "the run. A job's first point and its points with a validation loss are always kept.",
     )  # fmt: skip
     data_names: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
@@ -288,6 +304,8 @@ FLAGS: dict[str, str | None] = {
     "control_token": None,
     "control_hosts": None,
     "events_keep": None,
+    "rounds_keep": None,
+    "progress_keep": None,
     "data_names": None,
     "trainer_nice": None,
 }

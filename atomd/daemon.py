@@ -138,6 +138,7 @@ class Daemon:
             device=s.device,
             peer_id=identity.peer_id,
             trainer_nice=s.trainer_nice,
+            progress_keep=s.progress_keep,
         )
         node = SwarmNode(
             settings=s, identity=identity, sessions=sessions, telemetry=self.telemetry, jobs=jobs

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from atomd.config import PROGRESS_KEEP
 from atomd.data.sources import (
     BUNDLED,
     check_source,
@@ -372,8 +373,11 @@ class JobManager:
         device: str,
         peer_id: str = "local",
         trainer_nice: int = 0,
+        progress_keep: int = PROGRESS_KEEP,
     ) -> None:
         self.jobs_dir = jobs_dir
+        # Points kept at full resolution (``atomd.db.retention``): a resume backfills those.
+        self.progress_keep = progress_keep
         self.sessions = sessions
         self.telemetry = telemetry
         self.device = device
@@ -876,7 +880,15 @@ class JobManager:
             for item in items:
                 if isinstance(item, _Resumed):
                     await repo.delete_progress_after(s, job_id=active.id, step=item.start_step)
-                    backfill = [_point(r) for r in item.rows if int(r["step"]) <= item.start_step]
+                    # What the records lack (a crash loses the last reports, a full disk
+                    # some in between), but not the older points they thinned on purpose
+                    # (``repo.thin_progress``): those would only be thinned again.
+                    thinned = await repo.thinned_until(s, job_id=active.id, keep=self.progress_keep)
+                    backfill = [
+                        _point(r) for r in item.rows
+                        if (thinned is None or int(r["step"]) > thinned)
+                        and int(r["step"]) <= item.start_step
+                    ]  # fmt: skip
                     await repo.add_progress(s, job_id=active.id, points=backfill)
                     await repo.add_event(
                         s, kind="job.resumed", job_id=active.id,

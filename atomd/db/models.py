@@ -171,6 +171,8 @@ class SyncRound(Base):
     __table_args__ = (
         CheckConstraint(_one_of("direction", DIRECTIONS), name="direction"),
         Index("ix_sync_rounds_job_id_round", "job_id", "round"),
+        # A job's rounds newest first without a sort: list_rounds and their retention (0007).
+        Index("ix_sync_rounds_job_id_id", "job_id", "id"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)

@@ -12,6 +12,10 @@ from ``atomd.db.schemas``, never ORM rows. Every function that takes a ``job_id`
 existing job (all but ``create_job`` and ``add_event``) raises ``NotFoundError`` if there is
 no such job. Lists of logs (jobs, rounds, events) come newest first; progress comes in step
 order, a series to plot or page through with ``after_step``.
+
+Retention: the events keep their newest rows (``prune_events``), a job its newest rounds
+(``prune_rounds``) and its newest progress points with the older ones thinned over the run
+(``thin_progress``); ``atomd.db.retention`` runs the last two in short batches.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import Select, delete, func, or_, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.sql.elements import ColumnElement
@@ -55,6 +59,10 @@ from atomd.db.schemas import (
     RoundRecord,
 )
 from atomd.errors import ConfigError, NotFoundError
+
+# Rows one retention call deletes or looks at (``prune_rounds``, ``thin_progress``): a few
+# milliseconds of SQLite each, so the daemon's other writers wait no longer than that.
+PRUNE_BATCH = 5000
 
 
 async def _job(s: AsyncSession, job_id: str) -> Job:
@@ -144,6 +152,15 @@ async def active_jobs(s: AsyncSession) -> list[JobRecord]:
     """Jobs pending, running or stopping, oldest first: what to resume after a restart."""
     stmt = select(Job).where(Job.state.in_(ACTIVE_JOB_STATES)).order_by(Job.created_at, Job.id)
     return [JobRecord.model_validate(j) for j in await s.scalars(stmt)]
+
+
+async def jobs_touched_since(s: AsyncSession, *, since: datetime | None) -> list[str]:
+    """Ids of the jobs active now or updated at or after ``since`` (all, if ``None``): those
+    that may have logged progress or rounds since. Oldest first."""
+    stmt = select(Job.id).order_by(Job.created_at, Job.id)
+    if since is not None:
+        stmt = stmt.where(or_(Job.state.in_(ACTIVE_JOB_STATES), Job.updated_at >= since))
+    return list(await s.scalars(stmt))
 
 
 async def set_job_state(
@@ -316,6 +333,90 @@ async def progress_curve(s: AsyncSession, *, job_id: str, points: int) -> list[P
     return [ProgressPoint.model_validate(p) for p in await s.scalars(stmt)]
 
 
+def _below_newest(job_id: str, keep: int) -> Select[int]:
+    # The job's step below its newest ``keep``: a walk of ``keep`` entries of its index.
+    return (
+        select(Progress.step)
+        .where(Progress.job_id == job_id)
+        .order_by(Progress.step.desc())
+        .offset(keep)
+        .limit(1)
+    )
+
+
+async def thinned_until(s: AsyncSession, *, job_id: str, keep: int) -> int | None:
+    """The newest step ``thin_progress`` may thin when it keeps the newest ``keep`` points at
+    full resolution: the step below them (``None``: the job has no more than ``keep``)."""
+    await _job(s, job_id)
+    return await s.scalar(_below_newest(job_id, keep))
+
+
+async def thin_progress(
+    s: AsyncSession,
+    *,
+    job_id: str,
+    keep: int,
+    older: int,
+    from_step: int | None = None,
+    rows: int = PRUNE_BATCH,
+) -> tuple[int, int | None]:
+    """Keep the job's newest ``keep`` points and thin the older ones to about ``older``,
+    spread over their steps; returns the rows deleted and the step to go on from (``None``:
+    done). One call looks at about ``rows`` older points from ``from_step`` (default: the
+    first); call it again, each in a short transaction, until it returns ``None``.
+
+    Of the older points, each run of ``2**k`` steps from the first point keeps its first
+    point, ``k`` the smallest that leaves at most ``older`` runs. The first point and every
+    point with a validation loss are always kept. Idempotent, and what is kept stays kept as
+    the job grows: a run of ``2**(k+1)`` steps is two of ``2**k``, its first point theirs.
+    """
+    if keep < 1 or older < 1 or rows < 1:  # keep >= 1: the job's newest point stays
+        raise ValueError(f"keep {keep}, older {older} and rows {rows}: each must be >= 1")
+    last = await thinned_until(s, job_id=job_id, keep=keep)
+    mine = Progress.job_id == job_id
+    bound = _below_newest(job_id, keep).scalar_subquery()
+    first = await s.scalar(select(func.min(Progress.step)).where(mine))
+    if last is None or first is None:
+        return 0, None
+    width = 1
+    while (last - first) // width + 1 > older:
+        width *= 2
+    # A chunk starts and (but for the last) ends at a run's start, so runs are never split.
+    start = first if from_step is None else max(first, from_step)
+    start = first + (start - first) // width * width
+    if start > last:
+        return 0, None
+    ahead = await s.scalar(
+        select(Progress.step)
+        .where(mine, Progress.step >= start)
+        .order_by(Progress.step)
+        .offset(rows)
+        .limit(1)
+    )
+    end = last + 1 if ahead is None else first + -(-(ahead - first) // width) * width
+    end = min(end, last + 1)
+    runs = (
+        select(
+            Progress.id,
+            Progress.step,
+            Progress.val_loss,
+            func.row_number()
+            .over(partition_by=(Progress.step - first) // width, order_by=Progress.step)
+            .label("nth"),
+        )
+        # The bound again inside the statement: a resume may have deleted the newest points
+        # since it was read (the reads above need not share the delete's snapshot).
+        .where(mine, Progress.step >= start, Progress.step < end, Progress.step <= bound)
+        .subquery()
+    )
+    doomed = select(runs.c.id).where(runs.c.nth > 1, runs.c.val_loss.is_(None), runs.c.step > first)
+    result = await s.execute(
+        delete(Progress).where(Progress.id.in_(doomed)),
+        execution_options={"synchronize_session": False},
+    )
+    return int(getattr(result, "rowcount", 0) or 0), (None if end > last else end)
+
+
 # Checkpoints ---------------------------------------------------------------------------------
 
 
@@ -431,6 +532,32 @@ async def list_rounds(s: AsyncSession, *, job_id: str, limit: int = 1000) -> lis
         .limit(limit)
     )
     return [RoundRecord.model_validate(r) for r in await s.scalars(stmt)]
+
+
+async def prune_rounds(s: AsyncSession, *, job_id: str, keep: int, rows: int = PRUNE_BATCH) -> int:
+    """Delete the oldest of the job's rounds beyond its newest ``keep``, at most ``rows`` of
+    them; how many were deleted (call it again, in a new short transaction, while that is
+    ``rows``)."""
+    if keep < 0 or rows < 1:
+        raise ValueError(f"keep {keep} must be >= 0 and rows {rows} >= 1")
+    await _job(s, job_id)
+    mine = SyncRound.job_id == job_id
+    newest_gone = await s.scalar(
+        select(SyncRound.id).where(mine).order_by(SyncRound.id.desc()).offset(keep).limit(1)
+    )
+    if newest_gone is None:
+        return 0
+    doomed = (
+        select(SyncRound.id)
+        .where(mine, SyncRound.id <= newest_gone)
+        .order_by(SyncRound.id)
+        .limit(rows)
+    )
+    result = await s.execute(
+        delete(SyncRound).where(SyncRound.id.in_(doomed)),
+        execution_options={"synchronize_session": False},
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
 
 
 # Peers ---------------------------------------------------------------------------------------

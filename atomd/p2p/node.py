@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.config import Settings
 from atomd.db import repo
+from atomd.db.retention import Pruned, prune_jobs
 from atomd.db.schemas import ProgressPoint
 from atomd.errors import AtomdError, PeerAuthError, PeerRequestError
 from atomd.logs import Repeated, get_logger
@@ -190,6 +191,8 @@ class SwarmNode:
         self._changes: asyncio.Queue[tuple[Update, PeerState | None]] = asyncio.Queue()
         self._tg: asyncio.TaskGroup | None = None
         self._lan: list[str] = []
+        # When the last pass over the jobs' records began (``prune_records``); None: never.
+        self._pruned_at: datetime | None = None
         # job id -> peer id -> when we last heard that peer train it (monotonic seconds); a
         # known member's newest job only (``_trains``)
         self._job_peers: dict[str, dict[str, float]] = {}
@@ -393,14 +396,37 @@ class SwarmNode:
         self.rejections.refused("peer", client, status, f"{path[:100]}: {error}")
 
     async def _flush_rejections(self) -> None:
-        """Once a minute: one event for the requests refused since, and the events table cut
-        to ``events_keep`` rows."""
+        """Once a minute: one event for the requests refused since, the events table cut to
+        ``events_keep`` rows, and the jobs' rounds and progress to theirs (``prune_records``)."""
         while True:
             await asyncio.sleep(REJECTIONS_FLUSH_S)
             try:
                 await self.flush_rejections()
             except Exception:  # the records must not end the daemon
                 log.exception("could not record refused requests")
+            try:
+                await self.prune_records()
+            except Exception:
+                log.exception("could not prune the jobs' rounds and progress")
+
+    async def prune_records(self) -> Pruned:
+        """Each job's rounds cut to ``rounds_keep``, its progress thinned beyond
+        ``progress_keep`` (``atomd.db.retention``): every job on the first pass, then those
+        active or updated since the last pass began."""
+        began = datetime.now(UTC)
+        pruned = await prune_jobs(
+            self.sessions,
+            since=self._pruned_at,
+            rounds_keep=self.settings.rounds_keep,
+            progress_keep=self.settings.progress_keep,
+        )
+        self._pruned_at = began
+        if pruned.rounds or pruned.progress:  # each minute of a long job: not at INFO
+            log.debug(
+                "records: %d rounds and %d progress points of %d job(s) deleted in %.2f s",
+                pruned.rounds, pruned.progress, pruned.jobs, pruned.seconds,
+            )  # fmt: skip
+        return pruned
 
     async def flush_rejections(self) -> None:
         summary = self.rejections.flush()

@@ -89,6 +89,8 @@ def test_host_port_and_derived_paths(tmp_path: Path) -> None:
         ({"seeds": ["ftp://x"]}, "--seed / ATOMD_SEEDS:"),
         ({"allowed_keys": ["zz"]}, "--allow-key / ATOMD_ALLOWED_KEYS:"),
         ({"gossip_interval": 0}, "  ATOMD_GOSSIP_INTERVAL:"),
+        ({"rounds_keep": 10}, "  ATOMD_ROUNDS_KEEP:"),
+        ({"progress_keep": 0}, "  ATOMD_PROGRESS_KEEP:"),
         ({"control": "nope"}, "--control / ATOMD_CONTROL:"),
     ],
 )
@@ -97,3 +99,13 @@ def test_errors_name_the_flag_a_person_types(overrides: dict[str, object], named
         load_settings(**overrides)
     assert named in str(e.value)
     assert "--seeds" not in str(e.value) and "--allowed-keys" not in str(e.value)
+
+
+def test_retention_of_a_jobs_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds and progress kept per job (``atomd.db.retention``): defaults and variables."""
+    s = load_settings()
+    assert (s.rounds_keep, s.progress_keep) == (20_000, 10_000)
+    monkeypatch.setenv("ATOMD_ROUNDS_KEEP", "50000")
+    monkeypatch.setenv("ATOMD_PROGRESS_KEEP", "2000")
+    s = load_settings()
+    assert (s.rounds_keep, s.progress_keep) == (50_000, 2000)
