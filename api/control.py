@@ -241,8 +241,13 @@ async def get_progress(
     job_id: str,
     after_step: Annotated[int | None, Query(ge=0, description="Only steps after this one")] = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    newest: Annotated[
+        bool, Query(description="The last `limit` points (still ascending), not the first")
+    ] = False,
 ) -> list[ProgressPublic]:
-    points = await ctx.jobs.progress(job_id, after_step, limit)
+    """Page through a run from its start with ``after_step``; ``newest=true`` gives its latest
+    points. Older points of a long run are thinned (``ATOMD_PROGRESS_KEEP``)."""
+    points = await ctx.jobs.progress(job_id, after_step, limit, newest=newest)
     return [ProgressPublic.model_validate(p, from_attributes=True) for p in points]
 
 

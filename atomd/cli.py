@@ -35,6 +35,9 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+# Points asked of a daemon at a time when plotting a job (the API's largest page).
+PROGRESS_PAGE = 10000
+
 DeviceOpt = Annotated[
     str,
     typer.Option("--device", help="auto (CUDA if present), cpu or cuda.", envvar="ATOMD_DEVICE"),
@@ -761,8 +764,16 @@ def plot(
     else:
         from atomd.client import ControlClient
 
+        points: list[dict[str, Any]] = []
         with ControlClient(url, token=token) as c:
-            points = c.request("GET", f"/v1/jobs/{run}/progress")
+            while True:  # the whole run, a page at a time (bounded: ATOMD_PROGRESS_KEEP)
+                params: dict[str, Any] = {"limit": PROGRESS_PAGE}
+                if points:
+                    params["after_step"] = points[-1]["step"]
+                page = c.request("GET", f"/v1/jobs/{run}/progress", params=params)
+                points.extend(page)
+                if len(page) < PROGRESS_PAGE:
+                    break
         curves = curves_from_rows(points, title=f"job {run}")
     render(curves, out, log_y=log_y)
     last = f", last validation loss {curves.val_loss[-1]:.4f}" if curves.val_loss else ""

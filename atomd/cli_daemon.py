@@ -396,12 +396,16 @@ def job_show(
     url: URL = DEFAULT_URL,
     token: TOKEN = None,
     as_json: JSON = False,
-    last: Annotated[int, typer.Option(help="Progress points to show.")] = 5,
+    last: Annotated[
+        int, typer.Option(min=1, max=10000, help="Progress points to show, the newest.")
+    ] = 5,
 ) -> None:
     """Show one job and its latest progress."""
     with ControlClient(url, token=token) as c:
         job = c.request("GET", f"/v1/jobs/{job_id}")
-        points = c.request("GET", f"/v1/jobs/{job_id}/progress")
+        points = c.request(
+            "GET", f"/v1/jobs/{job_id}/progress", params={"limit": last, "newest": "true"}
+        )
     if as_json:
         typer.echo(json.dumps({**job, "progress": points[-last:]}, indent=2))
         return

@@ -429,11 +429,13 @@ class JobManager:
             return await repo.list_jobs(s)
 
     async def progress(
-        self, job_id: str, after_step: int | None, limit: int
+        self, job_id: str, after_step: int | None, limit: int, *, newest: bool = False
     ) -> list[ProgressPoint]:
         await self.get(job_id)
         async with self.sessions() as s:
-            return await repo.list_progress(s, job_id=job_id, after_step=after_step, limit=limit)
+            return await repo.list_progress(
+                s, job_id=job_id, after_step=after_step, limit=limit, newest=newest
+            )
 
     async def progress_curve(self, job_id: str, points: int) -> list[ProgressPoint]:
         """The job's loss curve here, at most ``2 * points + 2`` steps (``repo.progress_curve``)."""

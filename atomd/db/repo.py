@@ -282,14 +282,24 @@ async def delete_progress_after(s: AsyncSession, *, job_id: str, step: int) -> i
 
 
 async def list_progress(
-    s: AsyncSession, *, job_id: str, after_step: int | None = None, limit: int = 1000
+    s: AsyncSession,
+    *,
+    job_id: str,
+    after_step: int | None = None,
+    limit: int = 1000,
+    newest: bool = False,
 ) -> list[ProgressPoint]:
-    """Up to ``limit`` points in step order, those after ``after_step`` if given."""
+    """Up to ``limit`` points in step order, those after ``after_step`` if given: the first
+    of them, or with ``newest`` the last (a job's latest progress)."""
     await _job(s, job_id)
     stmt = select(Progress).where(Progress.job_id == job_id)
     if after_step is not None:
         stmt = stmt.where(Progress.step > after_step)
-    rows = await s.scalars(stmt.order_by(Progress.step).limit(limit))
+    if newest:
+        rows = list(await s.scalars(stmt.order_by(Progress.step.desc()).limit(limit)))
+        rows.reverse()
+    else:
+        rows = list(await s.scalars(stmt.order_by(Progress.step).limit(limit)))
     return [ProgressPoint.model_validate(p) for p in rows]
 
 

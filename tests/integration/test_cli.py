@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -193,6 +194,71 @@ def control_api_answering(answers: dict[str, Any]) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+@contextmanager
+def progress_api(job: dict[str, Any], steps: int) -> Iterator[str]:
+    """A stand-in control API with a job of ``steps`` logged points (a val_loss every 100th),
+    answering ``/progress`` as the daemon does: ``after_step``, ``limit`` (at most 10,000),
+    ``newest``."""
+    points = [
+        {"step": i, "tokens": 32 * i, "loss": 5.0 / i,
+         "val_loss": 5.0 / i if i % 100 == 0 else None, "tokens_per_s": 1000.0, "lr": 1e-3,
+         "at": "2026-12-06T10:00:00Z", "sync": None}
+        for i in range(1, steps + 1)
+    ]  # fmt: skip
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path, _, query = self.path.partition("?")
+            q = dict(urllib.parse.parse_qsl(query))
+            if path.endswith("/progress"):
+                limit = min(int(q.get("limit", 1000)), 10000)
+                after = [p for p in points if p["step"] > int(q.get("after_step", -1))]
+                answer: Any = after[-limit:] if q.get("newest") == "true" else after[:limit]
+            else:
+                answer = job
+            body = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_job_show_and_plot_read_a_long_jobs_newest_points(tmp_path: Path) -> None:
+    """A job of 25,000 logged steps: `atomd job show` printed the last 5 of the first 1,000
+    points (the API's default page) as the latest progress, and `atomd plot <job id>` drew the
+    first 1,000 steps. Now show asks for the newest points and plot pages through the run."""
+    job_id = "d" * 32
+    job = {
+        "id": job_id, "state": "running", "reason": None, "spec": {"preset": "tiny"},
+        "out_dir": str(tmp_path), "step": 25000, "tokens": 800000, "loss": 0.0002,
+        "val_loss": 0.0002, "created_at": "2026-12-06T10:00:00Z", "started_at": None,
+        "finished_at": None,
+    }  # fmt: skip
+    with progress_api(job, 25000) as api:
+        shown = run("job", "show", job_id, "--url", api, "--json", timeout=120)
+        assert shown.returncode == 0, shown.stderr
+        steps = [p["step"] for p in json.loads(shown.stdout)["progress"]]
+        assert steps == [24996, 24997, 24998, 24999, 25000]
+        plotted = run("plot", job_id, "--url", api, "--out", str(tmp_path / "l.png"), timeout=120)
+        assert plotted.returncode == 0, plotted.stderr
+        assert "25000 training points to step 25000" in plotted.stdout, plotted.stdout
+        assert (tmp_path / "l.png").stat().st_size > 1000
 
 
 def test_a_peers_words_are_printed_as_they_are(tmp_path: Path) -> None:

@@ -228,6 +228,9 @@ async def test_job_runs_records_progress_and_stops(make_client: Factory) -> None
             break
         await asyncio.sleep(0.05)
     assert [p["step"] for p in points[:3]] == [1, 2, 3]
+    r = await c.get(f"/v1/jobs/{job['id']}/progress", params={"limit": 2, "newest": "true"})
+    newest = [p["step"] for p in r.json()]
+    assert len(newest) == 2 and newest[0] < newest[1] and newest[1] >= points[-1]["step"]
     metrics = (await c.get("/metrics")).text
     assert "atomd_job_step" in metrics and "atomd_tokens_trained_total" in metrics
     assert (await c.post(f"/v1/jobs/{job['id']}/stop")).json()["state"] == "stopping"

@@ -296,6 +296,11 @@ async def test_progress(sessions: Sessions) -> None:
     async with sessions() as s:
         assert [p.step for p in await repo.list_progress(s, job_id="j1", after_step=2)] == [3, 4]
         assert [p.step for p in await repo.list_progress(s, job_id="j1", limit=2)] == [1, 2]
+        # A job's latest progress (``atomd job show``): the last points, still ascending.
+        newest = await repo.list_progress(s, job_id="j1", limit=2, newest=True)
+        assert [p.step for p in newest] == [3, 4]
+        newest = await repo.list_progress(s, job_id="j1", after_step=3, limit=2, newest=True)
+        assert [p.step for p in newest] == [4]
 
     async with sessions() as s, s.begin():  # an old point does not move the job back
         await repo.add_progress(s, job_id="j1", points=[_point(0, loss=9.0)])
