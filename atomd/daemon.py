@@ -231,6 +231,7 @@ class Daemon:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             await engine.dispose()
+            database.close()  # after the last connection: closing it earlier drops their locks
         log.info("stopped")
 
     async def _until_ready(

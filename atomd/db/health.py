@@ -14,19 +14,35 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 class DatabaseFile:
-    """The database file as opened at start; ``problem()`` says what is wrong with it now."""
+    """The database file as opened at start; ``problem()`` says what is wrong with it now.
+
+    The header is read through a descriptor opened once, here, and closed only by ``close()``
+    once the daemon's SQLite connections are closed: closing any descriptor of the file drops
+    every POSIX lock this process holds on it, SQLite's included (sqlite.org/howtocorrupt.html,
+    2.2). Until 2026-12-06 each check opened and closed the file, and the next process to read
+    the database and close it (a test, the sqlite3 shell, a backup) took the lock SQLite thought
+    it held, checkpointed and deleted the write-ahead log under the daemon: every record it
+    wrote from then on went to the deleted file and was lost."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        st = os.stat(path)
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        st = os.fstat(self._fd)
         self._identity = (st.st_dev, st.st_ino)
+
+    def close(self) -> None:
+        """Close the descriptor (after the last SQLite connection of this process; idempotent)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def problem(self) -> str | None:
         """None while the file is there, the same file, and readable as SQLite (blocking)."""
         try:
             st = os.stat(self.path)
-            with self.path.open("rb") as f:
-                header = f.read(len(SQLITE_HEADER))
+            # The file at the path is the one the descriptor holds (checked below), so its
+            # header is read there: no descriptor of the file is closed while SQLite has it.
+            header = os.pread(self._fd, len(SQLITE_HEADER), 0)
         except FileNotFoundError:
             return (
                 f"the database {self.path} has disappeared (deleted or moved while the daemon "

@@ -3,6 +3,7 @@ job propagation, state transfer and peer-plane authentication."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sqlite3
@@ -22,6 +23,14 @@ pytestmark = pytest.mark.xdist_group("swarm")
 
 def _all_see(daemons: list[DaemonProcess], pid: str, state: str) -> bool:
     return all(peer_view(d).get(pid) == state for d in daemons)
+
+
+def _states_of(d: DaemonProcess, pid: str) -> list[str]:
+    """The state changes ``d`` recorded for member ``pid``, in order (its events)."""
+    with contextlib.closing(sqlite3.connect(d.data_dir / "atomd.db")) as db:
+        rows = db.execute("SELECT kind FROM events WHERE peer_id = ? AND kind LIKE 'peer.%' "
+                          "ORDER BY id", (pid,)).fetchall()  # fmt: skip
+    return [k for (k,) in rows]
 
 
 @pytest.fixture
@@ -44,13 +53,20 @@ def test_membership_of_eight_daemons(swarm: Any, tmp_path: Path) -> None:
     )  # fmt: skip
     timings = {"formed_s": formed}
 
-    # SIGTERM: marked left everywhere within 2 s.
+    # SIGTERM: marked left everywhere, from the leaver's own signed notice (sent to each,
+    # then gossiped), never found dead by failure detection. No bound on the clock: the 8
+    # daemons on 2 busy cores (load 6) took 1.3 s in one run and 2.9 s in the next, where a
+    # 2 s bound failed the test although every peer went alive -> left.
     leaver, others = ds[3], [d for d in ds if d is not ds[3]]
     t0 = time.monotonic()
     leaver.signal(signal.SIGTERM)
-    wait_until(lambda: _all_see(others, ids[3], "left"), timeout=2, what="left")
+    wait_until(lambda: _all_see(others, ids[3], "left"), timeout=60, what="left")
     timings["left_s"] = time.monotonic() - t0
     assert leaver.wait(timeout=30) == 0
+    wait_until(lambda: all(_states_of(d, ids[3])[-1:] == ["peer.left"] for d in others),
+               timeout=60, what="left recorded")  # fmt: skip
+    for d in others:  # never found dead: the notice came before failure detection could tell
+        assert "peer.dead" not in _states_of(d, ids[3]), (d.name, _states_of(d, ids[3]))
 
     # Restarted: alive again everywhere within 10 s, with the same id.
     t0 = time.monotonic()
@@ -135,9 +151,9 @@ def test_peer_plane_refuses_strangers_and_records_it(swarm: Any, tmp_path: Path)
         extra_args=["--seed", a.peer_url],
     ).start()  # fmt: skip
     try:
-        time.sleep(3)
-        assert peer_id(intruder) not in peer_view(a)  # changes nothing
-        assert "403" in intruder.log()
+        # Its join is refused (the log says so at each try), and changes nothing.
+        wait_until(lambda: "403" in intruder.log(), timeout=60, what="the intruder refused")
+        assert peer_id(intruder) not in peer_view(a)
     finally:
         intruder.stop()
     for _ in range(50):  # refusals are counted, not written a row each

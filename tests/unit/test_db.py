@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import shutil
 import sqlite3
+import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker, make_sync_engine
+from atomd.db.health import DatabaseFile
 from atomd.db.models import Base
 from atomd.db.schemas import ProgressPoint
 from atomd.errors import ConfigError, NotFoundError
@@ -96,6 +98,35 @@ async def test_a_deleted_database_is_never_recreated_by_a_new_connection(tmp_pat
         assert not await asyncio.to_thread(db.exists)
     finally:
         await engine.dispose()
+
+
+def _count_in_another_process(db: Path) -> int:
+    """The events another process reads (it opens the database, reads and closes it, as the
+    sqlite3 shell or a backup would)."""
+    code = "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); " \
+        "print(c.execute('SELECT count(*) FROM events').fetchone()[0]); c.close()"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(db)], capture_output=True, text=True,
+                         check=True, timeout=60)  # fmt: skip
+    return int(out.stdout)
+
+
+async def test_the_database_check_keeps_sqlites_locks(sessions: Sessions, db: Path) -> None:
+    """The daemon's check of its database file (``/readyz``, every few seconds) must not close
+    a descriptor of the file: that drops the process's POSIX locks, SQLite's too, and the next
+    process to read the database and close it deleted the write-ahead log under the daemon,
+    whose later records were lost (found under load on 2026-12-06: a peer's events stopped at
+    the test's first read of its database)."""
+    database = DatabaseFile(db)
+    try:
+        async with sessions() as s, s.begin():
+            await repo.add_event(s, kind="test", message="before")
+        assert await asyncio.to_thread(database.problem) is None
+        assert await asyncio.to_thread(_count_in_another_process, db) == 1
+        async with sessions() as s, s.begin():
+            await repo.add_event(s, kind="test", message="after")
+        assert await asyncio.to_thread(_count_in_another_process, db) == 2
+    finally:
+        database.close()
 
 
 # Migrations ----------------------------------------------------------------------------------
