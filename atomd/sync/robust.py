@@ -47,28 +47,35 @@ the signal away):
    any).
    Two independent random directions in n dimensions have a cosine of about N(0, 1/n), so
    ``c`` = ``chance_z`` / sqrt(n) (5 sigma) is what chance gives. A delta whose cosine is below
-   -c points against where this peer trains (a sign-flipped delta of honest size): refused,
-   but not a strike (below). A delta whose cosine is within +-c shows no sign of pointing
-   where training goes (noise): it is held to ``unaligned_ratio`` (1) times the reference
-   instead of ``clip_ratio`` (4), and clipped below half its size it strikes. Skipped where c >
-   ``max_chance`` (models under 10,000 weights, where every cosine is within chance), where
-   the peer has no progress of its own to compare with (just after taking a state), and in
-   consolidation rounds (each peer sends its difference from the mean: opposed by design).
+   -c points against where this peer trains (a sign-flipped delta of honest size): refused.
+   A delta whose cosine is within +-c shows no sign of pointing where training goes (noise):
+   it is held to ``unaligned_ratio`` (1) times the reference instead of ``clip_ratio`` (4).
+   Neither is a strike: a strike is judged by the norm alone, as for an aligned delta (below).
+   Skipped where c > ``max_chance`` (models under 10,000 weights, where every cosine is within
+   chance), where the peer has no progress of its own to compare with (just after taking a
+   state), and in consolidation rounds (each peer sends its difference from the mean: opposed
+   by design).
 
-   Why an opposed delta is refused but not struck (2026-12-06): strikes are for what no honest
-   peer sends, and honest peers out of step send opposed deltas. Three real daemons at H=5,
-   two of them stalled (SIGSTOP) while the third ran 40 steps and 8 rounds on, alone: its
-   anchor took its own rounds whole (with top-k's momentum) while theirs took them a third
-   each, and for a few rounds after the stall each side judged the other's honest deltas at
-   cosines down to -0.083 (15 c): opposed refusals in 13 of 14 runs, 3 of a sender's 10 in 2.
+   Why the direction bounds a delta but never strikes its sender (2026-12-06): strikes are
+   for what no honest peer sends, and honest peers out of step send opposed deltas and
+   unaligned ones of several times the reference. Three real daemons at H=5, two of them
+   stalled (SIGSTOP) while the third ran 40 steps and 8 rounds on, alone: its anchor took its
+   own rounds whole (with top-k's momentum) while theirs took them a third each, and for a
+   few rounds after the stall each side judged the other's honest deltas at cosines down to
+   -0.083 (15 c): opposed refusals in 13 of 14 runs, 3 of a sender's 10 in 2.
    With them strikes, 2 of 20 runs failed: the one ahead quarantined both others for an hour
    and the swarm split for good (the busy machine's flake of
-   ``tests/integration/test_sync.py::test_a_peer_far_ahead_falls_back_in_step``). A sign
-   flipper's deltas came at -0.006 to -0.093 (``bench attack``): the size of an opposition
-   does not tell them apart. The refusal alone keeps every opposed delta out of the model; what
-   the flipper can still merge is a flipped delta within chance of 0, held to 1x the reference
-   like noise (what a quarantine after three refusals also let by: one such delta, run of
-   2026-12-06).
+   ``tests/integration/test_sync.py::test_a_peer_far_ahead_falls_back_in_step``). With only
+   the opposed ones spared, a run of 8 still failed the same way: the peer back from the stall
+   sent deltas within chance of 0 (cosines -0.0024 to 0.002) at 2.4-2.8x the reference, each
+   held to 1x and so struck, three in a row. (An honest donor was quarantined by its joiner
+   that way before, when the rounds' steps were not yet weighed: ``Screen._longer``.) A sign
+   flipper's deltas came at -0.006 to -0.093 (``bench attack``), and noise of 10x sent in
+   top-k arrives at ~2.9x the reference: what the direction sees does not tell them apart from
+   an honest peer out of step. The refusal keeps every opposed delta out of the model and the
+   1x bound holds each unaligned one to what an honest delta moves (the unprotected case of
+   noise under 1x); a norm beyond what an aligned delta may have still strikes, and the loss
+   guard still refuses what makes the loss jump.
 
    Why the own progress and not the own *frame* of the round (the rule before 2026-12-03): two
    peers' top-k frames share few entries, and at the small shares a slow link gets (0.25 %)
@@ -134,9 +141,9 @@ class RobustRule:
     """A delta scaled by less than this counts as a strike too (far outside the swarm)."""
     direction: bool = True
     """Judge a delta's direction against where this peer sees the swarm train (rule 4): one
-    that points against it beyond chance is refused (not a strike: honest peers out of step
-    send such deltas, module docstring); one that does not point along
-    it beyond chance is held to ``unaligned_ratio`` (not ``clip_ratio``) times the reference."""
+    that points against it beyond chance is refused; one that does not point along it beyond
+    chance is held to ``unaligned_ratio`` (not ``clip_ratio``) times the reference. Neither
+    is a strike: honest peers out of step send such deltas (module docstring)."""
     chance_z: float = 5.0
     """Two independent random directions in n dimensions have a cosine of about N(0, 1/n):
     a cosine within ``chance_z`` / sqrt(n) of 0 is no evidence either way."""
@@ -466,7 +473,7 @@ class Screen:
                 True,
             )
         cos = None if toward is None else toward.cosine(tensors, stats.norm)
-        limit, notes = rule.clip_ratio, []
+        limit, notes, strike_longer = rule.clip_ratio, [], longer
         chance = rule.chance_z / math.sqrt(max(1, sum(t.numel() for t in tensors.values())))
         if rule.direction and cos is not None and chance <= rule.max_chance:
             if cos < -chance:
@@ -484,8 +491,10 @@ class Screen:
                 longer = 1.0  # a longer round earns an aligned delta more room, not noise
                 if stats.norm > limit * ref:
                     notes.append(f"unaligned (cosine {cos:.2g}, within chance {chance:.2g})")
+        # A strike is judged by the norm alone, as for an aligned delta: the direction bounds
+        # a delta but never strikes its sender (module docstring).
+        strike = stats.norm * rule.strike_scale > rule.clip_ratio * strike_longer * ref
         limit *= longer
-        strike = stats.norm * rule.strike_scale > limit * ref
         scale = 1.0
         if stats.norm > limit * ref:
             scale = limit * ref / stats.norm

@@ -632,6 +632,10 @@ class SyncState:
                 cos = judged.cosine
                 if judged.tensors is None:
                     reason, strike = judged.reason or "refused", judged.strike
+                    # Its delta of the round came and will not come again: a hold does not
+                    # wait for it (a sign flipper refused every round held each honest peer's
+                    # rounds until it stopped counting, SILENT_ROUNDS later, bench attack).
+                    self._gone.setdefault(c.base_version, set()).add(c.sender)
                 else:  # a hard clip is a strike too: merged, bounded, and counted against it
                     tensors, note, strike = judged.tensors, judged.reason, judged.strike
                     stats = judged.stats
