@@ -10,8 +10,8 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -170,12 +170,13 @@ def test_migrate_from_a_folder_with_its_own_migrations_package(tmp_path: Path) -
 
 
 @contextmanager
-def control_api_answering(answers: dict[str, Any]) -> Iterator[str]:
-    """A stand-in for a daemon's control API on loopback: each path's JSON answer."""
+def serving(answer: Callable[[str, dict[str, str]], Any]) -> Iterator[str]:
+    """A stand-in for a daemon's control API on loopback: ``answer(path, query)``'s JSON."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = json.dumps(answers[self.path.split("?")[0]]).encode()
+            path, _, query = self.path.partition("?")
+            body = json.dumps(answer(path, dict(urllib.parse.parse_qsl(query)))).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -196,11 +197,14 @@ def control_api_answering(answers: dict[str, Any]) -> Iterator[str]:
         thread.join()
 
 
-@contextmanager
-def progress_api(job: dict[str, Any], steps: int) -> Iterator[str]:
-    """A stand-in control API with a job of ``steps`` logged points (a val_loss every 100th),
-    answering ``/progress`` as the daemon does: ``after_step``, ``limit`` (at most 10,000),
-    ``newest``."""
+def control_api_answering(answers: dict[str, Any]) -> AbstractContextManager[str]:
+    """Each path's JSON answer, whatever the query."""
+    return serving(lambda path, _query: answers[path])
+
+
+def progress_api(job: dict[str, Any], steps: int) -> AbstractContextManager[str]:
+    """A job of ``steps`` logged points (a val_loss every 100th), ``/progress`` answered as
+    the daemon does: ``after_step``, ``limit`` (at most 10,000), ``newest``."""
     points = [
         {"step": i, "tokens": 32 * i, "loss": 5.0 / i,
          "val_loss": 5.0 / i if i % 100 == 0 else None, "tokens_per_s": 1000.0, "lr": 1e-3,
@@ -208,35 +212,14 @@ def progress_api(job: dict[str, Any], steps: int) -> Iterator[str]:
         for i in range(1, steps + 1)
     ]  # fmt: skip
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            path, _, query = self.path.partition("?")
-            q = dict(urllib.parse.parse_qsl(query))
-            if path.endswith("/progress"):
-                limit = min(int(q.get("limit", 1000)), 10000)
-                after = [p for p in points if p["step"] > int(q.get("after_step", -1))]
-                answer: Any = after[-limit:] if q.get("newest") == "true" else after[:limit]
-            else:
-                answer = job
-            body = json.dumps(answer).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(path: str, q: dict[str, str]) -> Any:
+        if not path.endswith("/progress"):
+            return job
+        limit = min(int(q.get("limit", 1000)), 10000)
+        after = [p for p in points if p["step"] > int(q.get("after_step", -1))]
+        return after[-limit:] if q.get("newest") == "true" else after[:limit]
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    return serving(answer)
 
 
 def test_job_show_and_plot_read_a_long_jobs_newest_points(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -18,22 +17,20 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from pydantic import ValidationError
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.db import migrate, repo
-from atomd.db.engine import make_engine, make_sessionmaker, make_sync_engine
+from atomd.db.engine import make_engine, make_sync_engine
 from atomd.db.health import DatabaseFile
 from atomd.db.models import Base
 from atomd.db.schemas import ProgressPoint
 from atomd.errors import ConfigError, NotFoundError
+from tests.unit.conftest import Sessions
 
 TABLES = {
     "node", "peers", "peer_bans", "peer_quarantines", "jobs", "progress", "sync_rounds",
     "checkpoints", "events"
 }  # fmt: skip
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
-
-Sessions = async_sessionmaker[AsyncSession]
 
 
 def _tables(db: Path) -> set[str]:
@@ -58,19 +55,6 @@ def _assert_utc(*stamps: datetime | None) -> None:
     for t in stamps:
         assert t is not None
         assert t.utcoffset() == timedelta(0), t
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Path:
-    return tmp_path / "data" / "atomd.db"
-
-
-@pytest.fixture
-async def sessions(db: Path) -> AsyncIterator[Sessions]:
-    await asyncio.to_thread(migrate.upgrade, db)
-    engine = make_engine(db)
-    yield make_sessionmaker(engine)
-    await engine.dispose()
 
 
 async def _job(sessions: Sessions, job_id: str = "j1") -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sqlite3
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +12,6 @@ from typing import Any, cast
 
 import pytest
 from sqlalchemy import insert
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.config import Settings
 from atomd.db import migrate, repo
@@ -22,23 +20,9 @@ from atomd.db.models import SyncRound
 from atomd.db.retention import prune_jobs
 from atomd.db.schemas import ProgressPoint
 from atomd.errors import NotFoundError
+from tests.unit.conftest import Sessions
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
-
-Sessions = async_sessionmaker[AsyncSession]
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Path:
-    return tmp_path / "data" / "atomd.db"
-
-
-@pytest.fixture
-async def sessions(db: Path) -> AsyncIterator[Sessions]:
-    await asyncio.to_thread(migrate.upgrade, db)
-    engine = make_engine(db)
-    yield make_sessionmaker(engine)
-    await engine.dispose()
 
 
 def _point(step: int, *, val_loss: float | None = None) -> ProgressPoint:
