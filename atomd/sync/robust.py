@@ -473,7 +473,10 @@ class Screen:
                 True,
             )
         cos = None if toward is None else toward.cosine(tensors, stats.norm)
-        limit, notes, strike_longer = rule.clip_ratio, [], longer
+        # A strike is judged by the norm alone, as for an aligned delta: the direction below
+        # bounds a delta but never strikes its sender (module docstring).
+        strike = stats.norm * rule.strike_scale > rule.clip_ratio * longer * ref
+        limit, notes = rule.clip_ratio, []
         chance = rule.chance_z / math.sqrt(max(1, sum(t.numel() for t in tensors.values())))
         if rule.direction and cos is not None and chance <= rule.max_chance:
             if cos < -chance:
@@ -491,9 +494,6 @@ class Screen:
                 longer = 1.0  # a longer round earns an aligned delta more room, not noise
                 if stats.norm > limit * ref:
                     notes.append(f"unaligned (cosine {cos:.2g}, within chance {chance:.2g})")
-        # A strike is judged by the norm alone, as for an aligned delta: the direction bounds
-        # a delta but never strikes its sender (module docstring).
-        strike = stats.norm * rule.strike_scale > rule.clip_ratio * strike_longer * ref
         limit *= longer
         scale = 1.0
         if stats.norm > limit * ref:
