@@ -231,6 +231,13 @@ class Membership:
         if direct:
             known.last_seen = time.time()
         if not supersedes(u, known):
+            if direct and u.state == "alive" and known.state in ("suspect", "dead"):
+                # It speaks to us, and we hold it suspect or dead at an incarnation its record
+                # does not outrank: the gossip that said so may be spent (a daemon stopped for
+                # 20 s came back to a swarm that had stopped saying it was dead, and it was dead
+                # to them for the rest of its job: ``atomd bench swarm`` sigstop, run ew). Say
+                # it again, on the answer to this very message, so that it refutes.
+                self._enqueue(known.update())
             return False
         before = known.state
         known.signed = u

@@ -255,6 +255,26 @@ async def test_leave_is_immediate_and_a_restart_is_welcomed_back(net: Net) -> No
     await until(lambda: all(states(net.nodes[n])["c"] == "alive" for n in "ab"))
 
 
+async def test_a_member_held_dead_that_speaks_again_is_told_and_refutes(net: Net) -> None:
+    """A daemon stopped (SIGSTOP) past the suspect timeout comes back after the swarm has
+    stopped gossiping its death: the first member it pings tells it, it refutes, and every
+    member holds it alive again."""
+    for name, seeds in (("a", []), ("b", ["a"]), ("c", ["a"])):
+        await net.start(name, seeds)
+    await until(lambda: all(len(net.nodes[n].m.others()) == 2 for n in "abc"))
+    c = net.nodes["c"]
+    inc = c.m.me.incarnation
+    net.kill("c")  # stopped: it answers nothing and runs nothing, and keeps its state
+    await until(lambda: all(states(net.nodes[n])["c"] == "dead" for n in "ab"))
+    # Until the gossip of its death is spent at a and b (retransmitted a bounded number of times).
+    await until(lambda: not any(net.nodes[n].m.has_news() for n in "ab"))
+    assert states(c)["a"] == states(c)["b"] == "alive"  # it missed all of it
+    net.down.discard("c")
+    net.tasks["c"] = asyncio.create_task(c.run())  # continued
+    await until(lambda: all(states(net.nodes[n])["c"] == "alive" for n in "ab"))
+    assert c.m.me.incarnation > inc
+
+
 async def test_join_skips_dead_seeds(net: Net) -> None:
     await net.start("a", [])
     b = await net.start("b", ["gone", "a"])
