@@ -17,12 +17,14 @@ times the batch (``S``, the swarm's batches in lockstep). The score:
 
 Scenarios: ``unlimited``; ``upload-1mbit`` and ``upload-256kbit`` (every peer's upload limited
 by a token bucket); ``sigkill`` (unlimited; a peer SIGKILLed at 40% of its steps and restarted
-20 s later). Each reports per-peer final validation loss, the swarm mean, ``gain_recovered``,
-wall time, bytes per peer on the wire (the veth: membership, deltas and state transfers) and in
-delta frames, membership bytes per second while the swarm idles before the job, the cadence used
-(steps per round sent, the swarm's round period), deltas late and refused (and why), and the
-trainer time each peer spent in sync work and waiting for deltas. Load averages are recorded with
-every timing (the machine may be shared).
+20 s later); ``sigstop`` (unlimited; a peer stopped with SIGSTOP at 40% of its steps and
+continued 20 s later, as a machine that sleeps or swaps: it comes back with the state it had,
+long after membership declared it dead). Each reports per-peer final validation loss, the swarm
+mean, ``gain_recovered``, wall time, bytes per peer on the wire (the veth: membership, deltas
+and state transfers) and in delta frames, membership bytes per second while the swarm idles
+before the job, the cadence used (steps per round sent, the swarm's round period), deltas late
+and refused (and why), and the trainer time each peer spent in sync work and waiting for deltas.
+Load averages are recorded with every timing (the machine may be shared).
 
 Bounds: every daemon dies with the benchmark (``PR_SET_PDEATHSIG``) and is stopped at the end of
 its scenario; every scenario has a deadline; polling loops are bounded by it; namespaces are
@@ -111,6 +113,7 @@ class Scenario:
     name: str
     upload_kbit: int | None = None
     kill_at: float | None = None  # share of the steps at which a peer is SIGKILLed
+    stop_at: float | None = None  # share of the steps at which a peer is stopped (SIGSTOP)
 
 
 SCENARIOS = {
@@ -120,6 +123,7 @@ SCENARIOS = {
         Scenario("upload-1mbit", upload_kbit=1000),
         Scenario("upload-256kbit", upload_kbit=256),
         Scenario("sigkill", kill_at=0.4),
+        Scenario("sigstop", stop_at=0.4),
     )
 }
 
@@ -195,6 +199,16 @@ class Daemon:
         except httpx.HTTPError:
             return False
 
+    def pause(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         if self.alive():
             assert self.proc is not None
@@ -206,6 +220,7 @@ class Daemon:
         """SIGTERM (the job checkpoints), SIGKILL after ``STOP_TIMEOUT_S``."""
         if self.alive():
             assert self.proc is not None
+            self.proc.send_signal(signal.SIGCONT)  # a stopped process holds SIGTERM until then
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=STOP_TIMEOUT_S)
@@ -253,8 +268,12 @@ DONE = {"finished", "failed", "stopped"}
 
 @dataclass
 class _Kill:
+    """A peer SIGKILLed and restarted, or (``stop``) stopped and continued, after
+    ``Task.restart_after_s``."""
+
     victim: int
     at_step: int
+    stop: bool = False
     killed_at: float | None = None
     killed_step: int | None = None
     restarted_at: float | None = None
@@ -305,8 +324,10 @@ def run_scenario(
         r.raise_for_status()
         seen.job_id = r.json()["id"]
         seen.started = time.monotonic()
-        if scenario.kill_at is not None:
-            seen.kill = _Kill(victim=n - 1, at_step=max(1, int(scenario.kill_at * task.steps)))
+        at = scenario.kill_at if scenario.kill_at is not None else scenario.stop_at
+        if at is not None:
+            seen.kill = _Kill(victim=n - 1, at_step=max(1, int(at * task.steps)),
+                              stop=scenario.stop_at is not None)  # fmt: skip
         _train(task, daemons, seen, deadline, say)
         seen.ended = time.monotonic()
         at_end = [net.counters(i) for i in range(n)]
@@ -423,12 +444,19 @@ def idle_bytes(net: netns.Network, n: int, seconds: float) -> list[dict[str, flo
 def _train(
     task: Task, daemons: list[Daemon], seen: _Run, deadline: float, say: Callable[[str], None]
 ) -> None:
-    """Poll until every peer's job is done (or the deadline); kill and restart the victim."""
+    """Poll until every peer's job is done (or the deadline); kill and restart the victim, or
+    stop and continue it."""
     kill = seen.kill
     last_line = 0.0
     while True:
         now = time.monotonic()
-        states = {d.i: _job_state(d, seen.job_id) if d.alive() else None for d in daemons}
+        # A stopped daemon answers nothing: not asked until it is continued.
+        stopped = None if kill is None or not kill.stop or kill.restarted_at else kill.victim
+        stopped = stopped if kill is not None and kill.killed_at is not None else None
+        states = {
+            d.i: _job_state(d, seen.job_id) if d.alive() and d.i != stopped else None
+            for d in daemons
+        }
         for i, s in states.items():
             back = kill is None or i != kill.victim or kill.restarted_at is not None
             if s is not None and s["state"] in DONE and i not in seen.finished and back:
@@ -439,17 +467,18 @@ def _train(
             victim = daemons[kill.victim]
             s = states[kill.victim]
             if kill.killed_at is None and s is not None and s["step"] >= kill.at_step:
-                victim.kill()
+                victim.pause() if kill.stop else victim.kill()
                 kill.killed_at, kill.killed_step = now, s["step"]
-                say(f"  SIGKILL peer{kill.victim} at step {s['step']}")
+                what = "SIGSTOP" if kill.stop else "SIGKILL"
+                say(f"  {what} peer{kill.victim} at step {s['step']}")
             elif (
                 kill.killed_at is not None
                 and kill.restarted_at is None
                 and now - kill.killed_at >= task.restart_after_s
             ):
-                victim.start()
+                victim.resume() if kill.stop else victim.start()
                 kill.restarted_at = now
-                say(f"  restarted peer{kill.victim}")
+                say(f"  {'continued' if kill.stop else 'restarted'} peer{kill.victim}")
         if now - last_line > 30:
             steps = " ".join(
                 f"{s['step'] if s else '-'}" for s in states.values()
@@ -614,7 +643,8 @@ def _scenario_report(
         "model_fp32_bytes": model,
         "bytes_ratio_vs_fp32_model": model / statistics.fmean(frames) if frames else None,
         "idle_membership_bytes_per_s": idle,
-        "sigkill": None if kill is None else _kill_report(kill, seen.started),
+        "sigkill": None if kill is None or kill.stop else _kill_report(kill, seen.started),
+        "sigstop": None if kill is None or not kill.stop else _kill_report(kill, seen.started),
         "peers": peers,
     }
 
