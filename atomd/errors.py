@@ -36,6 +36,17 @@ class TrainingError(AtomdError):
     """Training cannot continue (for example the loss became NaN)."""
 
 
+class SwarmMovedOnError(TrainingError):
+    """The swarm has closed more rounds than this peer can still merge (it was stopped, asleep
+    or cut off meanwhile): what it missed would part its model from theirs for good, so the job
+    takes the swarm's state again (``JobManager``). ``step``: where this peer stopped; its
+    checkpoint of that step is where it goes on if no peer's state can be fetched."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
 class SwapError(AtomdError):
     """The swapping engine cannot run as asked (for example the model does not fit its slots)."""
 

@@ -65,6 +65,7 @@ from atomd.errors import (
     JobConflictError,
     NotFoundError,
     SpecError,
+    SwarmMovedOnError,
 )
 from atomd.logs import get_logger
 from atomd.model.config import num_parameters
@@ -104,6 +105,9 @@ RECORD_FULL_S = 30.0
 RECORD_RETRY_S = 0.5
 # Donors whose state a joiner refuses (``DonorStateError``) before it gives up on the job.
 DONOR_TRIES = 3
+# Times a job here takes the swarm's state again after the swarm moved on past what it can
+# merge (``SwarmMovedOnError``); beyond that it catches up by closing rounds early, as before.
+RETAKES = 3
 RESUMING_REASON = "resuming from the last good checkpoint"
 
 
@@ -132,7 +136,7 @@ class DeltaLink(Protocol):
         """The job is about to train here: keep its frames until its plugin is attached."""
         ...
 
-    def plugin(self, job_id: str, spec: JobSpec) -> RoundPlugin:
+    def plugin(self, job_id: str, spec: JobSpec, *, may_retake: bool = False) -> RoundPlugin:
         """The trainer-thread side of the exchange for one swarm job."""
         ...
 
@@ -186,6 +190,7 @@ class ActiveJob:
     step: int = 0  # the newest step reported by the trainer
     live_at: float = -math.inf  # monotonic time of its last live-state checkpoint
     tries: int = 0  # donors' states the trainer refused
+    retakes: int = 0  # times it took the swarm's state again, far behind (``_moved_on``)
 
 
 def _resumed(job: JobRecord, spec: JobSpec) -> ActiveJob:
@@ -764,7 +769,9 @@ class JobManager:
                 if active.scope == "swarm" and self.swarm is not None:
                     if self.exchange is not None and active.plugin is None:
                         # first: the kept frames wait for its state
-                        active.plugin = self.exchange.plugin(active.id, active.spec)
+                        active.plugin = self.exchange.plugin(
+                            active.id, active.spec, may_retake=active.retakes < RETAKES
+                        )
                     if not await self._take_swarm_state(active):
                         return
                     from atomd.train.trainer import SnapshotRequests
@@ -772,6 +779,8 @@ class JobManager:
                     active.snapshots = SnapshotRequests()
                 fut = loop.run_in_executor(self._executor, self._train_blocking, active, loop)
                 await self._follow(active, fut)
+                if await self._moved_on(active, fut):
+                    continue
                 if not await self._donor_refused(active, fut):
                     break
             await self._finish(active, fut)
@@ -847,6 +856,26 @@ class JobManager:
         if got is not None and got.step >= own_step:
             active.adopt_step, active.claimed_val = got.step, got.claimed_val
             log.info("job %s continues from the swarm's state at step %d", active.id, got.step)
+        return True
+
+    async def _moved_on(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> bool:
+        """Whether the trainer ended because the swarm has moved on past what it can merge
+        (``SwarmMovedOnError``: it was stopped or cut off for a while) and the job should take
+        the swarm's state again, as a restarted daemon does: from a peer that trains it now,
+        if newer than the checkpoint the trainer wrote as it ended (``_take_swarm_state``),
+        with a fresh plugin. Up to RETAKES times a job."""
+        e = None if fut.cancelled() else fut.exception()
+        if not isinstance(e, SwarmMovedOnError) or self.swarm is None:
+            return False
+        active.retakes += 1
+        log.warning("job %s: step %d: %s (%d of %d)", active.id, e.step, e, active.retakes,
+                    RETAKES)  # fmt: skip
+        async with self.sessions() as s, s.begin():
+            await repo.add_event(s, kind="job.retake", job_id=active.id,
+                                 message=f"step {e.step}: {e}")  # fmt: skip
+        active.resume, active.donors = True, []
+        active.adopt_step = active.claimed_val = None
+        active.plugin = None  # a fresh one, as for another donor (``_donor_refused``)
         return True
 
     async def _donor_refused(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> bool:

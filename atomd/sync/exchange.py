@@ -247,8 +247,10 @@ class DeltaExchange:
         the frames the others send it meanwhile."""
         self._numel[job_id] = num_parameters(spec.model_shape)
 
-    def plugin(self, job_id: str, spec: JobSpec) -> SyncPlugin:
-        """The trainer-thread side of the exchange for one job, wired to this exchange."""
+    def plugin(self, job_id: str, spec: JobSpec, *, may_retake: bool = False) -> SyncPlugin:
+        """The trainer-thread side of the exchange for one job, wired to this exchange;
+        ``may_retake``: it may end the trainer to take the swarm's state again, far behind
+        (``SyncPlugin.may_retake``)."""
         from atomd.sync.runner import SyncPlugin
 
         if self._loop is None:
@@ -271,6 +273,7 @@ class DeltaExchange:
             lr=functools.partial(lr_at, spec),
         )
         plugin.excluded = lambda sender: self.peers.exclusion(sender) is not None
+        plugin.may_retake = may_retake
         plugin.on_attached = lambda: self._from_trainer(self._drain_early(job_id), "early")
         self.plugins[job_id] = plugin
         self.expect(job_id, spec)  # the same bound, if the manager has not expected it

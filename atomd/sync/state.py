@@ -787,14 +787,16 @@ class SyncState:
         """No other peer's delta merged within the last ``max_staleness`` rounds, none held."""
         return not self._held and all(sender == self.peer_id for sender, _ in self._seen)
 
-    def rounds_behind(self) -> int:
+    def rounds_behind(self, *, capped: bool = True) -> int:
         """Rounds the swarm has closed that this one has not, from the newest round each
         sender has claimed (stale ones left out: they count in ``rounds_ahead``): 0 when the
         median claim is older than this peer's current round, 1 when it is the current round,
         2 when the next (a round behind), ... The median (the lower one), so that one member's
         claim cannot set the pace; claims more than ``MAX_CLAIM_AHEAD`` rounds ahead count for
-        nothing."""
-        floor, top = self.version - self.spec.max_staleness, self.version + MAX_CLAIM_AHEAD
+        nothing (``capped``; uncapped, for whether to take the swarm's state again: a peer
+        stopped long enough is that far behind, and a liar can claim within the cap too)."""
+        floor = self.version - self.spec.max_staleness
+        top = self.version + MAX_CLAIM_AHEAD if capped else math.inf
         claims = [b for b, _ in self._claims.values() if floor <= b <= top]  # not the stale
         if not claims:
             return 0

@@ -24,7 +24,13 @@ from tqdm import tqdm
 from atomd import __version__
 from atomd.data.dataset import VAL_BATCH, TokenDataset, load_dataset
 from atomd.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_json
-from atomd.errors import CheckpointError, ConfigError, DonorStateError, TrainingError
+from atomd.errors import (
+    CheckpointError,
+    ConfigError,
+    DonorStateError,
+    SwarmMovedOnError,
+    TrainingError,
+)
 from atomd.logs import get_logger
 from atomd.model.gpt import GPT, GPTConfig
 from atomd.spec import JobSpec, lr_at
@@ -403,7 +409,11 @@ class Trainer:
                 step += 1
                 if self.plugin is not None:  # round boundaries, deltas absorbed in between
                     if step < total:
-                        self.plugin.after_step(step)
+                        try:
+                            self.plugin.after_step(step)
+                        except SwarmMovedOnError:
+                            self.save(step)  # where it goes on if no peer's state is had
+                            raise
                     else:  # the last round, and the others' last deltas, make the final model
                         waited = time.perf_counter()
                         self.plugin.finish(step, self.stop_event)

@@ -14,6 +14,7 @@ from typing import Any, cast
 import pytest
 import torch
 
+from atomd.errors import SwarmMovedOnError
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec
 from atomd.sync import cadence, runner
@@ -117,6 +118,33 @@ def test_a_peer_a_round_behind_the_swarm_closes_its_round_early() -> None:
     me.inbox.put(Contribution("third", 12, 12, zeros))  # in range now: taken
     me.after_step(step + 1)
     assert me.state.deltas_in(12) == 1 and me.version == 12
+
+
+def test_a_peer_further_behind_than_it_can_merge_ends_to_take_the_swarms_state() -> None:
+    """``may_retake``: when the lower median of the senders' newest rounds is beyond what this
+    peer can merge (more than max_staleness rounds ahead of its own), the rounds it missed are
+    not to be had: it raises ``SwarmMovedOnError`` for the job manager to take the swarm's
+    state. Within the bound it catches up as before; one member's claim alone does not count
+    among three; a claim however far ahead counts (a long stop), where ``rounds_behind``
+    caps it for the catch-up."""
+    zeros = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
+
+    def behind_by(claims: dict[str, int], *, may: bool = True) -> SyncPlugin:
+        me = plugin([], counted=lambda base: list(claims))  # every=3, max_staleness=4
+        me.may_retake = may
+        for sender, base in claims.items():
+            me.inbox.put(Contribution(sender, base, base, zeros))
+        me.after_step(1)  # absorbed (beyond the bound refused as ahead, but claimed), and
+        return me  # round 0 closed early where the swarm is 2 or more rounds on (MAX_CLAIM_AHEAD)
+
+    with pytest.raises(SwarmMovedOnError, match="5 round") as e:
+        behind_by({"other": 6}).after_step(2)  # 5 past its round 1
+    assert e.value.step == 2
+    behind_by({"other": 5}).after_step(2)  # the last round it can still merge: no
+    behind_by({"other": 12}, may=False).after_step(2)  # not asked to: catches up instead
+    behind_by({"liar": 40, "other": 0, "third": 1}).after_step(2)  # the median is in step
+    with pytest.raises(SwarmMovedOnError):
+        behind_by({"other": 500, "third": 480}).after_step(2)  # past MAX_CLAIM_AHEAD too
 
 
 @pytest.mark.parametrize("schedule", [True, False])
