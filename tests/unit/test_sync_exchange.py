@@ -328,6 +328,47 @@ async def test_each_peer_gets_this_peers_rounds_in_order(sessions: Any) -> None:
     assert client.most_in_flight == 1
 
 
+@pytest.mark.parametrize("dead_again", [False, True])
+async def test_a_peer_that_answers_nothing_holds_up_nobody_once_it_is_dead(
+    sessions: Any, dead_again: bool
+) -> None:
+    """A stopped daemon (SIGSTOP) answers no upload until its timeout (2 x 30 s). Once its
+    membership declares it dead, the round counts as gone and the next one goes. Alive again,
+    it gets the next round after the one still stuck on it, in order, or, dead again by then,
+    not at all. (Until 2026-12-06 every round of every peer waited behind the stuck upload: a
+    72-step round at all three others of ``atomd bench swarm``'s sigstop, runs ew and ex.)"""
+    p, q = (Peer(ch * 32, f"http://{ch}") for ch in "pq")
+    client = SlowClient(delay={"http://p": 1.5, "http://q": 0.01})
+    peers = FakePeers([p, q])
+    ex = exchange(sessions, cast(Any, client), peers)
+    plugin = attach(ex)  # every = 1: a round at each step
+    loop = asyncio.get_running_loop()
+
+    async with running(ex):
+        plugin.after_step(1)  # round 0: p first (stuck), then q after the stagger
+        await until(lambda: _async_true(len(client.log) == 2), "round 0 to both")
+        assert plugin._in_flight is not None  # p's upload holds the round
+        peers.peers = [q]  # p is dead
+        await until(lambda: _async_true(plugin._in_flight is None), "round 0 gone")
+        peers.peers = [p, q]  # p refuted: alive again
+        plugin.after_step(2)  # round 1: q first, then p once its round 0 is done
+        await until(lambda: _async_true(len(client.log) == 3), "round 1 to q")
+        assert loop.time() - client.started["http://p"] < 1.5  # p's round 0 still hangs
+        if dead_again:
+            peers.peers = [q]
+        await until(lambda: _async_true(plugin._in_flight is None), "round 1 gone")
+
+        async def recorded() -> bool:  # the round's rows go once all its uploads are done
+            return sum(r.direction == "sent" for r in await rounds(sessions)) == 4
+
+        await until(recorded, "every upload recorded")
+    to_p = [body for url, body in client.log if url == "http://p"]
+    to_q = [body for url, body in client.log if url == "http://q"]
+    assert to_p == to_q[:1] if dead_again else to_p == to_q
+    sent = {(r.round, r.peer_id[0]): r for r in await rounds(sessions) if r.direction == "sent"}
+    assert ("no longer trains" in (sent[(1, "p")].reason or "")) is dead_again
+
+
 async def test_the_average_frame_waits_for_the_round_in_flight(sessions: Any) -> None:
     """The final average's frame (25x a round's at a slow link) goes after the job's last
     round, not beside it on the same uplink: shared with it, the last round reached a peer
