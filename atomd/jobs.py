@@ -868,14 +868,20 @@ class JobManager:
         if not isinstance(e, SwarmMovedOnError) or self.swarm is None:
             return False
         active.retakes += 1
+        # A fresh plugin at once, before anything is awaited: the frames that come from now
+        # on are kept for it until it holds the state (the old one's inbox has no trainer).
+        active.plugin = None
+        if self.exchange is not None:
+            active.plugin = self.exchange.plugin(
+                active.id, active.spec, may_retake=active.retakes < RETAKES
+            )
+        active.resume, active.donors = True, []
+        active.adopt_step = active.claimed_val = None
         log.warning("job %s: step %d: %s (%d of %d)", active.id, e.step, e, active.retakes,
                     RETAKES)  # fmt: skip
         async with self.sessions() as s, s.begin():
             await repo.add_event(s, kind="job.retake", job_id=active.id,
                                  message=f"step {e.step}: {e}")  # fmt: skip
-        active.resume, active.donors = True, []
-        active.adopt_step = active.claimed_val = None
-        active.plugin = None  # a fresh one, as for another donor (``_donor_refused``)
         return True
 
     async def _donor_refused(self, active: ActiveJob, fut: asyncio.Future[TrainSummary]) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -299,6 +299,50 @@ async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path
         (where / ckpt.DONATED_FILE).write_text("https://d7")
         assert await jobs._donor_refused(active, failed(DonorStateError("far worse", 41)))
         assert distrusted[-1] == "https://d7" and not where.exists()
+    finally:
+        await engine.dispose()
+
+
+async def test_a_swarm_moved_on_past_the_trainer_takes_its_state_again(tmp_path: Path) -> None:
+    """The trainer ended with ``SwarmMovedOnError``: the job manager takes the swarm's state
+    again as a restarted daemon does (resume, donors from the membership, a fresh plugin made
+    at once, so that the frames that come meanwhile are kept for it), records a
+    ``job.retake`` event, and lets the next plugin do so again only RETAKES times a job; any
+    other failure is not one."""
+    from atomd.errors import SwarmMovedOnError
+    from atomd.jobs import RETAKES, ActiveJob
+
+    jobs, sessions, engine = await _manager(tmp_path)
+    made: list[bool] = []
+
+    def plugin(job_id: str, spec: JobSpec, *, may_retake: bool) -> object:
+        made.append(may_retake)
+        return object()
+
+    jobs.swarm = SimpleNamespace()  # type: ignore[assignment]
+    jobs.exchange = SimpleNamespace(plugin=plugin)  # type: ignore[assignment]
+    loop = asyncio.get_running_loop()
+
+    def failed(e: BaseException) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = loop.create_future()
+        fut.set_exception(e)
+        return fut
+
+    try:
+        active = ActiveJob("a" * 32, JobSpec(preset="tiny"), tmp_path / "job", False, "swarm",
+                           donors=["https://d1"])  # fmt: skip
+        old = active.plugin = cast(Any, object())
+        active.adopt_step = 40
+        assert not await jobs._moved_on(active, failed(ValueError("a bug")))
+        assert active.plugin is old and made == []
+        for n in range(1, RETAKES + 1):
+            moved = SwarmMovedOnError("the swarm has closed 7 round(s) past", 40 + n)
+            assert await jobs._moved_on(active, failed(moved))
+            assert active.plugin is not old and made[-1] == (n < RETAKES)
+            assert active.resume and active.donors == [] and active.adopt_step is None
+        async with sessions() as s:
+            events = await repo.list_events(s, kind="job.retake")
+        assert len(events) == RETAKES and "step 41: the swarm has closed" in events[-1].message
     finally:
         await engine.dispose()
 
