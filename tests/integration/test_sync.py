@@ -48,6 +48,18 @@ def _story(ds: list[DaemonProcess], jid: str) -> str:
     return "\n".join(out)
 
 
+def _all_training(ds: list[DaemonProcess]) -> str:
+    """Once every daemon lists all of them, start ``SYNC_JOB`` on the first; its id, once
+    every daemon has trained 10 steps of it."""
+    n = len(ds)
+    wait_until(lambda: all(len(httpx.get(d.url + "/v1/peers").json()) == n for d in ds),
+               timeout=READY_TIMEOUT, what=f"every daemon to list {n} peers")  # fmt: skip
+    jid = str(httpx.post(f"{ds[0].url}/v1/jobs", json=SYNC_JOB, timeout=30).json()["id"])
+    wait_until(lambda: all(_job(d, jid).get("step", 0) >= 10 for d in ds),
+               timeout=READY_TIMEOUT, what="all of them training")  # fmt: skip
+    return jid
+
+
 def _truncated_upload(d: DaemonProcess, jid: str) -> None:
     """A sender that dies mid-upload: headers promise 50 kB, 1 kB arrives, the socket closes."""
     with contextlib.ExitStack() as stack:
@@ -157,11 +169,7 @@ def test_a_peer_far_ahead_falls_back_in_step(tmp_path: Path) -> None:
     try:
         a, b, c = ds
         ids = [peer_id(d) for d in ds]
-        wait_until(lambda: all(len(httpx.get(d.url + "/v1/peers").json()) == 3 for d in ds),
-                   timeout=READY_TIMEOUT, what="every daemon to list 3 peers")  # fmt: skip
-        jid = httpx.post(f"{a.url}/v1/jobs", json=SYNC_JOB, timeout=30).json()["id"]
-        wait_until(lambda: all(_job(d, jid).get("step", 0) >= 10 for d in ds),
-                   timeout=READY_TIMEOUT, what="all three training")  # fmt: skip
+        jid = _all_training(ds)
         for d in (b, c):
             d.signal(signal.SIGSTOP)
         try:
@@ -222,11 +230,7 @@ def test_a_peer_stopped_past_its_death_takes_the_swarms_state_again(tmp_path: Pa
     try:
         a, b, c = ds
         ids = [peer_id(d) for d in ds]
-        wait_until(lambda: all(len(httpx.get(d.url + "/v1/peers").json()) == 3 for d in ds),
-                   timeout=READY_TIMEOUT, what="every daemon to list 3 peers")  # fmt: skip
-        jid = httpx.post(f"{a.url}/v1/jobs", json=SYNC_JOB, timeout=30).json()["id"]
-        wait_until(lambda: all(_job(d, jid).get("step", 0) >= 10 for d in ds),
-                   timeout=READY_TIMEOUT, what="all three training")  # fmt: skip
+        jid = _all_training(ds)
         c.signal(signal.SIGSTOP)
         try:
             wait_until(lambda: all(_state_of(d, ids[2]) == "dead" for d in (a, b)),

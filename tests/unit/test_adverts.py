@@ -251,6 +251,13 @@ async def test_a_forged_advert_is_neither_joined_nor_counted(tmp_path: Path) -> 
         await engine.dispose()
 
 
+def _failed(e: BaseException) -> asyncio.Future[Any]:
+    """A trainer's future that ended with ``e``."""
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    fut.set_exception(e)
+    return fut
+
+
 async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path: Path) -> None:
     """The trainer refused a donor's state (``DonorStateError``): the job manager removes that
     checkpoint, records why, does not ask the donor again and takes another's, up to
@@ -262,12 +269,6 @@ async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path
     jobs, sessions, engine = await _manager(tmp_path)
     distrusted: list[str] = []
     jobs.swarm = SimpleNamespace(distrust=distrusted.append)  # type: ignore[assignment]
-    loop = asyncio.get_running_loop()
-
-    def failed(e: BaseException) -> asyncio.Future[Any]:
-        fut: asyncio.Future[Any] = loop.create_future()
-        fut.set_exception(e)
-        return fut
 
     try:
         active = ActiveJob("a" * 32, JobSpec(preset="tiny"), tmp_path / "job", True, "swarm",
@@ -277,7 +278,7 @@ async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path
             where.mkdir(parents=True)
             (where / ckpt.DONATED_FILE).write_text(f"https://d{n}")  # as the fetch writes it
             active.adopt_step = 40
-            again = await jobs._donor_refused(active, failed(DonorStateError("far worse", 40)))
+            again = await jobs._donor_refused(active, _failed(DonorStateError("far worse", 40)))
             assert again == (n < DONOR_TRIES) and not where.exists()
             assert active.adopt_step is None
             assert f"https://d{n}" not in active.donors
@@ -290,14 +291,14 @@ async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path
         kept = ckpt.checkpoint_dir(ckpt.checkpoint_root(active.out_dir), 39)
         kept.mkdir(parents=True)
         (kept / ckpt.DONATED_FILE).write_text("https://d9")
-        assert not await jobs._donor_refused(active, failed(ValueError("a bug")))
+        assert not await jobs._donor_refused(active, _failed(ValueError("a bug")))
         assert distrusted[-1] != "https://d9" and kept.exists()
         # A state fetched before the daemon stopped, refused when it resumed: the donor its
         # checkpoint names is distrusted, and the checkpoint goes.
         where = ckpt.checkpoint_dir(ckpt.checkpoint_root(active.out_dir), 41)
         where.mkdir(parents=True)
         (where / ckpt.DONATED_FILE).write_text("https://d7")
-        assert await jobs._donor_refused(active, failed(DonorStateError("far worse", 41)))
+        assert await jobs._donor_refused(active, _failed(DonorStateError("far worse", 41)))
         assert distrusted[-1] == "https://d7" and not where.exists()
     finally:
         await engine.dispose()
@@ -321,23 +322,17 @@ async def test_a_swarm_moved_on_past_the_trainer_takes_its_state_again(tmp_path:
 
     jobs.swarm = SimpleNamespace()  # type: ignore[assignment]
     jobs.exchange = SimpleNamespace(plugin=plugin)  # type: ignore[assignment]
-    loop = asyncio.get_running_loop()
-
-    def failed(e: BaseException) -> asyncio.Future[Any]:
-        fut: asyncio.Future[Any] = loop.create_future()
-        fut.set_exception(e)
-        return fut
 
     try:
         active = ActiveJob("a" * 32, JobSpec(preset="tiny"), tmp_path / "job", False, "swarm",
                            donors=["https://d1"])  # fmt: skip
         old = active.plugin = cast(Any, object())
         active.adopt_step = 40
-        assert not await jobs._moved_on(active, failed(ValueError("a bug")))
+        assert not await jobs._moved_on(active, _failed(ValueError("a bug")))
         assert active.plugin is old and made == []
         for n in range(1, RETAKES + 1):
             moved = SwarmMovedOnError("the swarm has closed 7 round(s) past", 40 + n)
-            assert await jobs._moved_on(active, failed(moved))
+            assert await jobs._moved_on(active, _failed(moved))
             assert active.plugin is not old and made[-1] == (n < RETAKES)
             assert active.resume and active.donors == [] and active.adopt_step is None
         async with sessions() as s:
