@@ -217,6 +217,11 @@ class Namespaces:
         if r.returncode != 0:
             raise RuntimeError(f"tc tbf in {ns}: {r.stderr.strip()}")
 
+    def cut(self, i: int, *, cut: bool) -> None:
+        """Cut peer i's link at the hub (its port of the bridge down: nothing reaches it or
+        leaves it, and no connection is refused: they time out), or join it again."""
+        _ip("-n", self.hub, "link", "set", f"h{i}", "down" if cut else "up")
+
     def address(self, i: int) -> str:
         return f"{self.subnet}.{i + 1}"
 

@@ -19,12 +19,14 @@ Scenarios: ``unlimited``; ``upload-1mbit`` and ``upload-256kbit`` (every peer's 
 by a token bucket); ``sigkill`` (unlimited; a peer SIGKILLed at 40% of its steps and restarted
 20 s later); ``sigstop`` (unlimited; a peer stopped with SIGSTOP at 40% of its steps and
 continued 20 s later, as a machine that sleeps or swaps: it comes back with the state it had,
-long after membership declared it dead). Each reports per-peer final validation loss, the swarm
-mean, ``gain_recovered``, wall time, bytes per peer on the wire (the veth: membership, deltas
-and state transfers) and in delta frames, membership bytes per second while the swarm idles
-before the job, the cadence used (steps per round sent, the swarm's round period), deltas late
-and refused (and why), and the trainer time each peer spent in sync work and waiting for deltas.
-Load averages are recorded with every timing (the machine may be shared).
+long after membership declared it dead); ``partition`` (a peer's link cut at 40 % and joined
+again 20 s later, as a network that fails: it trains on alone meanwhile; namespaces only). Each
+reports per-peer final validation loss, the swarm mean, ``gain_recovered``, wall time, bytes per
+peer on the wire (the veth: membership, deltas and state transfers) and in delta frames,
+membership bytes per second while the swarm idles before the job, the cadence used (steps per
+round sent, the swarm's round period), deltas late and refused (and why), and the trainer time
+each peer spent in sync work and waiting for deltas. Load averages are recorded with every
+timing (the machine may be shared).
 
 Bounds: every daemon dies with the benchmark (``PR_SET_PDEATHSIG``) and is stopped at the end of
 its scenario; every scenario has a deadline; polling loops are bounded by it; namespaces are
@@ -112,8 +114,13 @@ QUICK = Task(
 class Scenario:
     name: str
     upload_kbit: int | None = None
-    kill_at: float | None = None  # share of the steps at which a peer is SIGKILLed
-    stop_at: float | None = None  # share of the steps at which a peer is stopped (SIGSTOP)
+    # What befalls the last peer at 40 % of its steps, undone restart_after_s later: "sigkill"
+    # (restarted), "sigstop" (continued), "partition" (its link cut: it trains on alone).
+    fault: str | None = None
+
+    @property
+    def needs_namespaces(self) -> bool:
+        return self.upload_kbit is not None or self.fault == "partition"
 
 
 SCENARIOS = {
@@ -122,8 +129,9 @@ SCENARIOS = {
         Scenario("unlimited"),
         Scenario("upload-1mbit", upload_kbit=1000),
         Scenario("upload-256kbit", upload_kbit=256),
-        Scenario("sigkill", kill_at=0.4),
-        Scenario("sigstop", stop_at=0.4),
+        Scenario("sigkill", fault="sigkill"),
+        Scenario("sigstop", fault="sigstop"),
+        Scenario("partition", fault="partition"),
     )
 }
 
@@ -266,14 +274,17 @@ def _job_state(d: Daemon, job_id: str) -> dict[str, Any] | None:
 DONE = {"finished", "failed", "stopped"}
 
 
+FAULT_AT = 0.4  # the share of its steps at which the victim's fault comes (``Scenario.fault``)
+
+
 @dataclass
 class _Kill:
-    """A peer SIGKILLed and restarted, or (``stop``) stopped and continued, after
+    """The victim's fault (``Scenario.fault``), struck at ``at_step`` and undone after
     ``Task.restart_after_s``."""
 
     victim: int
     at_step: int
-    stop: bool = False
+    how: str = "sigkill"
     killed_at: float | None = None
     killed_step: int | None = None
     restarted_at: float | None = None
@@ -324,11 +335,10 @@ def run_scenario(
         r.raise_for_status()
         seen.job_id = r.json()["id"]
         seen.started = time.monotonic()
-        at = scenario.kill_at if scenario.kill_at is not None else scenario.stop_at
-        if at is not None:
-            seen.kill = _Kill(victim=n - 1, at_step=max(1, int(at * task.steps)),
-                              stop=scenario.stop_at is not None)  # fmt: skip
-        _train(task, daemons, seen, deadline, say)
+        if scenario.fault is not None:
+            seen.kill = _Kill(victim=n - 1, at_step=max(1, int(FAULT_AT * task.steps)),
+                              how=scenario.fault)  # fmt: skip
+        _train(task, daemons, net, seen, deadline, say)
         seen.ended = time.monotonic()
         at_end = [net.counters(i) for i in range(n)]
         peers = [_peer_report(d, seen.job_id) for d in daemons]
@@ -442,17 +452,19 @@ def idle_bytes(net: netns.Network, n: int, seconds: float) -> list[dict[str, flo
 
 
 def _train(
-    task: Task, daemons: list[Daemon], seen: _Run, deadline: float, say: Callable[[str], None]
-) -> None:
-    """Poll until every peer's job is done (or the deadline); kill and restart the victim, or
-    stop and continue it."""
+    task: Task, daemons: list[Daemon], net: netns.Network, seen: _Run, deadline: float,
+    say: Callable[[str], None],
+) -> None:  # fmt: skip
+    """Poll until every peer's job is done (or the deadline); strike the victim with its fault
+    and undo it (``_strike``)."""
     kill = seen.kill
     last_line = 0.0
     while True:
         now = time.monotonic()
         # A stopped daemon answers nothing: not asked until it is continued.
-        stopped = None if kill is None or not kill.stop or kill.restarted_at else kill.victim
-        stopped = stopped if kill is not None and kill.killed_at is not None else None
+        stopped = None
+        if kill is not None and kill.how == "sigstop" and kill.restarted_at is None:
+            stopped = None if kill.killed_at is None else kill.victim
         states = {
             d.i: _job_state(d, seen.job_id) if d.alive() and d.i != stopped else None
             for d in daemons
@@ -467,18 +479,15 @@ def _train(
             victim = daemons[kill.victim]
             s = states[kill.victim]
             if kill.killed_at is None and s is not None and s["step"] >= kill.at_step:
-                victim.pause() if kill.stop else victim.kill()
+                say(f"  {_strike(kill.how, victim, net, undo=False)} at step {s['step']}")
                 kill.killed_at, kill.killed_step = now, s["step"]
-                what = "SIGSTOP" if kill.stop else "SIGKILL"
-                say(f"  {what} peer{kill.victim} at step {s['step']}")
             elif (
                 kill.killed_at is not None
                 and kill.restarted_at is None
                 and now - kill.killed_at >= task.restart_after_s
             ):
-                victim.resume() if kill.stop else victim.start()
+                say(f"  {_strike(kill.how, victim, net, undo=True)}")
                 kill.restarted_at = now
-                say(f"  {'continued' if kill.stop else 'restarted'} peer{kill.victim}")
         if now - last_line > 30:
             steps = " ".join(
                 f"{s['step'] if s else '-'}" for s in states.values()
@@ -490,6 +499,20 @@ def _train(
             say("  deadline reached: stopping")
             return
         time.sleep(POLL_S)
+
+
+def _strike(how: str, victim: Daemon, net: netns.Network, *, undo: bool) -> str:
+    """Strike ``victim`` with fault ``how`` (``Scenario.fault``), or undo it; what was done."""
+    if how == "sigkill":
+        victim.start() if undo else victim.kill()
+        return f"{'restarted' if undo else 'SIGKILL'} peer{victim.i}"
+    if how == "sigstop":
+        victim.resume() if undo else victim.pause()
+        return f"{'continued' if undo else 'SIGSTOP'} peer{victim.i}"
+    if how == "partition" and isinstance(net, netns.Namespaces):
+        net.cut(victim.i, cut=not undo)
+        return f"{'joined again' if undo else 'cut off'} peer{victim.i}'s link"
+    raise ValueError(f"no fault {how!r} on a {net.mode} network")
 
 
 def _code(reason: str | None) -> str:
@@ -643,8 +666,10 @@ def _scenario_report(
         "model_fp32_bytes": model,
         "bytes_ratio_vs_fp32_model": model / statistics.fmean(frames) if frames else None,
         "idle_membership_bytes_per_s": idle,
-        "sigkill": None if kill is None or kill.stop else _kill_report(kill, seen.started),
-        "sigstop": None if kill is None or not kill.stop else _kill_report(kill, seen.started),
+        **{
+            how: _kill_report(kill, seen.started) if kill is not None and kill.how == how else None
+            for how in ("sigkill", "sigstop", "partition")
+        },
         "peers": peers,
     }
 
@@ -785,7 +810,7 @@ def run(
     elif network == "netns" and why_not is not None:
         raise RuntimeError(f"network namespaces unavailable: {why_not}")
     if network == "loopback":
-        skipped = [s for s in names if SCENARIOS[s].upload_kbit is not None]
+        skipped = [s for s in names if SCENARIOS[s].needs_namespaces]
         names = [s for s in names if s not in skipped]
     else:
         skipped = []
@@ -813,7 +838,9 @@ def run(
         "task": {**asdict(task), "spec_per_peer": task.spec(task.batch), "quick": quick},
         "network": network,
         "network_note": None if network == "netns" else f"loopback: {why_not}",
-        "skipped_scenarios": {s: "an upload limit needs network namespaces" for s in skipped},
+        "skipped_scenarios": {
+            s: "an upload limit or a cut link needs network namespaces" for s in skipped
+        },
         "stale_namespaces_removed": stale,
         "references": refs,
         "scenarios": results,
