@@ -191,6 +191,7 @@ class ActiveJob:
     live_at: float = -math.inf  # monotonic time of its last live-state checkpoint
     tries: int = 0  # donors' states the trainer refused
     retakes: int = 0  # times it took the swarm's state again, far behind (``_moved_on``)
+    retaking: bool = False  # the next state taken is the swarm's whatever its step
 
 
 def _resumed(job: JobRecord, spec: JobSpec) -> ActiveJob:
@@ -199,6 +200,14 @@ def _resumed(job: JobRecord, spec: JobSpec) -> ActiveJob:
         id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True, scope=job.scope,
         origin=job.origin, origin_key=job.origin_key, origin_signature=job.origin_signature,
     )  # fmt: skip
+
+
+def _drop_checkpoints_after(root: Path, step: int) -> None:
+    """Remove the checkpoints under ``root`` past ``step`` (the trainer resumes from the
+    newest)."""
+    for where in list_checkpoints(root):
+        if int(where.name.split("-")[1]) > step:
+            shutil.rmtree(where, ignore_errors=True)
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -825,8 +834,11 @@ class JobManager:
 
     async def _take_swarm_state(self, active: ActiveJob) -> bool:
         """Before a swarm job trains here: fetch the swarm's newest state from a peer that
-        trains it, when that is newer than our own checkpoint. False if the job failed."""
+        trains it, when that is newer than our own checkpoint (retaking, ``_moved_on``: at
+        whatever step, our own checkpoints past it removed: they hold the rounds this peer
+        closed alone, and a peer cut off trains faster alone). False if the job failed."""
         assert self.swarm is not None
+        retake, active.retaking = active.retaking, False
         donors = active.donors
         if not donors and active.resume:
             # Restarted: wait until the membership can tell who trains the job now.
@@ -838,7 +850,7 @@ class JobManager:
         own_step = int(own[0].name.split("-")[1]) if own else 0
         # A donor whose swarm has closed no round yet answers "no state": the initial weights
         # are the swarm's model then, and the joiner starts from them at round 0 like it.
-        at_least = own_step + 1
+        at_least = 1 if retake else own_step + 1
         try:
             got = await self.swarm.fetch_state(
                 active.id, donors, root, max_file_bytes=state_file_bound(active.spec),
@@ -853,7 +865,9 @@ class JobManager:
                 functools.partial(self._release, active),
             )  # fmt: skip
             return False
-        if got is not None and got.step >= own_step:
+        if got is not None and retake:
+            await asyncio.to_thread(_drop_checkpoints_after, root, got.step)
+        if got is not None and (retake or got.step >= own_step):
             active.adopt_step, active.claimed_val = got.step, got.claimed_val
             log.info("job %s continues from the swarm's state at step %d", active.id, got.step)
         return True
@@ -875,7 +889,7 @@ class JobManager:
             active.plugin = self.exchange.plugin(
                 active.id, active.spec, may_retake=active.retakes < RETAKES
             )
-        active.resume, active.donors = True, []
+        active.resume, active.donors, active.retaking = True, [], True
         active.adopt_step = active.claimed_val = None
         log.warning("job %s: step %d: %s (%d of %d)", active.id, e.step, e, active.retakes,
                     RETAKES)  # fmt: skip

@@ -334,16 +334,22 @@ class SyncPlugin:
         back in step with an anchor that lacks them, parted from theirs for good. A daemon
         stopped for 20 s at 40 % of a 4-peer job (``atomd bench swarm``, sigstop, run ew) came
         back 36 rounds behind and ended 0.11 worse than the others (settled anchors 0.47 apart);
-        a peer that restarts takes the swarm's state, and so does this one."""
+        a peer that restarts takes the swarm's state, and so does this one. So too, however
+        near, a peer that closed rounds alone after it had been with the swarm and finds the
+        swarm a round past its own (``SyncState.parted_alone``: its link was cut)."""
         assert self.state is not None
         if not self.may_retake:
             return
         behind = self.state.rounds_behind(capped=False)
-        if behind - 1 <= max(1, self.spec.max_staleness):
+        if behind - 1 > max(1, self.spec.max_staleness):
+            why = "more than its deltas can bridge"
+        elif self.state.parted_alone():  # cut off from the swarm a while (``parted_alone``)
+            why = "after rounds it closed alone"
+        else:
             return
         raise SwarmMovedOnError(
             f"the swarm has closed {behind - 1} round(s) past this peer's round "
-            f"{self.state.version}, more than its deltas can bridge: taking the swarm's state",
+            f"{self.state.version}, {why}: taking the swarm's state",
             step,
         )
 

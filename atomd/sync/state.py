@@ -206,6 +206,13 @@ class SyncState:
         # rounds that can still take a late delta: its commit is the change of the round's mean.
         self._committed: dict[int, tuple[dict[str, Tensor], int]] = {}
         self._seen: set[tuple[str, int]] = set()  # (sender, base_version) merged recently
+        # Whether this peer has merged another peer's delta (or taken a state that had); then
+        # whether it has since closed max_staleness rounds merging none (cut off: its rounds
+        # went into its anchor alone), and whether a delta then came from a swarm that went on
+        # past it meanwhile (``parted_alone``).
+        self.together = False
+        self._cut_off = False
+        self._parted = False
         # Received deltas of rounds this peer has not closed: judged once its own delta of
         # that round is known (they touch nothing before: only closed rounds move the replica).
         self._held: list[Contribution] = []
@@ -320,6 +327,12 @@ class SyncState:
         ``rounds_behind`` and ``rounds_ahead``)."""
         newest = max(c.base_version, self._claims.get(c.sender, (-1, 0))[0])
         self._claims[c.sender] = (newest, self.version)
+        if self._cut_off and c.sender != self.peer_id:
+            # The first word from the others after a while alone: from a swarm that went on
+            # without this peer (its round past this one's), or from peers that took this
+            # peer's state or were gone themselves (the episode ends).
+            self._parted = self._parted or c.base_version > self.version
+            self._cut_off = self._parted
 
     def round_boundary(
         self,
@@ -489,6 +502,8 @@ class SyncState:
         self._restart_replica(keep=keep)
         floor = self.version - self.spec.max_staleness
         self._seen = {key for key in self._seen if key[1] >= floor}
+        if self.together and all(sender == self.peer_id for sender, _ in self._seen):
+            self._cut_off = True
         self._committed = {b: c for b, c in self._committed.items() if b >= floor}
         fresh = self.version - CLAIM_FRESH_ROUNDS
         self._claims = {p: (b, at) for p, (b, at) in self._claims.items() if at >= fresh}
@@ -647,6 +662,7 @@ class SyncState:
             w = staleness_weight(s)
             self._add_pending(c.base_version, tensors, w)
             self._seen.add((c.sender, c.base_version))
+            self.together = self.together or c.sender != self.peer_id
             report.applied.append(AppliedDelta(c.sender, c.round, s, w, note, strike, cos))
             t = Taken(c, tensors, w, stats)
             report.taken.append(t)
@@ -786,6 +802,18 @@ class SyncState:
     def alone_in_fact(self) -> bool:
         """No other peer's delta merged within the last ``max_staleness`` rounds, none held."""
         return not self._held and all(sender == self.peer_id for sender, _ in self._seen)
+
+    def parted_alone(self) -> bool:
+        """This peer merged other peers' deltas once, then none for ``max_staleness`` rounds
+        (it was cut off, or the others were), and the first delta that came after was of a
+        round past its own: a swarm went on without it. The rounds it closed alone are in its
+        anchor only, and the swarm's are not in it, so the anchors have parted however near
+        the rounds (4 real daemons, a peer's link cut for 20 s: 5 rounds behind, within what a
+        delta may lead, caught up, and the settled anchors ended 0.22 apart, gain 0.816:
+        ``atomd bench swarm`` partition, run fc). A fresh joiner (it has merged nothing), the
+        first peer of a job and a peer whose others were gone (their first deltas after are of
+        its round or before: they took its state, or were stopped) are not parted."""
+        return self._parted
 
     def rounds_behind(self, *, capped: bool = True) -> int:
         """Rounds the swarm has closed that this one has not, from the newest round each
@@ -984,6 +1012,7 @@ class SyncState:
         if _AVERAGING in d and int(d[_AVERAGING]):  # restarted in the middle of consolidation
             self.average_from_now()
         self._seen = _read_seen(d.get(_SEEN), floor=self.version - self.spec.max_staleness)
+        self.together = not self.alone_in_fact()
         self._committed = _read_committed(
             d, rounds=range(self.version - self.spec.max_staleness, self.version), like=self.anchor
         )

@@ -335,9 +335,58 @@ async def test_a_swarm_moved_on_past_the_trainer_takes_its_state_again(tmp_path:
             assert await jobs._moved_on(active, _failed(moved))
             assert active.plugin is not old and made[-1] == (n < RETAKES)
             assert active.resume and active.donors == [] and active.adopt_step is None
+            assert active.retaking
         async with sessions() as s:
             events = await repo.list_events(s, kind="job.retake")
         assert len(events) == RETAKES and "step 41: the swarm has closed" in events[-1].message
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.parametrize("retaking", [False, True])
+async def test_a_retake_takes_the_swarms_state_whatever_its_step(
+    tmp_path: Path, retaking: bool
+) -> None:
+    """A peer cut off trains faster alone: its own checkpoint may be past the swarm's newest
+    state. Retaking, it asks for the swarm's state from any step on, removes its own
+    checkpoints past the one fetched (the trainer resumes from the newest) and adopts it; a
+    restarted daemon asks only for a state newer than its own."""
+    from atomd.jobs import ActiveJob
+    from atomd.p2p.transfer import Fetched
+    from atomd.train import checkpoint as ckpt
+
+    jobs, _sessions, engine = await _manager(tmp_path)
+    asked: list[int] = []
+
+    async def settled_donors(job_id: str, *, give_up: Any) -> list[str]:
+        return ["https://d1"]
+
+    async def fetch_state(job_id: str, donors: list[str], root: Path, *, max_file_bytes: int,
+                          at_least: int) -> Fetched | None:  # fmt: skip
+        asked.append(at_least)
+        if at_least > 310:
+            return None  # the donor has nothing that new
+        ckpt.checkpoint_dir(root, 310).mkdir(parents=True)
+        return Fetched(step=310, donor="https://d1")
+
+    jobs.swarm = SimpleNamespace(  # type: ignore[assignment]
+        settled_donors=settled_donors, fetch_state=fetch_state
+    )
+    try:
+        active = ActiveJob("a" * 32, JobSpec(preset="tiny"), tmp_path / "job", True, "swarm")
+        active.retaking = retaking
+        root = ckpt.checkpoint_root(active.out_dir)
+        for step in (300, 320):
+            ckpt.checkpoint_dir(root, step).mkdir(parents=True)
+        assert await jobs._take_swarm_state(active)
+        names = [p.name for p in ckpt.list_checkpoints(root)]
+        if retaking:
+            assert asked == [1] and active.adopt_step == 310
+            assert names == ["step-00000310", "step-00000300"]
+        else:
+            assert asked == [321] and active.adopt_step is None
+            assert names == ["step-00000320", "step-00000300"]
+        assert not active.retaking
     finally:
         await engine.dispose()
 

@@ -147,6 +147,47 @@ def test_a_peer_further_behind_than_it_can_merge_ends_to_take_the_swarms_state()
         behind_by({"other": 500, "third": 480}).after_step(2)  # past MAX_CLAIM_AHEAD too
 
 
+@pytest.mark.parametrize("first_word", ["past", "behind"])
+def test_a_peer_cut_off_a_while_retakes_when_a_swarm_went_on_past_it(first_word: str) -> None:
+    """A peer that merged another's deltas once, then none for max_staleness rounds (its link
+    cut), holds rounds in its anchor that the swarm's have not: if the first delta after is of
+    a round past its own, a swarm went on without it, and it retakes however near. If it is of
+    its round or before (they took its state, or were stopped), nothing parted. A fresh joiner
+    (it has merged nothing) is never cut off."""
+    zeros = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}
+    me = plugin([], counted=lambda base: ["other"])  # every=3, max_staleness=4
+    me.may_retake = True
+    assert me.state is not None
+    step = 0
+    while me.version < 6 and step < 100:  # alone from the start: never cut off
+        step += 1
+        me.after_step(step)
+    me.inbox.put(Contribution("other", me.version + 1, me.version + 1, zeros))
+    step += 1
+    me.after_step(step)
+    step += 1
+    me.after_step(step)  # no retake: it had never been with the swarm
+    me.inbox.put(Contribution("other", me.version - 1, me.version - 1, zeros))
+    while not me.state.together and step < 200:
+        step += 1
+        me.after_step(step)
+    assert me.state.together and not me.state.parted_alone()
+    alone_from = me.version
+    while me.version < alone_from + 5 and step < 300:  # 5 rounds alone (held): cut off
+        step += 1
+        me.after_step(step)
+    ahead = 1 if first_word == "past" else -1
+    me.inbox.put(Contribution("other", me.version + ahead, me.version + ahead, zeros))
+    step += 1
+    me.after_step(step)
+    assert me.state.parted_alone() is (first_word == "past")
+    if first_word == "past":
+        with pytest.raises(SwarmMovedOnError, match="after rounds it closed alone"):
+            me.after_step(step + 1)
+    else:
+        me.after_step(step + 1)
+
+
 @pytest.mark.parametrize("schedule", [True, False])
 def test_a_longer_round_in_the_warm_up_is_judged_by_the_jobs_learning_rates(
     schedule: bool,
