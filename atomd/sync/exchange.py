@@ -540,8 +540,8 @@ class DeltaExchange:
                 if delivered is not None:
                     await self._delivered(job_id, order, uploads)
                     delivered()
-        finally:
-            for _, mine in lanes[len(uploads) :]:  # cancelled before their upload began
+        finally:  # all done by now; also those whose task was cancelled before it began
+            for _, mine in lanes:
                 mine.done()
         return [task.result() for task in uploads]
 
