@@ -413,6 +413,8 @@ class Trainer:
                             self.plugin.after_step(step)
                         except SwarmMovedOnError:
                             self.save(step)  # where it goes on if no peer's state is had
+                            if self.stop_event.is_set():
+                                break  # asked to stop: stopped here, not a retake
                             raise
                     else:  # the last round, and the others' last deltas, make the final model
                         waited = time.perf_counter()

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from atomd.errors import ConfigError, TrainingError
+from atomd.errors import ConfigError, SwarmMovedOnError, TrainingError
 from atomd.train.metrics import StepReport, read_metrics
 from atomd.train.trainer import model_from_checkpoint
 from tests.conftest import fast_spec, trainer_for
@@ -125,6 +125,42 @@ def test_validation_loss_does_not_depend_on_the_batch_size(tmp_path: Path, text_
         assert sum(b.x.shape[0] for b in t.val_batches) == 2 * 16
         losses.append(t.engine.evaluate(t.val_batches))
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_swarm_moved_on_ends_the_trainer_at_a_checkpoint_of_that_step(
+    tmp_path: Path, text_file: Path, stopping: bool
+) -> None:
+    """The plugin finds the swarm moved on past this peer (``SwarmMovedOnError``): the trainer
+    checkpoints that step and ends with the error, for the job manager to take the swarm's
+    state; asked to stop meanwhile, it stops there instead."""
+    stop = threading.Event()
+
+    class Plugin:
+        def attach(self, engine: Any) -> None:
+            pass
+
+        def after_step(self, step: int) -> None:
+            if step == 3:
+                if stopping:
+                    stop.set()
+                raise SwarmMovedOnError("the swarm has closed 9 round(s) past", step)
+
+        def state_tensors(self) -> dict[str, Any]:
+            return {}
+
+        def stats(self) -> dict[str, Any]:
+            return {}
+
+    spec = fast_spec(data=str(text_file), micro_batch_size=3, eval_batches=2, max_steps=10)
+    t = trainer_for(spec, tmp_path, device="cpu", plugin=Plugin(), stop_event=stop)
+    if stopping:
+        summary = t.run()
+        assert summary.state == "stopped" and summary.step == 3
+    else:
+        with pytest.raises(SwarmMovedOnError):
+            t.run()
+    assert t.last_checkpoint is not None and t.last_checkpoint.name.endswith("3")
 
 
 def test_the_swarms_final_model_is_chosen_on_four_times_the_probes_windows(
