@@ -76,7 +76,9 @@ from atomd.train.checkpoint import (
     DONATED_FILE,
     checkpoint_dir,
     checkpoint_root,
+    checkpoint_step,
     list_checkpoints,
+    remove_checkpoints_after,
     sha256_file,
 )
 from atomd.train.metrics import StepReport, read_metrics
@@ -200,14 +202,6 @@ def _resumed(job: JobRecord, spec: JobSpec) -> ActiveJob:
         id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True, scope=job.scope,
         origin=job.origin, origin_key=job.origin_key, origin_signature=job.origin_signature,
     )  # fmt: skip
-
-
-def _drop_checkpoints_after(root: Path, step: int) -> None:
-    """Remove the checkpoints under ``root`` past ``step`` (the trainer resumes from the
-    newest)."""
-    for where in list_checkpoints(root):
-        if int(where.name.split("-")[1]) > step:
-            shutil.rmtree(where, ignore_errors=True)
 
 
 def _point(r: StepReport | dict[str, Any], at: datetime | None = None) -> ProgressPoint:
@@ -847,7 +841,7 @@ class JobManager:
             return True
         root = checkpoint_root(active.out_dir)
         own = await asyncio.to_thread(list_checkpoints, root)
-        own_step = int(own[0].name.split("-")[1]) if own else 0
+        own_step = checkpoint_step(own[0]) if own else 0
         # A donor whose swarm has closed no round yet answers "no state": the initial weights
         # are the swarm's model then, and the joiner starts from them at round 0 like it.
         at_least = 1 if retake else own_step + 1
@@ -866,7 +860,7 @@ class JobManager:
             )  # fmt: skip
             return False
         if got is not None and retake:
-            await asyncio.to_thread(_drop_checkpoints_after, root, got.step)
+            await asyncio.to_thread(remove_checkpoints_after, root, got.step)
         if got is not None and (retake or got.step >= own_step):
             active.adopt_step, active.claimed_val = got.step, got.claimed_val
             log.info("job %s continues from the swarm's state at step %d", active.id, got.step)

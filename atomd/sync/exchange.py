@@ -149,11 +149,13 @@ class TrainingJobs(Protocol):
 
 @dataclass
 class _Lane:
-    """One frame's place in a peer's queue of this peer's frames (``DeltaExchange._lane``)."""
+    """One frame's place in a peer's queue of this peer's frames (``DeltaExchange._lane``):
+    ``previous`` is done once the frame before it has gone (None: none waits)."""
 
     lanes: dict[tuple[str, str], asyncio.Future[None]]
     key: tuple[str, str]
     future: asyncio.Future[None]
+    previous: asyncio.Future[None] | None
 
     def done(self) -> None:
         """The frame went, or was given up: the next one may go (an empty queue is forgotten)."""
@@ -511,12 +513,11 @@ class DeltaExchange:
         # Every lane is taken before anything is awaited: in the order the rounds came.
         lanes = [self._lane(job_id, p.id) for p in order]
 
-        async def one(peer: PeerRef, lane: tuple[asyncio.Future[None] | None, _Lane]) -> str | None:
-            previous, mine = lane
+        async def one(peer: PeerRef, lane: _Lane) -> str | None:
             try:
-                if previous is not None:
+                if lane.previous is not None:
                     try:
-                        await asyncio.wait_for(asyncio.shield(previous), lane_wait_s)
+                        await asyncio.wait_for(asyncio.shield(lane.previous), lane_wait_s)
                     except TimeoutError:
                         log.info("job %s: a frame goes to %s beside the one still on its way",
                                  job_id, peer.id[:12])  # fmt: skip
@@ -528,7 +529,7 @@ class DeltaExchange:
                 return await self._upload(job_id, frame, peer, arrived, timeout_s=left,
                                           attempts=attempts)  # fmt: skip
             finally:
-                mine.done()
+                lane.done()
 
         pace = self._pace(len(frame))
         uploads: list[asyncio.Task[str | None]] = []
@@ -541,19 +542,19 @@ class DeltaExchange:
                     await self._delivered(job_id, order, uploads)
                     delivered()
         finally:  # all done by now; also those whose task was cancelled before it began
-            for _, mine in lanes:
-                mine.done()
+            for lane in lanes:
+                lane.done()
         return [task.result() for task in uploads]
 
-    def _lane(self, job_id: str, peer_id: str) -> tuple[asyncio.Future[None] | None, _Lane]:
-        """A place in ``peer_id``'s queue of this peer's frames for ``job_id``: the future of
-        the frame before it (None: none), and this frame's, to be marked done once it has
-        been uploaded or given up."""
+    def _lane(self, job_id: str, peer_id: str) -> _Lane:
+        """A place in ``peer_id``'s queue of this peer's frames for ``job_id``, after the frame
+        queued last; to be marked done once this one has been uploaded or given up."""
         key = (job_id, peer_id)
         previous = self._lanes.get(key)
-        mine = _Lane(self._lanes, key, asyncio.get_running_loop().create_future())
-        self._lanes[key] = mine.future
-        return (None if previous is None or previous.done() else previous), mine
+        future = asyncio.get_running_loop().create_future()
+        self._lanes[key] = future
+        waits = None if previous is None or previous.done() else previous
+        return _Lane(self._lanes, key, future, waits)
 
     async def _delivered(
         self, job_id: str, order: Sequence[PeerRef], uploads: Sequence[asyncio.Task[Any]]

@@ -502,7 +502,7 @@ class SyncState:
         self._restart_replica(keep=keep)
         floor = self.version - self.spec.max_staleness
         self._seen = {key for key in self._seen if key[1] >= floor}
-        if self.together and all(sender == self.peer_id for sender, _ in self._seen):
+        if self.together and self._merged_only_own():
             self._cut_off = True
         self._committed = {b: c for b, c in self._committed.items() if b >= floor}
         fresh = self.version - CLAIM_FRESH_ROUNDS
@@ -801,7 +801,11 @@ class SyncState:
 
     def alone_in_fact(self) -> bool:
         """No other peer's delta merged within the last ``max_staleness`` rounds, none held."""
-        return not self._held and all(sender == self.peer_id for sender, _ in self._seen)
+        return not self._held and self._merged_only_own()
+
+    def _merged_only_own(self) -> bool:
+        """No other peer's delta merged within the last ``max_staleness`` rounds."""
+        return all(sender == self.peer_id for sender, _ in self._seen)
 
     def parted_alone(self) -> bool:
         """This peer merged other peers' deltas once, then none for ``max_staleness`` rounds
@@ -1012,7 +1016,7 @@ class SyncState:
         if _AVERAGING in d and int(d[_AVERAGING]):  # restarted in the middle of consolidation
             self.average_from_now()
         self._seen = _read_seen(d.get(_SEEN), floor=self.version - self.spec.max_staleness)
-        self.together = not self.alone_in_fact()
+        self.together = not self._merged_only_own()
         self._committed = _read_committed(
             d, rounds=range(self.version - self.spec.max_staleness, self.version), like=self.anchor
         )

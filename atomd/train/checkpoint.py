@@ -91,6 +91,11 @@ def checkpoint_dir(root: Path, step: int) -> Path:
     return root / f"{_PREFIX}{step:08d}"
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint folder ``checkpoint_dir`` named (one ``list_checkpoints`` gives)."""
+    return int(path.name[len(_PREFIX) :])
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Checkpoint folders under ``root``, newest (highest step) first. Temp folders are skipped."""
     if not root.is_dir():
@@ -99,7 +104,14 @@ def list_checkpoints(root: Path) -> list[Path]:
     for p in root.iterdir():
         if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit():
             found.append(p)
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]), reverse=True)
+    return sorted(found, key=checkpoint_step, reverse=True)
+
+
+def remove_checkpoints_after(root: Path, step: int) -> None:
+    """Remove the checkpoints under ``root`` past ``step`` (a job resumes from the newest)."""
+    for where in list_checkpoints(root):
+        if checkpoint_step(where) > step:
+            shutil.rmtree(where, ignore_errors=True)
 
 
 def save_checkpoint(
@@ -146,7 +158,7 @@ def save_checkpoint(
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the older checkpoints are untouched
         good = [p for p in list_checkpoints(root) if p != final]
-        last = f"step {int(good[0].name[len(_PREFIX) :])} ({good[0]})" if good else "none"
+        last = f"step {checkpoint_step(good[0])} ({good[0]})" if good else "none"
         if _disk_full(e):
             raise CheckpointError(
                 f"no space left on device writing {final}; the last good checkpoint is {last}"
