@@ -32,6 +32,12 @@ is the loss of the exact average of the final models (a diagnostic no peer holds
 ``sync.final_tail`` of the steps, the model the daemons' final average makes (where every share
 arrives whole and the anchors agree; ``atomd.sync.average.TailMean``).
 
+A run with a ``link`` (``<codec>-auto-link<r>x``) takes the automatic cadence instead of a fixed
+H: the daemon's ``Cadence`` and ``FrameSize`` choose each round's share of entries and H from a
+simulated link of that many bytes a step to each other peer (``SimulatedLink``); a delta then
+arrives no sooner than its upload is done, and the last close waits for the frames still on
+their way. It also reports each round's H, share and largest frame, and bytes a step.
+
 The default runs (``default_runs``): fp32, bf16, int8 and top-k at H=50; top-k synchronous, at
 H=10 and H=2 with fp32 beside each; top-k with contiguous shards; one peer alone; one process
 with batch 64. ``extra_runs`` holds the evidence behind the defaults. ``targets`` checks the
@@ -46,6 +52,7 @@ import multiprocessing
 import os
 import random
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +69,7 @@ from atomd.model.presets import get_preset
 from atomd.p2p.identity import Identity
 from atomd.spec import JobSpec, SyncSpec, lr_at
 from atomd.sync.average import TailMean
+from atomd.sync.cadence import Cadence, FrameSize
 from atomd.sync.codecs import Encoded, Fp32Codec, decode
 from atomd.sync.state import Contribution, Outgoing, SyncState
 from atomd.sync.wire import encode_frame
@@ -84,6 +92,9 @@ TARGET_LOSS = 1.87
 TARGET_REL_LOSS = 0.02
 TARGET_RATIO = 100.0
 TARGET_DIVERGENCE = 1e-2
+# Bytes a step of a link that carries the tiny model's fp32 weights (842,496 x 4 B) every 50
+# steps: item 5's reference exchange, per receiving peer.
+FP32_EVERY_50 = 842_496 * 4 / 50
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,7 @@ class RunSpec:
     peers: int = PEERS
     batch_size: int = BATCH
     codec: str | None = None
-    every: int = 50
+    every: int | Literal["auto"] = 50  # "auto": the daemon's automatic cadence (needs a link)
     mode: Mode = "async"
     shard_mode: ShardMode = "interleaved"
     # Further SyncSpec fields (outer_lr, ef_decay, topk_fraction, ...) for experiments.
@@ -103,6 +114,13 @@ class RunSpec:
     # peers send what the best code for their deltas' per-chunk variances would deliver at
     # that rate; bytes a round are then the rate's, not the frame's.
     ideal_rate: float | None = None
+    # A simulated link (``SimulatedLink``): each peer's frames reach each other peer at this
+    # many bytes a step.
+    link: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.every == "auto" and self.link is None:
+            raise ValueError(f"{self.name}: the automatic cadence needs a link to measure")
 
     def sync_spec(self) -> SyncSpec:
         assert self.codec is not None
@@ -123,7 +141,8 @@ class Budget:
     # validation windows stay the same whatever the seed.
     seed: int = SEED
 
-    def every(self, h: int) -> int:
+    def every(self, h: int | Literal["auto"]) -> int:
+        assert h != "auto"
         return max(1, round(h * self.every_scale))
 
     def batch(self, b: int) -> int:
@@ -252,6 +271,22 @@ def _frame_bytes(out: Outgoing, identity: Identity) -> int:
     return len(frame)
 
 
+class _FrameBytes:
+    """Each peer's frame of the round being closed: its bytes on the wire, encoded once."""
+
+    def __init__(self, identities: Sequence[Identity]) -> None:
+        self.identities = identities
+        self._sizes: dict[int, int] = {}
+
+    def clear(self) -> None:
+        self._sizes.clear()
+
+    def __call__(self, peer: int, out: Outgoing) -> int:
+        if peer not in self._sizes:
+            self._sizes[peer] = _frame_bytes(out, self.identities[peer])
+        return self._sizes[peer]
+
+
 def _contribution(sender: int, out: Outgoing) -> Contribution:
     return Contribution(
         sender=f"peer-{sender}",
@@ -316,22 +351,99 @@ def _async_round(
     total: int,
     every: int,
     seed: int = SEED,
+    transit: Callable[[int, Outgoing, int], int] | None = None,
 ) -> list[Outgoing]:
     """Peers close round ``rnd`` (after ``step`` steps) in a seeded order, each merging what has
     reached it; each delta is posted to the others with its drawn delay (see the docstring), at
-    most until the next boundary (the last round may be short)."""
+    most until the next boundary, ``every`` steps on (the last round may be short). Over a
+    simulated link a delta arrives no sooner than its upload is done: ``transit(i, out, k)``,
+    the steps until peer i's k-th upload of ``out`` is (the draw stands for the peers' phases,
+    which place its arrival anywhere in the receiver's round)."""
     n, h = len(states), min(every, max(1, total - step))
+    if step >= total:  # the last close waits for the frames still on their way (as the
+        for j, at in sorted(k for k in inbox if k[1] > step):  # daemon's final wait does)
+            inbox.setdefault((j, step), []).extend(inbox.pop((j, at)))
     outs: dict[int, Outgoing] = {}
     for i in random.Random(f"order:{seed}:{rnd}").sample(range(n), n):
         outs[i] = states[i].round_boundary(_arrived(inbox, i, step), n_peers=n)
         c = _contribution(i, outs[i])
-        for j in range(n):
-            if j != i:
-                delay = random.Random(f"delay:{seed}:{rnd}:{i}:{j}").randint(0, h)
-                if delay == 0 and j in outs:
-                    delay = 1
-                inbox.setdefault((j, step + delay), []).append(c)
+        others = random.Random(f"uploads:{seed}:{rnd}:{i}").sample(range(n), n)
+        for k, j in enumerate(j for j in others if j != i):
+            delay = random.Random(f"delay:{seed}:{rnd}:{i}:{j}").randint(0, h)
+            if transit is not None:
+                delay = max(delay, transit(i, outs[i], k))
+            if delay == 0 and j in outs:
+                delay = 1
+            inbox.setdefault((j, step + delay), []).append(c)
     return [outs[i] for i in range(n)]
+
+
+class SimulatedLink:
+    """The automatic cadence (``sync.every: "auto"``) over a link of ``rate`` bytes a step to
+    each other peer, as ``atomd.sync.cadence`` runs it in the daemon: every step takes one
+    simulated second and a round's work none (the link alone spaces the rounds), so each
+    ``Cadence`` measurement is exact. Peers are alike (one step time, one link), so one cadence
+    stands for every peer's: it sizes the share of entries a frame carries (``FrameSize.fit``
+    of ``Cadence.frame_budget``) and H (``Cadence.every``), from the largest frame of the
+    last rounds. As in the daemon, a round's traffic time is known once its frames have gone,
+    so the next round's H comes from the rounds before; a peer's uploads go one after another
+    on its uplink, so its k-th upload of a round (of n - 1) is done (k + 1) / (n - 1) of its
+    frame's traffic time after the round closes; and a peer does not close a round while its
+    last frame is still on its way (the daemon's one round in flight)."""
+
+    def __init__(self, rate: float, auto: bool = True) -> None:
+        if rate <= 0:
+            raise ValueError(f"a link's rate must be positive, got {rate}")
+        self.rate = rate
+        self.auto = auto  # False: a fixed H, and only the uploads' time is simulated
+        self.cadence = Cadence(None)
+        self.frame = FrameSize()
+        self.now = 0.0
+        self.traffic_s = 0.0  # the last round's: its largest frame over the rate
+        self.every: list[int] = []  # H of each round
+        self.fractions: list[float | None] = []  # each round's share of entries
+        self.frames: list[int] = []  # each round's largest frame, bytes
+
+    def step(self) -> None:
+        self.cadence.step(1.0)
+        self.now += 1.0
+
+    def before_round(self, states: Sequence[SyncState], ceiling: float) -> None:
+        """Each peer's share of entries for the round it closes now (the daemon's
+        ``SyncPlugin._fit_fraction``)."""
+        budget = self.cadence.frame_budget()
+        for state in states:
+            if state.fraction is not None and budget is not None:
+                fraction = self.frame.fit(ceiling, budget, state.payload_estimate)
+                if fraction is not None and fraction != state.fraction:
+                    state.set_fraction(fraction)
+        self.fractions.append(states[0].fraction)
+
+    def after_round(
+        self, states: Sequence[SyncState], outs: Sequence[Outgoing], frame_bytes: Sequence[int]
+    ) -> None:
+        """The round's frames left: the largest one's traffic time, and what it weighed."""
+        k = max(range(len(outs)), key=lambda i: frame_bytes[i])
+        fraction = states[k].fraction
+        raw = None if fraction is None else states[k].payload_estimate(fraction)
+        self.frame.measured(frame_bytes[k], outs[k].payload_bytes, raw)
+        self.frames.append(frame_bytes[k])
+        self.traffic_s = frame_bytes[k] / self.rate
+        self.cadence.traffic(self.traffic_s, frame_bytes[k])
+
+    def transit(self, nbytes: int, k: int, n: int) -> int:
+        """Steps until a frame of ``nbytes`` has gone on its (k+1)-th upload of n - 1."""
+        return math.ceil((k + 1) * nbytes / self.rate / max(1, n - 1))
+
+    def next_every(self) -> int:
+        """H of the round that starts now, by what is measured so far."""
+        return self.cadence.every(now=self.now)
+
+    def closes_after(self, every: int) -> int:
+        """Steps the round that starts now lasts: ``every``, or until the last frame has gone."""
+        h = max(every, math.ceil(self.traffic_s))
+        self.every.append(h)
+        return h
 
 
 def _arrived(inbox: Inbox, receiver: int, step: float) -> list[Contribution]:
@@ -346,8 +458,10 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     t0 = time.perf_counter()
     n = budget.peers or run.peers
     spec = _job_spec(budget.batch(run.batch_size), budget)
-    h = budget.every(run.every)
-    sync = replace_every(run.sync_spec(), h)
+    link = None if run.link is None else SimulatedLink(run.link, run.every == "auto")
+    auto = link is not None and link.auto
+    h = link.closes_after(link.next_every()) if link and auto else budget.every(run.every)
+    sync = run.sync_spec() if auto else replace_every(run.sync_spec(), h)
     data = load_dataset(spec.data, seq_len=spec.effective_seq_len, val_fraction=spec.val_fraction)
     shards = [
         TokenDataset(
@@ -372,13 +486,17 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
             state.codec = state.feedback.codec = ideal
     for e in engines:  # the daemon's SyncPlugin sets this each round
         e.set_peers(n if sync.swarm_adam else 1)
-    identities = [Identity.generate() for _ in range(n)]
+    frame_bytes = _FrameBytes([Identity.generate() for _ in range(n)])
+    transit = None
+    if link is not None:
+        transit = lambda i, out, k: link.transit(frame_bytes(i, out), k, n)  # noqa: E731
     inbox: Inbox = {}
     bytes_sent: list[int] = []
     ratios: list[float] = []
     divergences: list[float] = []  # committed anchors
     start_divergences: list[float] = []  # where the replicas restart (anchor + pending deltas)
     rnd = 0
+    boundary = h  # the step the current round closes after
     # The peers' means over their last models: linear, so the mean of the peers' models' mean.
     tail = TailMean(spec.total_steps, sync.final_tail)
     for step in range(spec.total_steps):
@@ -392,7 +510,9 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
             loss = eng.train_step([batch], lr)
             if not math.isfinite(loss):
                 raise RuntimeError(f"{run.name}: peer {i} loss {loss} at step {step + 1}")
-        if (step + 1) % h and step + 1 < spec.total_steps:
+        if link is not None:
+            link.step()
+        if step + 1 < boundary and step + 1 < spec.total_steps:
             if run.mode == "async":
                 for i, state in enumerate(states):
                     arrived = _arrived(inbox, i, step + 1)
@@ -402,11 +522,22 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         if step + 1 == spec.total_steps and sync.consolidate_rounds:
             for state in states:  # as the daemon's SyncPlugin.finish does
                 state.average_from_now()
+        frame_bytes.clear()
+        if link is not None and link.auto:
+            link.before_round(states, sync.topk_fraction)
+            h = link.next_every()
         if run.mode == "sync":
             outs = _sync_round(states)
         else:
-            outs = _async_round(states, inbox, rnd, step + 1, spec.total_steps, h, budget.seed)
-        bytes_sent += [_frame_bytes(o, ident) for o, ident in zip(outs, identities, strict=True)]
+            outs = _async_round(
+                states, inbox, rnd, step + 1, spec.total_steps, h, budget.seed, transit
+            )
+        frames = [frame_bytes(i, o) for i, o in enumerate(outs)]
+        bytes_sent += frames
+        if link is not None:
+            link.after_round(states, outs, frames)
+            h = link.closes_after(h if link.auto else budget.every(run.every))
+        boundary = step + 1 + h
         ratios += [o.wire_ratio for o in outs]
         if (step + 1) > spec.warmup_steps:
             divergences.append(_max_divergence([s.anchor for s in states]))
@@ -424,10 +555,8 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     # sync.consolidate_rounds: rounds without training, each waiting for all deltas.
     consolidation_bytes: list[int] = []
     for _ in range(sync.consolidate_rounds):
-        outs = _sync_round(states)
-        consolidation_bytes += [
-            _frame_bytes(o, ident) for o, ident in zip(outs, identities, strict=True)
-        ]
+        frame_bytes.clear()
+        consolidation_bytes += [frame_bytes(i, o) for i, o in enumerate(_sync_round(states))]
     losses = (
         [e.evaluate(val) for e in engines] if consolidation_bytes else losses_before_consolidation
     )
@@ -446,7 +575,12 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         "peers": n,
         "codec": run.codec,
         "ideal_rate": run.ideal_rate,
-        "every": h,
+        "every": statistics.median_low(link.every[:rnd]) if auto and link else h,
+        "link_bytes_per_step": run.link,
+        "every_per_round": None if link is None else link.every[:rnd],
+        "fraction_per_round": None if link is None else link.fractions,
+        "frame_bytes_per_round": None if link is None else link.frames,
+        "bytes_per_step": sum(bytes_sent) / n / spec.total_steps,
         "mode": run.mode,
         "shard_mode": run.shard_mode,
         "batch_size": spec.micro_batch_size,
@@ -580,6 +714,7 @@ _PLAIN = {"outer_momentum": 0.0}  # the plain average
 def extra_runs() -> list[RunSpec]:
     """Runs outside the default selection (``--runs``): the evidence behind the defaults."""
     nesterov = {"outer_lr": 0.7, "outer_momentum": 0.9}  # DiLoCo's outer step
+    dflt = SyncSpec().codec
     return [
         RunSpec("fp32-h50-nesterov", codec="fp32", sync=nesterov),
         RunSpec("fp32-h50-sync", codec="fp32", mode="sync"),
@@ -762,6 +897,16 @@ def extra_runs() -> list[RunSpec]:
             for suffix, extra in (("", {}), ("-m0", {"outer_momentum": 0.0}))
         ),
         *(RunSpec(f"ideal-r{r:g}-h50", codec="topk", ideal_rate=r) for r in (1.0, 3.0)),
+        # Issue #14, item 5 as the product runs it: the automatic cadence over a link r times
+        # slower than one that carries the fp32 model every 50 steps (``SimulatedLink``), the
+        # default codec choosing its share of entries and H itself.
+        *(
+            RunSpec(f"{dflt}-auto-link{r}x", codec=dflt, every="auto", link=FP32_EVERY_50 / r)
+            for r in (30, 100, 300)
+        ),
+        # ... and the reference over its own link: fp32 every 50 steps, its frames taking the
+        # round to reach the last peer.
+        RunSpec("fp32-h50-link1x", codec="fp32", link=FP32_EVERY_50),
     ]
 
 

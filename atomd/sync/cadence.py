@@ -253,6 +253,31 @@ def _work_period(work_s: float) -> float:
     return work_s * (1 + 1 / WORK_SHARE)
 
 
+@dataclass
+class FrameSize:
+    """What a sparse codec's frame weighs at a share of its entries, learnt from the last frame
+    sent: its bytes beyond the payload (tensor headers, signature) and what zstd kept of the
+    payload's raw size at that share."""
+
+    overhead: int | None = None  # None before a frame is measured
+    packed: float = 1.0
+
+    def measured(self, frame_bytes: int, payload_bytes: int, raw_bytes: int | None) -> None:
+        """A frame of ``frame_bytes`` carried ``payload_bytes`` of payload, ``raw_bytes`` before
+        zstd (None: a codec without a share of entries)."""
+        self.overhead = frame_bytes - payload_bytes
+        if raw_bytes is not None:
+            self.packed = min(1.0, payload_bytes / raw_bytes) if raw_bytes else 1.0
+
+    def fit(self, ceiling: float, budget: float, raw: Callable[[float], int]) -> float | None:
+        """``fit_fraction`` for frames of this size (``raw``: the payload's bytes before zstd
+        at a share); None before a frame is measured."""
+        overhead, packed = self.overhead, self.packed
+        if overhead is None:
+            return None
+        return fit_fraction(ceiling, budget, lambda f: overhead + packed * raw(f))
+
+
 def fit_fraction(ceiling: float, budget: float, size: Callable[[float], float]) -> float:
     """The share of entries a sparse codec sends to fit its frame into ``budget`` bytes: the
     largest of ``ceiling``, ``ceiling`` * RUNG, * RUNG^2, ... and MIN_FRACTION (the last, never

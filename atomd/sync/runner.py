@@ -24,7 +24,7 @@ from atomd.logs import get_logger
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec
 from atomd.sync import average
-from atomd.sync.cadence import Cadence, fit_fraction
+from atomd.sync.cadence import Cadence, FrameSize
 from atomd.sync.guard import LossGuard
 from atomd.sync.state import Contribution, MergeReport, Outgoing, SyncState
 from atomd.sync.wire import encode_frame
@@ -199,9 +199,7 @@ class SyncPlugin:
         self._round_work = 0.0  # trainer-thread sync time spent on the current round
         # The round whose frame is still being uploaded, when it left the trainer, its bytes.
         self._in_flight: tuple[int, float, int] | None = None
-        self._overhead: int | None = None  # bytes of the last frame beyond its payload
-        # The last frame's payload over the codec's estimate before zstd (what zstd keeps).
-        self._packed = 1.0
+        self._frame = FrameSize()  # what a frame weighs, from the last one sent
         self._last_step_end: float | None = None
         self._n_logged = 0  # the last round's n_peers (logged when it changes)
         self._attached_at = time.monotonic()  # the job's time here, for the average's budget
@@ -445,18 +443,11 @@ class SyncPlugin:
         the spec's ``topk_fraction``) whose frame fits the link at a round every LINK_EVERY
         steps (``Cadence.frame_budget``; docs/cadence.md), once a frame has been measured."""
         state = self.state
-        if state is None or state.fraction is None or self._overhead is None:
-            return
         budget = self.cadence.frame_budget()
-        if budget is None:
+        if state is None or state.fraction is None or budget is None:
             return
-        overhead, packed = self._overhead, self._packed
-        fraction = fit_fraction(
-            self.spec.topk_fraction,
-            budget,
-            lambda f: overhead + packed * state.payload_estimate(f),
-        )
-        if fraction != state.fraction:
+        fraction = self._frame.fit(self.spec.topk_fraction, budget, state.payload_estimate)
+        if fraction is not None and fraction != state.fraction:
             log.info("the link fits frames of %.0f bytes: sending %.3g%% of the entries",
                      budget, 100 * fraction)  # fmt: skip
             state.set_fraction(fraction)
@@ -612,10 +603,9 @@ class SyncPlugin:
             self.cadence.round_work(self._round_work)
         self._round_work = 0.0
         self._round_start = step
-        self._overhead = len(frame) - out.payload_bytes
-        if self.state.fraction is not None:  # zstd's share at this fraction: ~0.7 at 1 %
-            estimate = self.state.payload_estimate(self.state.fraction)
-            self._packed = min(1.0, out.payload_bytes / estimate) if estimate else 1.0
+        fraction = self.state.fraction  # zstd keeps ~0.7 of top-k's payload at 1 %
+        raw = None if fraction is None else self.state.payload_estimate(fraction)
+        self._frame.measured(len(frame), out.payload_bytes, raw)
         handed_at = time.monotonic()
         self._in_flight = (out.round, handed_at, len(frame))
         self.send(RoundOut(self.job_id, step, frame, out, merge, every, handed_at, final))
@@ -737,7 +727,7 @@ class SyncPlugin:
                 state.codec,
                 floor=state.fraction or 1.0,
                 budget_bytes=None if rate is None else budget_s * rate,
-                overhead=self._overhead or 0,
+                overhead=self._frame.overhead or 0,
             )
             frame = encode_frame(
                 identity=self.identity,

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from atomd.cli import app
 from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
+from atomd.sync.cadence import MARGIN, MIN_EVERY, MIN_FRACTION
 from atomd_bench.sync import (
     Budget,
     IdealCodec,
@@ -182,3 +183,36 @@ def test_another_seed_is_another_draw_of_the_same_task() -> None:
     for i in range(2):  # a lone peer and a swarm
         assert same["runs"][i]["val_loss"] == base["runs"][i]["val_loss"]
         assert other["runs"][i]["val_loss"] != pytest.approx(base["runs"][i]["val_loss"], abs=1e-6)
+
+
+def test_the_automatic_cadence_over_a_slow_link_sends_fewer_entries_less_often() -> None:
+    """``RunSpec.link``: the daemon's cadence code sizes each round's share of entries and H
+    from the simulated link, and the frames it settles on fit the link."""
+    budget = Budget(steps=40, peers=2, seq_len=32, batch_scale=0.25, val_batches=2)
+    fast, slow = (
+        run(runs=[spec], budget=budget, workers=0, progress=None)["runs"][0]
+        for spec in (
+            RunSpec("fast", codec="topk", every="auto", link=1e9),
+            RunSpec("slow", codec="topk", every="auto", link=1200.0),
+        )
+    )
+    for r in (fast, slow):
+        assert r["sync"]["every"] == "auto" and r["sync"]["outer_momentum"] == 0.7
+        assert len(r["every_per_round"]) == len(r["fraction_per_round"]) == r["rounds"]
+        assert r["bytes_per_step"] == pytest.approx(r["bytes_per_round"] * r["rounds"] / r["steps"])
+        # Frames take their upload's time, the last close waits for those still on their way:
+        # every delta is in by the round after its own, so the anchors agree.
+        assert r["divergence_max"] < 1e-6
+    # A free link: the spec's share, a round every MIN_EVERY steps once a step is measured.
+    assert set(fast["fraction_per_round"]) == {0.01}
+    assert fast["every_per_round"][-3:] == [MIN_EVERY] * 3
+    # A slow one: the smallest share, and rounds spaced so that its frames fit.
+    assert slow["fraction_per_round"][0] == 0.01
+    assert slow["fraction_per_round"][-1] == MIN_FRACTION
+    every, frames = slow["every_per_round"], slow["frame_bytes_per_round"]
+    assert every[-2] > 2 * MIN_EVERY
+    assert slow["bytes_per_step"] < fast["bytes_per_step"] / 5
+    # One round in flight: a round lasts at least its last frame's traffic time.
+    assert all(h >= f / 1200.0 for h, f in zip(every[1:], frames, strict=False))
+    # Settled: the frames take at most 1 / MARGIN of the link (H rounds to the nearest step).
+    assert frames[-2] / every[-2] <= 1200.0 / MARGIN * (1 + 0.5 / every[-2])
