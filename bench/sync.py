@@ -32,11 +32,12 @@ is the loss of the exact average of the final models (a diagnostic no peer holds
 ``sync.final_tail`` of the steps, the model the daemons' final average makes (where every share
 arrives whole and the anchors agree; ``atomd.sync.average.TailMean``).
 
-A run with a ``link`` (``<codec>-auto-link<r>x``) takes the automatic cadence instead of a fixed
-H: the daemon's ``Cadence`` and ``FrameSize`` choose each round's share of entries and H from a
-simulated link of that many bytes a step to each other peer (``SimulatedLink``); a delta then
-arrives no sooner than its upload is done, and the last close waits for the frames still on
-their way. It also reports each round's H, share and largest frame, and bytes a step.
+A run with a ``link`` simulates one of that many bytes a step to each other peer
+(``SimulatedLink``): a delta arrives no sooner than its upload is done, a round lasts at least
+until its last frame has gone, and the last close waits for the frames still on their way. With
+``every="auto"`` (``<codec>-auto-link<r>x``) the daemon's ``Cadence`` and ``FrameSize`` choose
+each round's share of entries and H from that link. It also reports each round's H, share and
+largest frame, and bytes a step.
 
 The default runs (``default_runs``): fp32, bf16, int8 and top-k at H=50; top-k synchronous, at
 H=10 and H=2 with fp32 beside each; top-k with contiguous shards; one peer alone; one process
@@ -379,8 +380,9 @@ def _async_round(
 
 
 class SimulatedLink:
-    """The automatic cadence (``sync.every: "auto"``) over a link of ``rate`` bytes a step to
-    each other peer, as ``atomd.sync.cadence`` runs it in the daemon: every step takes one
+    """A link of ``rate`` bytes a step to each other peer, and the automatic cadence
+    (``sync.every: "auto"``) over it as ``atomd.sync.cadence`` runs it in the daemon (a fixed H
+    calls only ``after_round``, ``transit`` and ``closes_after``): every step takes one
     simulated second and a round's work none (the link alone spaces the rounds), so each
     ``Cadence`` measurement is exact. Peers are alike (one step time, one link), so one cadence
     stands for every peer's: it sizes the share of entries a frame carries (``FrameSize.fit``
@@ -391,11 +393,10 @@ class SimulatedLink:
     frame's traffic time after the round closes; and a peer does not close a round while its
     last frame is still on its way (the daemon's one round in flight)."""
 
-    def __init__(self, rate: float, auto: bool = True) -> None:
+    def __init__(self, rate: float) -> None:
         if rate <= 0:
             raise ValueError(f"a link's rate must be positive, got {rate}")
         self.rate = rate
-        self.auto = auto  # False: a fixed H, and only the uploads' time is simulated
         self.cadence = Cadence(None)
         self.frame = FrameSize()
         self.now = 0.0
@@ -458,8 +459,8 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     t0 = time.perf_counter()
     n = budget.peers or run.peers
     spec = _job_spec(budget.batch(run.batch_size), budget)
-    link = None if run.link is None else SimulatedLink(run.link, run.every == "auto")
-    auto = link is not None and link.auto
+    link = None if run.link is None else SimulatedLink(run.link)
+    auto = run.every == "auto"  # with a link (RunSpec checks)
     h = link.closes_after(link.next_every()) if link and auto else budget.every(run.every)
     sync = run.sync_spec() if auto else replace_every(run.sync_spec(), h)
     data = load_dataset(spec.data, seq_len=spec.effective_seq_len, val_fraction=spec.val_fraction)
@@ -523,7 +524,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
             for state in states:  # as the daemon's SyncPlugin.finish does
                 state.average_from_now()
         frame_bytes.clear()
-        if link is not None and link.auto:
+        if link is not None and auto:
             link.before_round(states, sync.topk_fraction)
             h = link.next_every()
         if run.mode == "sync":
@@ -536,7 +537,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
         bytes_sent += frames
         if link is not None:
             link.after_round(states, outs, frames)
-            h = link.closes_after(h if link.auto else budget.every(run.every))
+            h = link.closes_after(h if auto else budget.every(run.every))
         boundary = step + 1 + h
         ratios += [o.wire_ratio for o in outs]
         if (step + 1) > spec.warmup_steps:
