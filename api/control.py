@@ -346,8 +346,9 @@ def create_control_app(ctx: ControlContext) -> FastAPI:
         response_model=Readiness,
         dependencies=[Depends(require_token)],
         responses={503: {"model": Readiness, "description": "not ready"}, **errors.responses(401)},
-        summary="200 once the database is migrated and both servers listen; 503 with the "
-        "reasons when not (a database file deleted or replaced under the daemon, for example)",
+        summary="200 once the database is migrated, the jobs the daemon's last run left are "
+        "taken up and both servers listen; 503 with the reasons when not (a database file "
+        "deleted or replaced under the daemon, for example)",
     )
     async def readyz(c: Ctx) -> Response:
         checks = c.readiness()

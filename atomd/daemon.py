@@ -167,6 +167,8 @@ class Daemon:
                     sessions=sessions,
                     readiness=lambda: {
                         "database": self._db_ready,
+                        # Before it, a job a SIGKILL interrupted still reads "running".
+                        "jobs": jobs.started,
                         "control": control.started,
                         "peer": peer.started,
                     },

@@ -417,6 +417,12 @@ class JobManager:
     async def wait_started(self) -> None:
         await self._started.wait()
 
+    @property
+    def started(self) -> bool:
+        """Whether the jobs a crash or shutdown interrupted are taken up (their records say
+        pending or stopped, no longer what they were when the daemon went down)."""
+        return self._started.is_set()
+
     async def shutdown(self) -> None:
         """Stop the current job at a step boundary (it checkpoints) and end ``run()``."""
         if self.active is not None:

@@ -31,6 +31,37 @@ if WORKER and PORTS_ENV not in os.environ:
     os.environ[PORTS_ENV] = f"{20000 + 1000 * (_w % 12)}-{20999 + 1000 * (_w % 12)}"
 
 
+# Tests whose xdist_group did not take (``pytest_collection_modifyitems``): each fails at setup.
+UNGROUPED = pytest.StashKey[set[str]]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Find the tests ``--dist loadgroup`` did not group. pytest-xdist sends the tests of one
+    ``xdist_group`` to one worker by appending ``@<group>`` to their node ids as a worker
+    collects them; pytest 9.2 keeps node ids elsewhere and the suffix silently stopped taking
+    (pytest-xdist#1386). The "swarm" group's daemon-heavy tests then ran two at a time on two
+    cores: ``make test`` took 12 minutes instead of 7, and one test's wait ran out in CI."""
+    lost = set()
+    if getattr(config.option, "loadgroup", False):
+        for item in items:
+            groups = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                      for m in item.iter_markers("xdist_group")}  # fmt: skip
+            if groups and not item.nodeid.endswith("@" + "_".join(sorted(groups))):
+                lost.add(item.nodeid)
+    config.stash[UNGROUPED] = lost
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.nodeid in item.config.stash.get(UNGROUPED, set()):
+        pytest.fail(
+            "--dist loadgroup did not group this test with its xdist_group: pytest-xdist's "
+            "loadgroup needs pytest < 9.2 (pytest-xdist#1386); constraints.txt pins a pair "
+            "that works (make test installs it)",
+            pytrace=False,
+        )
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One intra-op thread for a module's tests (``pytestmark = pytest.mark.usefixtures(

@@ -24,6 +24,24 @@ FAST_JOB: dict[str, Any] = {
 }
 
 
+# How much of each daemon's log a failed test's report shows.
+LOG_TAIL_CHARS = 6000
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed test's report carries the end of the log of every daemon it started (each
+    writes ``<name>.log`` beside its data folder under the test's ``tmp_path``): a failure on a
+    busy CI machine is otherwise a timeout that says nothing of what the daemons did."""
+    report = yield
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when == "call" and report.failed and tmp is not None:
+        for log in sorted(Path(tmp).rglob("*.log")):
+            tail = log.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+            report.sections.append((f"log {log.relative_to(tmp)} (its end)", tail))
+    return report
+
+
 @pytest.fixture
 def daemons(tmp_path: Path) -> Iterator[Any]:
     """Factory of daemons; every one is stopped (then killed) at the end of the test."""

@@ -26,6 +26,14 @@ def _job(c: httpx.Client, job_id: str) -> dict[str, Any]:
     return dict(r.json())
 
 
+def _answer(url: str) -> httpx.Response | None:
+    """The daemon's answer at ``url``, or None while it does not listen yet."""
+    try:
+        return httpx.get(url, timeout=5)
+    except httpx.HTTPError:
+        return None
+
+
 def _steps(c: httpx.Client, job_id: str) -> list[int]:
     return [p["step"] for p in c.get(f"/v1/jobs/{job_id}/progress", params={"limit": 10000}).json()]
 
@@ -146,7 +154,21 @@ def test_sigkill_then_restart_resumes_from_last_good_checkpoint(daemons: Any) ->
     last_good = int(ckpts[-1].name.split("-")[1])
     assert last_good >= 10
 
-    d.start()
+    # Not ready before the interrupted job is taken up: until then its record still reads the
+    # "running" the SIGKILL left (a client that trusted /readyz read it in CI while nothing
+    # trained). A writer holding the database keeps the daemon from taking it up meanwhile.
+    lock = sqlite3.connect(d.data_dir / "atomd.db", isolation_level=None)
+    lock.execute("BEGIN IMMEDIATE")
+    try:
+        d.start(wait=False)
+        first = wait_for(lambda: _answer(d.url + "/readyz"), what="a first answer")
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    assert first.status_code == 503 and first.json()["checks"]["jobs"] is False, first.text
+    d.wait_ready()
+    with d.client() as c:
+        assert _job(c, jid)["state"] in ("pending", "running")
     with d.client() as c:
         wait_for(
             lambda: _job(c, jid)["state"] == "running" and _job(c, jid)["step"] > last_good + 2

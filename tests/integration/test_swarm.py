@@ -14,7 +14,15 @@ from typing import Any
 import httpx
 import pytest
 
-from atomd.launch import DaemonProcess, peer_id, peer_view, start_swarm, stop_all, wait_until
+from atomd.launch import (
+    READY_TIMEOUT,
+    DaemonProcess,
+    peer_id,
+    peer_view,
+    start_swarm,
+    stop_all,
+    wait_until,
+)
 from tests.integration.conftest import FAST_JOB
 
 # Several training daemons: one such test at a time under `make test`'s two workers.
@@ -113,17 +121,24 @@ def test_jobs_spread_to_the_swarm_and_newcomers_fetch_the_state(swarm: Any, daem
         r = httpx.get(f"{d.url}/v1/jobs/{jid}", timeout=5)
         return dict(r.json()) if r.status_code == 200 else None
 
+    # Each joins, then waits for its trainer (torch imported, model built) and a donor's answer:
+    # 4 s on a quiet machine, over 30 s in CI beside another swarm's test (the xdist group had
+    # not taken: tests/conftest.py). The bound is generous (it only matters on a failure); a
+    # job that ends instead fails at once.
     wait_until(
-        lambda: all((j := job_of(d)) and j["state"] == "running" for d in ds),
-        timeout=30, what="all three train the job",
+        lambda: all((j := job_of(d)) and j["state"] != "pending" for d in ds),
+        timeout=READY_TIMEOUT, what="all three leave pending",
     )  # fmt: skip
+    assert [(job_of(d) or {}).get("state") for d in ds] == ["running"] * 3
     assert job_of(ds[1])["origin"] == peer_id(a)  # type: ignore[index]
-    wait_until(lambda: (job_of(a) or {}).get("step", 0) >= 12, timeout=60, what="steps")
+    wait_until(lambda: (job_of(a) or {}).get("step", 0) >= 12, timeout=READY_TIMEOUT, what="steps")
 
     # A newcomer joins the running job from the donors' newest checkpoint, not from scratch.
     newcomer = daemons("late", extra_args=["--seed", a.peer_url])  # stopped at the end too
     ds.append(newcomer.start())
-    wait_until(lambda: (j := job_of(newcomer)) and j["step"] > 0, timeout=60, what="joined")
+    wait_until(
+        lambda: (j := job_of(newcomer)) and j["step"] > 0, timeout=READY_TIMEOUT, what="joined"
+    )
     with newcomer.client() as c:
         first = c.get(f"/v1/jobs/{jid}/progress").json()[0]["step"]
     assert first > 5  # it started from a transferred checkpoint
@@ -135,7 +150,7 @@ def test_jobs_spread_to_the_swarm_and_newcomers_fetch_the_state(swarm: Any, daem
         assert c.post(f"/v1/jobs/{jid}/stop", params={"scope": "swarm"}).status_code == 200
     wait_until(
         lambda: all((job_of(d) or {}).get("state") == "stopped" for d in ds),
-        timeout=30, what="all stopped",
+        timeout=READY_TIMEOUT, what="all stopped",
     )  # fmt: skip
     assert "stopped by the swarm" in (job_of(ds[1]) or {})["reason"]
 
