@@ -21,8 +21,11 @@ from atomd.train.trainer import Trainer
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 
 # Tests are small; two threads match CI and keep runs reproducible. With two workers, one each:
-# two OpenMP teams of two on two cores spin.
+# two OpenMP teams of two on two cores spin. The same for the daemons and commands the tests
+# start (``start_swarm`` already gives a swarm's daemons their share).
 torch.set_num_threads(1 if WORKER else min(2, os.cpu_count() or 1))
+if WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Each worker takes the daemons' ports from a range of its own, below Linux's ephemeral ports
 # (32768-60999): two workers cannot both pick a port one of them has freed and not yet bound.
