@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from atomd.launch import DaemonProcess
+from atomd.launch import READY_TIMEOUT, DaemonProcess
 from tests.conftest import another_congestion
 from tests.integration.conftest import FAST_JOB, wait_for
 
@@ -204,7 +204,7 @@ def _atomd(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
         [sys.executable, "-m", "atomd", *args],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=READY_TIMEOUT,  # a failure's bound: a command loads torch on a busy machine
         env={**base, **(env or {})},
     )
 
@@ -270,7 +270,7 @@ def test_the_peer_plane_serves_with_the_chosen_congestion_control(daemons: Any) 
 
     _, name = another_congestion()
     d: DaemonProcess = daemons(env={"ATOMD_TCP_CONGESTION": name}).start()
-    wait_for(lambda: f"TCP {name}," in d.log(), timeout=60, what="the start-up line")
+    wait_for(lambda: f"TCP {name}," in d.log(), what="the start-up line")
     assert tcp_congestion_of(d.log_path) == f"TCP {name}"  # what `bench swarm` reports
     with socket.create_connection(("127.0.0.1", d.listen_port), timeout=10) as s:
         here = s.getsockname()[1]

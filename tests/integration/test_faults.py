@@ -96,7 +96,7 @@ def test_a_deleted_database_fails_readiness_and_is_never_recreated(daemons: Any)
         body = r.json()
         assert body["checks"]["database"] is False
         assert "has disappeared" in body["reasons"]["database"]
-        wait_for(lambda: "ERROR" in d.log() and "has disappeared" in d.log(), timeout=60,
+        wait_for(lambda: "ERROR" in d.log() and "has disappeared" in d.log(),
                  what="the error in the log")  # fmt: skip
     d.stop()
     d.start(wait=False)

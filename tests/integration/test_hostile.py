@@ -22,7 +22,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from atomd.launch import DaemonProcess, free_port, peer_id, start_swarm, stop_all, wait_until
+from atomd.launch import (
+    READY_TIMEOUT,
+    DaemonProcess,
+    free_port,
+    peer_id,
+    start_swarm,
+    stop_all,
+    wait_until,
+)
 from atomd.model.presets import get_preset
 from atomd.p2p import paths
 from atomd.p2p.client import PeerClient
@@ -142,7 +150,7 @@ def test_hostile_member_is_refused_quarantined_and_banned(tmp_path: Path) -> Non
         honest = start_swarm(tmp_path, 2, started=started)
         ids = [peer_id(d) for d in honest]
         wait_until(lambda: all(len(httpx.get(d.url + "/v1/peers").json()) == 2 for d in honest),
-                   timeout=60, what="the honest peers know each other")  # fmt: skip
+                   timeout=READY_TIMEOUT, what="the honest peers know each other")  # fmt: skip
         evil = Hostile()
         for d, pid in zip(honest, ids, strict=True):
             assert evil.join(d, pid) == 200

@@ -71,11 +71,11 @@ def test_membership_of_eight_daemons(swarm: Any, tmp_path: Path) -> None:
     leaver, others = ds[3], [d for d in ds if d is not ds[3]]
     t0 = time.monotonic()
     leaver.signal(signal.SIGTERM)
-    wait_until(lambda: _all_see(others, ids[3], "left"), timeout=60, what="left")
+    wait_until(lambda: _all_see(others, ids[3], "left"), timeout=READY_TIMEOUT, what="left")
     timings["left_s"] = time.monotonic() - t0
     assert leaver.wait(timeout=30) == 0
     wait_until(lambda: all(_states_of(d, ids[3])[-1:] == ["peer.left"] for d in others),
-               timeout=60, what="left recorded")  # fmt: skip
+               timeout=READY_TIMEOUT, what="left recorded")  # fmt: skip
     for d in others:  # never found dead: the notice came before failure detection could tell
         assert "peer.dead" not in _states_of(d, ids[3]), (d.name, _states_of(d, ids[3]))
 
@@ -172,7 +172,8 @@ def test_peer_plane_refuses_strangers_and_records_it(swarm: Any, tmp_path: Path)
     ).start()  # fmt: skip
     try:
         # Its join is refused (the log says so at each try), and changes nothing.
-        wait_until(lambda: "403" in intruder.log(), timeout=60, what="the intruder refused")
+        wait_until(lambda: "403" in intruder.log(), timeout=READY_TIMEOUT,
+                   what="the intruder refused")  # fmt: skip
         assert peer_id(intruder) not in peer_view(a)
     finally:
         intruder.stop()
