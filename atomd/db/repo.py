@@ -655,7 +655,10 @@ async def list_bans(s: AsyncSession) -> list[BanRecord]:
 async def add_quarantine(
     s: AsyncSession, *, peer_id: str, public_key: str | None, reason: str, until: datetime
 ) -> QuarantineRecord:
-    """Quarantine a member until ``until``; quarantining it again replaces reason and end."""
+    """Quarantine a member until ``until``; quarantining it again replaces reason and end.
+    The quarantines that have ended are deleted here (a write path already), not as they
+    are listed: the daemon lists them before its peer plane listens, with reads alone."""
+    await s.execute(delete(PeerQuarantine).where(PeerQuarantine.until <= utcnow()))
     values = {"public_key": public_key, "reason": reason, "until": until}
     stmt = sqlite_insert(PeerQuarantine).values(peer_id=peer_id, created_at=utcnow(), **values)
     await s.execute(
@@ -685,8 +688,9 @@ async def remove_quarantines(
 async def list_quarantines(
     s: AsyncSession, *, now: datetime | None = None
 ) -> list[QuarantineRecord]:
-    """The quarantines still running at ``now`` (default: now); those ended are deleted."""
+    """The quarantines still running at ``now`` (default: now). Reads only
+    (``add_quarantine`` deletes those that ended)."""
     now = now or utcnow()
-    await s.execute(delete(PeerQuarantine).where(PeerQuarantine.until <= now))
-    rows = await s.scalars(select(PeerQuarantine).order_by(PeerQuarantine.until))
+    stmt = select(PeerQuarantine).where(PeerQuarantine.until > now)
+    rows = await s.scalars(stmt.order_by(PeerQuarantine.until))
     return [QuarantineRecord.model_validate(q) for q in rows]

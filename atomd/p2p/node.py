@@ -221,8 +221,10 @@ class SwarmNode:
         return "its key is banned by this daemon's operator (atomd unban to lift it)"
 
     async def load_bans(self) -> None:
-        """The operator's bans and the quarantines still running, from the database (at
-        start): a restart lifts neither."""
+        """The operator's bans and the quarantines still running, from the database: a
+        restart lifts neither. Called before the peer plane listens, so that a banned key is
+        refused from the first answer (``run`` began after the daemon was ready, and until
+        then a restarted daemon served such a key its joins and its states)."""
         async with self.sessions() as s, s.begin():
             bans = await repo.list_bans(s)
             held = await repo.list_quarantines(s)
@@ -286,9 +288,9 @@ class SwarmNode:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Join, then probe and record until cancelled."""
+        """Join, then probe and record until cancelled (``load_bans`` first: the daemon
+        calls it before its peer plane listens)."""
         try:
-            await self.load_bans()
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 tg.create_task(self._record_changes(), name="peers-recorder")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -260,3 +262,39 @@ def test_hostile_member_is_refused_quarantined_and_banned(tmp_path: Path) -> Non
         assert evil.join(a, ids[0]) == 200
     finally:
         stop_all(started)
+
+
+def test_a_ban_holds_from_the_first_answer_after_a_restart(tmp_path: Path) -> None:
+    """A restarted daemon refuses a banned key from its peer plane's first answer. The bans
+    were loaded as the swarm started, after the daemon was ready: meanwhile (0.3 s or more on
+    a busy host, as long as it took to take up an interrupted job) a banned key's join was
+    answered. The test widens that window: the daemon is SIGKILLed during a job and restarts
+    while a writer holds its database, so it cannot take the job up."""
+    d = DaemonProcess(tmp_path / "d0").start()
+    try:
+        evil = Hostile()
+        target = peer_id(d)
+        r = httpx.post(f"{d.url}/v1/bans", json={"public_key": evil.identity.public_key_hex},
+                       timeout=10)  # fmt: skip
+        assert r.status_code == 201, r.text
+        jid = httpx.post(f"{d.url}/v1/jobs", json={**FAST_JOB, "max_steps": 100000},
+                         timeout=60).json()["id"]  # fmt: skip
+        wait_until(lambda: _job(d, jid).get("step", 0) >= 1, timeout=READY_TIMEOUT,
+                   what="a step")  # fmt: skip
+        d.signal(signal.SIGKILL)
+        d.wait(timeout=30)
+
+        lock = sqlite3.connect(d.data_dir / "atomd.db", isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")
+        try:
+            d.start(wait=False)
+            wait_until(lambda: httpx.get(d.url + "/readyz", timeout=5).status_code == 503,
+                       timeout=READY_TIMEOUT, what="an answer, not ready")  # fmt: skip
+            assert evil.join(d, target) == 403, "a banned key is refused while starting"
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        d.wait_ready()
+        assert evil.join(d, target) == 403
+    finally:
+        d.stop()
