@@ -522,7 +522,18 @@ class JobManager:
             and a.spec.data_sha256 is None
         )  # fmt: skip
 
+    def _check_started(self) -> None:
+        """Refuse a command before the jobs the daemon's last run left are taken up: a job a
+        SIGKILL interrupted still reads "running" then, and a job started meanwhile made it
+        fail ("another job was resumed first"). ``GET /readyz`` says when."""
+        if not self._started.is_set():
+            raise JobConflictError(
+                "the daemon is starting: it is taking up the jobs its last run left; "
+                "retry once GET /readyz answers 200"
+            )
+
     def _check_free(self) -> None:
+        self._check_started()
         if self._closing.is_set():
             raise JobConflictError("the daemon is shutting down; no new jobs")
         if self.active is not None:
@@ -575,6 +586,7 @@ class JobManager:
 
     async def stop(self, job_id: str, scope: Scope = "local") -> JobRecord:
         job = await self.get(job_id)
+        self._check_started()
         if scope == "swarm" and self.swarm is not None:
             if job.origin not in (None, self.peer_id):  # the others would not take it
                 raise _origin_only(

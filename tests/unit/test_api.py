@@ -28,7 +28,9 @@ Factory = Callable[..., Any]
 async def make_client(tmp_path: Path) -> AsyncIterator[Factory]:
     cleanups: list[Any] = []
 
-    async def make(token: str | None = None, ready: bool = True) -> httpx.AsyncClient:
+    async def make(
+        token: str | None = None, ready: bool = True, started: bool = True
+    ) -> httpx.AsyncClient:
         settings = Settings(
             data_dir=tmp_path, control_token=SecretStr(token) if token else None, device="cpu"
         )
@@ -39,8 +41,9 @@ async def make_client(tmp_path: Path) -> AsyncIterator[Factory]:
         jobs = JobManager(
             jobs_dir=settings.jobs_dir, sessions=sessions, telemetry=telemetry, device="cpu"
         )
-        task = asyncio.create_task(jobs.run())
-        await jobs.wait_started()
+        task = asyncio.create_task(jobs.run()) if started else None
+        if task is not None:
+            await jobs.wait_started()
         ctx = ControlContext(
             settings=settings,
             jobs=jobs,
@@ -57,7 +60,8 @@ async def make_client(tmp_path: Path) -> AsyncIterator[Factory]:
         async def cleanup() -> None:
             await client.aclose()
             await jobs.shutdown()
-            await task
+            if task is not None:
+                await task
             await engine.dispose()
 
         cleanups.append(cleanup)
@@ -74,6 +78,21 @@ async def test_health_and_readiness(make_client: Factory) -> None:
     r = await c.get("/readyz")
     assert r.status_code == 503
     assert r.json() == {"ready": False, "checks": {"database": True, "peer": False}, "reasons": {}}
+
+
+async def test_commands_wait_until_interrupted_jobs_are_taken_up(make_client: Factory) -> None:
+    """Before the job manager has taken up the jobs the last run left, a job started here
+    would make an interrupted one fail ("another job was resumed first"), and a stop would
+    say a job that reads "running" is "not active": both are refused, saying why."""
+    c = await make_client(started=False)
+    r = await c.post("/v1/jobs", json={"preset": "tiny", **FAST})
+    assert r.status_code == 409 and "GET /readyz" in r.json()["detail"], r.text
+    r = await c.post("/v1/jobs/nope/stop")
+    assert r.status_code == 404  # an unknown job is still unknown
+    c2 = await make_client()
+    job = (await c2.post("/v1/jobs", json={"preset": "tiny", "max_steps": 1, **FAST})).json()
+    r = await c.post(f"/v1/jobs/{job['id']}/stop")
+    assert r.status_code == 409 and "taking up the jobs" in r.json()["detail"], r.text
 
 
 async def test_errors_have_one_shape(make_client: Factory) -> None:
