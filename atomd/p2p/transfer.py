@@ -46,9 +46,19 @@ DISK_MARGIN = 64 << 20  # free bytes left on the disk after a transfer
 MAX_TOKENIZER_BYTES = 64 << 20  # a BPE vocabulary of ~10^6 entries is ~50 MB of JSON
 
 
+def _unchecked(path: Path) -> bool:
+    """A donor's state this daemon fetched and its trainer has not yet evaluated (the fetch
+    marks it ``DONATED_FILE``; the trainer removes the mark once the state passed): never
+    passed on, not even after a crash between the two."""
+    return (path / ckpt.DONATED_FILE).exists()
+
+
 def newest_manifest(root: Path) -> StateManifest | None:
-    """The newest complete checkpoint's meta.json under ``root`` (None if there is none)."""
+    """The newest complete, checked checkpoint's meta.json under ``root`` (None if there is
+    none)."""
     for path in ckpt.list_checkpoints(root):
+        if _unchecked(path):
+            continue
         try:
             meta = parse(StateManifest, (path / ckpt.META_FILE).read_bytes())
         except (OSError, AtomdError):
@@ -62,8 +72,9 @@ def checkpoint_file(root: Path, step: int, name: str) -> Path | None:
     """The path of one transferable file of checkpoint ``step``, if it still exists."""
     if name not in TRANSFER_FILES + OPTIONAL_FILES:
         return None
-    path = ckpt.checkpoint_dir(root, step) / name
-    return path if path.is_file() else None
+    where = ckpt.checkpoint_dir(root, step)
+    path = where / name
+    return path if path.is_file() and not _unchecked(where) else None
 
 
 class _Download:

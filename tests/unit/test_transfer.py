@@ -22,7 +22,7 @@ from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
 from atomd.p2p.messages import PeerInfo, sign_manifest
 from atomd.p2p.signing import Admission
-from atomd.p2p.transfer import fetch_state, newest_manifest
+from atomd.p2p.transfer import checkpoint_file, fetch_state, newest_manifest
 from atomd.train import checkpoint as ckpt
 
 GARBAGE = b"\x08\x00\x00\x00\x00\x00\x00\x00not json" * 64
@@ -272,6 +272,25 @@ def test_a_checkpoint_that_names_its_tokenizer_is_served(tmp_path: Path) -> None
     )  # fmt: skip
     found = newest_manifest(root)
     assert found is not None and found.step == 3 and found.tokenizer == "default"
+
+
+def test_a_donors_state_not_yet_checked_here_is_never_passed_on(tmp_path: Path) -> None:
+    """A state fetched from a donor is marked until this daemon's trainer has evaluated it; a
+    crash between the two left it the newest checkpoint, served on to the next joiner as if
+    checked (a review of 2026-12-07). The older, checked one is served instead."""
+    root = tmp_path / "ckpts"
+    for step in (3, 8):
+        ckpt.save_checkpoint(
+            root, step=step, model={"w": torch.ones(4)}, state={"optim.w.exp_avg": torch.ones(4)},
+            meta={"model_config": {}},
+        )  # fmt: skip
+    (ckpt.checkpoint_dir(root, 8) / ckpt.DONATED_FILE).write_text("https://donor")
+    found = newest_manifest(root)
+    assert found is not None and found.step == 3
+    assert checkpoint_file(root, 8, ckpt.MODEL_FILE) is None
+    assert checkpoint_file(root, 3, ckpt.MODEL_FILE) is not None
+    (ckpt.checkpoint_dir(root, 8) / ckpt.DONATED_FILE).unlink()  # the trainer checked it
+    assert (newest_manifest(root) or found).step == 8
 
 
 async def test_a_donor_younger_than_asked_has_no_state(tmp_path: Path, donors: Any) -> None:
