@@ -404,6 +404,9 @@ class JobManager:
         self._closing = asyncio.Event()
         self._started = asyncio.Event()
         self._considering: set[str] = set()
+        # Check free, record, launch: one job at a time (two POSTs at once both found the
+        # daemon free across the record's await, and the second job orphaned the first).
+        self._launching = asyncio.Lock()
 
     async def run(self) -> None:
         """Own the per-job tasks until ``shutdown()``; resume interrupted jobs first."""
@@ -543,26 +546,32 @@ class JobManager:
             )
 
     async def start(self, spec: JobSpec, scope: Scope = "swarm") -> JobRecord:
-        self._check_free()
-        admit(local_data(spec, self.data_names), self.device)  # cheap: a stat() and arithmetic
-        job_id = job_id_for(self.peer_id)
-        out_dir = self.job_dir(job_id)
-        async with self.sessions() as s, s.begin():
-            job = await repo.create_job(
-                s,
-                job_id=job_id,
-                spec=spec.model_dump(),
-                out_dir=str(out_dir),
+        async with self._launching:
+            self._check_free()
+            admit(local_data(spec, self.data_names), self.device)  # cheap: a stat() and arithmetic
+            job_id = job_id_for(self.peer_id)
+            out_dir = self.job_dir(job_id)
+            async with self.sessions() as s, s.begin():
+                job = await repo.create_job(
+                    s,
+                    job_id=job_id,
+                    spec=spec.model_dump(),
+                    out_dir=str(out_dir),
+                    scope=scope,
+                    origin=self.peer_id,
+                )
+                await repo.add_event(
+                    s, kind="job.created", job_id=job_id, message=f"preset {spec.preset}, {scope}"
+                )
+            active = ActiveJob(
+                id=job_id,
+                spec=spec,
+                out_dir=out_dir,
+                resume=False,
                 scope=scope,
                 origin=self.peer_id,
             )
-            await repo.add_event(
-                s, kind="job.created", job_id=job_id, message=f"preset {spec.preset}, {scope}"
-            )
-        active = ActiveJob(
-            id=job_id, spec=spec, out_dir=out_dir, resume=False, scope=scope, origin=self.peer_id
-        )
-        self._launch(active)
+            self._launch(active)
         if scope == "swarm" and self.swarm is not None:
             advert = self.advert()
             if advert is not None:
@@ -572,27 +581,30 @@ class JobManager:
     async def resume(self, job_id: str) -> JobRecord:
         """Continue a stopped or failed job here from its newest good checkpoint (a job that
         stopped on a full disk, once there is space again)."""
-        job = await self.get(job_id)
-        self._check_free()
-        if job.state not in ("stopped", "failed", "pending"):
-            raise JobConflictError(
-                f"job {job_id} is {job.state}; only a stopped, failed or pending job resumes"
-            )
-        spec = JobSpec.model_validate(job.spec)
-        admit(local_data(spec, self.data_names), self.device)
-        job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", "")
-        self._launch(_resumed(job, spec))
+        async with self._launching:
+            job = await self.get(job_id)
+            self._check_free()
+            if job.state not in ("stopped", "failed", "pending"):
+                raise JobConflictError(
+                    f"job {job_id} is {job.state}; only a stopped, failed or pending job resumes"
+                )
+            spec = JobSpec.model_validate(job.spec)
+            admit(local_data(spec, self.data_names), self.device)
+            job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", "")
+            self._launch(_resumed(job, spec))
         return job
 
     async def stop(self, job_id: str, scope: Scope = "local") -> JobRecord:
         job = await self.get(job_id)
+        swarm = self.swarm if scope == "swarm" else None
+        if swarm is not None and job.origin not in (None, self.peer_id):
+            # The others would not take it.
+            raise _origin_only(
+                job_id, job.origin, f"; POST /v1/jobs/{job_id}/stop stops this daemon's copy"
+            )
         self._check_started()
-        if scope == "swarm" and self.swarm is not None:
-            if job.origin not in (None, self.peer_id):  # the others would not take it
-                raise _origin_only(
-                    job_id, job.origin, f"; POST /v1/jobs/{job_id}/stop stops this daemon's copy"
-                )
-            self.swarm.broadcast_stop(job_id)
+        if swarm is not None:
+            swarm.broadcast_stop(job_id)
         active = self.active
         if active is None or active.id != job_id:
             if scope == "swarm":
@@ -682,35 +694,36 @@ class JobManager:
             if problem is not None:
                 await self._refuse_join(job_id, problem)
                 return
-            if self.active is not None or self._closing.is_set():
-                return
-            out_dir = self.job_dir(job_id)
-            origin = str(advert.get("origin") or "") or None
-            # The origin's seal of the advert (``SwarmNode`` checked it), carried on in ours.
-            key, signature = advert.get("origin_key"), advert.get("signature")
-            async with self.sessions() as s, s.begin():
-                await repo.create_job(
-                    s,
-                    job_id=job_id,
-                    spec=spec.model_dump(),
-                    out_dir=str(out_dir),
-                    scope="swarm",
-                    origin=origin,
-                    origin_key=key,
-                    origin_signature=signature,
-                )
-                await repo.add_event(
-                    s,
-                    kind="job.joined",
-                    job_id=job_id,
-                    message=f"joined the swarm's job from {origin or 'a peer'}",
-                )
-            self._launch(
-                ActiveJob(
-                    id=job_id, spec=spec, out_dir=out_dir, resume=True, scope="swarm",
-                    origin=origin, donors=donors, origin_key=key, origin_signature=signature,
-                )
-            )  # fmt: skip
+            async with self._launching:
+                if self.active is not None or self._closing.is_set():
+                    return
+                out_dir = self.job_dir(job_id)
+                origin = str(advert.get("origin") or "") or None
+                # The origin's seal of the advert (``SwarmNode`` checked it), carried on in ours.
+                key, signature = advert.get("origin_key"), advert.get("signature")
+                async with self.sessions() as s, s.begin():
+                    await repo.create_job(
+                        s,
+                        job_id=job_id,
+                        spec=spec.model_dump(),
+                        out_dir=str(out_dir),
+                        scope="swarm",
+                        origin=origin,
+                        origin_key=key,
+                        origin_signature=signature,
+                    )
+                    await repo.add_event(
+                        s,
+                        kind="job.joined",
+                        job_id=job_id,
+                        message=f"joined the swarm's job from {origin or 'a peer'}",
+                    )
+                self._launch(
+                    ActiveJob(
+                        id=job_id, spec=spec, out_dir=out_dir, resume=True, scope="swarm",
+                        origin=origin, donors=donors, origin_key=key, origin_signature=signature,
+                    )
+                )  # fmt: skip
         except (AtomdError, ValueError) as e:
             log.warning("not joining job %s: %s", job_id, e)
         finally:
@@ -740,7 +753,10 @@ class JobManager:
 
     def _launch(self, active: ActiveJob) -> None:
         assert self._tg is not None, "JobManager.run() is not running"
+        assert self.active is None, f"job {self.active.id} is active"  # ``_launching``
         self.active = active
+        if self._closing.is_set():  # shutdown came while it was recorded: stop as it would
+            active.stop_event.set()
         if active.scope == "swarm" and self.swarm is not None and self.exchange is not None:
             # From now on its frames are kept until its plugin exists: a restarted daemon
             # loads torch for seconds while the others already send it their rounds.

@@ -95,6 +95,16 @@ async def test_commands_wait_until_interrupted_jobs_are_taken_up(make_client: Fa
     assert r.status_code == 409 and "taking up the jobs" in r.json()["detail"], r.text
 
 
+async def test_two_jobs_started_at_once_one_is_refused(make_client: Factory) -> None:
+    """Both POSTs found the daemon free across the first's database write, and the second
+    job orphaned the first (a review of 2026-12-07): one is created, the other gets 409."""
+    c = await make_client()
+    body = {"preset": "tiny", "max_steps": 20, **FAST}
+    answers = await asyncio.gather(c.post("/v1/jobs", json=body), c.post("/v1/jobs", json=body))
+    assert sorted(r.status_code for r in answers) == [201, 409], [r.text for r in answers]
+    assert len((await c.get("/v1/jobs")).json()) == 1
+
+
 async def test_errors_have_one_shape(make_client: Factory) -> None:
     c = await make_client()
     r = await c.get("/v1/jobs/nope")
