@@ -79,6 +79,7 @@ from atomd.train.checkpoint import (
     checkpoint_step,
     list_checkpoints,
     remove_checkpoints_after,
+    remove_partial,
     sha256_file,
 )
 from atomd.train.metrics import StepReport, read_metrics
@@ -800,6 +801,10 @@ class JobManager:
             # torch and the trainer load off the loop (seconds on a busy machine), before
             # anything below imports them on it.
             await asyncio.to_thread(load_training_modules)
+            left = await asyncio.to_thread(remove_partial, checkpoint_root(active.out_dir))
+            if left:
+                log.info("job %s: removed %d half-written folder(s) a crash left: %s",
+                         active.id, len(left), ", ".join(left))  # fmt: skip
             if self._hash_pending(active):
                 await self._pin_data(active)
             while True:  # again with another donor while the trainer refuses a donor's state

@@ -107,6 +107,26 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step, reverse=True)
 
 
+# Folders a writer fills before it renames them into place (``save_checkpoint``'s, a state
+# transfer's ``.incoming-step-*``), named by the writing process's pid.
+_PARTIAL_PREFIXES = (".tmp-", ".incoming-")
+
+
+def remove_partial(root: Path) -> list[str]:
+    """Remove the half-written folders under ``root`` that a crash left (named by a pid that
+    is gone, they were never removed: each up to ~6 model sizes, counted against the free
+    disk); their names. Only while nothing writes under ``root``: a job's checkpoints and
+    state transfers are written only while it is the daemon's active job."""
+    if not root.is_dir():
+        return []
+    gone = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(_PARTIAL_PREFIXES):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p.name)
+    return sorted(gone)
+
+
 def remove_checkpoints_after(root: Path, step: int) -> None:
     """Remove the checkpoints under ``root`` past ``step`` (a job resumes from the newest)."""
     for where in list_checkpoints(root):

@@ -128,3 +128,17 @@ def test_full_disk_names_the_path_and_the_last_good_step(
     assert [p.name for p in tmp_path.iterdir()] != [] and not list(tmp_path.glob(".tmp*"))
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000010", "step-00000005"]
     assert ckpt.load_latest(tmp_path).step == 10  # type: ignore[union-attr]
+
+
+def test_the_half_written_folders_a_crash_left_are_removed(tmp_path: Path) -> None:
+    """A checkpoint's and a state transfer's folders are named by the writer's pid until they
+    are renamed into place; after a crash nothing removed them (a review of 2026-12-07)."""
+    root = tmp_path / "checkpoints"
+    ckpt.save_checkpoint(root, step=5, model={"w": torch.ones(4)}, state={}, meta={})
+    for name in (".tmp-step-00000010-4242", ".incoming-step-00000012-4343"):
+        (root / name).mkdir()
+        (root / name / "model.safetensors").write_bytes(b"half")
+    assert ckpt.remove_partial(root) == [".incoming-step-00000012-4343", ".tmp-step-00000010-4242"]
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000005"]
+    assert ckpt.load_checkpoint(root / "step-00000005").step == 5  # the good one untouched
+    assert ckpt.remove_partial(root) == [] and ckpt.remove_partial(tmp_path / "none") == []
