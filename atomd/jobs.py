@@ -530,7 +530,7 @@ class JobManager:
         """Refuse a command before the jobs the daemon's last run left are taken up: a job a
         SIGKILL interrupted still reads "running" then, and a job started meanwhile made it
         fail ("another job was resumed first"). ``GET /readyz`` says when."""
-        if not self._started.is_set():
+        if not self.started:
             raise JobConflictError(
                 "the daemon is starting: it is taking up the jobs its last run left; "
                 "retry once GET /readyz answers 200"

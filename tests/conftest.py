@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``xdist_group`` to one worker by appending ``@<group>`` to their node ids as a worker
     collects them; pytest 9.2 keeps node ids elsewhere and the suffix silently stopped taking
     (pytest-xdist#1386). The "swarm" group's daemon-heavy tests then ran two at a time on two
-    cores: ``make test`` took 12 minutes instead of 7, and one test's wait ran out in CI."""
+    cores, and one test's wait ran out in CI (2026-12-07)."""
     lost = set()
     if getattr(config.option, "loadgroup", False):
         for item in items:

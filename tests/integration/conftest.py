@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from atomd.launch import DaemonProcess, stop_all
@@ -54,6 +57,30 @@ def daemons(tmp_path: Path) -> Iterator[Any]:
 
     yield make
     stop_all(started)
+
+
+@contextlib.contextmanager
+def restarted_while_database_held(d: DaemonProcess) -> Iterator[httpx.Response]:
+    """Start ``d`` again while another connection holds a write lock on its database, and
+    yield its first ``/readyz`` answer; the lock goes when the block ends. Reads still work,
+    so the daemon comes up, but it cannot record that it takes up the job a SIGKILL
+    interrupted: the start-up window before that stays open for the block (a few seconds at
+    most: the daemon's writes wait ``BUSY_TIMEOUT_MS``, 5 s, then fail)."""
+
+    def answer() -> httpx.Response | None:
+        try:
+            return httpx.get(d.url + "/readyz", headers=d.headers, timeout=5)
+        except httpx.HTTPError:  # not listening yet
+            return None
+
+    lock = sqlite3.connect(d.data_dir / "atomd.db", isolation_level=None)
+    lock.execute("BEGIN IMMEDIATE")
+    try:
+        d.start(wait=False)
+        yield wait_for(answer, what=f"a first answer from {d.name}")
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
 
 
 def wait_for(predicate: Any, timeout: float = 300, interval: float = 0.1, what: str = "") -> Any:

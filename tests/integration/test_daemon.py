@@ -17,21 +17,13 @@ import pytest
 
 from atomd.launch import READY_TIMEOUT, DaemonProcess
 from tests.conftest import another_congestion
-from tests.integration.conftest import FAST_JOB, wait_for
+from tests.integration.conftest import FAST_JOB, restarted_while_database_held, wait_for
 
 
 def _job(c: httpx.Client, job_id: str) -> dict[str, Any]:
     r = c.get(f"/v1/jobs/{job_id}")
     assert r.status_code == 200, r.text
     return dict(r.json())
-
-
-def _answer(url: str) -> httpx.Response | None:
-    """The daemon's answer at ``url``, or None while it does not listen yet."""
-    try:
-        return httpx.get(url, timeout=5)
-    except httpx.HTTPError:
-        return None
 
 
 def _steps(c: httpx.Client, job_id: str) -> list[int]:
@@ -157,19 +149,12 @@ def test_sigkill_then_restart_resumes_from_last_good_checkpoint(daemons: Any) ->
     # Not ready before the interrupted job is taken up: until then its record still reads the
     # "running" the SIGKILL left (a client that trusted /readyz read it in CI while nothing
     # trained). A writer holding the database keeps the daemon from taking it up meanwhile.
-    lock = sqlite3.connect(d.data_dir / "atomd.db", isolation_level=None)
-    lock.execute("BEGIN IMMEDIATE")
-    try:
-        d.start(wait=False)
-        first = wait_for(lambda: _answer(d.url + "/readyz"), what="a first answer")
-    finally:
-        lock.execute("ROLLBACK")
-        lock.close()
+    with restarted_while_database_held(d) as first:
+        pass
     assert first.status_code == 503 and first.json()["checks"]["jobs"] is False, first.text
     d.wait_ready()
     with d.client() as c:
         assert _job(c, jid)["state"] in ("pending", "running")
-    with d.client() as c:
         wait_for(
             lambda: _job(c, jid)["state"] == "running" and _job(c, jid)["step"] > last_good + 2
         )

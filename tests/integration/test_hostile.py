@@ -13,7 +13,6 @@ import asyncio
 import math
 import re
 import signal
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +40,7 @@ from atomd.p2p.messages import DeltaAccepted, Gossip, JoinReply, MemberRecord, s
 from atomd.p2p.signing import Admission
 from atomd.sync.codecs import Encoded, make_codec
 from atomd.sync.wire import encode_frame
-from tests.integration.conftest import FAST_JOB
+from tests.integration.conftest import FAST_JOB, restarted_while_database_held
 
 # Several training daemons: one such test at a time under `make test`'s two workers.
 pytestmark = pytest.mark.xdist_group("swarm")
@@ -284,16 +283,9 @@ def test_a_ban_holds_from_the_first_answer_after_a_restart(tmp_path: Path) -> No
         d.signal(signal.SIGKILL)
         d.wait(timeout=30)
 
-        lock = sqlite3.connect(d.data_dir / "atomd.db", isolation_level=None)
-        lock.execute("BEGIN IMMEDIATE")
-        try:
-            d.start(wait=False)
-            wait_until(lambda: httpx.get(d.url + "/readyz", timeout=5).status_code == 503,
-                       timeout=READY_TIMEOUT, what="an answer, not ready")  # fmt: skip
+        with restarted_while_database_held(d) as first:
+            assert first.status_code == 503, first.text  # not ready: the window is open
             assert evil.join(d, target) == 403, "a banned key is refused while starting"
-        finally:
-            lock.execute("ROLLBACK")
-            lock.close()
         d.wait_ready()
         assert evil.join(d, target) == 403
     finally:
