@@ -347,12 +347,16 @@ def create_control_app(ctx: ControlContext) -> FastAPI:
         dependencies=[Depends(require_token)],
         responses={503: {"model": Readiness, "description": "not ready"}, **errors.responses(401)},
         summary="200 once the database is migrated, the jobs the daemon's last run left are "
-        "taken up and both servers listen; 503 with the reasons when not (a database file "
-        "deleted or replaced under the daemon, for example)",
+        "taken up and both servers listen, until a shutdown begins; 503 with the reasons when "
+        "not (a database file deleted or replaced under the daemon, for example)",
     )
     async def readyz(c: Ctx) -> Response:
         checks = c.readiness()
         reasons: dict[str, str] = {}
+        if not checks.get("accepting", True):
+            reasons["accepting"] = (
+                "the daemon is shutting down: its job checkpoints at a step boundary, then it exits"
+            )
         if c.database is not None:
             problem = await asyncio.to_thread(c.database.problem)
             if problem is not None:

@@ -113,6 +113,20 @@ class Daemon:
         log.info("shutting down (%s): stopping the job at a step boundary", reason)
         self._shutdown.set()
 
+    def readiness(self, jobs: JobManager, control: Any, peer: Any) -> dict[str, bool]:
+        """``GET /readyz``'s checks: each part's readiness (``control`` and ``peer``: the
+        servers, with uvicorn's ``started`` flag)."""
+        return {
+            "database": self._db_ready,
+            # Before it, a job a SIGKILL interrupted still reads "running".
+            "jobs": jobs.started,
+            "control": control.started,
+            "peer": peer.started,
+            # False from SIGTERM on: the job checkpoints, then the daemon exits (seconds to
+            # minutes), and a balancer or a launcher should send nothing new meanwhile.
+            "accepting": not self._shutdown.is_set(),
+        }
+
     async def run(self) -> None:
         s = self.settings
         s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -165,13 +179,7 @@ class Daemon:
                     jobs=jobs,
                     telemetry=self.telemetry,
                     sessions=sessions,
-                    readiness=lambda: {
-                        "database": self._db_ready,
-                        # Before it, a job a SIGKILL interrupted still reads "running".
-                        "jobs": jobs.started,
-                        "control": control.started,
-                        "peer": peer.started,
-                    },
+                    readiness=lambda: self.readiness(jobs, control, peer),
                     started_at=time.monotonic(),
                     swarm=node,
                     database=database,

@@ -756,6 +756,7 @@ class JobManager:
         assert self._tg is not None, "JobManager.run() is not running"
         assert self.active is None, f"job {self.active.id} is active"  # ``_launching``
         self.active = active
+        self.telemetry.job_launched()
         if self._closing.is_set():  # shutdown came while it was recorded: stop as it would
             active.stop_event.set()
         if active.scope == "swarm" and self.swarm is not None and self.exchange is not None:
@@ -991,6 +992,7 @@ class JobManager:
                 elif isinstance(item, _Started):
                     active.step = item.start_step
                     active.tokens_seen = item.start_step * active.spec.tokens_per_step
+                    self.telemetry.step.set(item.start_step)
                     if not active.stop_event.is_set():
                         await repo.set_job_state(s, job_id=active.id, state="running")
                         await repo.add_event(s, kind="job.running", job_id=active.id, message="")
@@ -1060,6 +1062,7 @@ class JobManager:
         if self.active is not active:
             return
         self.active = None
+        self.telemetry.job_ended()
         if self.exchange is not None and active.scope == "swarm":
             self.exchange.release(active.id)
 

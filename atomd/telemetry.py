@@ -11,10 +11,23 @@ class Telemetry:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.step = Gauge("atomd_job_step", "Optimizer steps done by the current job", registry=r)
-        self.loss = Gauge("atomd_job_loss", "Training loss (nats/token), last step", registry=r)
-        self.val_loss = Gauge("atomd_job_val_loss", "Last validation loss (nats/token)", registry=r)
-        self.tokens_per_s = Gauge("atomd_job_tokens_per_second", "Training throughput", registry=r)
+        # The newest job's: NaN from its launch until it reports (never the job before's).
+        self.step = Gauge(
+            "atomd_job_step", "Optimizer steps done by the newest job (NaN before it reports)",
+            registry=r,
+        )  # fmt: skip
+        self.loss = Gauge(
+            "atomd_job_loss", "Training loss (nats/token) of the newest job's last step",
+            registry=r,
+        )  # fmt: skip
+        self.val_loss = Gauge(
+            "atomd_job_val_loss", "The newest job's last validation loss (nats/token)",
+            registry=r,
+        )  # fmt: skip
+        self.tokens_per_s = Gauge(
+            "atomd_job_tokens_per_second", "Training throughput (0 while no job trains)",
+            registry=r,
+        )  # fmt: skip
         self.tokens = Counter("atomd_tokens_trained", "Tokens trained by this daemon", registry=r)
         self.job_state = Enum(
             "atomd_job_state", "State of the current job", states=JOB_STATES, registry=r
@@ -47,6 +60,16 @@ class Telemetry:
         self.peers_alive = Gauge("atomd_peers_alive", "Peers currently alive", registry=r)
         self.checkpoints = Counter("atomd_checkpoints_written", "Checkpoints written", registry=r)
         self.job_state.state("none")
+
+    def job_launched(self) -> None:
+        """A job launches: the gauges stop showing the job before's values."""
+        for gauge in (self.step, self.loss, self.val_loss):
+            gauge.set(float("nan"))
+        self.tokens_per_s.set(0)
+
+    def job_ended(self) -> None:
+        """The job's trainer has returned: its last values stay, but nothing trains now."""
+        self.tokens_per_s.set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

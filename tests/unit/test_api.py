@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -14,6 +15,7 @@ import pytest
 from pydantic import SecretStr
 
 from atomd.config import Settings
+from atomd.daemon import Daemon
 from atomd.db import migrate
 from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.jobs import JobManager
@@ -29,7 +31,10 @@ async def make_client(tmp_path: Path) -> AsyncIterator[Factory]:
     cleanups: list[Any] = []
 
     async def make(
-        token: str | None = None, ready: bool = True, started: bool = True
+        token: str | None = None,
+        ready: bool = True,
+        started: bool = True,
+        daemon: Daemon | None = None,
     ) -> httpx.AsyncClient:
         settings = Settings(
             data_dir=tmp_path, control_token=SecretStr(token) if token else None, device="cpu"
@@ -49,7 +54,11 @@ async def make_client(tmp_path: Path) -> AsyncIterator[Factory]:
             jobs=jobs,
             telemetry=telemetry,
             sessions=sessions,
-            readiness=lambda: {"database": True, "peer": ready},
+            readiness=(
+                (lambda: {"database": True, "peer": ready})
+                if daemon is None
+                else (lambda: daemon.readiness(jobs, _Started(), _Started()))
+            ),
             started_at=time.monotonic(),
         )
         app = create_control_app(ctx)
@@ -78,6 +87,29 @@ async def test_health_and_readiness(make_client: Factory) -> None:
     r = await c.get("/readyz")
     assert r.status_code == 503
     assert r.json() == {"ready": False, "checks": {"database": True, "peer": False}, "reasons": {}}
+
+
+class _Started:
+    started = True  # uvicorn's flag, for a server that listens
+
+
+async def test_readiness_fails_from_the_start_of_a_shutdown(
+    make_client: Factory, tmp_path: Path
+) -> None:
+    """From SIGTERM on, the job checkpoints and the daemon exits (seconds to minutes): a
+    balancer or launcher that asks /readyz must hear "not ready" then, with the reason."""
+    daemon = Daemon(Settings(data_dir=tmp_path, device="cpu"))
+    daemon._db_ready = True  # as run() sets it once the database is migrated
+    c = await make_client(daemon=daemon)
+    r = await c.get("/readyz")
+    assert r.status_code == 200 and r.json()["checks"]["accepting"] is True, r.text
+    daemon.request_shutdown("a test")
+    r = await c.get("/readyz")
+    assert r.status_code == 503, r.text
+    assert r.json()["checks"] == {
+        "database": True, "jobs": True, "control": True, "peer": True, "accepting": False,
+    }  # fmt: skip
+    assert "shutting down" in r.json()["reasons"]["accepting"]
 
 
 async def test_commands_wait_until_interrupted_jobs_are_taken_up(make_client: Factory) -> None:
@@ -271,6 +303,26 @@ async def test_job_runs_records_progress_and_stops(make_client: Factory) -> None
     assert state == "stopped"
     status = (await c.get("/v1/status")).json()
     assert status["job"] is None and status["device"] == "cpu"
+
+    def gauge(text: str, name: str) -> float:
+        return float(re.search(rf"^{name} (\S+)$", text, re.M)[1])  # type: ignore[index]
+
+    # The stopped job's last values stay; nothing trains now.
+    metrics = (await c.get("/metrics")).text
+    assert gauge(metrics, "atomd_job_tokens_per_second") == 0
+    assert gauge(metrics, "atomd_job_loss") > 0 and gauge(metrics, "atomd_job_step") >= 3
+    # A job that ends before its first report does not show the job before's values.
+    r = await c.post("/v1/jobs", json={**FAST, "max_steps": 5, "data_sha256": "0" * 64})
+    assert r.status_code == 201, r.text
+    for _ in range(300):
+        state = (await c.get(f"/v1/jobs/{r.json()['id']}")).json()["state"]
+        if state == "failed":
+            break
+        await asyncio.sleep(0.05)
+    assert state == "failed"
+    metrics = (await c.get("/metrics")).text
+    for name in ("atomd_job_loss", "atomd_job_step", "atomd_job_val_loss"):
+        assert math.isnan(gauge(metrics, name)), name
 
 
 async def test_docs_work_offline(make_client: Factory) -> None:
