@@ -18,6 +18,7 @@ run's ``metrics.jsonl`` (truncated to that checkpoint).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -181,7 +182,8 @@ class ActiveJob:
     origin_key: str | None = None
     origin_signature: str | None = None
     donors: list[str] = field(default_factory=list)
-    stop_event: threading.Event = field(default_factory=threading.Event)
+    stop_event: threading.Event = field(default_factory=threading.Event)  # the trainer's
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # the same, for the loop
     queue: asyncio.Queue[_Message] = field(default_factory=asyncio.Queue)
     stop_reason: str | None = None  # set when a person or the swarm asked it to stop
     tokens_seen: int = 0
@@ -195,6 +197,12 @@ class ActiveJob:
     tries: int = 0  # donors' states the trainer refused
     retakes: int = 0  # times it took the swarm's state again, far behind (``_moved_on``)
     retaking: bool = False  # the next state taken is the swarm's whatever its step
+
+    def stop(self) -> None:
+        """Stop it: the trainer at its next step boundary (it checkpoints); a wait for donors
+        or a state transfer before it trains, at once (``JobManager._take_swarm_state``)."""
+        self.stop_event.set()
+        self.stopping.set()
 
 
 def _resumed(job: JobRecord, spec: JobSpec) -> ActiveJob:
@@ -430,7 +438,7 @@ class JobManager:
     async def shutdown(self) -> None:
         """Stop the current job at a step boundary (it checkpoints) and end ``run()``."""
         if self.active is not None:
-            self.active.stop_event.set()
+            self.active.stop()
         self._closing.set()
 
     # -- queries -----------------------------------------------------------------------------
@@ -629,7 +637,7 @@ class JobManager:
 
     async def _request_stop(self, active: ActiveJob, reason: str) -> JobRecord:
         active.stop_reason = reason
-        active.stop_event.set()
+        active.stop()
         return await self._set_state(active.id, "stopping", None, "job.stopping", reason)
 
     def offer(self, advert: dict[str, Any], donors: list[str]) -> None:
@@ -758,7 +766,7 @@ class JobManager:
         self.active = active
         self.telemetry.job_launched()
         if self._closing.is_set():  # shutdown came while it was recorded: stop as it would
-            active.stop_event.set()
+            active.stop()
         if active.scope == "swarm" and self.swarm is not None and self.exchange is not None:
             # From now on its frames are kept until its plugin exists: a restarted daemon
             # loads torch for seconds while the others already send it their rounds.
@@ -870,26 +878,48 @@ class JobManager:
         """Before a swarm job trains here: fetch the swarm's newest state from a peer that
         trains it, when that is newer than our own checkpoint (retaking, ``_moved_on``: at
         whatever step, our own checkpoints past it removed: they hold the rounds this peer
-        closed alone, and a peer cut off trains faster alone). False if the job failed."""
+        closed alone, and a peer cut off trains faster alone). False if the job ended here:
+        it failed, or a stop or a shutdown came while it waited for donors or a transfer
+        (recorded as ``_finish`` would, at its newest checkpoint's step; the transfer is
+        cancelled and its partial folder removed: a SIGTERM waited out its 15 minutes)."""
         assert self.swarm is not None
         retake, active.retaking = active.retaking, False
         donors = active.donors
-        if not donors and active.resume:
-            # Restarted: wait until the membership can tell who trains the job now.
-            donors = await self.swarm.settled_donors(active.id, give_up=self._closing.is_set)
-        if not donors:
-            return True
         root = checkpoint_root(active.out_dir)
         own = await asyncio.to_thread(list_checkpoints, root)
         own_step = checkpoint_step(own[0]) if own else 0
+        if not donors and active.resume:
+            # Restarted: wait until the membership can tell who trains the job now.
+            donors = await self.swarm.settled_donors(active.id, give_up=active.stopping.is_set)
+        if active.stopping.is_set():
+            await self._record_end(active, "stopped", own_step)
+            return False
+        if not donors:
+            return True
         # A donor whose swarm has closed no round yet answers "no state": the initial weights
         # are the swarm's model then, and the joiner starts from them at round 0 like it.
         at_least = 1 if retake else own_step + 1
-        try:
-            got = await self.swarm.fetch_state(
+        fetch = asyncio.ensure_future(
+            self.swarm.fetch_state(
                 active.id, donors, root, max_file_bytes=state_file_bound(active.spec),
                 at_least=at_least,
-            )  # fmt: skip
+            )
+        )  # fmt: skip
+        stopping = asyncio.ensure_future(active.stopping.wait())
+        try:
+            await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if active.stopping.is_set():
+            if not fetch.done():
+                log.info("job %s: stopped; the state transfer is cancelled", active.id)
+            fetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, AtomdError):
+                await fetch
+            await self._record_end(active, "stopped", own_step)
+            return False
+        try:
+            got = fetch.result()
         except AtomdError as e:
             if own:  # our own checkpoint still serves: resume from it
                 log.warning("job %s: %s; resuming from our own checkpoint", active.id, e)
@@ -1078,8 +1108,16 @@ class JobManager:
             reason = f"{type(e).__name__}: {e}"
             await self._set_state(active.id, "failed", reason, "job.failed", reason, release)
             return
-        at = f"step {summary.step}"
-        if summary.state == "finished":
+        await self._record_end(active, summary.state, summary.step)
+
+    async def _record_end(
+        self, active: ActiveJob, state: Literal["finished", "stopped"], step: int
+    ) -> None:
+        """Record how a job ended without an error: finished, stopped by request, or
+        interrupted by a shutdown (pending: it resumes from its checkpoint at ``step``)."""
+        release = functools.partial(self._release, active)
+        at = f"step {step}"
+        if state == "finished":
             await self._set_state(active.id, "finished", None, "job.finished", at, release)
         elif active.stop_reason is not None:
             await self._set_state(

@@ -507,3 +507,55 @@ async def test_a_full_disk_while_recording_progress_waits_instead_of_ending_the_
         assert calls == [1], "dropped past the bound, not retried"
     finally:
         await engine.dispose()
+
+
+@pytest.mark.parametrize("how", ["shutdown", "stop"])
+async def test_a_stop_cancels_a_state_transfer_under_way(tmp_path: Path, how: str) -> None:
+    """A SIGTERM (or a stop) while a joiner fetches the swarm's state waited out the whole
+    transfer, up to its 15-minute deadline. It is cancelled at once and the job recorded as a
+    stop during training would be: pending to resume after a shutdown (from its newest
+    checkpoint), stopped after a stop."""
+    from atomd.jobs import SHUTDOWN_REASON, ActiveJob
+    from atomd.train import checkpoint as ckpt
+
+    jobs, sessions, engine = await _manager(tmp_path)
+    fetching, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def settled_donors(job_id: str, *, give_up: Any) -> list[str]:
+        return ["https://d1"]
+
+    async def fetch_state(job_id: str, donors: list[str], root: Path, *, max_file_bytes: int,
+                          at_least: int) -> None:  # fmt: skip
+        fetching.set()
+        try:
+            await asyncio.Event().wait()  # a donor that sends slowly
+        finally:
+            cancelled.set()
+
+    jobs.swarm = SimpleNamespace(  # type: ignore[assignment]
+        settled_donors=settled_donors, fetch_state=fetch_state
+    )
+    active = ActiveJob("a" * 32, JobSpec(preset="tiny"), tmp_path / "job", True, "swarm")
+    ckpt.checkpoint_dir(ckpt.checkpoint_root(active.out_dir), 40).mkdir(parents=True)
+    async with sessions() as s, s.begin():
+        await repo.create_job(s, job_id=active.id, spec={}, out_dir=str(active.out_dir),
+                              state="running", scope="swarm")  # fmt: skip
+    jobs.active = active
+    try:
+        taking = asyncio.create_task(jobs._take_swarm_state(active))
+        await asyncio.wait_for(fetching.wait(), 10)
+        if how == "shutdown":
+            await jobs.shutdown()
+        else:
+            await jobs._request_stop(active, "stopped by request")
+        assert await asyncio.wait_for(taking, 10) is False  # the job ended here
+        assert cancelled.is_set() and jobs.active is None
+        async with sessions() as s:
+            job = await repo.get_job(s, job_id=active.id)
+        assert job is not None
+        if how == "shutdown":
+            assert (job.state, job.reason) == ("pending", SHUTDOWN_REASON)
+        else:
+            assert (job.state, job.reason) == ("stopped", "stopped by request")
+    finally:
+        await engine.dispose()
