@@ -126,7 +126,11 @@ def _cadence(sync: dict[str, Any]) -> str:
 
 def run(
     data_dir: Annotated[
-        Path | None, typer.Option(help="Database, identity key, job folders. (env ATOMD_DATA_DIR)")
+        Path | None,
+        typer.Option(
+            help="Database, identity key, job folders; used by one daemon at a time. "
+            "(env ATOMD_DATA_DIR)"
+        ),
     ] = None,
     control: Annotated[
         str | None,

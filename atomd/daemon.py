@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -42,6 +44,32 @@ from atomd_api.peer import create_peer_app
 log = get_logger(__name__)
 
 DATABASE_CHECK_S = 5.0  # how often the database file is checked (a stat and 16 bytes)
+LOCK_FILE = "atomd.pid"  # held (flock) by the daemon that uses the data directory; its pid
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Take the data directory for this process: an exclusive ``flock`` on ``atomd.pid``
+    (which then holds our pid), held until the returned descriptor is closed or the process
+    dies, however it dies. Two daemons on one data directory would share its identity (one
+    peer id on two addresses), its database and its jobs' checkpoints: the second is refused
+    with a ``ConfigError`` naming the first."""
+    path = data_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(
+            f"the data directory {data_dir} is in use by another atomd (pid {holder}): stop "
+            "it first, or give this one its own --data-dir"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 class _Server(uvicorn.Server):
@@ -130,6 +158,14 @@ class Daemon:
     async def run(self) -> None:
         s = self.settings
         s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock = lock_data_dir(s.data_dir)
+        try:
+            await self._run()
+        finally:
+            os.close(lock)  # after everything that used the data directory has stopped
+
+    async def _run(self) -> None:
+        s = self.settings
         s.jobs_dir.mkdir(parents=True, exist_ok=True)
         control_sock = _bind(s.control_host_port, "control API")
         peer_sock = _bind(s.listen_host_port, "peer plane")

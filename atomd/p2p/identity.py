@@ -21,6 +21,7 @@ from atomd.logs import get_logger
 log = get_logger(__name__)
 
 KEY_FILE = "identity.key"
+_PARTIAL = ".identity.key.*.tmp"  # a key being written; a kill mid-write leaves one
 
 
 def peer_id_from_public_key(public_key_hex: str) -> str:
@@ -65,6 +66,8 @@ class Identity:
         PKCS8 PEM Ed25519 key; the message says how to fix it."""
         path = data_dir / KEY_FILE
         data_dir.mkdir(parents=True, exist_ok=True)
+        for partial in data_dir.glob(_PARTIAL):  # the daemon holds the data directory's lock
+            partial.unlink(missing_ok=True)
         try:
             identity = cls._create(path)
         except FileExistsError:
@@ -80,20 +83,27 @@ class Identity:
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
-        # O_EXCL: never overwrite a key (a peer's id is its key) and lose no race with another
-        # start; the mode is given at creation, so the key is never readable by others, even
-        # for a moment.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        # Written whole to a side file, then linked into place: a kill mid-write leaves no
+        # half-written key that would stop every later start (the side file is removed at the
+        # next). The mode is given at creation, so the key is never readable by others, even for
+        # a moment; link() never overwrites a key (a peer's id is its key) and loses no race
+        # with another start (FileExistsError: that one's key is loaded).
+        tmp = path.with_name(f".{KEY_FILE}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(pem)
                 f.flush()
                 os.fsync(f.fileno())
-        except BaseException:
-            # A half-written key would stop every later start; leave no file instead.
+            os.link(tmp, path)
+        finally:
             with contextlib.suppress(OSError):
-                path.unlink()
-            raise
+                tmp.unlink()
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the name too survives a power cut
+        finally:
+            os.close(dir_fd)
         return cls(private_key)
 
     @classmethod

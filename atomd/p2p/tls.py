@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 import datetime
 import os
+import shutil
 import ssl
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -81,6 +82,10 @@ def server_context(identity: Identity, scratch: Path | None = None) -> ssl.SSLCo
     )
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
+        # A kill while a context was made left its folder, with a copy of the key; the daemon
+        # holds the data directory's lock, so no other process is making one here now.
+        for left in scratch.glob(".tls-*"):
+            shutil.rmtree(left, ignore_errors=True)
     with tempfile.TemporaryDirectory(dir=scratch, prefix=".tls-") as tmp:  # mode 0700
         cert_path, key_path = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
         cert_path.write_bytes(certificate_pem(identity))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from atomd.daemon import lock_data_dir
 from atomd.launch import READY_TIMEOUT, DaemonProcess
 from tests.conftest import another_congestion
 from tests.integration.conftest import FAST_JOB, restarted_while_database_held, wait_for
@@ -182,8 +184,6 @@ def test_control_token_required_when_set(daemons: Any) -> None:
 
 
 def _atomd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    import os
-
     base = {k: v for k, v in os.environ.items() if not k.startswith("ATOMD_")}
     return subprocess.run(
         [sys.executable, "-m", "atomd", *args],
@@ -207,6 +207,13 @@ def test_bad_settings_stop_the_start_with_a_clear_message(tmp_path: Path) -> Non
         port = busy.getsockname()[1]
         r = _atomd("run", "--data-dir", str(tmp_path), "--control", f"127.0.0.1:{port}")
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    held = lock_data_dir(tmp_path)  # as a daemon that uses it holds it
+    try:
+        r = _atomd("run", "--data-dir", str(tmp_path), "--control", "127.0.0.1:0")
+    finally:
+        os.close(held)
+    assert r.returncode == 2, r.stderr
+    assert f"is in use by another atomd (pid {os.getpid()})" in r.stderr
 
 
 def test_cli_clients_talk_to_the_daemon(daemons: Any, tmp_path: Path) -> None:
