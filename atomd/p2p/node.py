@@ -64,6 +64,7 @@ CLAIM_QUORUM = 2
 # job. Keys are free with the swarm secret alone, and 4,096 of them advertising the job made
 # a refresh cost ~50 s of the event loop and 146 MB of JSON (a review of 2026-12-06).
 MAX_CURVE_PEERS = 32
+LEFT_CANDIDATES = 8  # peers that said they left, knocked at last when (re)joining
 DONORS_TIMEOUT_S = 30.0  # a restarted daemon waits at most this long to hear who trains a job
 REJECTIONS_FLUSH_S = 60.0
 # At shutdown the peers recorder finishes its write and the queued ones within this long.
@@ -318,12 +319,18 @@ class SwarmNode:
             self._lan.append(url)
 
     async def _candidates(self) -> list[str]:
+        """Where to knock, in order: the seeds, the remembered peers newest first, the LAN's,
+        then up to LEFT_CANDIDATES of those that said they left. A peer that left gracefully
+        (a restart, an upgrade) is often back: without them a swarm with no seeds stayed apart
+        after every member had restarted gracefully (each had recorded the others "left")."""
         urls = list(self.settings.seeds)
         async with self.sessions() as s:
             known = await repo.list_peers(s)
+        known = [p for p in known if p.id != self.peer_id]
         known.sort(key=lambda p: p.last_seen_at, reverse=True)
-        urls += [p.url for p in known if p.id != self.peer_id and p.state != "left"]
+        urls += [p.url for p in known if p.state != "left"]
         urls += self._lan
+        urls += [p.url for p in known if p.state == "left"][:LEFT_CANDIDATES]
         me = self.membership.me.url
         return [u for u in dict.fromkeys(u.rstrip("/") for u in urls) if u != me]
 

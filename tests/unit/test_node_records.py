@@ -38,3 +38,28 @@ async def test_changes_queued_at_shutdown_are_recorded(tmp_path: Path, sessions:
     async with sessions() as s:
         left = await repo.list_events(s, kind="peer.left")
     assert sorted(e.peer_id for e in left) == sorted(m.id for m in members)
+
+
+async def test_peers_that_left_are_knocked_at_last(tmp_path: Path, sessions: Sessions) -> None:
+    """A swarm with no seeds that stopped together recorded every member "left", and no
+    member knocked at any other after a restart: it stayed apart. Those that left are now
+    join candidates after the seeds, the other remembered peers and the LAN's (at most
+    LEFT_CANDIDATES of them, newest first)."""
+    from atomd.p2p.node import LEFT_CANDIDATES
+
+    me = Identity.generate()
+    settings = Settings(data_dir=tmp_path, device="cpu", seeds=["https://seed:1"])
+    node = SwarmNode(settings=settings, identity=me, sessions=sessions,
+                     telemetry=Telemetry(), jobs=cast(Any, None))  # fmt: skip
+    rows = [("alive", 2), ("dead", 3)] + [("left", 10 + i) for i in range(LEFT_CANDIDATES + 2)]
+    for state, port in rows:
+        async with sessions() as s, s.begin():
+            await repo.upsert_peer(s, peer_id=Identity.generate().peer_id,
+                                   url=f"https://127.0.0.1:{port}", public_key=None,
+                                   state=state, incarnation=1)  # fmt: skip
+    node.lan_found(Identity.generate().peer_id, "https://lan:1")
+    got = await node._candidates()
+    left = [f"https://127.0.0.1:{10 + i}" for i in range(LEFT_CANDIDATES + 2)][::-1]
+    assert got[:2] == ["https://seed:1", "https://127.0.0.1:3"]  # newest first
+    assert got[2:4] == ["https://127.0.0.1:2", "https://lan:1"]
+    assert got[4:] == left[:LEFT_CANDIDATES]
