@@ -198,7 +198,7 @@ async def test_pragmas(db: Path, sessions: Sessions) -> None:
         }
     assert pragmas == {
         "journal_mode": "wal",
-        "synchronous": 1,
+        "synchronous": 2,  # FULL: a commit is on disk before it returns
         "foreign_keys": 1,
         "busy_timeout": 5000,
     }
