@@ -28,7 +28,7 @@ from atomd import systemd
 from atomd.config import Settings
 from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
-from atomd.db.health import DatabaseFile, refuse_lost_database
+from atomd.db.health import DatabaseFile, refuse_lost_database, until_unlocked
 from atomd.errors import AtomdError, ConfigError
 from atomd.jobs import JobManager, load_training_modules
 from atomd.logs import Repeated, get_logger
@@ -170,16 +170,22 @@ class Daemon:
         control_sock = _bind(s.control_host_port, "control API")
         peer_sock = _bind(s.listen_host_port, "peer plane")
         refuse_lost_database(s.data_dir, s.db_path)
-        await asyncio.to_thread(migrate.upgrade, s.db_path)
+        await until_unlocked(
+            "the database's migration", lambda: asyncio.to_thread(migrate.upgrade, s.db_path)
+        )
         self._db_ready = True
         database = DatabaseFile(s.db_path)
         identity = Identity.load_or_create(s.data_dir)
         engine = make_engine(s.db_path)
         sessions = make_sessionmaker(engine)
-        async with sessions() as session, session.begin():
-            await repo.get_or_create_node(
-                session, peer_id=identity.peer_id, public_key=identity.public_key_hex
-            )
+
+        async def record_node() -> None:
+            async with sessions() as session, session.begin():
+                await repo.get_or_create_node(
+                    session, peer_id=identity.peer_id, public_key=identity.public_key_hex
+                )
+
+        await until_unlocked("recording this node", record_node)
         log.info("peer id %s, swarm %r", identity.peer_id, s.swarm)
         jobs = JobManager(
             jobs_dir=s.jobs_dir,

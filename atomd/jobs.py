@@ -51,6 +51,7 @@ from atomd.data.sources import (
 from atomd.data.sources import BYTES as BYTES_TOKENIZER
 from atomd.data.sources import DEFAULT as DEFAULT_TOKENIZER
 from atomd.db import repo
+from atomd.db.health import until_unlocked
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
 from atomd.devices import (
     TRAIN_BYTES_PER_PARAMETER,
@@ -421,7 +422,7 @@ class JobManager:
         """Own the per-job tasks until ``shutdown()``; resume interrupted jobs first."""
         async with asyncio.TaskGroup() as tg:
             self._tg = tg
-            await self._resume_interrupted()
+            await until_unlocked("taking up the jobs the last run left", self._resume_interrupted)
             self._started.set()
             await self._closing.wait()
         self._executor.shutdown(wait=True)
@@ -744,6 +745,8 @@ class JobManager:
         async with self.sessions() as s:
             jobs = await repo.active_jobs(s)
         for job in jobs:
+            if self.active is not None and job.id == self.active.id:
+                continue  # taken up by a try before that another process's lock cut short
             if job.state == "stopping":
                 # Someone asked it to stop and the daemon died first: honour the stop.
                 await self._set_state(
@@ -855,15 +858,19 @@ class JobManager:
             await self._record_when_room(active, items)
 
     async def _record_when_room(self, active: ActiveJob, items: Sequence[_Message]) -> None:
-        """``_record``, again while the database's disk is full, for up to RECORD_FULL_S. The
-        trainer's checkpoint can fill the disk for a moment before it fails and is removed
-        (the job then fails with the reason): a progress commit in that moment raised out of
-        the job's task and ended the daemon (CI, 2026-12-06, the full-disk test). Past the
-        bound the items are dropped, said in the log (the trainer's metrics.jsonl has them)."""
+        """``_record``, again while the database's disk is full, for up to RECORD_FULL_S, and
+        while another process holds the database, for as long as it does (the reports wait in
+        the queue meanwhile; ``until_unlocked``). The trainer's checkpoint can fill the disk
+        for a moment before it fails and is removed (the job then fails with the reason): a
+        progress commit in that moment raised out of the job's task and ended the daemon (CI,
+        2026-12-06, the full-disk test). Past the bound the items are dropped, said in the log
+        (the trainer's metrics.jsonl has them)."""
         deadline = time.monotonic() + RECORD_FULL_S
         while True:
             try:
-                await self._record(active, items)
+                await until_unlocked(
+                    f"recording job {active.id}'s progress", lambda: self._record(active, items)
+                )
                 return
             except OperationalError as e:
                 if "full" not in str(e):

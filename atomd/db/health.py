@@ -5,10 +5,20 @@ seconds, and never re-creates a missing database on its own."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
+
+from sqlalchemy.exc import OperationalError
 
 from atomd.errors import ConfigError
+from atomd.logs import Repeated, get_logger
+
+log = get_logger(__name__)
+T = TypeVar("T")
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 
@@ -74,3 +84,33 @@ def refuse_lost_database(data_dir: Path, db_path: Path) -> None:
 
 def _nonempty(p: Path) -> bool:
     return p.is_file() or (p.is_dir() and any(p.iterdir()))
+
+
+LOCKED_RETRY_S = 1.0  # how often a start-up step retries a database another process holds
+
+
+def is_locked(e: BaseException) -> bool:
+    """Whether ``e`` is SQLite's "database is locked": another process held a write lock for
+    longer than the busy timeout (``engine.BUSY_TIMEOUT_MS``)."""
+    return isinstance(e, OperationalError) and "database is locked" in str(e)
+
+
+async def until_unlocked(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """``await call()``, again every LOCKED_RETRY_S while another process holds the database
+    (the sqlite3 shell in a transaction, a backup tool), saying so at a backoff. A start-up
+    step that failed then ended the daemon with a traceback (a review, 2026-12-07); it now
+    waits, not ready (``/readyz`` 503), and goes on once the lock is gone. Any other error
+    is raised."""
+    repeated = Repeated(log, first=5.0, longest=60.0)
+    while True:
+        try:
+            return await call()
+        except OperationalError as e:
+            if not is_locked(e):
+                raise
+            repeated.log(
+                "locked", logging.WARNING,
+                "%s waits: another process holds a write lock on the database (an open "
+                "transaction in the sqlite3 shell or a backup, for example); retrying", what,
+            )  # fmt: skip
+        await asyncio.sleep(LOCKED_RETRY_S)

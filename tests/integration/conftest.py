@@ -64,8 +64,8 @@ def restarted_while_database_held(d: DaemonProcess) -> Iterator[httpx.Response]:
     """Start ``d`` again while another connection holds a write lock on its database, and
     yield its first ``/readyz`` answer; the lock goes when the block ends. Reads still work,
     so the daemon comes up, but it cannot record that it takes up the job a SIGKILL
-    interrupted: the start-up window before that stays open for the block (a few seconds at
-    most: the daemon's writes wait ``BUSY_TIMEOUT_MS``, 5 s, then fail)."""
+    interrupted: the start-up window before that stays open for the block (the daemon's
+    writes wait ``BUSY_TIMEOUT_MS``, 5 s, then fail, and the take-up is tried again)."""
 
     def answer() -> httpx.Response | None:
         try:

@@ -10,6 +10,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import httpx
 import pytest
 
 from atomd.daemon import lock_data_dir
+from atomd.db.engine import BUSY_TIMEOUT_MS
 from atomd.launch import READY_TIMEOUT, DaemonProcess
 from tests.conftest import another_congestion
 from tests.integration.conftest import FAST_JOB, restarted_while_database_held, wait_for
@@ -151,9 +153,12 @@ def test_sigkill_then_restart_resumes_from_last_good_checkpoint(daemons: Any) ->
     # Not ready before the interrupted job is taken up: until then its record still reads the
     # "running" the SIGKILL left (a client that trusted /readyz read it in CI while nothing
     # trained). A writer holding the database keeps the daemon from taking it up meanwhile.
+    # Held past the busy timeout: a start-up that failed then ended the daemon; it waits.
     with restarted_while_database_held(d) as first:
-        pass
+        time.sleep(BUSY_TIMEOUT_MS / 1000 + 2)
+        assert d.running(), d.log()[-3000:]
     assert first.status_code == 503 and first.json()["checks"]["jobs"] is False, first.text
+    assert "another process holds a write lock on the database" in d.log()
     d.wait_ready()
     with d.client() as c:
         assert _job(c, jid)["state"] in ("pending", "running")
