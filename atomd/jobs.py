@@ -1145,13 +1145,20 @@ class JobManager:
         message: str,
         committed: Callable[[], None] | None = None,
     ) -> JobRecord:
-        """Record a job's state and its event; ``committed`` runs right after the commit."""
-        async with self.sessions() as s:
-            async with s.begin():
-                job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
-                await repo.add_event(s, kind=kind, job_id=job_id, message=message)
-            if committed is not None:
-                committed()
+        """Record a job's state and its event; ``committed`` runs right after the commit.
+        Another process's write lock is waited out (``until_unlocked``): a state change that
+        failed on it ended the job's task, and with it the daemon."""
+
+        async def write() -> JobRecord:
+            async with self.sessions() as s:
+                async with s.begin():
+                    job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
+                    await repo.add_event(s, kind=kind, job_id=job_id, message=message)
+                if committed is not None:
+                    committed()
+            return job
+
+        job = await until_unlocked(f"recording job {job_id} {state}", write)
         self.telemetry.job_state.state(state)
         level = logging.ERROR if state == "failed" else logging.INFO
         log.log(level, "job %s: %s%s", job_id, state, f" ({reason})" if reason else "")

@@ -622,3 +622,32 @@ async def test_survives_sigkill_mid_write(db: Path, sessions: Sessions) -> None:
         steps = [p.step for p in await repo.list_progress(s, job_id="j1", limit=100_000)]
     assert steps[:committed] == list(range(1, committed + 1))
     assert steps == list(range(1, len(steps) + 1)), "no gaps: each commit is all or nothing"
+
+
+async def test_start_up_steps_wait_out_another_processs_lock(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SQLite's "database is locked" (another process held a write lock past the busy
+    timeout) is waited out, said once; any other error is raised at once."""
+    from sqlalchemy.exc import OperationalError
+
+    from atomd.db import health
+
+    monkeypatch.setattr(health, "LOCKED_RETRY_S", 0.01)
+    tries: list[int] = []
+
+    async def locked_twice() -> str:
+        tries.append(1)
+        if len(tries) <= 2:
+            raise OperationalError("INSERT", {}, sqlite3.OperationalError("database is locked"))
+        return "written"
+
+    assert await health.until_unlocked("a test", locked_twice) == "written"
+    assert len(tries) == 3
+    assert caplog.text.count("a test waits: another process holds a write lock") == 1
+
+    async def broken() -> None:
+        raise OperationalError("INSERT", {}, sqlite3.OperationalError("disk I/O error"))
+
+    with pytest.raises(OperationalError, match="disk I/O error"):
+        await health.until_unlocked("a test", broken)
