@@ -293,7 +293,17 @@ class Daemon:
         # uvicorn exposes only a flag for "listening"; poll it briefly at start-up.
         while not (control.started and peer.started):  # noqa: ASYNC110
             await asyncio.sleep(0.02)
-        await jobs.wait_started()
+        # A SIGTERM while the jobs wait to be taken up (another process holds the database)
+        # goes on to the shutdown, which makes the job manager give the wait up.
+        started = asyncio.ensure_future(jobs.wait_started())
+        stopping = asyncio.ensure_future(self._shutdown.wait())
+        try:
+            await asyncio.wait({started, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+            stopping.cancel()
+        if not jobs.started:
+            return
         s = self.settings
         log.info(
             "ready: control http://%s, peer plane %s (%s, %s, advertised %s), data %s",

@@ -51,7 +51,7 @@ from atomd.data.sources import (
 from atomd.data.sources import BYTES as BYTES_TOKENIZER
 from atomd.data.sources import DEFAULT as DEFAULT_TOKENIZER
 from atomd.db import repo
-from atomd.db.health import until_unlocked
+from atomd.db.health import is_locked, until_unlocked
 from atomd.db.schemas import JobRecord, JobState, ProgressPoint
 from atomd.devices import (
     TRAIN_BYTES_PER_PARAMETER,
@@ -417,15 +417,36 @@ class JobManager:
         # Check free, record, launch: one job at a time (two POSTs at once both found the
         # daemon free across the record's await, and the second job orphaned the first).
         self._launching = asyncio.Lock()
+        # A job's state changes commit in the order they were asked for: a stop's "stopping"
+        # and the end a cancelled transfer writes at once could wait on another process's
+        # lock side by side, and the later commit won ("stopping" for ever, nothing running).
+        self._state_writes = asyncio.Lock()
 
     async def run(self) -> None:
         """Own the per-job tasks until ``shutdown()``; resume interrupted jobs first."""
-        async with asyncio.TaskGroup() as tg:
-            self._tg = tg
-            await until_unlocked("taking up the jobs the last run left", self._resume_interrupted)
-            self._started.set()
-            await self._closing.wait()
-        self._executor.shutdown(wait=True)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                try:
+                    await until_unlocked(
+                        "taking up the jobs the last run left", self._resume_interrupted,
+                        give_up=self._closing.is_set,
+                    )  # fmt: skip
+                except OperationalError as e:
+                    if not (is_locked(e) and self._closing.is_set()):
+                        raise
+                    log.warning(
+                        "shutting down before the jobs the last run left were taken up (the "
+                        "database was locked); the next start takes them up"
+                    )
+                self._started.set()
+                await self._closing.wait()
+        finally:
+            # On every way out, a failure too: the trainer has stopped (its checkpoint written)
+            # before the daemon lets go of the data directory (``daemon.lock_data_dir``).
+            if self.active is not None:
+                self.active.stop()
+            self._executor.shutdown(wait=True)
 
     async def wait_started(self) -> None:
         await self._started.wait()
@@ -869,10 +890,15 @@ class JobManager:
         while True:
             try:
                 await until_unlocked(
-                    f"recording job {active.id}'s progress", lambda: self._record(active, items)
-                )
+                    f"recording job {active.id}'s progress", lambda: self._record(active, items),
+                    give_up=self._closing.is_set,
+                )  # fmt: skip
                 return
             except OperationalError as e:
+                if is_locked(e):  # only once the daemon shuts down
+                    log.error("job %s: %d report(s) of the trainer not recorded: the database "
+                              "is locked by another process", active.id, len(items))  # fmt: skip
+                    return
                 if "full" not in str(e):
                     raise
                 if time.monotonic() >= deadline:
@@ -915,6 +941,9 @@ class JobManager:
         stopping = asyncio.ensure_future(active.stopping.wait())
         try:
             await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            fetch.cancel()  # this task is cancelled: the transfer goes with it
+            raise
         finally:
             stopping.cancel()
         if active.stopping.is_set():
@@ -1017,7 +1046,16 @@ class JobManager:
                         message=f"resumed from step {item.start_step}",
                     )  # fmt: skip
                 elif isinstance(item, _Saved):
-                    digest = await asyncio.to_thread(sha256_file, item.path / "model.safetensors")
+                    try:
+                        digest = await asyncio.to_thread(
+                            sha256_file, item.path / "model.safetensors"
+                        )
+                    except FileNotFoundError:
+                        # Recorded late (the database was locked), and pruned since by the
+                        # trainer's ``keep_checkpoints``: nothing to record.
+                        log.info("job %s: checkpoint %s was removed before it was recorded",
+                                 active.id, item.path.name)  # fmt: skip
+                        continue
                     await repo.add_checkpoint(
                         s, job_id=active.id, step=item.step, path=str(item.path), sha256=digest
                     )
@@ -1146,20 +1184,25 @@ class JobManager:
         committed: Callable[[], None] | None = None,
     ) -> JobRecord:
         """Record a job's state and its event; ``committed`` runs right after the commit.
-        Another process's write lock is waited out (``until_unlocked``): a state change that
-        failed on it ended the job's task, and with it the daemon."""
+        Another process's write lock is waited out (``until_unlocked``; until a shutdown, whose
+        next start repairs the record): a state change that failed on it ended the job's task,
+        and with it the daemon. State changes commit in the order they were asked for."""
 
         async def write() -> JobRecord:
             async with self.sessions() as s:
                 async with s.begin():
                     job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
                     await repo.add_event(s, kind=kind, job_id=job_id, message=message)
+                # Before ``committed`` frees the daemon: the next job's launch sets its own.
+                self.telemetry.job_state.state(state)
                 if committed is not None:
                     committed()
             return job
 
-        job = await until_unlocked(f"recording job {job_id} {state}", write)
-        self.telemetry.job_state.state(state)
+        async with self._state_writes:
+            job = await until_unlocked(
+                f"recording job {job_id} {state}", write, give_up=self._closing.is_set
+            )
         level = logging.ERROR if state == "failed" else logging.INFO
         log.log(level, "job %s: %s%s", job_id, state, f" ({reason})" if reason else "")
         return job

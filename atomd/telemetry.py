@@ -66,6 +66,7 @@ class Telemetry:
         for gauge in (self.step, self.loss, self.val_loss):
             gauge.set(float("nan"))
         self.tokens_per_s.set(0)
+        self.job_state.state("pending")
 
     def job_ended(self) -> None:
         """The job's trainer has returned: its last values stay, but nothing trains now."""

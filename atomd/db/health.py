@@ -95,18 +95,21 @@ def is_locked(e: BaseException) -> bool:
     return isinstance(e, OperationalError) and "database is locked" in str(e)
 
 
-async def until_unlocked(what: str, call: Callable[[], Awaitable[T]]) -> T:
+async def until_unlocked(
+    what: str, call: Callable[[], Awaitable[T]], give_up: Callable[[], bool] = lambda: False
+) -> T:
     """``await call()``, again every LOCKED_RETRY_S while another process holds the database
     (the sqlite3 shell in a transaction, a backup tool), saying so at a backoff. A start-up
     step that failed then ended the daemon with a traceback (a review, 2026-12-07); it now
     waits, not ready (``/readyz`` 503), and goes on once the lock is gone. Any other error
-    is raised."""
+    is raised, and "locked" too once ``give_up()`` (the daemon shuts down: a stop must not
+    wait on another process for ever)."""
     repeated = Repeated(log, first=5.0, longest=60.0)
     while True:
         try:
             return await call()
         except OperationalError as e:
-            if not is_locked(e):
+            if not is_locked(e) or give_up():
                 raise
             repeated.log(
                 "locked", logging.WARNING,

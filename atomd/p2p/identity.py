@@ -6,6 +6,7 @@ A peer's id is derived from its public key, so an id cannot be claimed without t
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import stat
@@ -22,6 +23,7 @@ log = get_logger(__name__)
 
 KEY_FILE = "identity.key"
 _PARTIAL = ".identity.key.*.tmp"  # a key being written; a kill mid-write leaves one
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
 
 
 def peer_id_from_public_key(public_key_hex: str) -> str:
@@ -95,7 +97,17 @@ class Identity:
                 f.write(pem)
                 f.flush()
                 os.fsync(f.fileno())
-            os.link(tmp, path)
+            try:
+                os.link(tmp, path)
+            except OSError as e:
+                if e.errno not in _NO_LINKS:
+                    raise
+                # A file system without hard links (vfat, some network and FUSE mounts): a
+                # rename, which would replace a key another start made meanwhile, so only
+                # where none is yet (the daemon holds the data directory's lock).
+                if path.exists():
+                    raise FileExistsError(path) from None
+                os.rename(tmp, path)
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()

@@ -16,6 +16,7 @@ because only a complete, verified folder ever gets a ``step-*`` name.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -191,6 +192,7 @@ async def _fetch_from(
     tmp = root / f".incoming-step-{step:08d}-{os.getpid()}"
     await asyncio.to_thread(shutil.rmtree, tmp, True)
     await asyncio.to_thread(tmp.mkdir, parents=True)
+    publish: asyncio.Future[None] | None = None
     try:
         for name, want in files.items():
             dl = await asyncio.to_thread(_Download, tmp / name, want.bytes, want.sha256)
@@ -209,8 +211,16 @@ async def _fetch_from(
         )
         await asyncio.to_thread((tmp / ckpt.META_FILE).write_text, meta)
         await asyncio.to_thread((tmp / ckpt.DONATED_FILE).write_text, url)
-        await asyncio.to_thread(_fsync_and_publish, tmp, ckpt.checkpoint_dir(root, step))
+        publish = asyncio.ensure_future(
+            asyncio.to_thread(_fsync_and_publish, tmp, ckpt.checkpoint_dir(root, step))
+        )
+        await asyncio.shield(publish)
     except BaseException:
+        if publish is not None and not publish.done():
+            # Cancelled (a stop) while the thread publishes: let it finish, or the removal
+            # below would run beside its rename and empty the folder it has just published.
+            with contextlib.suppress(BaseException):
+                await publish
         await asyncio.to_thread(shutil.rmtree, tmp, True)
         raise
     return step

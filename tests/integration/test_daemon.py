@@ -176,6 +176,26 @@ def test_sigkill_then_restart_resumes_from_last_good_checkpoint(daemons: Any) ->
         assert events and f"step {last_good}" in events[-1][0]
 
 
+def test_sigterm_while_the_jobs_wait_on_a_held_database_exits(daemons: Any) -> None:
+    """Restarted while another process holds the database, the daemon waits to take up the
+    job a SIGKILL interrupted. A SIGTERM then ends the wait and the daemon (exit 0; before,
+    the wait held the shutdown for as long as the lock), and the next start takes it up."""
+    d: DaemonProcess = daemons().start()
+    with d.client() as c:
+        jid = c.post("/v1/jobs", json={**FAST_JOB, "max_steps": 100000}).json()["id"]
+        wait_for(lambda: _job(c, jid)["step"] >= 3, what="steps")
+    d.signal(signal.SIGKILL)
+    d.wait(timeout=10)
+    with restarted_while_database_held(d) as first:
+        assert first.json()["checks"]["jobs"] is False, first.text
+        d.signal(signal.SIGTERM)
+        assert d.wait(timeout=READY_TIMEOUT) == 0, d.log()[-3000:]
+    assert "shutting down before the jobs the last run left were taken up" in d.log()
+    d.start()
+    with d.client() as c:
+        wait_for(lambda: _job(c, jid)["state"] == "running", what="resumed")
+
+
 def test_control_token_required_when_set(daemons: Any) -> None:
     d: DaemonProcess = daemons(env={"ATOMD_CONTROL_TOKEN": "s3cret"}).start()
     with httpx.Client(base_url=d.url, timeout=5) as c:

@@ -472,10 +472,12 @@ async def test_a_full_disk_while_recording_progress_waits_instead_of_ending_the_
     """A trainer's checkpoint can fill the disk for a moment before it fails and is removed:
     a progress commit in that moment raised out of the job's task and ended the daemon (the
     full-disk integration test in CI). The reports wait for room, then are dropped with a log
-    line; any other database error still raises."""
+    line; they wait while another process holds the database (dropped only once the daemon
+    shuts down); any other database error still raises."""
     from sqlalchemy.exc import OperationalError
 
     from atomd import jobs as jobs_module
+    from atomd.db import health
     from atomd.jobs import ActiveJob
 
     jobs, _, engine = await _manager(tmp_path)
@@ -497,9 +499,23 @@ async def test_a_full_disk_while_recording_progress_waits_instead_of_ending_the_
         fail[:] = [full(), full()]
         await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
         assert calls == [1, 1, 1] and not fail
-        fail[:] = [OperationalError("COMMIT", None, Exception("database is locked"))]
-        with pytest.raises(OperationalError, match="locked"):
+        monkeypatch.setattr(health, "LOCKED_RETRY_S", 0.01)
+
+        def locked() -> OperationalError:
+            return OperationalError("COMMIT", None, Exception("database is locked"))
+
+        calls.clear()
+        fail[:] = [locked(), locked()]
+        await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
+        assert calls == [1, 1, 1] and not fail
+        fail[:] = [OperationalError("COMMIT", None, Exception("disk I/O error"))]
+        with pytest.raises(OperationalError, match="I/O"):
             await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
+        await jobs.shutdown()
+        calls.clear()
+        fail[:] = [locked()]
+        await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
+        assert calls == [1], "shutting down: dropped, not waited for"
         monkeypatch.setattr(jobs_module, "RECORD_FULL_S", 0.0)
         calls.clear()
         fail[:] = [full()]
@@ -509,15 +525,27 @@ async def test_a_full_disk_while_recording_progress_waits_instead_of_ending_the_
         await engine.dispose()
 
 
-@pytest.mark.parametrize("how", ["shutdown", "stop"])
-async def test_a_stop_cancels_a_state_transfer_under_way(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize("how", ["shutdown", "stop", "stop, its record slow"])
+async def test_a_stop_cancels_a_state_transfer_under_way(
+    tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A SIGTERM (or a stop) while a joiner fetches the swarm's state waited out the whole
     transfer, up to its 15-minute deadline. It is cancelled at once and the job recorded as a
     stop during training would be: pending to resume after a shutdown (from its newest
-    checkpoint), stopped after a stop."""
+    checkpoint), stopped after a stop, also when the stop's own record ("stopping") is slow
+    to commit (another process's lock): the end is written after it, not overwritten by it."""
     from atomd.jobs import SHUTDOWN_REASON, ActiveJob
     from atomd.train import checkpoint as ckpt
 
+    if how == "stop, its record slow":
+        set_job_state = repo.set_job_state
+
+        async def slow_stopping(s: Any, *, job_id: str, state: str, reason: Any = None) -> Any:
+            if state == "stopping":
+                await asyncio.sleep(0.3)
+            return await set_job_state(s, job_id=job_id, state=state, reason=reason)
+
+        monkeypatch.setattr(repo, "set_job_state", slow_stopping)
     jobs, sessions, engine = await _manager(tmp_path)
     fetching, cancelled = asyncio.Event(), asyncio.Event()
 
@@ -547,7 +575,7 @@ async def test_a_stop_cancels_a_state_transfer_under_way(tmp_path: Path, how: st
         if how == "shutdown":
             await jobs.shutdown()
         else:
-            await jobs._request_stop(active, "stopped by request")
+            await asyncio.gather(jobs._request_stop(active, "stopped by request"), taking)
         assert await asyncio.wait_for(taking, 10) is False  # the job ended here
         assert cancelled.is_set() and jobs.active is None
         async with sessions() as s:
@@ -557,5 +585,23 @@ async def test_a_stop_cancels_a_state_transfer_under_way(tmp_path: Path, how: st
             assert (job.state, job.reason) == ("pending", SHUTDOWN_REASON)
         else:
             assert (job.state, job.reason) == ("stopped", "stopped by request")
+    finally:
+        await engine.dispose()
+
+
+async def test_a_checkpoint_pruned_before_it_was_recorded_is_skipped(tmp_path: Path) -> None:
+    """Reports wait while another process holds the database, and the trainer goes on and
+    prunes its old checkpoints (``keep_checkpoints``): hashing one that is gone raised out of
+    the job's task and ended the daemon. It is skipped; the rest of the batch is recorded."""
+    from atomd.jobs import ActiveJob, _Saved
+
+    jobs, sessions, engine = await _manager(tmp_path)
+    active = ActiveJob("b" * 32, JobSpec(preset="tiny"), tmp_path / "job", False)
+    async with sessions() as s, s.begin():
+        await repo.create_job(s, job_id=active.id, spec={}, out_dir=str(active.out_dir))
+    try:
+        await jobs._record(active, [_Saved(tmp_path / "job" / "step-00000010", 10)])
+        async with sessions() as s:
+            assert await repo.latest_checkpoint(s, job_id=active.id) is None
     finally:
         await engine.dispose()

@@ -323,6 +323,7 @@ async def test_job_runs_records_progress_and_stops(make_client: Factory) -> None
     metrics = (await c.get("/metrics")).text
     for name in ("atomd_job_loss", "atomd_job_step", "atomd_job_val_loss"):
         assert math.isnan(gauge(metrics, name)), name
+    assert 'atomd_job_state{atomd_job_state="none"} 1.0' in metrics  # no job now
 
 
 async def test_docs_work_offline(make_client: Factory) -> None:

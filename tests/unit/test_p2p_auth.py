@@ -6,6 +6,7 @@ real uvicorn server on loopback."""
 # globals only, and the routes below use a dependency alias local to ``make_peer_app``.
 
 import asyncio
+import errno
 import hashlib
 import os
 import socket
@@ -142,6 +143,21 @@ def test_a_key_appears_only_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert seen and seen[0] is False  # the bytes were synced before the name existed
     assert Identity.load_or_create(tmp_path).peer_id == first.peer_id
     assert sorted(p.name for p in tmp_path.iterdir()) == ["identity.key"]
+
+
+def test_a_key_is_made_where_hard_links_are_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vfat, some network and FUSE mounts refuse link(): the key is renamed into place."""
+
+    def no_links(src: Any, dst: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    first = Identity.load_or_create(tmp_path)
+    assert stat.S_IMODE((tmp_path / "identity.key").stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["identity.key"]
+    assert Identity.load_or_create(tmp_path).peer_id == first.peer_id
 
 
 def test_one_daemon_a_data_directory(tmp_path: Path) -> None:
