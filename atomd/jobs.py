@@ -107,6 +107,7 @@ LIVE_STATE_EVERY_S = 30.0
 CHECKPOINT_MODEL_SIZES = 6
 # How long the trainer's reports wait for room on a full disk (``_record_when_room``).
 RECORD_FULL_S = 30.0
+SWARM_STOPS_KEPT = 100  # the newest swarm-wide stops a restarted daemon still tells stragglers
 RECORD_RETRY_S = 0.5
 # Donors whose state a joiner refuses (``DonorStateError``) before it gives up on the job.
 DONOR_TRIES = 3
@@ -421,6 +422,9 @@ class JobManager:
         # and the end a cancelled transfer writes at once could wait on another process's
         # lock side by side, and the later commit won ("stopping" for ever, nothing running).
         self._state_writes = asyncio.Lock()
+        # Swarm jobs this daemon started and stopped swarm-wide: a member that missed the stop
+        # (asleep, cut off, restarted) and advertises one is told again (``SwarmNode``).
+        self._swarm_stopped: set[str] = set()
 
     async def run(self) -> None:
         """Own the per-job tasks until ``shutdown()``; resume interrupted jobs first."""
@@ -622,6 +626,7 @@ class JobManager:
             spec = JobSpec.model_validate(job.spec)
             admit(local_data(spec, self.data_names), self.device)
             job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", "")
+            self._swarm_stopped.discard(job_id)
             self._launch(_resumed(job, spec))
         return job
 
@@ -635,6 +640,10 @@ class JobManager:
             )
         self._check_started()
         if swarm is not None:
+            if job_id not in self._swarm_stopped:
+                self._swarm_stopped.add(job_id)
+                async with self.sessions() as s, s.begin():
+                    await repo.add_event(s, kind="job.swarm_stopped", job_id=job_id, message="")
             swarm.broadcast_stop(job_id)
         active = self.active
         if active is None or active.id != job_id:
@@ -762,9 +771,19 @@ class JobManager:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def stopped_swarm_wide(self, job_id: str) -> bool:
+        """Whether this daemon started ``job_id`` and stopped it on every peer (and has not
+        resumed it since)."""
+        return job_id in self._swarm_stopped
+
     async def _resume_interrupted(self) -> None:
         async with self.sessions() as s:
             jobs = await repo.active_jobs(s)
+            stops = await repo.list_events(s, kind="job.swarm_stopped", limit=SWARM_STOPS_KEPT)
+            for e in stops:
+                job = await repo.get_job(s, job_id=e.job_id) if e.job_id else None
+                if job is not None and job.state == "stopped":
+                    self._swarm_stopped.add(job.id)
         for job in jobs:
             if self.active is not None and job.id == self.active.id:
                 continue  # taken up by a try before that another process's lock cut short

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Coroutine
@@ -64,6 +65,8 @@ CLAIM_QUORUM = 2
 # job. Keys are free with the swarm secret alone, and 4,096 of them advertising the job made
 # a refresh cost ~50 s of the event loop and 146 MB of JSON (a review of 2026-12-06).
 MAX_CURVE_PEERS = 32
+RESTOP_S = 10.0  # a straggler that missed a swarm-wide stop is told again at most this often
+MAX_TOLD_STOPPED = 1024  # (peer, job) pairs remembered for RESTOP_S
 LEFT_CANDIDATES = 8  # peers that said they left, knocked at last when (re)joining
 DONORS_TIMEOUT_S = 30.0  # a restarted daemon waits at most this long to hear who trains a job
 REJECTIONS_FLUSH_S = 60.0
@@ -85,6 +88,10 @@ class SwarmJobs(Protocol):
         ...
 
     async def stop_from_peer(self, job_id: str, peer_id: str) -> None: ...
+    def stopped_swarm_wide(self, job_id: str) -> bool:
+        """Whether this daemon started ``job_id`` and stopped it on every peer."""
+        ...
+
     async def live_state(self, job_id: str, at_least: int = 0) -> bool:
         """Checkpoint the live state of a job trained here for a joining peer, if it is at
         step ``at_least`` or later (``NotFoundError`` if it is younger)."""
@@ -201,6 +208,7 @@ class SwarmNode:
         self._job_peers: dict[str, dict[str, float]] = {}
         self._job_of: dict[str, str] = {}  # peer id -> the job it was last heard training
         self._heard: set[str] = set()  # every member a message came from since we started
+        self._told_stopped: dict[tuple[str, str], float] = {}  # (peer, job) -> when
         self._joined = asyncio.Event()  # joined a swarm once, or there is nobody to join
         self._liars: set[str] = set()  # donor URLs whose state transfer lied: not asked again
         self.on_excluded: Callable[[str], None] = lambda _peer_id: None
@@ -512,6 +520,9 @@ class SwarmNode:
         if forged is not None:  # neither joined nor counted as training the job
             self._repeated.log("forged-advert", logging.WARNING, "peer %s: %s", sender, forged)
             return
+        if advert.origin == self.peer_id and self.jobs.stopped_swarm_wide(advert.id):
+            self._tell_stopped(sender, advert.id)
+            return
         self._trains(advert.id, sender)
         if self.settings.auto_join and not self.quarantine.excluded(sender):
             member = self.membership.get(sender)
@@ -538,6 +549,25 @@ class SwarmNode:
         msg = Announce(sender=self.membership.me.update(), job=self._sealed(advert))
         for m in self.membership.others("alive"):
             self._spawn(self._send(m, paths.ANNOUNCE, msg), f"announce-{m.id[:8]}")
+
+    def _tell_stopped(self, peer_id: str, job_id: str) -> None:
+        """``peer_id`` trains a job we started and stopped swarm-wide: it missed the stop
+        (asleep, cut off, or down while it went out) and would train on alone to the end.
+        Tell it again, at most every RESTOP_S (its every message carries the job)."""
+        now = time.monotonic()
+        key = (peer_id, job_id)
+        if now - self._told_stopped.get(key, -math.inf) < RESTOP_S:
+            return
+        member = self.membership.get(peer_id)
+        if member is None:
+            return
+        if len(self._told_stopped) >= MAX_TOLD_STOPPED:
+            self._told_stopped.clear()
+        self._told_stopped[key] = now
+        log.info("peer %s still trains job %s, stopped swarm-wide: telling it again",
+                 peer_id[:12], job_id)  # fmt: skip
+        msg = StopJob(sender=self.membership.me.update())
+        self._spawn(self._send(member, paths.job_stop(job_id), msg), f"stop-{peer_id[:8]}")
 
     def broadcast_stop(self, job_id: str) -> None:
         msg = StopJob(sender=self.membership.me.update())

@@ -150,14 +150,28 @@ def test_jobs_spread_to_the_swarm_and_newcomers_fetch_the_state(swarm: Any, daem
     ckpts = list((newcomer.data_dir / "jobs" / jid / "checkpoints").iterdir())
     assert not [p for p in ckpts if p.name.startswith(".incoming")]
 
-    # Stopping swarm-wide stops every copy.
-    with a.client() as c:
-        assert c.post(f"/v1/jobs/{jid}/stop", params={"scope": "swarm"}).status_code == 200
-    wait_until(
-        lambda: all((job_of(d) or {}).get("state") == "stopped" for d in ds),
-        timeout=READY_TIMEOUT, what="all stopped",
-    )  # fmt: skip
+    # Stopping swarm-wide stops every copy, also that of a member asleep (SIGSTOP) until the
+    # others held it dead, which the stop skipped: it is told again once it is heard training
+    # the job (before, it woke up and trained on alone to the end).
+    asleep, awake = ds[2], [d for d in ds if d is not ds[2]]
+    sleeper = peer_id(asleep)
+    asleep.signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: peer_view(a).get(sleeper) == "dead", timeout=READY_TIMEOUT,
+                   what="the sleeper held dead")  # fmt: skip
+        with a.client() as c:
+            assert c.post(f"/v1/jobs/{jid}/stop", params={"scope": "swarm"}).status_code == 200
+        wait_until(
+            lambda: all((job_of(d) or {}).get("state") == "stopped" for d in awake),
+            timeout=READY_TIMEOUT, what="all awake stopped",
+        )  # fmt: skip
+    finally:
+        asleep.signal(signal.SIGCONT)
+    wait_until(lambda: (job_of(asleep) or {}).get("state") == "stopped", timeout=READY_TIMEOUT,
+               what="the sleeper stopped")  # fmt: skip
     assert "stopped by the swarm" in (job_of(ds[1]) or {})["reason"]
+    assert "stopped by the swarm" in (job_of(asleep) or {})["reason"]
+    assert "stopped swarm-wide: telling it again" in a.log()
 
 
 def test_peer_plane_refuses_strangers_and_records_it(swarm: Any, tmp_path: Path) -> None:

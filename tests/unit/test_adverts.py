@@ -605,3 +605,28 @@ async def test_a_checkpoint_pruned_before_it_was_recorded_is_skipped(tmp_path: P
             assert await repo.latest_checkpoint(s, job_id=active.id) is None
     finally:
         await engine.dispose()
+
+
+async def test_a_swarm_wide_stop_is_remembered_across_a_restart(tmp_path: Path) -> None:
+    """The origin tells a member that missed its swarm-wide stop again (``SwarmNode``), also
+    after the origin itself restarted: the stop is recorded (``job.swarm_stopped``) and read
+    back as the jobs are taken up; a job resumed since is no longer stopped."""
+    stopped, resumed, local = "c" * 32, "d" * 32, "e" * 32
+    jobs, sessions, engine = await _manager(tmp_path)
+    async with sessions() as s, s.begin():
+        for job_id in (stopped, resumed, local):
+            await repo.create_job(s, job_id=job_id, spec={}, out_dir="/x", state="stopped",
+                                  scope="swarm", origin="p" * 32)  # fmt: skip
+        for job_id in (stopped, resumed):
+            await repo.add_event(s, kind="job.swarm_stopped", job_id=job_id, message="")
+        await repo.set_job_state(s, job_id=resumed, state="running")
+    task = asyncio.create_task(jobs.run())
+    try:
+        await jobs.wait_started()
+        assert jobs.stopped_swarm_wide(stopped)
+        assert not jobs.stopped_swarm_wide(resumed)  # resumed since (a crash left it running)
+        assert not jobs.stopped_swarm_wide(local)  # stopped here only
+    finally:
+        await jobs.shutdown()
+        await task
+        await engine.dispose()
