@@ -12,22 +12,15 @@ class Telemetry:
         self.registry = CollectorRegistry()
         r = self.registry
         # The newest job's: NaN from its launch until it reports (never the job before's).
-        self.step = Gauge(
-            "atomd_job_step", "Optimizer steps done by the newest job (NaN before it reports)",
-            registry=r,
-        )  # fmt: skip
-        self.loss = Gauge(
-            "atomd_job_loss", "Training loss (nats/token) of the newest job's last step",
-            registry=r,
-        )  # fmt: skip
-        self.val_loss = Gauge(
-            "atomd_job_val_loss", "The newest job's last validation loss (nats/token)",
-            registry=r,
-        )  # fmt: skip
-        self.tokens_per_s = Gauge(
-            "atomd_job_tokens_per_second", "Training throughput (0 while no job trains)",
-            registry=r,
-        )  # fmt: skip
+        job = {
+            "step": "Optimizer steps done by the newest job (NaN before it reports)",
+            "loss": "Training loss (nats/token) of the newest job's last step",
+            "val_loss": "The newest job's last validation loss (nats/token)",
+            "tokens_per_second": "Training throughput (0 while no job trains)",
+        }
+        self.step, self.loss, self.val_loss, self.tokens_per_s = (
+            Gauge(f"atomd_job_{name}", text, registry=r) for name, text in job.items()
+        )
         self.tokens = Counter("atomd_tokens_trained", "Tokens trained by this daemon", registry=r)
         self.job_state = Enum(
             "atomd_job_state", "State of the current job", states=JOB_STATES, registry=r

@@ -135,13 +135,19 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(daemons: Any) -> None:
         assert steps == list(range(1, len(steps) + 1))
 
 
-def test_sigkill_then_restart_resumes_from_last_good_checkpoint(daemons: Any) -> None:
+def _killed_during_a_job(daemons: Any, steps: int) -> tuple[DaemonProcess, str]:
+    """A daemon SIGKILLed once its job has trained ``steps`` steps, and the job's id."""
     d: DaemonProcess = daemons().start()
     with d.client() as c:
         jid = c.post("/v1/jobs", json={**FAST_JOB, "max_steps": 100000}).json()["id"]
-        wait_for(lambda: _job(c, jid)["step"] >= 13, what="steps")
+        wait_for(lambda: _job(c, jid)["step"] >= steps, what="steps")
     d.signal(signal.SIGKILL)
     d.wait(timeout=10)
+    return d, jid
+
+
+def test_sigkill_then_restart_resumes_from_last_good_checkpoint(daemons: Any) -> None:
+    d, jid = _killed_during_a_job(daemons, 13)
 
     db = sqlite3.connect(d.data_dir / "atomd.db")
     assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
@@ -180,12 +186,7 @@ def test_sigterm_while_the_jobs_wait_on_a_held_database_exits(daemons: Any) -> N
     """Restarted while another process holds the database, the daemon waits to take up the
     job a SIGKILL interrupted. A SIGTERM then ends the wait and the daemon (exit 0; before,
     the wait held the shutdown for as long as the lock), and the next start takes it up."""
-    d: DaemonProcess = daemons().start()
-    with d.client() as c:
-        jid = c.post("/v1/jobs", json={**FAST_JOB, "max_steps": 100000}).json()["id"]
-        wait_for(lambda: _job(c, jid)["step"] >= 3, what="steps")
-    d.signal(signal.SIGKILL)
-    d.wait(timeout=10)
+    d, jid = _killed_during_a_job(daemons, 3)
     with restarted_while_database_held(d) as first:
         assert first.json()["checks"]["jobs"] is False, first.text
         d.signal(signal.SIGTERM)

@@ -277,6 +277,15 @@ async def test_openapi_documents_the_error_codes(make_client: Factory) -> None:
     assert "401" not in paths["/healthz"]["get"]["responses"]
 
 
+async def _reaches(c: httpx.AsyncClient, job_id: str, state: str) -> bool:
+    """Whether job ``job_id`` reads ``state`` within 15 s."""
+    for _ in range(300):
+        if (await c.get(f"/v1/jobs/{job_id}")).json()["state"] == state:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
 async def test_job_runs_records_progress_and_stops(make_client: Factory) -> None:
     c = await make_client()
     r = await c.post("/v1/jobs", json={**FAST, "max_steps": 100000})
@@ -295,12 +304,7 @@ async def test_job_runs_records_progress_and_stops(make_client: Factory) -> None
     metrics = (await c.get("/metrics")).text
     assert "atomd_job_step" in metrics and "atomd_tokens_trained_total" in metrics
     assert (await c.post(f"/v1/jobs/{job['id']}/stop")).json()["state"] == "stopping"
-    for _ in range(300):
-        state = (await c.get(f"/v1/jobs/{job['id']}")).json()["state"]
-        if state == "stopped":
-            break
-        await asyncio.sleep(0.05)
-    assert state == "stopped"
+    assert await _reaches(c, job["id"], "stopped")
     status = (await c.get("/v1/status")).json()
     assert status["job"] is None and status["device"] == "cpu"
 
@@ -314,12 +318,7 @@ async def test_job_runs_records_progress_and_stops(make_client: Factory) -> None
     # A job that ends before its first report does not show the job before's values.
     r = await c.post("/v1/jobs", json={**FAST, "max_steps": 5, "data_sha256": "0" * 64})
     assert r.status_code == 201, r.text
-    for _ in range(300):
-        state = (await c.get(f"/v1/jobs/{r.json()['id']}")).json()["state"]
-        if state == "failed":
-            break
-        await asyncio.sleep(0.05)
-    assert state == "failed"
+    assert await _reaches(c, r.json()["id"], "failed")
     metrics = (await c.get("/metrics")).text
     for name in ("atomd_job_loss", "atomd_job_step", "atomd_job_val_loss"):
         assert math.isnan(gauge(metrics, name)), name
