@@ -301,9 +301,20 @@ class DeltaExchange:
         plugin.excluded = lambda sender: self.peers.exclusion(sender) is not None
         plugin.may_retake = may_retake
         plugin.on_attached = lambda: self._from_trainer(self._drain_early(job_id), "early")
+        # ``attach`` asked who is counted on version 0, before a restart's or a joiner's
+        # checkpoint set the state's version (hundreds of rounds on): every peer then read as
+        # silent since round 0, and the first round counted this peer alone (``_counted``),
+        # committing its whole delta where the others committed what it sent (4 real daemons,
+        # SIGKILL and restart: settled anchors 5.2e-3 apart, run fh). Silence counts from the
+        # restored version on (a dict's pop: atomic, as ``_counted``'s own writes from the
+        # trainer thread).
+        plugin.on_restored = functools.partial(self._forget_counted, job_id)
         self.plugins[job_id] = plugin
         self.expect(job_id, spec)  # the same bound, if the manager has not expected it
         return plugin
+
+    def _forget_counted(self, job_id: str) -> None:
+        self._counted_from.pop(job_id, None)
 
     def drop_sender(self, peer_id: str) -> None:
         """``peer_id`` was quarantined or banned: forget its deltas waiting in every inbox

@@ -180,6 +180,9 @@ class SyncPlugin:
         self.excluded: Callable[[str], bool] = lambda _sender: False
         """Senders whose deltas leave every merge (quarantined or banned; set by the node)."""
         self.on_attached: Callable[[], None] = lambda: None
+        # Called (trainer thread) once a checkpoint's sync state replaced the fresh one, whose
+        # version (0) was the base of every question asked before.
+        self.on_restored: Callable[[], None] = lambda: None
         """Called on the trainer thread once ``attach`` has built the state (the exchange then
         checks the frames that came before)."""
         self.cadence = Cadence(None if spec.every == "auto" else spec.every)
@@ -852,6 +855,7 @@ class SyncPlugin:
         if not mine or self.state is None:
             return False
         self.state.load_state_tensors(mine)
+        self.on_restored()
         return True
 
     def adopt(self) -> None:

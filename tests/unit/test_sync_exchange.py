@@ -876,3 +876,25 @@ async def test_frames_pushed_out_of_the_inbox_leave_no_record_behind(sessions: A
     assert len(ex._received) == 4
     ex.drop_sender(sender.peer_id)  # quarantined: its waiting frames and their records go
     assert len(plugin.inbox) == 0 and len(ex._received) == 0
+
+
+async def test_a_restored_state_counts_the_peers_from_its_own_version(sessions: Any) -> None:
+    """``attach`` asks who is counted on version 0, before a restarted peer's (or a joiner's)
+    checkpoint sets the state's version hundreds of rounds on: every peer then read as silent
+    since round 0, and the first round after counted this peer alone and committed its whole
+    delta, which the others never do (4 real daemons, SIGKILL: anchors 5.2e-3 apart, run
+    fh). Silence counts from the restored version."""
+    from atomd.sync.exchange import SILENT_ROUNDS
+
+    peers = [Peer("a" * 32, "http://a"), Peer("b" * 32, "http://b")]
+    ex = exchange(sessions, FakeClient(), FakePeers(peers))
+    plugin = attach(ex)
+    assert plugin.n_peers(0) == 3
+    assert plugin.state is not None
+    saved = plugin.state_tensors()
+    version = 109
+    saved[next(k for k in saved if k.endswith("version"))] = torch.tensor(version)
+    assert version > SILENT_ROUNDS + plugin.spec.max_staleness
+    assert plugin.load_state_tensors(saved)
+    assert plugin.state.version == version
+    assert plugin.n_peers(version) == 3  # was 1: both "silent since round 0"
