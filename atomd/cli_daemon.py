@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -231,15 +232,22 @@ def migrate(
         str | None, typer.Option(help="Downgrade to this revision instead ('base' = empty).")
     ] = None,
 ) -> None:
-    """Upgrade the database to the newest schema (the daemon also does this at start)."""
+    """Upgrade the database to the newest schema (the daemon also does this at start).
+    Refused while a daemon uses the data folder."""
     from atomd.config import load_settings
+    from atomd.datadir import lock_data_dir
     from atomd.db import migrate as m
 
     settings = load_settings(data_dir=data_dir)
-    if downgrade is not None:
-        m.downgrade(settings.db_path, downgrade)
-    else:
-        m.upgrade(settings.db_path)
+    settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock = lock_data_dir(settings.data_dir)  # not under a running daemon
+    try:
+        if downgrade is not None:
+            m.downgrade(settings.db_path, downgrade)
+        else:
+            m.upgrade(settings.db_path)
+    finally:
+        os.close(lock)
     typer.echo(f"{settings.db_path}: revision {m.current_revision(settings.db_path) or 'base'}")
 
 

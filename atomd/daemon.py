@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -18,7 +17,6 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -26,6 +24,7 @@ from fastapi import FastAPI
 
 from atomd import systemd
 from atomd.config import Settings
+from atomd.datadir import lock_data_dir
 from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.db.health import DatabaseFile, refuse_lost_database, until_unlocked
@@ -44,32 +43,6 @@ from atomd_api.peer import create_peer_app
 log = get_logger(__name__)
 
 DATABASE_CHECK_S = 5.0  # how often the database file is checked (a stat and 16 bytes)
-LOCK_FILE = "atomd.pid"  # held (flock) by the daemon that uses the data directory; its pid
-
-
-def lock_data_dir(data_dir: Path) -> int:
-    """Take the data directory for this process: an exclusive ``flock`` on ``atomd.pid``
-    (which then holds our pid), held until the returned descriptor is closed or the process
-    dies, however it dies. Two daemons on one data directory would share its identity (one
-    peer id on two addresses), its database and its jobs' checkpoints: the second is refused
-    with a ``ConfigError`` naming the first."""
-    path = data_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode("ascii", "replace").strip() or "?"
-        os.close(fd)
-        raise ConfigError(
-            f"the data directory {data_dir} is in use by another atomd (pid {holder}): stop "
-            "it first, or give this one its own --data-dir"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 class _Server(uvicorn.Server):

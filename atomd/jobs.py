@@ -447,7 +447,7 @@ class JobManager:
                 await self._closing.wait()
         finally:
             # On every way out, a failure too: the trainer has stopped (its checkpoint written)
-            # before the daemon lets go of the data directory (``daemon.lock_data_dir``).
+            # before the daemon lets go of the data directory (``datadir.lock_data_dir``).
             if self.active is not None:
                 self.active.stop()
             self._executor.shutdown(wait=True)

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from atomd.daemon import lock_data_dir
+from atomd.datadir import lock_data_dir
 from atomd.db.engine import BUSY_TIMEOUT_MS
 from atomd.launch import READY_TIMEOUT, DaemonProcess
 from tests.conftest import another_congestion
@@ -236,10 +236,12 @@ def test_bad_settings_stop_the_start_with_a_clear_message(tmp_path: Path) -> Non
     held = lock_data_dir(tmp_path)  # as a daemon that uses it holds it
     try:
         r = _atomd("run", "--data-dir", str(tmp_path), "--control", "127.0.0.1:0")
+        m = _atomd("migrate", "--data-dir", str(tmp_path), "--downgrade", "base")
     finally:
         os.close(held)
-    assert r.returncode == 2, r.stderr
-    assert f"is in use by another atomd (pid {os.getpid()})" in r.stderr
+    for answer in (r, m):
+        assert answer.returncode == 2, answer.stderr
+        assert f"is in use by another atomd (pid {os.getpid()})" in answer.stderr
 
 
 def test_cli_clients_talk_to_the_daemon(daemons: Any, tmp_path: Path) -> None:

@@ -163,7 +163,7 @@ def test_a_key_is_made_where_hard_links_are_not(
 def test_one_daemon_a_data_directory(tmp_path: Path) -> None:
     """Two daemons on one data directory would be one peer id at two addresses over one
     database: the second is refused, naming the first; the lock goes with its holder."""
-    from atomd.daemon import lock_data_dir
+    from atomd.datadir import lock_data_dir
 
     held = lock_data_dir(tmp_path)
     assert (tmp_path / "atomd.pid").read_text() == f"{os.getpid()}\n"
