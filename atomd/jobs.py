@@ -641,9 +641,9 @@ class JobManager:
         self._check_started()
         if swarm is not None:
             if job_id not in self._swarm_stopped:
-                self._swarm_stopped.add(job_id)
                 async with self.sessions() as s, s.begin():
                     await repo.add_event(s, kind="job.swarm_stopped", job_id=job_id, message="")
+                self._swarm_stopped.add(job_id)  # once recorded: a failed write is retried
             swarm.broadcast_stop(job_id)
         active = self.active
         if active is None or active.id != job_id:
@@ -779,11 +779,9 @@ class JobManager:
     async def _resume_interrupted(self) -> None:
         async with self.sessions() as s:
             jobs = await repo.active_jobs(s)
-            stops = await repo.list_events(s, kind="job.swarm_stopped", limit=SWARM_STOPS_KEPT)
-            for e in stops:
-                job = await repo.get_job(s, job_id=e.job_id) if e.job_id else None
-                if job is not None and job.state == "stopped":
-                    self._swarm_stopped.add(job.id)
+            # Whatever this copy's state (a SIGKILL may have left it "stopping"; it may have
+            # finished or failed); a resume here since takes it out.
+            self._swarm_stopped.update(await repo.swarm_stopped_jobs(s, limit=SWARM_STOPS_KEPT))
         for job in jobs:
             if self.active is not None and job.id == self.active.id:
                 continue  # taken up by a try before that another process's lock cut short

@@ -480,6 +480,31 @@ async def prune_events(s: AsyncSession, *, keep: int) -> int:
     return int(getattr(result, "rowcount", 0) or 0)
 
 
+async def swarm_stopped_jobs(s: AsyncSession, *, limit: int) -> list[str]:
+    """The jobs among the newest ``limit`` swarm-wide stops (``job.swarm_stopped`` events) not
+    resumed since here (no later ``job.resuming`` event), whatever their state now."""
+    stopped = (
+        select(Event.job_id, func.max(Event.id).label("at"))
+        .where(Event.kind == "job.swarm_stopped", Event.job_id.is_not(None))
+        .group_by(Event.job_id)
+        .order_by(func.max(Event.id).desc())
+        .limit(limit)
+        .subquery()
+    )
+    resumed = (
+        select(Event.job_id, func.max(Event.id).label("at"))
+        .where(Event.kind == "job.resuming", Event.job_id.is_not(None))
+        .group_by(Event.job_id)
+        .subquery()
+    )
+    stmt = (
+        select(stopped.c.job_id)
+        .join(resumed, resumed.c.job_id == stopped.c.job_id, isouter=True)
+        .where(or_(resumed.c.at.is_(None), resumed.c.at < stopped.c.at))
+    )
+    return [str(j) for j in await s.scalars(stmt)]
+
+
 async def list_events(
     s: AsyncSession, *, limit: int = 100, kind: str | None = None
 ) -> list[EventRecord]:

@@ -561,8 +561,12 @@ class SwarmNode:
         member = self.membership.get(peer_id)
         if member is None:
             return
-        if len(self._told_stopped) >= MAX_TOLD_STOPPED:
-            self._told_stopped.clear()
+        if len(self._told_stopped) >= MAX_TOLD_STOPPED:  # keep those told within RESTOP_S
+            for k, at in list(self._told_stopped.items()):
+                if now - at >= RESTOP_S:
+                    del self._told_stopped[k]
+            if len(self._told_stopped) >= MAX_TOLD_STOPPED:
+                return  # told that many within RESTOP_S: the next advert asks again
         self._told_stopped[key] = now
         log.info("peer %s still trains job %s, stopped swarm-wide: telling it again",
                  peer_id[:12], job_id)  # fmt: skip

@@ -180,11 +180,11 @@ class SyncPlugin:
         self.excluded: Callable[[str], bool] = lambda _sender: False
         """Senders whose deltas leave every merge (quarantined or banned; set by the node)."""
         self.on_attached: Callable[[], None] = lambda: None
-        # Called (trainer thread) once a checkpoint's sync state replaced the fresh one, whose
-        # version (0) was the base of every question asked before.
-        self.on_restored: Callable[[], None] = lambda: None
         """Called on the trainer thread once ``attach`` has built the state (the exchange then
         checks the frames that came before)."""
+        self.on_restored: Callable[[], None] = lambda: None
+        """Called on the trainer thread once a checkpoint's sync state replaced the fresh one,
+        whose version (0) was the base of every question asked before."""
         self.cadence = Cadence(None if spec.every == "auto" else spec.every)
         self.busy_s = 0.0  # trainer-thread time in sync work (closing rounds, merging deltas)
         self.wait_s = 0.0  # trainer-thread time blocked waiting for other peers' deltas

@@ -610,21 +610,25 @@ async def test_a_checkpoint_pruned_before_it_was_recorded_is_skipped(tmp_path: P
 async def test_a_swarm_wide_stop_is_remembered_across_a_restart(tmp_path: Path) -> None:
     """The origin tells a member that missed its swarm-wide stop again (``SwarmNode``), also
     after the origin itself restarted: the stop is recorded (``job.swarm_stopped``) and read
-    back as the jobs are taken up; a job resumed since is no longer stopped."""
-    stopped, resumed, local = "c" * 32, "d" * 32, "e" * 32
+    back as the jobs are taken up, whatever the origin's own copy reads (a SIGKILL may leave
+    it "stopping"); a job resumed here since is no longer stopped, also when it was stopped
+    here only afterwards (a review of 2026-12-07)."""
+    stopped, stopping, resumed, local = "c" * 32, "d" * 32, "e" * 32, "f" * 32
     jobs, sessions, engine = await _manager(tmp_path)
     async with sessions() as s, s.begin():
-        for job_id in (stopped, resumed, local):
-            await repo.create_job(s, job_id=job_id, spec={}, out_dir="/x", state="stopped",
+        for job_id, state in ((stopped, "stopped"), (stopping, "stopping"), (resumed, "stopped"),
+                              (local, "stopped")):  # fmt: skip
+            await repo.create_job(s, job_id=job_id, spec={}, out_dir="/x", state=state,
                                   scope="swarm", origin="p" * 32)  # fmt: skip
-        for job_id in (stopped, resumed):
+        for job_id in (stopped, stopping, resumed):
             await repo.add_event(s, kind="job.swarm_stopped", job_id=job_id, message="")
-        await repo.set_job_state(s, job_id=resumed, state="running")
+        # Resumed here after the swarm-wide stop, then stopped here only.
+        await repo.add_event(s, kind="job.resuming", job_id=resumed, message="")
     task = asyncio.create_task(jobs.run())
     try:
         await jobs.wait_started()
-        assert jobs.stopped_swarm_wide(stopped)
-        assert not jobs.stopped_swarm_wide(resumed)  # resumed since (a crash left it running)
+        assert jobs.stopped_swarm_wide(stopped) and jobs.stopped_swarm_wide(stopping)
+        assert not jobs.stopped_swarm_wide(resumed)
         assert not jobs.stopped_swarm_wide(local)  # stopped here only
     finally:
         await jobs.shutdown()

@@ -63,3 +63,35 @@ async def test_peers_that_left_are_knocked_at_last(tmp_path: Path, sessions: Ses
     assert got[:2] == ["https://seed:1", "https://127.0.0.1:3"]  # newest first
     assert got[2:4] == ["https://127.0.0.1:2", "https://lan:1"]
     assert got[4:] == left[:LEFT_CANDIDATES]
+
+
+async def test_a_straggler_is_told_again_at_a_bounded_pace(
+    tmp_path: Path, sessions: Sessions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The origin repeats a swarm-wide stop to a member heard training the job, at most every
+    RESTOP_S a (member, job); the pairs it remembers are bounded, and a full memory drops
+    only those told longer ago (a review: clearing it all let fresh keys reset every pair)."""
+    import time
+
+    from atomd.p2p import node as node_module
+
+    monkeypatch.setattr(node_module, "MAX_TOLD_STOPPED", 2)
+    settings = Settings(data_dir=tmp_path, device="cpu")
+    node = SwarmNode(settings=settings, identity=Identity.generate(), sessions=sessions,
+                     telemetry=Telemetry(), jobs=cast(Any, None))  # fmt: skip
+    ids = [Identity.generate() for _ in range(3)]
+    for i, who in enumerate(ids):
+        node.membership.members[who.peer_id] = Member(
+            who.peer_id, f"https://127.0.0.1:{42100 + i}", who.public_key_hex, "alive", 1
+        )
+    now = time.monotonic()
+    node._tell_stopped(ids[0].peer_id, "j" * 32)
+    node._tell_stopped(ids[1].peer_id, "j" * 32)
+    told = dict(node._told_stopped)
+    node._tell_stopped(ids[0].peer_id, "j" * 32)  # again at once: not told
+    assert node._told_stopped == told
+    node._tell_stopped(ids[2].peer_id, "j" * 32)  # full, both told just now: not remembered
+    assert (ids[2].peer_id, "j" * 32) not in node._told_stopped
+    node._told_stopped[(ids[0].peer_id, "j" * 32)] = now - node_module.RESTOP_S  # long ago
+    node._tell_stopped(ids[2].peer_id, "j" * 32)
+    assert set(node._told_stopped) == {(ids[1].peer_id, "j" * 32), (ids[2].peer_id, "j" * 32)}
