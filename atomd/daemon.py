@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from atomd import systemd
+from atomd.aio import unless_set
 from atomd.config import Settings
 from atomd.datadir import lock_data_dir
 from atomd.db import migrate, repo
@@ -268,14 +269,8 @@ class Daemon:
             await asyncio.sleep(0.02)
         # A SIGTERM while the jobs wait to be taken up (another process holds the database)
         # goes on to the shutdown, which makes the job manager give the wait up.
-        started = asyncio.ensure_future(jobs.wait_started())
-        stopping = asyncio.ensure_future(self._shutdown.wait())
-        try:
-            await asyncio.wait({started, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            started.cancel()
-            stopping.cancel()
-        if not jobs.started:
+        started, _ = await unless_set(self._shutdown, jobs.wait_started())
+        if not started:
             return
         s = self.settings
         log.info(

@@ -18,7 +18,6 @@ run's ``metrics.jsonl`` (truncated to that checkpoint).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import hashlib
 import importlib
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from atomd.aio import unless_set
 from atomd.config import PROGRESS_KEEP
 from atomd.data.sources import (
     BUNDLED,
@@ -949,30 +949,14 @@ class JobManager:
         # A donor whose swarm has closed no round yet answers "no state": the initial weights
         # are the swarm's model then, and the joiner starts from them at round 0 like it.
         at_least = 1 if retake else own_step + 1
-        fetch = asyncio.ensure_future(
-            self.swarm.fetch_state(
-                active.id, donors, root, max_file_bytes=state_file_bound(active.spec),
-                at_least=at_least,
-            )
-        )  # fmt: skip
-        stopping = asyncio.ensure_future(active.stopping.wait())
         try:
-            await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            fetch.cancel()  # this task is cancelled: the transfer goes with it
-            raise
-        finally:
-            stopping.cancel()
-        if active.stopping.is_set():
-            if not fetch.done():
-                log.info("job %s: stopped; the state transfer is cancelled", active.id)
-            fetch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, AtomdError):
-                await fetch
-            await self._record_end(active, "stopped", own_step)
-            return False
-        try:
-            got = fetch.result()
+            fetched, got = await unless_set(
+                active.stopping,
+                self.swarm.fetch_state(
+                    active.id, donors, root, max_file_bytes=state_file_bound(active.spec),
+                    at_least=at_least,
+                ),
+            )  # fmt: skip
         except AtomdError as e:
             if own:  # our own checkpoint still serves: resume from it
                 log.warning("job %s: %s; resuming from our own checkpoint", active.id, e)
@@ -981,6 +965,10 @@ class JobManager:
                 active.id, "failed", str(e), "job.failed", str(e),
                 functools.partial(self._release, active),
             )  # fmt: skip
+            return False
+        if not fetched:  # a stop or SIGTERM must not wait out a transfer (15 minutes)
+            log.info("job %s: stopped; the state transfer is cancelled", active.id)
+            await self._record_end(active, "stopped", own_step)
             return False
         if got is not None and retake:
             await asyncio.to_thread(remove_checkpoints_after, root, got.step)

@@ -17,7 +17,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -570,12 +570,14 @@ class SwarmNode:
         self._told_stopped[key] = now
         log.info("peer %s still trains job %s, stopped swarm-wide: telling it again",
                  peer_id[:12], job_id)  # fmt: skip
-        msg = StopJob(sender=self.membership.me.update())
-        self._spawn(self._send(member, paths.job_stop(job_id), msg), f"stop-{peer_id[:8]}")
+        self._send_stop([member], job_id)
 
     def broadcast_stop(self, job_id: str) -> None:
+        self._send_stop(self.membership.others("alive", "suspect"), job_id)
+
+    def _send_stop(self, members: Iterable[Member], job_id: str) -> None:
         msg = StopJob(sender=self.membership.me.update())
-        for m in self.membership.others("alive", "suspect"):
+        for m in members:
             self._spawn(self._send(m, paths.job_stop(job_id), msg), f"stop-{m.id[:8]}")
 
     async def _send(self, m: Member, path: str, msg: Announce | StopJob) -> None:
