@@ -233,15 +233,16 @@ def migrate(
     ] = None,
 ) -> None:
     """Upgrade the database to the newest schema (the daemon also does this at start).
-    Refused while a daemon uses the data folder."""
+    Refused while a daemon uses the data folder; a daemon started meanwhile waits for it."""
     from atomd.config import load_settings
-    from atomd.datadir import lock_data_dir
+    from atomd.datadir import lock_data_dir, sweep
     from atomd.db import migrate as m
 
     settings = load_settings(data_dir=data_dir)
     settings.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    lock = lock_data_dir(settings.data_dir)  # not under a running daemon
+    lock = lock_data_dir(settings.data_dir, "migrate")  # not under a running daemon
     try:
+        sweep(settings.data_dir)
         if downgrade is not None:
             m.downgrade(settings.db_path, downgrade)
         else:

@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from atomd import systemd
 from atomd.aio import unless_set
 from atomd.config import Settings
-from atomd.datadir import lock_data_dir
+from atomd.datadir import take_data_dir
 from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
 from atomd.db.health import DatabaseFile, refuse_lost_database, until_unlocked
@@ -132,7 +132,8 @@ class Daemon:
     async def run(self) -> None:
         s = self.settings
         s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock = lock_data_dir(s.data_dir)
+        # SIGTERM's handler comes later: until then a signal ends the process, holding nothing.
+        lock = await take_data_dir(s.data_dir, "run")
         try:
             await self._run()
         finally:

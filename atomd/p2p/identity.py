@@ -16,13 +16,13 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from atomd.datadir import KEY_SIDE_FILE
 from atomd.errors import ConfigError
 from atomd.logs import get_logger
 
 log = get_logger(__name__)
 
 KEY_FILE = "identity.key"
-_PARTIAL = ".identity.key.*.tmp"  # a key being written; a kill mid-write leaves one
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
 
 
@@ -68,8 +68,6 @@ class Identity:
         PKCS8 PEM Ed25519 key; the message says how to fix it."""
         path = data_dir / KEY_FILE
         data_dir.mkdir(parents=True, exist_ok=True)
-        for partial in data_dir.glob(_PARTIAL):  # the daemon holds the data directory's lock
-            partial.unlink(missing_ok=True)
         try:
             identity = cls._create(path)
         except FileExistsError:
@@ -86,11 +84,12 @@ class Identity:
             serialization.NoEncryption(),
         )
         # Written whole to a side file, then linked into place: a kill mid-write leaves no
-        # half-written key that would stop every later start (the side file is removed at the
-        # next). The mode is given at creation, so the key is never readable by others, even for
-        # a moment; link() never overwrites a key (a peer's id is its key) and loses no race
-        # with another start (FileExistsError: that one's key is loaded).
-        tmp = path.with_name(f".{KEY_FILE}.{os.getpid()}.tmp")
+        # half-written key that would stop every later start (the side file is swept at the
+        # next, ``atomd.datadir.sweep``). The mode is given at creation, so the key is never
+        # readable by others, even for a moment; link() never overwrites a key (a peer's id
+        # is its key) and loses no race with another start (FileExistsError: that one's key
+        # is loaded).
+        tmp = path.with_name(KEY_SIDE_FILE.format(pid=os.getpid()))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:

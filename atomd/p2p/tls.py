@@ -22,7 +22,6 @@ import contextlib
 import contextvars
 import datetime
 import os
-import shutil
 import ssl
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -36,6 +35,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.x509.oid import NameOID
 
+from atomd.datadir import TLS_SCRATCH_PREFIX
 from atomd.p2p.congestion import SocketOption, tune
 from atomd.p2p.identity import Identity, peer_id_from_public_key
 
@@ -82,11 +82,9 @@ def server_context(identity: Identity, scratch: Path | None = None) -> ssl.SSLCo
     )
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
-        # A kill while a context was made left its folder, with a copy of the key; the daemon
-        # holds the data directory's lock, so no other process is making one here now.
-        for left in scratch.glob(".tls-*"):
-            shutil.rmtree(left, ignore_errors=True)
-    with tempfile.TemporaryDirectory(dir=scratch, prefix=".tls-") as tmp:  # mode 0700
+    # A kill while the files exist leaves the folder, with a copy of the key: the data
+    # directory's holder sweeps it at its next start (``atomd.datadir.sweep``).
+    with tempfile.TemporaryDirectory(dir=scratch, prefix=TLS_SCRATCH_PREFIX) as tmp:  # 0700
         cert_path, key_path = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
         cert_path.write_bytes(certificate_pem(identity))
         fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

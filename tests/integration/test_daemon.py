@@ -244,6 +244,28 @@ def test_bad_settings_stop_the_start_with_a_clear_message(tmp_path: Path) -> Non
         assert f"is in use by another atomd (pid {os.getpid()})" in answer.stderr
 
 
+def test_a_daemon_started_during_a_migration_waits_for_it(daemons: Any) -> None:
+    """``atomd migrate`` holds the data directory for seconds; a daemon started meanwhile
+    (systemd, a launcher) waits for it, says so, and starts once it is done."""
+    d: DaemonProcess = daemons()
+    d.data_dir.mkdir(parents=True)
+    held = lock_data_dir(d.data_dir, "migrate")  # as `atomd migrate` holds it
+    try:
+        d.start(wait=False)
+        wait_for(
+            lambda: (
+                f"waiting for atomd migrate (pid {os.getpid()}) to finish" in d.log()
+                or not d.running()
+            ),
+            what="the daemon to say it waits for the migration",
+        )
+        assert d.running(), d.log()
+    finally:
+        os.close(held)
+    d.wait_ready()
+    assert (d.data_dir / "atomd.pid").read_text().split() == [str(d.pid), "run"]
+
+
 def test_cli_clients_talk_to_the_daemon(daemons: Any, tmp_path: Path) -> None:
     d: DaemonProcess = daemons().start()
     url = ["--url", d.url]

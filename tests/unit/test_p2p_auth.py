@@ -126,11 +126,9 @@ def test_key_file_mode_ignores_a_permissive_umask(tmp_path: Path) -> None:
 
 def test_a_key_appears_only_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A kill while the key is written must not leave a half-written ``identity.key`` (every
-    later start would refuse it): the key's name appears only once its bytes are on disk, and
-    the side file a kill leaves is removed at the next start."""
+    later start would refuse it): the key's name appears only once its bytes are on disk (the
+    side file a kill leaves is swept: tests/unit/test_datadir.py)."""
     key_file = tmp_path / "identity.key"
-    left = tmp_path / ".identity.key.999.tmp"
-    left.write_bytes(b"-----BEGIN PRIVATE KEY-----\nMC4CAQAw")  # what a kill mid-write leaves
     seen: list[bool] = []
     fsync = os.fsync
 
@@ -158,19 +156,6 @@ def test_a_key_is_made_where_hard_links_are_not(
     assert stat.S_IMODE((tmp_path / "identity.key").stat().st_mode) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["identity.key"]
     assert Identity.load_or_create(tmp_path).peer_id == first.peer_id
-
-
-def test_one_daemon_a_data_directory(tmp_path: Path) -> None:
-    """Two daemons on one data directory would be one peer id at two addresses over one
-    database: the second is refused, naming the first; the lock goes with its holder."""
-    from atomd.datadir import lock_data_dir
-
-    held = lock_data_dir(tmp_path)
-    assert (tmp_path / "atomd.pid").read_text() == f"{os.getpid()}\n"
-    with pytest.raises(ConfigError, match=rf"in use by another atomd \(pid {os.getpid()}\)"):
-        lock_data_dir(tmp_path)
-    os.close(held)
-    os.close(lock_data_dir(tmp_path))
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])

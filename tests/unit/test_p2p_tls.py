@@ -112,16 +112,6 @@ def test_the_certificate_carries_the_identity_key() -> None:
         tls.peer_id_of_certificate(b"\x30\x03abc")
 
 
-def test_a_key_copy_a_kill_left_is_removed(tmp_path: Any) -> None:
-    """The context is made from files: a kill while they exist leaves a ``.tls-*`` folder with
-    a copy of the key in the data directory. The next start removes it."""
-    left = tmp_path / ".tls-abc123"
-    left.mkdir(mode=0o700)
-    (left / "key.pem").write_bytes(b"a key")
-    tls.server_context(Identity.generate(), tmp_path)
-    assert list(tmp_path.iterdir()) == []
-
-
 async def test_a_pinned_peer_answers_over_tls_1_3(serve: Serve) -> None:
     server, alice = Identity.generate(), Identity.generate()
     seen: list[str] = []
