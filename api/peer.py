@@ -166,8 +166,8 @@ def create_peer_app(node: SwarmNode, exchange: DeltaExchange) -> FastAPI:
 
     @app.post(paths.JOB_STOP)
     async def stop(job_id: str, request: Request, peer: Peer) -> Ack:
-        await message(request, peer, StopJob)
-        await node.jobs.stop_from_peer(job_id, peer.peer.peer_id)
+        msg = await message(request, peer, StopJob)
+        await node.stop_from_peer(job_id, peer.peer.peer_id, msg.notice)
         return Ack()
 
     async def training(job_id: str) -> None:

@@ -652,11 +652,12 @@ class JobManager:
             raise JobConflictError(f"job {job_id} is {job.state}, not active; nothing to stop")
         return await self._request_stop(active, "stopped by request")
 
-    async def stop_from_peer(self, job_id: str, peer_id: str) -> None:
+    async def stop_from_peer(self, job_id: str, peer_id: str, via: str | None = None) -> None:
         """A peer stopped ``job_id`` swarm-wide: stop our copy (if we train it), if that peer
         started the job. ``JobConflictError`` from another: any member could otherwise end
         every peer's copy of every job with one message each, and a stopped job is not joined
-        again (a review of 2026-12-06)."""
+        again (a review of 2026-12-06). ``via``: the member that passed on the origin's signed
+        stop (``atomd.p2p.messages.StopNotice``), checked there."""
         active = self.active
         if active is None or active.id != job_id or active.stop_reason is not None:
             return
@@ -664,7 +665,8 @@ class JobManager:
             log.warning("job %s: a stop from peer %s refused; only its origin %s stops it on "
                         "every peer", job_id, peer_id, active.origin)  # fmt: skip
             raise _origin_only(job_id, active.origin)
-        await self._request_stop(active, f"stopped by the swarm (peer {peer_id[:12]})")
+        told = "" if via is None else f", told by peer {via[:12]}"
+        await self._request_stop(active, f"stopped by the swarm (peer {peer_id[:12]}{told})")
 
     async def _request_stop(self, active: ActiveJob, reason: str) -> JobRecord:
         active.stop_reason = reason

@@ -274,10 +274,58 @@ class Announce(Gossip):
     job: JobAdvert
 
 
+STOP_VERSION = "atomd-stop-v1"
+
+
+class StopNotice(Message):
+    """A job's origin's word that it stopped the job on every peer, signed, so that any member
+    that heard it can tell a peer that missed it (asleep, cut off, down while it went out)
+    when the origin cannot: gone, cut off itself, or stopped for good."""
+
+    job_id: JobId
+    origin: PeerId
+    origin_key: PublicKeyHex
+    signature: SignatureHex
+
+
+def stop_payload(job_id: str, origin: str, origin_key: str, swarm: str) -> bytes:
+    """What an origin signs to stop a job: the swarm, the job, itself and its key."""
+    return "\n".join((STOP_VERSION, swarm, job_id, origin, origin_key)).encode()
+
+
+def sign_stop(job_id: str, identity: Identity, swarm: str) -> StopNotice:
+    """The stop of ``job_id`` by ``identity``, its origin."""
+    payload = stop_payload(job_id, identity.peer_id, identity.public_key_hex, swarm)
+    return StopNotice(
+        job_id=job_id,
+        origin=identity.peer_id,
+        origin_key=identity.public_key_hex,
+        signature=identity.sign(payload).hex(),
+    )
+
+
+def stop_forgery(n: StopNotice, job_id: str, swarm: str) -> str | None:
+    """Why ``n`` is not the origin's own stop of ``job_id``, or None: the job's, its origin's
+    key, a job id the origin made (``job_id_for``: no key but the origin's can stop a job),
+    and the origin's signature (not one of another swarm's, nor another job's)."""
+    if n.job_id != job_id:
+        return f"a stop of job {n.job_id} sent to stop job {job_id}"
+    if peer_id_from_public_key(n.origin_key) != n.origin:
+        return f"the stop of job {job_id}: peer id {n.origin} is not that of key {n.origin_key}"
+    if job_id != job_id_for(n.origin, job_id[:JOB_NONCE_HEX]):
+        return f"job id {job_id} is not one the stop's origin {n.origin} made"
+    payload = stop_payload(job_id, n.origin, n.origin_key, swarm)
+    if not verify_signature(n.origin_key, payload, bytes.fromhex(n.signature)):
+        return f"the stop of job {job_id} is not signed by its origin {n.origin}"
+    return None
+
+
 class StopJob(Message):
-    """Stop a job swarm-wide."""
+    """Stop a job swarm-wide: from its origin, or from a member passing on the origin's signed
+    ``notice`` (a daemon of before sent none: its stop counts from the origin only)."""
 
     sender: MemberRecord = Field(alias="from")
+    notice: StopNotice | None = None
 
 
 class Ack(Message):

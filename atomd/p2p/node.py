@@ -28,7 +28,7 @@ from atomd.config import Settings
 from atomd.db import repo
 from atomd.db.retention import Pruned, prune_jobs
 from atomd.db.schemas import ProgressPoint
-from atomd.errors import AtomdError, PeerAuthError, PeerRequestError
+from atomd.errors import AtomdError, MessageError, PeerAuthError, PeerRequestError
 from atomd.logs import Repeated, get_logger
 from atomd.p2p import congestion, paths
 from atomd.p2p.client import PeerClient
@@ -44,8 +44,11 @@ from atomd.p2p.messages import (
     PingReqReply,
     ProgressCurve,
     StopJob,
+    StopNotice,
     advert_forgery,
     sign_advert,
+    sign_stop,
+    stop_forgery,
 )
 from atomd.p2p.quarantine import Quarantine, Verdict
 from atomd.p2p.signing import Admission, RequestVerifier
@@ -67,6 +70,7 @@ CLAIM_QUORUM = 2
 MAX_CURVE_PEERS = 32
 RESTOP_S = 10.0  # a straggler that missed a swarm-wide stop is told again at most this often
 MAX_TOLD_STOPPED = 1024  # (peer, job) pairs remembered for RESTOP_S
+MAX_STOP_NOTICES = 1024  # origins' signed stops kept to pass on (the oldest go first)
 LEFT_CANDIDATES = 8  # peers that said they left, knocked at last when (re)joining
 DONORS_TIMEOUT_S = 30.0  # a restarted daemon waits at most this long to hear who trains a job
 REJECTIONS_FLUSH_S = 60.0
@@ -87,7 +91,11 @@ class SwarmJobs(Protocol):
         """A peer trains ``advert``: join it if free."""
         ...
 
-    async def stop_from_peer(self, job_id: str, peer_id: str) -> None: ...
+    async def stop_from_peer(self, job_id: str, peer_id: str, via: str | None = None) -> None:
+        """The origin ``peer_id`` stopped ``job_id`` swarm-wide (``via``: the member that
+        passed its signed stop on)."""
+        ...
+
     def stopped_swarm_wide(self, job_id: str) -> bool:
         """Whether this daemon started ``job_id`` and stopped it on every peer."""
         ...
@@ -209,6 +217,9 @@ class SwarmNode:
         self._job_of: dict[str, str] = {}  # peer id -> the job it was last heard training
         self._heard: set[str] = set()  # every member a message came from since we started
         self._told_stopped: dict[tuple[str, str], float] = {}  # (peer, job) -> when
+        # job id -> its origin's signed stop, heard from the origin or passed on by a member,
+        # and when (monotonic seconds)
+        self._stop_notices: dict[str, tuple[StopNotice, float]] = {}
         self._joined = asyncio.Event()  # joined a swarm once, or there is nobody to join
         self._liars: set[str] = set()  # donor URLs whose state transfer lied: not asked again
         self.on_excluded: Callable[[str], None] = lambda _peer_id: None
@@ -520,8 +531,14 @@ class SwarmNode:
         if forged is not None:  # neither joined nor counted as training the job
             self._repeated.log("forged-advert", logging.WARNING, "peer %s: %s", sender, forged)
             return
-        if advert.origin == self.peer_id and self.jobs.stopped_swarm_wide(advert.id):
-            self._tell_stopped(sender, advert.id)
+        if sender == advert.origin:  # the origin trains it: a stop we hold of it is old
+            held = self._stop_notices.get(advert.id)
+            # (a message the origin sent before its stop may come after it)
+            if held is not None and time.monotonic() - held[1] > RESTOP_S:
+                del self._stop_notices[advert.id]
+        notice = self.stop_notice(advert.id, advert.origin)
+        if notice is not None:  # a straggler: it missed the stop (and is not joined)
+            self._tell_stopped(sender, notice)
             return
         self._trains(advert.id, sender)
         if self.settings.auto_join and not self.quarantine.excluded(sender):
@@ -550,11 +567,42 @@ class SwarmNode:
         for m in self.membership.others("alive"):
             self._spawn(self._send(m, paths.ANNOUNCE, msg), f"announce-{m.id[:8]}")
 
-    def _tell_stopped(self, peer_id: str, job_id: str) -> None:
-        """``peer_id`` trains a job we started and stopped swarm-wide: it missed the stop
-        (asleep, cut off, or down while it went out) and would train on alone to the end.
-        Tell it again, at most every RESTOP_S (its every message carries the job)."""
+    def stop_notice(self, job_id: str, origin: str | None = None) -> StopNotice | None:
+        """The signed stop of ``job_id`` (of ``origin``) to tell a peer that still trains it:
+        ours if we started the job and stopped it swarm-wide, else its origin's as a member
+        passed it on to us (``stop_from_peer``), or None."""
+        if origin == self.peer_id and self.jobs.stopped_swarm_wide(job_id):
+            return sign_stop(job_id, self.identity, self.settings.swarm)
+        held = self._stop_notices.get(job_id)
+        return None if held is None else held[0]
+
+    async def stop_from_peer(self, job_id: str, peer_id: str, notice: StopNotice | None) -> None:
+        """A stop of ``job_id`` from peer ``peer_id``: its origin's own, or the origin's signed
+        ``notice`` passed on (kept, to pass on in turn). ``MessageError`` for a notice its
+        origin did not sign for this job in this swarm; the job manager refuses a stop from
+        any other than the origin (``JobManager.stop_from_peer``)."""
+        if notice is None:
+            await self.jobs.stop_from_peer(job_id, peer_id)
+            return
+        forged = stop_forgery(notice, job_id, self.settings.swarm)
+        if forged is not None:
+            raise MessageError(forged)
+        if notice.origin == self.peer_id:
+            return  # our own job: whether it is stopped is ours to say (we may have resumed it)
+        self._stop_notices.pop(job_id, None)
+        self._stop_notices[job_id] = (notice, time.monotonic())  # the newest last
+        while len(self._stop_notices) > MAX_STOP_NOTICES:
+            del self._stop_notices[next(iter(self._stop_notices))]
+        via = None if peer_id == notice.origin else peer_id
+        await self.jobs.stop_from_peer(job_id, notice.origin, via)
+
+    def _tell_stopped(self, peer_id: str, notice: StopNotice) -> None:
+        """``peer_id`` trains a job stopped swarm-wide: it missed the stop (asleep, cut off,
+        or down while it went out) and would train on alone to the end. Tell it again with
+        the origin's signed stop, at most every RESTOP_S (its every message carries the job),
+        whether we are the origin or a member that heard the stop (the origin may be gone)."""
         now = time.monotonic()
+        job_id = notice.job_id
         key = (peer_id, job_id)
         if now - self._told_stopped.get(key, -math.inf) < RESTOP_S:
             return
@@ -568,15 +616,17 @@ class SwarmNode:
             if len(self._told_stopped) >= MAX_TOLD_STOPPED:
                 return  # told that many within RESTOP_S: the next advert asks again
         self._told_stopped[key] = now
-        log.info("peer %s still trains job %s, stopped swarm-wide: telling it again",
-                 peer_id[:12], job_id)  # fmt: skip
-        self._send_stop([member], job_id)
+        log.info("peer %s still trains job %s, stopped swarm-wide by %s: telling it again",
+                 peer_id[:12], job_id, notice.origin[:12])  # fmt: skip
+        self._send_stop([member], notice)
 
     def broadcast_stop(self, job_id: str) -> None:
-        self._send_stop(self.membership.others("alive", "suspect"), job_id)
+        notice = sign_stop(job_id, self.identity, self.settings.swarm)
+        self._send_stop(self.membership.others("alive", "suspect"), notice)
 
-    def _send_stop(self, members: Iterable[Member], job_id: str) -> None:
-        msg = StopJob(sender=self.membership.me.update())
+    def _send_stop(self, members: Iterable[Member], notice: StopNotice) -> None:
+        job_id = notice.job_id
+        msg = StopJob(sender=self.membership.me.update(), notice=notice)
         for m in members:
             self._spawn(self._send(m, paths.job_stop(job_id), msg), f"stop-{m.id[:8]}")
 

@@ -152,9 +152,10 @@ def test_jobs_spread_to_the_swarm_and_newcomers_fetch_the_state(swarm: Any, daem
 
     # Stopping swarm-wide stops every copy, also that of a member asleep (SIGSTOP) until the
     # others held it dead, which the stop skipped: it is told again once it is heard training
-    # the job (before, it woke up and trained on alone to the end).
+    # the job (before, it woke up and trained on alone to the end), by the members that heard
+    # the origin's signed stop, here with the origin itself gone by then.
     asleep, awake = ds[2], [d for d in ds if d is not ds[2]]
-    sleeper = peer_id(asleep)
+    sleeper, origin = peer_id(asleep), peer_id(a)[:12]
     asleep.signal(signal.SIGSTOP)
     try:
         wait_until(lambda: peer_view(a).get(sleeper) == "dead", timeout=READY_TIMEOUT,
@@ -165,13 +166,14 @@ def test_jobs_spread_to_the_swarm_and_newcomers_fetch_the_state(swarm: Any, daem
             lambda: all((job_of(d) or {}).get("state") == "stopped" for d in awake),
             timeout=READY_TIMEOUT, what="all awake stopped",
         )  # fmt: skip
+        a.stop()  # the origin is gone before the sleeper wakes
     finally:
         asleep.signal(signal.SIGCONT)
     wait_until(lambda: (job_of(asleep) or {}).get("state") == "stopped", timeout=READY_TIMEOUT,
                what="the sleeper stopped")  # fmt: skip
-    assert "stopped by the swarm" in (job_of(ds[1]) or {})["reason"]
-    assert "stopped by the swarm" in (job_of(asleep) or {})["reason"]
-    assert "stopped swarm-wide: telling it again" in a.log()
+    assert f"stopped by the swarm (peer {origin})" == (job_of(ds[1]) or {})["reason"]
+    assert f"stopped by the swarm (peer {origin}, told by peer" in (job_of(asleep) or {})["reason"]
+    assert any(f"stopped swarm-wide by {origin}: telling it again" in d.log() for d in ds[1:])
 
 
 def test_peer_plane_refuses_strangers_and_records_it(swarm: Any, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from atomd.config import Settings
 from atomd.db import repo
 from atomd.p2p.identity import Identity
 from atomd.p2p.membership import Member
+from atomd.p2p.messages import job_id_for, sign_stop
 from atomd.p2p.node import SwarmNode
 from atomd.telemetry import Telemetry
 from tests.unit.conftest import Sessions
@@ -84,14 +85,94 @@ async def test_a_straggler_is_told_again_at_a_bounded_pace(
         node.membership.members[who.peer_id] = Member(
             who.peer_id, f"https://127.0.0.1:{42100 + i}", who.public_key_hex, "alive", 1
         )
+    job = job_id_for(node.peer_id)
+    stop = sign_stop(job, node.identity, settings.swarm)
     now = time.monotonic()
-    node._tell_stopped(ids[0].peer_id, "j" * 32)
-    node._tell_stopped(ids[1].peer_id, "j" * 32)
+    node._tell_stopped(ids[0].peer_id, stop)
+    node._tell_stopped(ids[1].peer_id, stop)
     told = dict(node._told_stopped)
-    node._tell_stopped(ids[0].peer_id, "j" * 32)  # again at once: not told
+    node._tell_stopped(ids[0].peer_id, stop)  # again at once: not told
     assert node._told_stopped == told
-    node._tell_stopped(ids[2].peer_id, "j" * 32)  # full, both told just now: not remembered
-    assert (ids[2].peer_id, "j" * 32) not in node._told_stopped
-    node._told_stopped[(ids[0].peer_id, "j" * 32)] = now - node_module.RESTOP_S  # long ago
-    node._tell_stopped(ids[2].peer_id, "j" * 32)
-    assert set(node._told_stopped) == {(ids[1].peer_id, "j" * 32), (ids[2].peer_id, "j" * 32)}
+    node._tell_stopped(ids[2].peer_id, stop)  # full, both told just now: not remembered
+    assert (ids[2].peer_id, job) not in node._told_stopped
+    node._told_stopped[(ids[0].peer_id, job)] = now - node_module.RESTOP_S  # long ago
+    node._tell_stopped(ids[2].peer_id, stop)
+    assert set(node._told_stopped) == {(ids[1].peer_id, job), (ids[2].peer_id, job)}
+
+
+def test_a_stop_is_its_origins_own() -> None:
+    """A stop a member passes on counts only as its origin signed it: for this job, in this
+    swarm, by the key the job id names. A member cannot stop another's job by signing a stop
+    of its own, nor replay a stop of another job or swarm."""
+    from atomd.p2p.messages import stop_forgery
+
+    origin, member = Identity.generate(), Identity.generate()
+    job, other = job_id_for(origin.peer_id), job_id_for(origin.peer_id)
+    stop = sign_stop(job, origin, "s")
+    assert stop_forgery(stop, job, "s") is None
+    assert "sent to stop job" in str(stop_forgery(stop, other, "s"))
+    assert "not signed by its origin" in str(stop_forgery(stop, job, "another swarm"))
+    assert "not one the stop's origin" in str(stop_forgery(sign_stop(job, member, "s"), job, "s"))
+    lying = stop.model_copy(update={"origin": member.peer_id})
+    assert "is not that of key" in str(stop_forgery(lying, job, "s"))
+    flipped = ("0" if stop.signature[0] != "0" else "1") + stop.signature[1:]
+    forged = stop.model_copy(update={"signature": flipped})
+    assert "not signed by its origin" in str(stop_forgery(forged, job, "s"))
+
+
+async def test_a_member_passes_the_origins_stop_on(
+    tmp_path: Path, sessions: Sessions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member that heard a job's signed stop tells a straggler still training the job, as
+    the origin would (the origin may be gone); a forged stop is refused and kept nowhere; a
+    stop of our own job is ours to say; the origin heard training the job again (resumed),
+    the stop is dropped."""
+    from types import SimpleNamespace
+
+    from atomd.errors import MessageError
+    from atomd.p2p import node as node_module
+    from atomd.p2p.messages import JobAdvert, sign_advert
+    from atomd.spec import JobSpec
+
+    stops: list[tuple[str, str, str | None]] = []
+
+    class Jobs:
+        async def stop_from_peer(self, job_id: str, peer_id: str, via: str | None = None) -> None:
+            stops.append((job_id, peer_id, via))
+
+        def stopped_swarm_wide(self, job_id: str) -> bool:
+            return False
+
+    settings = Settings(data_dir=tmp_path, device="cpu", auto_join=False)
+    node = SwarmNode(settings=settings, identity=Identity.generate(), sessions=sessions,
+                     telemetry=Telemetry(), jobs=cast(Any, Jobs()))  # fmt: skip
+    origin, relay, straggler = (Identity.generate() for _ in range(3))
+    for i, who in enumerate((origin, relay, straggler)):
+        node.membership.members[who.peer_id] = Member(
+            who.peer_id, f"https://127.0.0.1:{42200 + i}", who.public_key_hex, "alive", 1
+        )
+    job = job_id_for(origin.peer_id)
+    stop = sign_stop(job, origin, settings.swarm)
+    with pytest.raises(MessageError, match="not signed by its origin"):
+        await node.stop_from_peer(job, relay.peer_id, sign_stop(job, origin, "another swarm"))
+    assert stops == [] and node.stop_notice(job) is None
+
+    await node.stop_from_peer(job, relay.peer_id, stop)
+    assert stops == [(job, origin.peer_id, relay.peer_id)]
+    assert node.stop_notice(job) == stop
+    advert = sign_advert(JobAdvert(id=job, spec=JobSpec()), origin, settings.swarm)
+    node._on_message(straggler.peer_id, cast(Any, SimpleNamespace(job=advert)))
+    assert (straggler.peer_id, job) in node._told_stopped
+    assert job not in node._job_peers  # not counted as training it
+
+    mine = job_id_for(node.peer_id)
+    await node.stop_from_peer(mine, relay.peer_id, sign_stop(mine, node.identity, settings.swarm))
+    assert len(stops) == 1 and node.stop_notice(mine) is None
+
+    node._on_message(origin.peer_id, cast(Any, SimpleNamespace(job=advert)))  # sent before
+    assert node.stop_notice(job) == stop
+    at = node._stop_notices[job][1]
+    with monkeypatch.context() as m:  # RESTOP_S on
+        m.setattr(node_module.time, "monotonic", lambda: at + node_module.RESTOP_S + 1)
+        node._on_message(origin.peer_id, cast(Any, SimpleNamespace(job=advert)))  # resumed
+    assert node.stop_notice(job) is None
