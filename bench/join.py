@@ -73,10 +73,7 @@ def run(
     ]
     val = data.val_batches(count=VAL_BATCHES, batch_size=16)
     engines = [_build(spec) for _ in range(2)]
-    states = [
-        SyncState(dict(e.model.named_parameters()), sync, peer_id=f"peer-{i}")
-        for i, e in enumerate(engines)
-    ]
+    states = [SyncState.of_engine(e, sync, peer_id=f"peer-{i}") for i, e in enumerate(engines)]
     rng = random.Random(f"join:{seed}")
     active = [True, False]
     started = [0, join_at]

@@ -163,7 +163,7 @@ def run_one(
     engines = [_build(spec) for _ in range(n)]
     robust = None if defence == "none" else rule
     states = [
-        SyncState(dict(e.model.named_parameters()), sync, peer_id=f"peer-{i}", robust=robust)
+        SyncState.of_engine(e, sync, peer_id=f"peer-{i}", robust=robust)
         for i, e in enumerate(engines)
     ]
     guards: list[LossGuard | None] = [

@@ -477,10 +477,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     ]
     val = data.val_batches(count=budget.val_batches, batch_size=BATCH)
     engines = [_build(spec) for _ in range(n)]
-    states = [
-        SyncState(dict(e.model.named_parameters()), sync, peer_id=f"peer-{i}")
-        for i, e in enumerate(engines)
-    ]
+    states = [SyncState.of_engine(e, sync, peer_id=f"peer-{i}") for i, e in enumerate(engines)]
     if run.ideal_rate is not None:
         for i, state in enumerate(states):
             ideal = IdealCodec(rate=run.ideal_rate, seed=1000 * budget.seed + i)
@@ -908,6 +905,19 @@ def extra_runs() -> list[RunSpec]:
         # ... and the reference over its own link: fp32 every 50 steps, its frames taking the
         # round to reach the last peer.
         RunSpec("fp32-h50-link1x", codec="fp32", link=FP32_EVERY_50),
+        # Issue #14, item 5 (2026-12-07, fourth): top-k ranked by |delta| alone, as before
+        # ``sync.topk_rank`` 'moment' (|delta| / v, the default), at each cadence.
+        *(
+            RunSpec(f"topk-h{h}-magnitude", codec="topk", every=h, sync={"topk_rank": "magnitude"})
+            for h in (50, 2)
+        ),
+        RunSpec(
+            f"{dflt}-auto-link100x-magnitude",
+            codec=dflt,
+            every="auto",
+            link=FP32_EVERY_50 / 100,
+            sync={"topk_rank": "magnitude"},
+        ),
     ]
 
 

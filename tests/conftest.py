@@ -137,11 +137,12 @@ def another_congestion() -> tuple[str, str]:
 
 
 def fake_engine(model: torch.nn.Module) -> Any:
-    """What a SyncPlugin uses of a StepEngine: its model, settle (nothing in flight here), and
-    set_peers, whose calls ``peers`` records."""
+    """What a SyncPlugin uses of a StepEngine: its model, settle (nothing in flight here),
+    set_peers, whose calls ``peers`` records, and second_moments (none: no AdamW steps here,
+    so top-k ranks by |delta|)."""
     peers: list[int] = []
     return cast(Any, SimpleNamespace(model=model, settle=lambda: None, set_peers=peers.append,
-                                     peers=peers))  # fmt: skip
+                                     peers=peers, second_moments=dict))  # fmt: skip
 
 
 class CompiledKernel:

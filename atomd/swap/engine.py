@@ -85,6 +85,7 @@ from atomd.train.optim import (
     build_adamw,
     optimizer_state_by_param,
     optimizer_tensors,
+    second_moments,
 )
 from atomd.units import format_bytes
 
@@ -750,6 +751,10 @@ class SwapEngine:
         the sync plugin settles first); a device step reads its host optimizer's."""
         for opt in self._optimizers():
             opt.peers = peers
+
+    def second_moments(self) -> dict[str, Tensor]:
+        """Of the host masters' AdamW state (settled: the device steps' are copied back)."""
+        return second_moments(self._optimizers(), self.model)
 
     def settle(self) -> None:
         """Finish the host optimizer's steps and apply the device steps still due (through the

@@ -193,6 +193,9 @@ class Int8Codec(Codec):
         return _tensor(out, enc.shape)
 
 
+RANK_MIN_K = 8  # the fewest entries a chunk keeps for ``TopKCodec.encode`` to rank by weight
+
+
 class TopKCodec(Codec):
     """Chunked top-k by magnitude with 4-bit (or int8) values.
 
@@ -258,13 +261,24 @@ class TopKCodec(Codec):
         _, k, n_chunks = self._layout(numel)
         return _topk_raw_len(n_chunks * k, n_chunks, self.bits)
 
-    def encode(self, x: Tensor) -> Encoded:
+    def encode(self, x: Tensor, weight: Tensor | None = None) -> Encoded:
+        """``weight`` (x's shape, ≥ 0): keep the largest |x| x weight instead of |x| (the
+        sender's choice; receivers read the positions it sends, whatever chose them), where a
+        chunk keeps at least RANK_MIN_K entries. Fewer (a LayerNorm's or a bias's 1-5 at 1 %)
+        are ranked by |x|: a frame's tensor is then one or a few entries, whose norm, chosen by
+        weight, differs between honest peers beyond the robust rule's per-tensor bound
+        (``RobustRule.tensor_ratio``), and receivers would clip it where its sender does not."""
         flat = _flat(x)
         chunk, k, n_chunks = self._layout(flat.size)
         chunks = _rows(flat, n_chunks, chunk)  # (n_chunks, chunk)
-        # argpartition puts the k largest |x| last; ascending indices make the payload canonical
-        # (decode insists on it) and a little more compressible.
-        idx = np.sort(np.argpartition(np.abs(chunks), chunk - k, axis=1)[:, chunk - k :], axis=1)
+        score = np.abs(chunks)
+        if weight is not None and k >= RANK_MIN_K:
+            if weight.shape != x.shape:
+                raise ValueError(f"weight of shape {tuple(weight.shape)} for x of {x.shape}")
+            score *= _rows(_flat(weight), n_chunks, chunk)
+        # argpartition puts the k largest scores last; ascending indices make the payload
+        # canonical (decode insists on it) and a little more compressible.
+        idx = np.sort(np.argpartition(score, chunk - k, axis=1)[:, chunk - k :], axis=1)
         values = np.take_along_axis(chunks, idx, axis=1)  # (n_chunks, k)
         gaps = (np.diff(idx, axis=1, prepend=-1) - 1).astype("<u2")
         q, wire_scale = _quantized(values, self.bits)
@@ -667,8 +681,12 @@ class ErrorFeedback:
         # name -> residual (float32, CPU); replaced, never modified in place.
         self._residual: dict[str, Tensor] = {}
 
-    def compress(self, name: str, delta: Tensor) -> tuple[Encoded, Tensor]:
-        """(encoded, sent): ``sent`` is exactly what receivers will decode (float32, CPU)."""
+    def compress(
+        self, name: str, delta: Tensor, weight: Tensor | None = None
+    ) -> tuple[Encoded, Tensor]:
+        """(encoded, sent): ``sent`` is exactly what receivers will decode (float32, CPU).
+        ``weight``: how a top-k codec ranks the entries (``TopKCodec.encode``); others send
+        what they send whatever it is."""
         delta = delta.detach().to("cpu", torch.float32)
         residual = self._residual.get(name)
         if residual is None:
@@ -680,7 +698,10 @@ class ErrorFeedback:
             )
         else:
             acc = torch.add(delta, residual, alpha=self.decay)
-        enc = self.codec.encode(acc)
+        if weight is not None and isinstance(self.codec, TopKCodec):
+            enc = self.codec.encode(acc, weight.detach().to("cpu", torch.float32))
+        else:
+            enc = self.codec.encode(acc)
         sent = self.codec.decode(enc)
         self._residual[name] = acc - sent
         return enc, sent

@@ -221,8 +221,9 @@ class SyncPlugin:
         self.engine = engine
         self._attached_at = time.monotonic()
         engine.settle()
-        params = {n: p for n, p in engine.model.named_parameters()}
-        self.state = SyncState(params, self.spec, peer_id=self.identity.peer_id, lr=self.lr)
+        self.state = SyncState.of_engine(
+            engine, self.spec, peer_id=self.identity.peer_id, lr=self.lr
+        )
         self._swarm_adam(self.n_peers(self.state.version))
         self.on_attached()
 

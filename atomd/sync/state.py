@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -54,9 +55,24 @@ from atomd.logs import get_logger
 from atomd.spec import SyncSpec
 from atomd.sync.codecs import Codec, Encoded, ErrorFeedback, make_codec
 from atomd.sync.outer import NesterovOuter, staleness_weight
+
+if TYPE_CHECKING:
+    from atomd.train.engine import StepEngine
 from atomd.sync.robust import DeltaStats, Progress, RobustRule, Screen, lower_median
 
 log = get_logger(__name__)
+
+# AdamW's eps squared: a weight no gradient has reached yet (v = 0) ranks as one whose v is
+# this, as AdamW's own step divides by sqrt(v) + eps.
+RANK_EPS = 1e-16
+# Top-k ranks by |delta| x (v + RANK_EPS) ** power (``SyncSpec.topk_rank`` 'moment'), the power
+# by how often rounds come (``SyncSpec.frequent``). `atomd bench sync`, 4 peers, top-k 1 %, one
+# run each (the spread between runs of one setting is ~0.01; docs/notes/issue-14.md):
+#   H=50: power 0 (|delta|) 1.917, -0.5 1.890, -1 1.877, -2 1.868; fp32's plain average 1.872
+#   H=2:  power 0 1.707, -0.5 1.703, -1 1.724
+# Rare rounds gain most from the weights the other peers' data rarely move (small v): they are
+# what a peer knows alone; at a round every few steps |delta| matters more, or the replicas part.
+RANK_POWER = {"frequent": -0.5, "rare": -2.0}
 
 _ANCHOR, _MOMENTUM, _EF = "anchor.", "outer.momentum.", "ef."
 _PENDING, _PENDING_COUNT = "pending.", "pending_count."
@@ -228,6 +244,9 @@ class SyncState:
         self._kept: dict[str, Tensor] = {}
         self._whole = False  # the own delta of this round is whole (``prepare(whole=True)``)
         self._framed: dict[str, Tensor] = {}  # this round's delta as receivers decode it
+        # How top-k ranks each tensor's entries at the next ``prepare`` (name -> weight of
+        # |delta|: ``SyncSpec.topk_rank``), read once a round; None: by |delta| alone.
+        self.rank_weights: Callable[[], Mapping[str, Tensor]] | None = None
         # After taking a state: the donor's reference statistics, the floor of this peer's own
         # (its error feedback starts empty: ``load_state``), each until an own delta reaches it,
         # at most until round ``_inherited_until``.
@@ -236,6 +255,24 @@ class SyncState:
         # Where the codec sends every entry: base_version -> the sum of that round's merged
         # deltas (own included), each as a unit vector (``_swarm_direction``); the newest few.
         self._directions: dict[int, dict[str, Tensor]] = {}
+
+    @classmethod
+    def of_engine(cls, engine: StepEngine, spec: SyncSpec, **kw: Any) -> SyncState:
+        """The state of a replica trained by ``engine`` (settled): its live parameters (host
+        masters when swapping), and top-k ranked by its AdamW state (``rank_by``)."""
+        state = cls(dict(engine.model.named_parameters()), spec, **kw)
+        state.rank_by(engine.second_moments)
+        return state
+
+    def rank_by(self, second_moments: Callable[[], Mapping[str, Tensor]]) -> None:
+        """Rank top-k's entries by |delta| / v (``SyncSpec.topk_rank`` 'moment'), v read from
+        ``second_moments`` (the engine's AdamW state, settled) at each ``prepare``."""
+        if self.spec.topk_rank != "moment":
+            return
+        power = RANK_POWER["frequent" if self.spec.frequent else "rare"]
+        self.rank_weights = lambda: {
+            n: torch.pow(v + RANK_EPS, power) for n, v in second_moments().items()
+        }
 
     @property
     def fraction(self) -> float | None:
@@ -391,9 +428,10 @@ class SyncState:
         sent: dict[str, Tensor] = {}
         framed: dict[str, Tensor] = {}  # what receivers decode: the robust rule's reference
         raw_bytes = 0
+        weights = self.rank_weights() if self.rank_weights is not None else {}
         for name, p in self.params.items():
             delta = p.detach().to("cpu", torch.float32) - start[name]
-            enc, reconstructed = self.feedback.compress(name, delta)
+            enc, reconstructed = self.feedback.compress(name, delta, weights.get(name))
             framed[name] = reconstructed.to("cpu", torch.float32).reshape(delta.shape).clone()
             if whole:  # the residual is committed too: nothing waits
                 sent[name] = framed[name] + self.feedback.split(name, 1.0).reshape(delta.shape)

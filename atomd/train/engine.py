@@ -18,7 +18,13 @@ from torch.utils.checkpoint import checkpoint
 from atomd.data.dataset import Batch
 from atomd.errors import ConfigError
 from atomd.model.gpt import GPT, lm_loss
-from atomd.train.optim import OptimConfig, build_adamw, load_optimizer_tensors, optimizer_tensors
+from atomd.train.optim import (
+    OptimConfig,
+    build_adamw,
+    load_optimizer_tensors,
+    optimizer_tensors,
+    second_moments,
+)
 
 
 class StepEngine(Protocol):
@@ -39,6 +45,10 @@ class StepEngine(Protocol):
     def set_peers(self, peers: int) -> None:
         """How many peers average their updates with this one's from the next step on (1:
         alone): AdamW then normalises by the swarm's second moment (``optim.AdamW``)."""
+        ...
+
+    def second_moments(self) -> dict[str, Tensor]:
+        """AdamW's second moment of each parameter (``optim.second_moments``); call settled."""
         ...
 
 
@@ -278,6 +288,9 @@ class ResidentEngine:
 
     def set_peers(self, peers: int) -> None:
         self.optimizer.peers = peers
+
+    def second_moments(self) -> dict[str, Tensor]:
+        return second_moments([self.optimizer], self.model)
 
     def settle(self) -> None:
         """Nothing is in flight: ``train_step`` returns after its optimizer step."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,6 +286,21 @@ def optimizer_tensors(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str,
         for key, value in st.items():
             t = value if isinstance(value, Tensor) else torch.tensor(value)
             out[f"optim.{names[id(p)]}.{key}"] = t.detach().cpu()
+    return out
+
+
+def second_moments(
+    optimizers: Iterable[torch.optim.Optimizer], model: nn.Module
+) -> dict[str, Tensor]:
+    """Each parameter's AdamW second moment (``exp_avg_sq``, as stored: no bias correction)
+    by parameter name, fp32 on the CPU; parameters without one yet (no step) are left out."""
+    names = {id(p): n for n, p in named_unique_parameters(model)}
+    out: dict[str, Tensor] = {}
+    for opt in optimizers:
+        for p, st in opt.state.items():
+            v = st.get("exp_avg_sq")
+            if isinstance(v, Tensor) and id(p) in names:
+                out[names[id(p)]] = v.detach().to("cpu", torch.float32)
     return out
 
 

@@ -23,6 +23,7 @@ from atomd.sync.codecs import (
     MAX_RANK,
     Encoded,
     ErrorFeedback,
+    Int8Codec,
     LowRankCodec,
     TopKCodec,
     decode,
@@ -182,6 +183,33 @@ def test_topk_keeps_exactly_the_largest_per_chunk() -> None:
     assert torch.equal(kept, expected)
     # Values within half a 4-bit step of their chunk's absmax (< 2), bf16 scale included.
     assert float((y - x)[y != 0].abs().max()) <= 2 / 14 * 1.003
+
+
+def test_topk_ranks_by_a_weight_when_given() -> None:
+    """``weight`` ranks the entries by |x| x weight (``SyncSpec.topk_rank``): the values sent
+    are x's, at the positions the weight chose, and any decoder reads them; the error
+    feedback passes it to top-k only."""
+    n = 4 * 4096 + 5
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(n, generator=gen)
+    weight = torch.rand(n, generator=gen) ** 4
+    codec = TopKCodec(fraction=0.01)
+    enc = codec.encode(x, weight)
+    y = decode(enc)
+    chunks = torch.nn.functional.pad(x * weight, (0, 1)).view(5, 3278)
+    expected = torch.zeros(5, 3278, dtype=torch.bool)
+    expected.scatter_(1, chunks.abs().topk(33, dim=1).indices, True)
+    chosen = torch.nn.functional.pad(kept(enc).mask, (0, 1)).view(5, 3278)
+    assert torch.equal(chosen, expected)
+    assert not torch.equal(kept(enc).mask, kept(codec.encode(x)).mask)
+    assert float((y - x)[y != 0].abs().max()) <= float(x.abs().max()) / 14 * 1.003
+    with pytest.raises(ValueError, match="weight of shape"):
+        codec.encode(x, weight[:-1])
+    fb = ErrorFeedback(codec)
+    _, sent = fb.compress("w", x, weight)
+    assert torch.equal(sent, y)
+    _, sent = ErrorFeedback(Int8Codec()).compress("w", x, weight)  # dense: whatever weight
+    assert torch.equal(sent, ErrorFeedback(Int8Codec()).compress("w", x)[1])
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -439,3 +439,24 @@ def test_with_peers_swapped_steps_as_resident(
             assert compiled_kernel.calls == 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("optimizer", ["host", "device"])
+def test_second_moments_are_the_resident_engines(optimizer: Optimizer) -> None:
+    """What top-k ranks by (``SyncSpec.topk_rank``): every parameter's AdamW second moment by
+    name, the same swapped (host or device steps) as resident; none before a step."""
+    ref = ResidentEngine(_model(), _spec(1.0), CPU)
+    engine = SwapEngine(_model(), _spec(1.0), CPU, _plan(2, 1, optimizer=optimizer))
+    try:
+        assert ref.second_moments() == {}
+        _train(ref)
+        _train(engine)
+        engine.settle()
+        got, want = engine.second_moments(), ref.second_moments()
+        assert set(want) == {n for n, _ in ref.model.named_parameters()}
+        assert set(got) == set(want)
+        assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in got.values())
+        assert max_rel_param_diff(got, want) < TOL
+        assert all(float(t.max()) > 0 for t in want.values())
+    finally:
+        engine.close()

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from atomd.spec import SyncSpec
-from atomd.sync.codecs import decode
+from atomd.sync.codecs import decode, kept
 from atomd.sync.outer import NesterovOuter, staleness_weight
 from atomd.sync.state import CLAIM_FRESH_ROUNDS, Contribution, Outgoing, SyncState
 
@@ -1017,3 +1017,55 @@ def test_one_stale_member_does_not_hold_a_swarm_of_three() -> None:
     assert me.rounds_ahead({"M"}) == 9  # a swarm of two: the other sets it
     me.absorb([Contribution("B", 1, 1, ones)])
     assert me.rounds_ahead({"M", "B"}) == 9 - 1  # of 0, 1, 9
+
+
+@pytest.mark.parametrize(
+    ("rank", "every"), [("moment", "auto"), ("moment", 50), ("magnitude", "auto")]
+)
+def test_topk_ranks_by_the_second_moment_it_is_given(rank: str, every: Any) -> None:
+    """``topk_rank`` 'moment': each round's frame keeps the largest |delta| / v per chunk, v
+    read from the engine when the round is prepared (a weight no gradient reached, v = 0,
+    ranks as AdamW's eps would have it), where a chunk keeps RANK_MIN_K entries or more;
+    'magnitude' keeps the largest |delta|, as do tensors of fewer (here "b": 1 entry, "w":
+    5). Either way the anchors of two peers agree: the robust rule clips no honest frame
+    (ranked by moment, "b"'s one entry differed between the peers beyond its tensor bound)."""
+    from atomd.sync.state import RANK_EPS, RANK_POWER
+
+    s = spec(codec="topk", topk_fraction=0.1, topk_rank=rank, every=every)
+    replicas, states = swarm(2, s)
+    g = torch.Generator().manual_seed(7)
+    moments = {n: torch.rand(shape, generator=g) ** 2 for n, shape in SHAPES.items()}
+    moments["e"][:10] = 0.0
+    reads: list[int] = []
+
+    def second_moments() -> dict[str, Tensor]:
+        reads.append(1)
+        return moments
+
+    for st in states:
+        st.rank_by(second_moments)
+    train(replicas[0], 0)
+    train(replicas[1], 1)
+    out = states[0].prepare()
+    delta = replicas[0]["e"] - params()["e"]
+
+    def top(power: float) -> Tensor:
+        score = delta.abs() * (moments["e"] + RANK_EPS) ** power
+        chosen = torch.zeros(300, dtype=torch.bool)
+        chosen[score.topk(30).indices] = True
+        return chosen
+
+    power = RANK_POWER["frequent" if every == "auto" else "rare"] if rank == "moment" else 0.0
+    sent = kept(dict(out.tensors)["e"]).mask  # the positions (a 4-bit value may round to 0)
+    assert torch.equal(sent, top(power))
+    assert {bool(torch.equal(sent, top(p))) for p in (0.0, *RANK_POWER.values())} == {True, False}
+    small = params()["b"] - replicas[0]["b"]
+    assert torch.equal(decode(dict(out.tensors)["b"]) != 0, small.abs() == small.abs().max())
+    outs = [out, states[1].prepare()]
+    assert reads == ([1, 1] if rank == "moment" else [])
+    for i, st in enumerate(states):
+        st.merge([received(f"p{1 - i}", outs[1 - i])], n_peers=2)
+    for rnd in range(1, 4):
+        sync_round(replicas, states, rnd)
+    for k in SHAPES:
+        torch.testing.assert_close(states[0].anchor[k], states[1].anchor[k], rtol=0, atol=1e-6)
