@@ -102,12 +102,13 @@ class SyncSpec(_Spec):
     )
     topk_rank: Literal["moment", "magnitude"] = Field(
         "moment",
-        description="Which entries the topk codec sends: 'moment', the largest |delta| x v^p, v "
-        "this peer's AdamW second moment of the weight, p -0.5 with every 'auto' or 2-5, else "
-        "-2 (weights that moved far for the gradients they see: most often those the other "
-        "peers' data rarely moves, what they lack most), or 'magnitude', the largest |delta|. "
-        "`atomd bench sync`, a round every 50 steps: 1.868 against 1.917, fp32's average "
-        "1.872 (docs/notes/issue-14.md).",
+        description="Which entries the topk codec sends: 'moment', where rounds are rare (a "
+        "fixed every of 6 or more), the largest |delta| / v^2, v this peer's AdamW second "
+        "moment of the weight (weights that moved far for the gradients they see: most often "
+        "those the other peers' data rarely moves, what they lack most), and the largest "
+        "|delta| with every 'auto' or 2-5; or 'magnitude', the largest |delta| always. `atomd "
+        "bench sync`, a round every 50 steps: 1.868 against 1.917, fp32's average 1.872 "
+        "(docs/notes/issue-14.md).",
     )
     value_bits: Literal[4, 8] = Field(
         4,

@@ -71,8 +71,11 @@ RANK_EPS = 1e-16
 #   H=50: power 0 (|delta|) 1.917, -0.5 1.890, -1 1.877, -2 1.868; fp32's plain average 1.872
 #   H=2:  power 0 1.707, -0.5 1.703, -1 1.724
 # Rare rounds gain most from the weights the other peers' data rarely move (small v): they are
-# what a peer knows alone; at a round every few steps |delta| matters more, or the replicas part.
-RANK_POWER = {"frequent": -0.5, "rare": -2.0}
+# what a peer knows alone. Frequent rounds rank by |delta| (power 0): ranked by v their anchor,
+# the model a joining or restarted peer starts from, ended at 3.89 where |delta|'s is 1.70 (the
+# replicas alike), and on real daemons a restarted peer refused every donor's state as far worse
+# than the members' and its job failed (run fn). At H=50 the anchor is poor either way (3.67).
+RANK_POWER = {"frequent": 0.0, "rare": -2.0}
 
 _ANCHOR, _MOMENTUM, _EF = "anchor.", "outer.momentum.", "ef."
 _PENDING, _PENDING_COUNT = "pending.", "pending_count."
@@ -268,9 +271,9 @@ class SyncState:
     def rank_by(self, second_moments: Callable[[], Mapping[str, Tensor]]) -> None:
         """Rank top-k's entries by |delta| / v (``SyncSpec.topk_rank`` 'moment'), v read from
         ``second_moments`` (the engine's AdamW state, settled) at each ``prepare``."""
-        if self.spec.topk_rank != "moment":
-            return
         power = RANK_POWER["frequent" if self.spec.frequent else "rare"]
+        if self.spec.topk_rank != "moment" or power == 0.0:
+            return
         self.rank_weights = lambda: {
             n: torch.pow(v + RANK_EPS, power) for n, v in second_moments().items()
         }
