@@ -31,7 +31,6 @@ log = get_logger(__name__)
 
 LOCK_FILE = "atomd.pid"  # flock held by the daemon or ``atomd migrate`` that uses the folder
 Role = Literal["run", "migrate"]
-ROLES: tuple[Role, ...] = ("run", "migrate")
 KEY_SIDE_FILE = ".identity.key.{pid}.tmp"  # atomd.p2p.identity writes the key here first
 TLS_SCRATCH_PREFIX = ".tls-"  # atomd.p2p.tls's folder for the key while a context is made
 LEFTOVERS = (KEY_SIDE_FILE.format(pid="*"), TLS_SCRATCH_PREFIX + "*")

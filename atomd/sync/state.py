@@ -55,10 +55,10 @@ from atomd.logs import get_logger
 from atomd.spec import SyncSpec
 from atomd.sync.codecs import Codec, Encoded, ErrorFeedback, make_codec
 from atomd.sync.outer import NesterovOuter, staleness_weight
+from atomd.sync.robust import DeltaStats, Progress, RobustRule, Screen, lower_median
 
 if TYPE_CHECKING:
     from atomd.train.engine import StepEngine
-from atomd.sync.robust import DeltaStats, Progress, RobustRule, Screen, lower_median
 
 log = get_logger(__name__)
 
@@ -269,8 +269,9 @@ class SyncState:
         return state
 
     def rank_by(self, second_moments: Callable[[], Mapping[str, Tensor]]) -> None:
-        """Rank top-k's entries by |delta| / v (``SyncSpec.topk_rank`` 'moment'), v read from
-        ``second_moments`` (the engine's AdamW state, settled) at each ``prepare``."""
+        """Rank top-k's entries by |delta| x v ** power (``SyncSpec.topk_rank`` 'moment',
+        ``RANK_POWER`` by the cadence; power 0 ranks by |delta| and reads nothing), v read
+        from ``second_moments`` (the engine's AdamW state, settled) at each ``prepare``."""
         power = RANK_POWER["frequent" if self.spec.frequent else "rare"]
         if self.spec.topk_rank != "moment" or power == 0.0:
             return
@@ -434,8 +435,7 @@ class SyncState:
         raw_bytes = 0
         # Consolidation rounds (after ``average_from_now``'s last training round) drain what is
         # left largest first: ranked by v they drained 5x slower (bench's consolidation test).
-        rank = self.rank_weights is not None and not self._draining
-        weights = self.rank_weights() if rank and self.rank_weights is not None else {}
+        weights = {} if self.rank_weights is None or self._draining else self.rank_weights()
         self._draining = self.averaging
         for name, p in self.params.items():
             delta = p.detach().to("cpu", torch.float32) - start[name]
