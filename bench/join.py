@@ -4,16 +4,21 @@ Peer 0 trains alone until step ``join_at``, counting two peers (as a daemon does
 joiner fetches its state) or, with ``alone``, itself only (as a daemon does while no other peer
 trains the job: its rounds then commit its whole delta); then peer 1 takes peer 0's state, as
 a daemon's state transfer gives it (model, AdamW moments and sync state; the donor's error
-feedback dropped), and both train on,
-exchanging top-k deltas. Each delta reaches the other peer 1 to H steps after its round closes
-(seeded). The variants differ only in where the joiner's replica starts:
+feedback dropped), and both train on, exchanging top-k deltas. Each delta reaches the other
+peer 1 to H steps after its round closes (seeded). With ``--restart`` both peers train from
+step 0, and at ``join_at`` peer 1 is killed (what was on its way to it is lost) and takes peer
+0's state, as a restarted daemon does. The variants differ only in where the joiner's replica
+starts:
 
-- ``reset`` (the daemon's ``SyncPlugin.adopt``): the swarm's estimate, the anchor plus the
-  deltas in; when no delta of peer 1 has reached peer 0 yet, peer 0 first closes its round
-  whole (``SyncPlugin.before_snapshot``), so that estimate is its model;
-- ``keep`` (the daemon before 2026-12-02): the donor's replica, which also holds the part of
-  the donor's progress the codec has not sent yet. The donor sends that part itself over its
-  next rounds; the joiner then sends it too.
+- ``clone`` (the daemon's ``SyncState.adopt`` since 2026-12-07): the donor's model, with the
+  donor's progress the codec has not sent yet kept apart and not sent (it drains where the
+  donor's deltas come);
+- ``reset`` (the daemon from 2026-12-02): the swarm's estimate, the anchor plus the deltas in;
+  when no delta of peer 1 has reached peer 0 yet, peer 0 first closes its round whole
+  (``SyncPlugin.before_snapshot``), so that estimate is its model. Where rounds are rare it is
+  far behind the models (H=50 ``--restart``: 5.3 against 2.7-2.9), and a daemon refuses it;
+- ``keep`` (the daemon before 2026-12-02): the donor's replica sent whole: the donor's unsent
+  progress reaches the anchors from both peers.
 
 A round commits the mean of the deltas it gets (``SyncState._close``), so peer 0's rounds
 while the joiner fetches are its own delta whether it counts one peer or two. (Before
@@ -21,7 +26,8 @@ while the joiner fetches are its own delta whether it counts one peer or two. (B
 the start point estimated the delta of a peer still fetching.)
 
 Reported per variant and seed: both peers' validation loss every 10 steps and at the end (the
-same fixed validation batches), and their mean. ``python -m atomd_bench.join --help``.
+same fixed validation batches), their mean, and the joiner's right after it took the state.
+``python -m atomd_bench.join --help``.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from atomd.sync.codecs import decode
 from atomd.sync.state import Contribution, SyncState
 from atomd_bench.sync import _build
 
-VARIANTS = ("reset", "keep")
+VARIANTS = ("clone", "reset", "keep")
 VAL_BATCHES = 8
 
 
@@ -54,6 +60,7 @@ def run(
     seq_len: int = 32,
     batch: int = 4,
     alone: bool = False,
+    restart: bool = False,
 ) -> dict[str, Any]:
     """One run; see the module docstring."""
     if variant not in VARIANTS:
@@ -75,12 +82,16 @@ def run(
     engines = [_build(spec) for _ in range(2)]
     states = [SyncState.of_engine(e, sync, peer_id=f"peer-{i}") for i, e in enumerate(engines)]
     rng = random.Random(f"join:{seed}")
-    active = [True, False]
-    started = [0, join_at]
+    active = [True, restart]
+    started = [0, 0 if restart else join_at]
     inbox: list[tuple[int, int, Contribution]] = []  # (receiver, step it is there by, delta)
     curves: list[list[float]] = [[], []]
+    at_join = float("nan")
     for step in range(steps):
         if step == join_at:  # the state transfer
+            if restart:  # peer 1 is killed: what it held and what was on its way is lost
+                inbox = [x for x in inbox if x[0] != 1]
+                started[1] = join_at
             if variant == "reset" and states[0].alone_in_fact():
                 # SyncPlugin.before_snapshot: nobody has sent peer 0 a delta yet, so it
                 # commits its whole model before the snapshot (the frame goes nowhere: the
@@ -88,10 +99,14 @@ def run(
                 states[0].round_boundary([], n_peers=1)
             engines[1].load_tensors(engines[0].model_tensors(), engines[0].optimizer_tensors())
             states[1].load_state_tensors(states[0].state_tensors())
-            if variant == "reset":  # what the daemon does (SyncPlugin.adopt)
+            if variant == "clone":  # what the daemon does (SyncPlugin.adopt)
                 states[1].adopt()
+            elif variant == "reset":
+                states[1].feedback.load_state_tensors({})
+                states[1].reset_replica()
             else:  # the donor's replica kept; only its error feedback dropped
                 states[1].feedback.load_state_tensors({})
+            at_join = round(engines[1].evaluate(val), 4)
             active[1] = True
         lr_now = lr_at(spec, step)
         for i in (0, 1):
@@ -122,6 +137,7 @@ def run(
         "seed": seed,
         "val_loss_per_peer": finals,
         "val_loss_mean": sum(finals) / 2,
+        "joiner_val_at_join": at_join,
         "curves": {"steps_every": 10, "peer0": curves[0], "peer1": curves[1]},
     }
 
@@ -129,8 +145,9 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m atomd_bench.join",
-        description="Where a joining peer should start: the swarm's estimate (reset, the "
-        "daemon's) or the donor's replica (keep). Two simulated peers; JSON on stdout.",
+        description="Where a joining peer should start: the donor's model without its unsent "
+        "progress (clone, the daemon's), the swarm's estimate (reset) or the donor's model "
+        "whole (keep). Two simulated peers; JSON on stdout.",
     )
     p.add_argument("--steps", type=int, default=120, help="steps of the run (default 120)")
     p.add_argument("--join-at", type=int, default=20, help="the step peer 1 joins (default 20)")
@@ -142,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alone", action="store_true",
                    help="peer 0 counts itself only until the join (nobody else trains the job "
                    "yet) instead of two peers (the joiner counted while it fetches)")  # fmt: skip
-    p.add_argument("--variants", default=",".join(VARIANTS), help="reset,keep (default both)")
+    p.add_argument("--restart", action="store_true",
+                   help="both peers train from step 0; at --join-at peer 1 is killed and "
+                   "restarted: it takes peer 0's state (a SIGKILLed daemon restarted)")  # fmt: skip
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {','.join(VARIANTS)} (default all)")  # fmt: skip
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     task = {k: v for k, v in vars(a).items() if k not in ("seeds", "variants")}
@@ -150,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in a.variants.split(","):
         for seed in range(a.seeds):
             r = run(variant, seed=seed, steps=a.steps, join_at=a.join_at, every=a.every, lr=a.lr,
-                    seq_len=a.seq_len, batch=a.batch, alone=a.alone)  # fmt: skip
+                    seq_len=a.seq_len, batch=a.batch, alone=a.alone, restart=a.restart)  # fmt: skip
             print(f"[bench join] {variant} seed {seed}: {r['val_loss_mean']:.4f}",
                   file=sys.stderr, flush=True)  # fmt: skip
             runs.append(r)

@@ -860,17 +860,19 @@ class SyncPlugin:
         return True
 
     def adopt(self) -> None:
-        """After taking another peer's state (a join or a restart): train from the swarm's
-        estimate (anchor plus the deltas in), with none of the donor's error feedback.
+        """After taking another peer's state (a join or a restart): train on from the donor's
+        model, sending only what this peer trains from it, with none of the donor's error
+        feedback (``SyncState.adopt``).
 
         The donor's replica also holds the part of its progress the codec has not sent yet,
-        and the donor sends that part over its next rounds. A joiner that kept the donor's
-        model sent it too, so every anchor counted it twice (once per peer that held it) and
-        the outer momentum amplified it (``python -m atomd_bench join``: two simulated peers,
+        and the donor sends that part over its next rounds. A joiner that sent it too made
+        every anchor count it twice (``python -m atomd_bench join``: two simulated peers,
         top-k 1%, the joiner taking the donor's state at step 20 of 120 at H=5, mean val 3.034
-        against 2.888 from the swarm's estimate; docs/notes/issue-14.md has the benchmark's
-        task too). On real daemons (4 peers, one SIGKILLed and restarted) the gain stayed
-        within its run-to-run spread: 0.816 and 0.755, against 0.757-0.832 before."""
+        against 2.888 from the swarm's estimate); one that trained from the swarm's estimate
+        (the anchor plus the deltas in) instead started far behind where rounds are rare, and
+        a restarted daemon refused every donor's state as far worse than the members measured
+        (``SyncState.adopt``). It keeps the donor's unsent progress apart (not sent) until the
+        donor's own deltas carry it."""
         if self.state is None:
             return
         self._settle()

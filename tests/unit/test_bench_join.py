@@ -1,4 +1,4 @@
-"""The join benchmark on a tiny budget: both variants run, report their fields, and differ
+"""The join benchmark on a tiny budget: the variants run, report their fields, and differ
 only in where the joiner starts."""
 
 from __future__ import annotations
@@ -28,6 +28,17 @@ def test_both_variants_train_and_report_their_curves() -> None:
         assert all(math.isfinite(v) for v in c["peer0"] + c["peer1"])  # joined at 4
     # Peer 0 is the same until the join; the variants then differ in the joiner's start.
     assert reset["val_loss_per_peer"] != keep["val_loss_per_peer"]
+
+
+def test_a_restarted_peer_starts_from_the_donors_model_in_clone_and_keep() -> None:
+    """``--restart``: both peers train from step 0; the restarted one evaluates as the donor's
+    model in ``clone`` and ``keep`` (which then differ in what it sends), as the anchor plus
+    the deltas in with ``reset``."""
+    runs = {v: run(v, **TINY, restart=True) for v in ("clone", "reset", "keep")}
+    at = {v: r["joiner_val_at_join"] for v, r in runs.items()}
+    assert at["clone"] == at["keep"] != at["reset"]
+    assert all(math.isfinite(v) for r in runs.values() for v in r["curves"]["peer1"])
+    assert runs["clone"]["val_loss_per_peer"] != runs["keep"]["val_loss_per_peer"]
 
 
 def test_a_join_outside_the_run_is_refused() -> None:

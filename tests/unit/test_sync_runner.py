@@ -400,12 +400,12 @@ def test_finish_waits_no_longer_than_final_wait_or_a_stop() -> None:
 
 
 @pytest.mark.parametrize("residual", ["replica", "feedback"])
-def test_adopt_trains_from_the_swarms_estimate_not_the_donors_unsent_progress(
+def test_adopt_trains_on_from_the_donors_model_without_its_unsent_progress(
     residual: str,
 ) -> None:
     """A joiner takes the donor's checkpoint: its error feedback is dropped, and the replica
-    restarts from the swarm's estimate (anchor plus the deltas in): what the donor has not sent
-    yet of its progress (top-k at 1% sends little) is the donor's to send, not the joiner's."""
+    stays the donor's model; what the donor has not sent yet of its progress (top-k at 1% sends
+    little) is the donor's to send, not the joiner's: the joiner's next delta leaves it out."""
     donor = plugin([], [])
     donor.spec = donor.spec.model_copy(update={"codec": "topk", "residual": residual})
     donor.attach(fake_engine(torch.nn.Linear(64, 64)))
@@ -418,10 +418,12 @@ def test_adopt_trains_from_the_swarms_estimate_not_the_donors_unsent_progress(
     if residual == "replica":  # the donor's replica holds its unsent progress
         assert float((weight - start).norm()) > 1.0
     assert donor.state.feedback.state_tensors() or residual == "replica"
+    model = weight.clone()
     donor.adopt()
     assert donor.state.feedback.state_tensors() == {}
-    assert torch.equal(donor.state.params["weight"].detach(), donor.state.start_point()["weight"])
-
+    assert torch.equal(donor.state.params["weight"].detach(), model)
+    out = donor.state.prepare()  # nothing trained since: nothing to send
+    assert all(not decode(e).any() for _, e in out.tensors)
 
 @pytest.mark.parametrize("optimizer", ["host", "device"])
 def test_a_swap_engine_settles_before_sync_touches_its_masters(optimizer: str) -> None:

@@ -860,7 +860,10 @@ def test_the_donors_reference_holds_until_the_takers_own_deltas_reach_it() -> No
     for t in replicas[0].values():  # the donor's steady-state deltas: large
         t.add_(5.0)
     states[0].round_boundary([], n_peers=2)
-    taker = SyncState(params(seed=5), s, peer_id="p9")
+    # The taker's model: the donor's start point (no inherited progress, which it would send
+    # as its own once the donor is silent for max_staleness + 1 rounds, as here).
+    taker = SyncState({n: t.clone() for n, t in states[0].start_point().items()}, s,
+                      peer_id="p9")  # fmt: skip
     taker.load_state_tensors(states[0].state_tensors())
     taker.adopt()
     assert taker._inherited is not None and s.max_staleness + 1 < INHERIT_ROUNDS
@@ -1069,3 +1072,112 @@ def test_topk_ranks_by_the_second_moment_it_is_given(rank: str, every: Any) -> N
         sync_round(replicas, states, rnd)
     for k in SHAPES:
         torch.testing.assert_close(states[0].anchor[k], states[1].anchor[k], rtol=0, atol=1e-6)
+
+
+def _joined(s: SyncSpec, rounds: int = 3) -> tuple[list[dict[str, Tensor]], list[SyncState]]:
+    """Peers p0 and p1 train ``rounds`` rounds; then p2 takes p0's state and model (a join:
+    ``adopt``). Returns the three replicas and states."""
+    replicas, states = swarm(2, s)
+    for rnd in range(rounds):
+        sync_round(replicas, states, rnd)
+    joiner = {k: v.clone() for k, v in replicas[0].items()}  # the donor's model ...
+    state = SyncState(joiner, s, peer_id="p2")
+    state.load_state_tensors(states[0].state_tensors())  # ... and its sync state
+    state.adopt()
+    return [*replicas, joiner], [*states, state]
+
+
+def test_a_joiner_trains_on_from_the_donors_model_and_sends_only_its_own_progress() -> None:
+    """Top-k sends little of a peer's progress a round: the donor's model is far from the
+    anchor. The joiner keeps that model (it evaluates as well as the donor's, not as the
+    anchor) and its deltas hold only what it trained from it: the donor sends its own."""
+    s = spec(codec="topk", topk_fraction=0.1, zstd=False)
+    replicas, states = _joined(s)
+    donor, joiner = replicas[0], replicas[2]
+    start = states[2].start_point()
+    assert rel(joiner, donor) == 0.0 and rel(joiner, start) > 0.05
+    assert states[2].feedback.state_tensors() == {}
+    before = {k: v.clone() for k, v in joiner.items()}
+    train(joiner, seed=7)
+    own = {k: joiner[k] - before[k] for k in SHAPES}
+    out = states[2].prepare()
+    for n, e in out.tensors:  # what it sends is top-k of its own steps, not of the donor's
+        mine = decode(states[2].codec.encode(own[n].flatten()))
+        torch.testing.assert_close(decode(e).flatten(), mine, rtol=1e-5, atol=1e-6)
+    states[2].merge([], n_peers=3)  # the replica restarts with the offset still in it
+    assert rel(joiner, donor) < rel(joiner, states[2].start_point())
+
+
+def test_the_inherited_progress_gives_way_where_the_donor_sends_it() -> None:
+    """The donor's delta merged at the joiner clears the joiner's offset where it has entries
+    (the donor's own replica gives way to the swarm's mean there) and nowhere else; the replica
+    moves with it, and the anchors of all three peers stay equal."""
+    s = spec(codec="topk", topk_fraction=0.1, zstd=False)
+    replicas, states = _joined(s)
+    offset = {n: o.clone() for n, o in states[2]._offset.items()}
+    assert states[2]._offset_from == "p0" and all(o.any() for o in offset.values())
+    outs = [st.prepare() for st in states]
+    from_p0 = received("p0", outs[0]).tensors
+    before = {k: v.clone() for k, v in replicas[2].items()}
+    for i, st in enumerate(states):
+        st.merge([received(f"p{j}", o) for j, o in enumerate(outs) if j != i], n_peers=3)
+    for k in SHAPES:
+        for b in states[1:]:
+            torch.testing.assert_close(states[0].anchor[k], b.anchor[k], rtol=0, atol=1e-6)
+    for n, o in offset.items():
+        sent = from_p0[n].reshape(o.shape) != 0
+        now = states[2]._offset.get(n, torch.zeros_like(o))
+        assert sent.any() and not now[sent].any()
+        assert torch.equal(now[~sent], o[~sent])
+    # The replica: the new start point, the offset left, nothing trained since the join.
+    start = states[2].start_point()
+    for k in SHAPES:
+        torch.testing.assert_close(replicas[2][k], start[k] + states[2]._offset[k])
+        assert not torch.equal(replicas[2][k], before[k])
+
+
+def test_the_joiner_sends_the_inherited_progress_once_the_donor_has_left() -> None:
+    """A donor that sends nothing for max_staleness + 1 rounds has left the job: nobody else
+    will send its progress, so the joiner sends it as its own. Alone (a whole round) and in
+    consolidation (the plain average of the models) it is sent at once."""
+    s = spec(codec="fp32", max_staleness=1)
+    joiner = _joined(s)[1][2]
+    assert joiner._offset
+    for _ in range(s.max_staleness + 1):
+        joiner.round_boundary([], n_peers=2, whole=False)
+        assert joiner._offset
+    joiner.round_boundary([], n_peers=2, whole=False)
+    assert not joiner._offset and joiner._offset_from is None
+    for fold in ("alone", "consolidation"):
+        _, states = _joined(s)
+        inherited = {n: o.clone() for n, o in states[2]._offset.items()}
+        if fold == "alone":
+            out = states[2].prepare(whole=True)
+        else:
+            states[2].average_from_now()
+            out = states[2].prepare()
+        assert not states[2]._offset
+        for n, e in out.tensors:  # nothing trained since the join: the delta is the offset
+            torch.testing.assert_close(decode(e).reshape(inherited[n].shape), inherited[n])
+
+
+def test_the_inherited_progress_survives_a_restart_and_bad_bytes_name_nobody() -> None:
+    s = spec(codec="topk", topk_fraction=0.1)
+    replicas, states = _joined(s)
+    saved = states[2].state_tensors()
+    assert bytes(saved["sync.served_by"].tolist()) == b"p2"
+    again = SyncState({k: v.clone() for k, v in replicas[2].items()}, s, peer_id="p2")
+    again.load_state_tensors(saved)
+    assert again._offset_from == "p0" and again._offset_heard == states[2]._offset_heard
+    for n, o in states[2]._offset.items():
+        assert torch.equal(again._offset[n], o)
+    for bad in (
+        torch.zeros(3),
+        torch.tensor([0xFF, 0xFE], dtype=torch.uint8),
+        torch.zeros(65, dtype=torch.uint8) + 97,
+        torch.tensor([], dtype=torch.uint8),
+    ):
+        again.load_state_tensors({**saved, "sync.inherited_from": bad, "sync.served_by": bad})
+        assert again._offset_from is None and again._served_by is None
+    with pytest.raises(ValueError, match="offset w"):
+        again.load_state_tensors({**saved, "inherited.w": torch.zeros(5)})
