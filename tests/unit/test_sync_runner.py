@@ -425,6 +425,7 @@ def test_adopt_trains_on_from_the_donors_model_without_its_unsent_progress(
     out = donor.state.prepare()  # nothing trained since: nothing to send
     assert all(not decode(e).any() for _, e in out.tensors)
 
+
 @pytest.mark.parametrize("optimizer", ["host", "device"])
 def test_a_swap_engine_settles_before_sync_touches_its_masters(optimizer: str) -> None:
     """Sync reads and moves the host masters of a swap engine: updates still in flight (the
