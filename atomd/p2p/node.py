@@ -579,9 +579,8 @@ class SwarmNode:
     async def stop_from_peer(self, job_id: str, peer_id: str, notice: StopNotice | None) -> None:
         """A stop of ``job_id`` from peer ``peer_id``: its origin's own, or the origin's signed
         ``notice`` passed on (kept, to pass on in turn). ``MessageError`` for a notice its
-        origin did not sign for this job in this swarm, and for one passed on while the origin
-        is alive in this peer's membership; the job manager refuses a stop from any other than
-        the origin (``JobManager.stop_from_peer``)."""
+        origin did not sign for this job in this swarm; the job manager refuses a stop from
+        any other than the origin (``JobManager.stop_from_peer``)."""
         if notice is None:
             await self.jobs.stop_from_peer(job_id, peer_id)
             return
@@ -590,16 +589,6 @@ class SwarmNode:
             raise MessageError(forged)
         if notice.origin == self.peer_id:
             return  # our own job: whether it is stopped is ours to say (we may have resumed it)
-        origin = self.membership.get(notice.origin)
-        if peer_id != notice.origin and origin is not None and origin.state == "alive":
-            # A stop carries no run of the job: passed on while its origin lives, it could be
-            # an old one replayed against the run the origin resumed since (a member that kept
-            # it could end every new joiner's copy). The origin tells its members itself: a
-            # straggler's advert reaches it, and it tells it again (``_tell_stopped``).
-            raise MessageError(
-                f"a stop of job {job_id} passed on by peer {peer_id[:12]}: its origin "
-                f"{notice.origin[:12]} is alive here and tells its members itself"
-            )
         self._stop_notices.pop(job_id, None)
         self._stop_notices[job_id] = (notice, time.monotonic())  # the newest last
         while len(self._stop_notices) > MAX_STOP_NOTICES:
@@ -611,11 +600,7 @@ class SwarmNode:
         """``peer_id`` trains a job stopped swarm-wide: it missed the stop (asleep, cut off,
         or down while it went out) and would train on alone to the end. Tell it again with
         the origin's signed stop, at most every RESTOP_S (its every message carries the job),
-        whether we are the origin or a member that heard the stop and holds the origin gone
-        (a straggler takes a stop passed on only then: ``stop_from_peer``)."""
-        origin = self.membership.get(notice.origin)
-        if notice.origin != self.peer_id and origin is not None and origin.state == "alive":
-            return  # it would refuse the stop from us (``stop_from_peer``): the origin tells it
+        whether we are the origin or a member that heard the stop (the origin may be gone)."""
         now = time.monotonic()
         job_id = notice.job_id
         key = (peer_id, job_id)
