@@ -192,6 +192,7 @@ class ActiveJob:
     plugin: RoundPlugin | None = None  # the delta exchange (swarm jobs)
     adopt_step: int | None = None  # a checkpoint fetched from a peer, at this step
     claimed_val: float | None = None  # ... where the job's other members measured this loss
+    adopt_from: str | None = None  # ... served by this peer (its id, as the transfer found it)
     logged_at: float = 0.0  # monotonic time of the last progress line in the log
     snapshots: SnapshotRequests | None = None  # live-state checkpoints asked for by peers
     step: int = 0  # the newest step reported by the trainer
@@ -839,6 +840,7 @@ class JobManager:
             plugin=active.plugin,
             adopt_step=active.adopt_step,
             adopt_claim=active.claimed_val,
+            adopt_from=active.adopt_from,
             snapshots=active.snapshots,
         )
         if active.resume:
@@ -976,6 +978,7 @@ class JobManager:
             await asyncio.to_thread(remove_checkpoints_after, root, got.step)
         if got is not None and (retake or got.step >= own_step):
             active.adopt_step, active.claimed_val = got.step, got.claimed_val
+            active.adopt_from = got.donor_id
             log.info("job %s continues from the swarm's state at step %d", active.id, got.step)
         return True
 
@@ -997,7 +1000,7 @@ class JobManager:
                 active.id, active.spec, may_retake=active.retakes < RETAKES
             )
         active.resume, active.donors, active.retaking = True, [], True
-        active.adopt_step = active.claimed_val = None
+        active.adopt_step = active.claimed_val = active.adopt_from = None
         log.warning("job %s: step %d: %s (%d of %d)", active.id, e.step, e, active.retakes,
                     RETAKES)  # fmt: skip
         async with self.sessions() as s, s.begin():
@@ -1025,7 +1028,7 @@ class JobManager:
             await repo.add_event(s, kind="job.state_refused", job_id=active.id,
                                  message=f"{e} (from {donor or 'a peer'})")  # fmt: skip
         active.donors = [d for d in active.donors if d != donor]
-        active.adopt_step = active.claimed_val = None
+        active.adopt_step = active.claimed_val = active.adopt_from = None
         # The next try gets a fresh plugin, as the first did: this one holds the refused
         # trainer's model and the sync state built on it (a second model beside it on the
         # device), and the refused donor's anchor and round, with the frames queued since.

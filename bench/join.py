@@ -11,8 +11,8 @@ step 0, and at ``join_at`` peer 1 is killed (what was on its way to it is lost) 
 starts:
 
 - ``clone`` (the daemon's ``SyncState.adopt`` since 2026-12-07): the donor's model, with the
-  donor's progress the codec has not sent yet kept apart and not sent (it drains where the
-  donor's deltas come);
+  donor's progress the codec has not sent yet kept apart and not sent (it gives way by what the
+  donor's deltas carry);
 - ``reset`` (the daemon from 2026-12-02): the swarm's estimate, the anchor plus the deltas in;
   when no delta of peer 1 has reached peer 0 yet, peer 0 first closes its round whole
   (``SyncPlugin.before_snapshot``), so that estimate is its model. Where rounds are rare it is

@@ -663,6 +663,7 @@ class SwarmNode:
         donor = next((m for m in self.membership.others("alive", "suspect") if m.url == url), None)
         if donor is not None:
             self._trains(job_id, donor.id)
+            got = dataclasses.replace(got, donor_id=donor.id)
         answers, _ = await self.peer_curves(job_id)
         claims = [
             last

@@ -117,6 +117,7 @@ class Fetched:
     step: int
     donor: str
     claimed_val: float | None = None
+    donor_id: str | None = None  # the donor's peer id, where a live member served it
 
 
 class LyingDonorError(CheckpointError):

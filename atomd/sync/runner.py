@@ -859,10 +859,10 @@ class SyncPlugin:
         self.on_restored()
         return True
 
-    def adopt(self) -> None:
+    def adopt(self, donor: str | None = None) -> None:
         """After taking another peer's state (a join or a restart): train on from the donor's
         model, sending only what this peer trains from it, with none of the donor's error
-        feedback (``SyncState.adopt``).
+        feedback (``SyncState.adopt``; ``donor``: its peer id, where the transfer knows it).
 
         The donor's replica also holds the part of its progress the codec has not sent yet,
         and the donor sends that part over its next rounds. A joiner that sent it too made
@@ -876,7 +876,7 @@ class SyncPlugin:
         if self.state is None:
             return
         self._settle()
-        self.state.adopt()
+        self.state.adopt(donor)
         if self.guard is not None:
             self.guard.forget()
 

@@ -34,8 +34,9 @@ A round r closes, for a peer whose anchor holds every round before r-1, like thi
    the next delta). Inner optimizer state (AdamW) is not touched: it carries over (DiLoCo).
 
 A peer alone in its round (no other peer trains the job) commits its whole delta, residual
-included, straight into the anchor (``prepare(whole=True)``): the anchor stays its model, and a
-peer joining later starts from it.
+included, straight into the anchor (``prepare(whole=True)``): the anchor stays its model. A peer
+that joins or restarts trains on from its donor's model, keeping apart the donor's progress not
+sent yet (``adopt``).
 
 With fp32, no momentum, outer lr 1 and a synchronous swarm a round makes the anchor the mean of
 the replicas.
@@ -71,10 +72,11 @@ RANK_EPS = 1e-16
 #   H=50: power 0 (|delta|) 1.917, -0.5 1.890, -1 1.877, -2 1.868; fp32's plain average 1.872
 #   H=2:  power 0 1.707, -0.5 1.703, -1 1.724
 # Rare rounds gain most from the weights the other peers' data rarely move (small v): they are
-# what a peer knows alone. Frequent rounds rank by |delta| (power 0): ranked by v their anchor,
-# the model a joining or restarted peer starts from, ended at 3.89 where |delta|'s is 1.70 (the
-# replicas alike), and on real daemons a restarted peer refused every donor's state as far worse
-# than the members' and its job failed (run fn). At H=50 the anchor is poor either way (3.67).
+# what a peer knows alone. Frequent rounds rank by |delta| (power 0): ranked by v their anchor
+# ended at 3.89 where |delta|'s is 1.70 (the replicas alike), and on real daemons a restarted
+# peer, which then started from the anchor, refused every donor's state and its job failed (run
+# fn; a joiner keeps the donor's model since: ``SyncState.adopt``). At H=50 the anchor is poor
+# either way (3.67).
 RANK_POWER = {"frequent": 0.0, "rare": -2.0}
 
 _ANCHOR, _MOMENTUM, _EF = "anchor.", "outer.momentum.", "ef."
@@ -100,6 +102,7 @@ _REF_NORMS, _REF_MAXABS = "sync.ref.norms", "sync.ref.maxabs"
 # peer's own, each statistic until an own delta reaches it (``SyncState.merge``).
 INHERIT_ROUNDS = 64
 MAX_PEER_ID = 64  # bytes of a peer id read back from a state (ids are 32 hex digits)
+MAX_SOURCES = 16  # peers whose deltas drain an inherited offset, read back from a state
 MAX_SEEN = 65_536  # entries read back from a state: (senders) x (max_staleness + 1) rounds
 # Rounds whose sums of unit deltas a peer keeps for the direction reference (codecs that send
 # every entry: ``SyncState._swarm_direction``): a delta is judged by the newest before its own.
@@ -172,6 +175,9 @@ class Taken:
     tensors: dict[str, Tensor]
     weight: float
     stats: DeltaStats | None  # as the robust rule's reference holds it (None: no rule)
+    # What it cleared of the inherited offset (``SyncState._drain_offset``): name -> (flat
+    # positions, amounts), given back on a retract.
+    drained: dict[str, tuple[Tensor, Tensor]] | None = None
 
 
 @dataclass
@@ -270,7 +276,7 @@ class SyncState:
         # which the replica keeps and this peer does not send; whose it is (the donor's peer
         # id, read from its state), and the version this peer last merged a delta of it at.
         self._offset: dict[str, Tensor] = {}
-        self._offset_from: str | None = None
+        self._offset_from: set[str] = set()
         self._offset_heard = 0
         self._served_by: str | None = None  # the peer id a loaded state names as its server
 
@@ -436,7 +442,7 @@ class SyncState:
         ``whole``: a peer alone in the round (``round_boundary`` with one peer) commits its
         whole delta, the error feedback's residual included, where a lossy codec would commit
         only what it sends: with nobody to average with there is nothing to compress for, and
-        the anchor (what a peer joining later starts from) stays the model instead of falling
+        the anchor (the swarm's model when a peer joins) stays the model instead of falling
         behind it by everything top-k has not sent yet. The frame is still the codec's (for a
         peer that only listens: one that went silent, or finished and follows the rounds).
         """
@@ -564,7 +570,7 @@ class SyncState:
                 self._committed[b] = (_compact(got), count)
         self.version += 1
         self._restart_replica(keep=keep)
-        if self._offset and self.version - self._offset_heard > self.spec.max_staleness + 1:
+        if self._offset and self.version - self._offset_heard > self.spec.max_staleness:
             self._fold_offset()  # the donor left: nobody else will send its progress
         floor = self.version - self.spec.max_staleness
         self._seen = {key for key in self._seen if key[1] >= floor}
@@ -645,6 +651,7 @@ class SyncState:
             if self.screen is not None and t.stats is not None:
                 self.screen.forget(b, t.stats)
             removed.setdefault(b, []).append((-t.weight, t.tensors))
+            self._undrain(t.drained)
         self._shift_replica(before, removed)
         for b in [b for b, k in self._pending_count.items() if k <= 0]:
             del self._pending[b], self._pending_count[b]
@@ -729,12 +736,13 @@ class SyncState:
             s = self.staleness(c)
             w = staleness_weight(s)
             self._add_pending(c.base_version, tensors, w)
-            if self._offset and c.sender == self._offset_from:
-                self._drain_offset(tensors)
+            drained = None
+            if self._offset and c.sender in self._offset_from:
+                drained = self._drain_offset(tensors)
             self._seen.add((c.sender, c.base_version))
             self.together = self.together or c.sender != self.peer_id
             report.applied.append(AppliedDelta(c.sender, c.round, s, w, note, strike, cos))
-            t = Taken(c, tensors, w, stats)
+            t = Taken(c, tensors, w, stats, drained)
             report.taken.append(t)
             taken.setdefault(c.base_version, []).append(t)
         return taken
@@ -982,21 +990,23 @@ class SyncState:
         return self.outer.peek(self.anchor, self._outer_grad(closed))
 
     @torch.no_grad()
-    def _restart_replica(self, *, keep: Mapping[str, Tensor]) -> None:
+    def _restart_replica(self, *, keep: Mapping[str, Tensor], offset: bool = True) -> None:
         start = self.start_point()
         for name, p in self.params.items():
             x = start[name]
-            for add in (keep.get(name), self._offset.get(name)):
+            for add in (keep.get(name), self._offset.get(name) if offset else None):
                 if add is not None:
                     x = x.add(add.reshape(x.shape))
             p.copy_(x.reshape(p.shape))
 
     def reset_replica(self) -> None:
-        """Copy the start point (anchor plus pending deltas) into the replica, in place."""
-        self._restart_replica(keep={})
+        """Copy the start point (anchor plus pending deltas) into the replica, in place: the
+        swarm's model, the same at peers that merged the same deltas (an inherited offset is
+        left out; the next round boundary puts it back)."""
+        self._restart_replica(keep={}, offset=False)
 
     @torch.no_grad()
-    def adopt(self) -> None:
+    def adopt(self, donor: str | None = None) -> None:
         """After ``load_state_tensors`` and the donor's model (the replica) from another peer
         (a join or a restart): train on from the donor's model, and send only what this peer
         trains from it.
@@ -1004,11 +1014,13 @@ class SyncState:
         The donor's model is the start point plus its progress the codec has not sent yet,
         which the donor sends itself over its next rounds. This peer keeps that progress in
         its replica, apart (the inherited offset): its deltas are measured from the start point
-        plus the offset, so no anchor counts the donor's progress twice, and the offset drains
-        where the donor's deltas come (``_drain_offset``), as the donor's own replica gives
-        way there to the swarm's mean. Where the donor sends nothing for ``max_staleness`` + 1
+        plus the offset, so no anchor counts the donor's progress twice, and the offset gives
+        way by what the donor's deltas carry (``_drain_offset``), as the donor's own replica
+        does when it sends them. Where the donor sends nothing for ``max_staleness`` + 1
         rounds (it left), this peer sends the offset as its own (``_fold_offset``). The donor's
-        error feedback is dropped.
+        error feedback is dropped. ``donor``: its peer id as the state transfer verified it
+        (else the id its state names); a donor that held an offset itself passes on its sources,
+        whose deltas drain the offset too.
 
         Why not from the start point alone (until 2026-12-07): where rounds are rare the codec
         has sent little of a peer's progress, and the anchor is far behind the models (top-k
@@ -1018,35 +1030,56 @@ class SyncState:
         whole (before 2026-12-02): the donor's unsent progress then reached every anchor twice
         (``python -m atomd_bench join``)."""
         self.feedback.load_state_tensors({})
+        me = donor or self._served_by
+        theirs = sorted(self._offset_from - {me, self.peer_id})[: MAX_SOURCES - 1]
+        self._offset_from = set(theirs) | ({me} if me and me != self.peer_id else set())
+        self._offset_heard = self.version
+        if self.averaging:  # consolidation averages the models as they are
+            self._fold_offset()
+            return
         start = self.start_point()
         self._offset = {
             n: p.detach().to("cpu", torch.float32).reshape(start[n].shape) - start[n]
             for n, p in self.params.items()
         }
-        self._offset_from, self._offset_heard = self._served_by, self.version
 
     @torch.no_grad()
-    def _drain_offset(self, tensors: Mapping[str, Tensor]) -> None:
-        """The donor's delta ``tensors`` is merged: where it has entries, the inherited offset
-        gives way (the replica with it), as the donor's replica did when it sent them."""
+    def _drain_offset(self, tensors: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+        """A delta of the donor's (``tensors``) is merged: the inherited offset gives way by as
+        much as it sent, entry by entry, towards zero and never past it (the replica with it),
+        as the donor's replica gives way by what it sends; whatever the codec (top-k's entries,
+        a dense or low-rank delta). Returns what it cleared, for ``retract``."""
         self._offset_heard = self.version
+        drained = {}
         for name, x in tensors.items():
             o = self._offset.get(name)
             if o is None:
                 continue
-            sent = x.to("cpu", torch.float32).reshape(o.shape) != 0
+            xs = x.to("cpu", torch.float32).reshape(-1)
+            at = xs.nonzero().squeeze(1)
+            ov, xv = o.view(-1)[at], xs[at]
+            give = torch.where(ov * xv > 0, ov.sign() * torch.minimum(ov.abs(), xv.abs()), 0.0)
+            o.view(-1).index_add_(0, at, -give)
             p = self.params[name]
-            p.sub_((o * sent).to(p.device, p.dtype).reshape(p.shape))
-            o.masked_fill_(sent, 0.0)
-            if not o.any():
-                del self._offset[name]
-        if not self._offset:
-            self._offset_from = None
+            p.view(-1).index_add_(0, at.to(p.device), (-give).to(p.device, p.dtype))
+            drained[name] = (at, give)
+        return drained
+
+    @torch.no_grad()
+    def _undrain(self, drained: Mapping[str, tuple[Tensor, Tensor]] | None) -> None:
+        """Give back what ``_drain_offset`` cleared (a retracted delta of the donor's)."""
+        for name, (at, give) in (drained or {}).items():
+            o = self._offset.get(name)
+            if o is None:  # folded since: the replica holds it and sends it
+                continue
+            o.view(-1).index_add_(0, at, give)
+            p = self.params[name]
+            p.view(-1).index_add_(0, at.to(p.device), give.to(p.device, p.dtype))
 
     def _fold_offset(self) -> None:
         """Send the inherited offset as this peer's own progress from the next delta on: the
         replica holds it already, so it is only no longer subtracted."""
-        self._offset, self._offset_from = {}, None
+        self._offset, self._offset_from = {}, set()
 
     def divergence(self, other_anchor: Mapping[str, Tensor]) -> float:
         """Relative L2 distance ``|a - b| / |a|`` between this anchor and another, all tensors."""
@@ -1072,7 +1105,7 @@ class SyncState:
         out[_SERVED_BY] = _text_tensor(self.peer_id)
         if self._offset:
             out.update({_OFFSET + n: t.clone() for n, t in self._offset.items()})
-            out[_OFFSET_FROM] = _text_tensor(self._offset_from or "")
+            out[_OFFSET_FROM] = _text_tensor("\n".join(sorted(self._offset_from)))
             out[_OFFSET_HEARD] = torch.tensor(self._offset_heard, dtype=torch.int64)
         if self.averaging:
             out[_AVERAGING] = torch.tensor(1, dtype=torch.int64)
@@ -1161,7 +1194,10 @@ class SyncState:
                     raise ValueError(f"sync state offset {name} has {t.numel()} entries")
                 self._offset[name] = t.detach().to("cpu", torch.float32).reshape(
                     self.anchor[name].shape).clone()  # fmt: skip
-        self._offset_from = _read_text(d.get(_OFFSET_FROM)) if self._offset else None
+        sources = _read_text(d.get(_OFFSET_FROM), limit=MAX_PEER_ID * MAX_SOURCES)
+        self._offset_from = set()
+        if self._offset and sources is not None:
+            self._offset_from = {s for s in sources.split("\n")[:MAX_SOURCES] if s}
         heard = d.get(_OFFSET_HEARD)
         self._offset_heard = int(heard) if heard is not None else self.version
 
@@ -1170,9 +1206,9 @@ def _text_tensor(text: str) -> Tensor:
     return torch.tensor(list(text.encode()), dtype=torch.uint8)
 
 
-def _read_text(t: Tensor | None) -> str | None:
-    """A peer id stored by ``_text_tensor`` (None: none, or not one: empty, too long, not text)."""
-    if t is None or t.dtype != torch.uint8 or not 0 < t.numel() <= MAX_PEER_ID:
+def _read_text(t: Tensor | None, limit: int = MAX_PEER_ID) -> str | None:
+    """Text stored by ``_text_tensor`` (None: none, or not text of 1 to ``limit`` bytes)."""
+    if t is None or t.dtype != torch.uint8 or t.dim() != 1 or not 0 < t.numel() <= limit:
         return None
     try:
         return bytes(t.tolist()).decode()

@@ -50,7 +50,7 @@ class RoundPlugin(Protocol):
     def finish(self, step: int, stop: threading.Event) -> None: ...
     def state_tensors(self) -> dict[str, Tensor]: ...
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> bool: ...
-    def adopt(self) -> None: ...
+    def adopt(self, donor: str | None = None) -> None: ...
     def before_snapshot(self) -> bool:
         """Just before a checkpoint that another peer will take: True if the state changed."""
         ...
@@ -205,6 +205,7 @@ class Trainer:
         plugin: RoundPlugin | None = None,
         adopt_step: int | None = None,
         adopt_claim: float | None = None,
+        adopt_from: str | None = None,
         snapshots: SnapshotRequests | None = None,
     ) -> None:
         self.spec = spec
@@ -222,6 +223,7 @@ class Trainer:
         # ... and the validation loss the job's other members last measured (None: unknown):
         # the state is refused if it evaluates far worse (``donor_state_problem``).
         self.adopt_claim = adopt_claim
+        self.adopt_from = adopt_from  # ... and the donor's peer id, where known
         self.snapshots = snapshots
         self.stop_event = stop_event or threading.Event()
         self.ckpt_root = ckpt.checkpoint_root(out_dir)
@@ -309,7 +311,7 @@ class Trainer:
             if self.plugin is not None:
                 has_sync_state = self.plugin.load_state_tensors(found.state)
                 if has_sync_state and donated:
-                    self.plugin.adopt()
+                    self.plugin.adopt(self.adopt_from if found.step == self.adopt_step else None)
         except (CheckpointError, KeyError, TypeError, ValueError) as e:
             if not donated:
                 raise

@@ -1075,11 +1075,13 @@ def test_topk_ranks_by_the_second_moment_it_is_given(rank: str, every: Any) -> N
 
 
 def _joined(s: SyncSpec, rounds: int = 3) -> tuple[list[dict[str, Tensor]], list[SyncState]]:
-    """Peers p0 and p1 train ``rounds`` rounds; then p2 takes p0's state and model (a join:
-    ``adopt``). Returns the three replicas and states."""
+    """Peers p0 and p1 train ``rounds`` rounds and p0 a little more; then p2 takes p0's state
+    and model in the middle of that round (a join: ``adopt``). Returns the three replicas and
+    states."""
     replicas, states = swarm(2, s)
     for rnd in range(rounds):
         sync_round(replicas, states, rnd)
+    train(replicas[0], seed=99)
     joiner = {k: v.clone() for k, v in replicas[0].items()}  # the donor's model ...
     state = SyncState(joiner, s, peer_id="p2")
     state.load_state_tensors(states[0].state_tensors())  # ... and its sync state
@@ -1108,14 +1110,23 @@ def test_a_joiner_trains_on_from_the_donors_model_and_sends_only_its_own_progres
     assert rel(joiner, donor) < rel(joiner, states[2].start_point())
 
 
-def test_the_inherited_progress_gives_way_where_the_donor_sends_it() -> None:
-    """The donor's delta merged at the joiner clears the joiner's offset where it has entries
-    (the donor's own replica gives way to the swarm's mean there) and nowhere else; the replica
-    moves with it, and the anchors of all three peers stay equal."""
-    s = spec(codec="topk", topk_fraction=0.1, zstd=False)
+def _given_way(o: Tensor, x: Tensor) -> Tensor:
+    """``o`` after giving way by ``x`` entry by entry, towards zero and never past it."""
+    same = o * x > 0
+    return torch.where(same, o - o.sign() * torch.minimum(o.abs(), x.abs()), o)
+
+
+@pytest.mark.parametrize("codec", ["topk", "fp32", "lowrank"])
+def test_the_inherited_progress_gives_way_as_the_donor_sends_it(codec: str) -> None:
+    """The donor's delta merged at the joiner shrinks the joiner's offset by as much as it
+    sent, entry by entry, towards zero and never past it (the donor's own replica gives way
+    by what it sends), whatever the codec: top-k's entries, every entry, a low-rank delta; the
+    replica moves with it, and the anchors of all three peers stay equal."""
+    kw: dict[str, Any] = {"topk_fraction": 0.1} if codec == "topk" else {}
+    s = spec(codec=codec, zstd=False, **kw)
     replicas, states = _joined(s)
     offset = {n: o.clone() for n, o in states[2]._offset.items()}
-    assert states[2]._offset_from == "p0" and all(o.any() for o in offset.values())
+    assert states[2]._offset_from == {"p0"} and all(o.any() for o in offset.values())
     outs = [st.prepare() for st in states]
     from_p0 = received("p0", outs[0]).tensors
     before = {k: v.clone() for k, v in replicas[2].items()}
@@ -1125,29 +1136,75 @@ def test_the_inherited_progress_gives_way_where_the_donor_sends_it() -> None:
         for b in states[1:]:
             torch.testing.assert_close(states[0].anchor[k], b.anchor[k], rtol=0, atol=1e-6)
     for n, o in offset.items():
-        sent = from_p0[n].reshape(o.shape) != 0
-        now = states[2]._offset.get(n, torch.zeros_like(o))
-        assert sent.any() and not now[sent].any()
-        assert torch.equal(now[~sent], o[~sent])
-    # The replica: the new start point, the offset left, nothing trained since the join.
+        want = _given_way(o, from_p0[n].reshape(o.shape))
+        assert float(want.norm()) < float(o.norm())
+        torch.testing.assert_close(states[2]._offset[n], want)
+    # The replica: the new start point plus the offset left, nothing trained since the join.
     start = states[2].start_point()
     for k in SHAPES:
         torch.testing.assert_close(replicas[2][k], start[k] + states[2]._offset[k])
         assert not torch.equal(replicas[2][k], before[k])
 
 
+def test_a_retracted_delta_of_the_donors_gives_its_share_of_the_offset_back() -> None:
+    """The loss guard's rollback takes a merged delta out again: what it cleared of the
+    inherited offset comes back, and the replica with it."""
+    s = spec(codec="topk", topk_fraction=0.1, zstd=False)
+    replicas, states = _joined(s)
+    outs = [st.prepare() for st in states[:2]]
+    for st in states[:2]:
+        st.merge([], n_peers=3)
+    joiner = states[2]
+    train(replicas[2], seed=9)
+    joiner.prepare()
+    joiner.merge([], n_peers=3)  # closes the round the donor's delta belongs to
+    offset = {n: o.clone() for n, o in joiner._offset.items()}
+    replica = {k: v.clone() for k, v in replicas[2].items()}
+    report = joiner.absorb([received("p0", outs[0])])
+    assert [t.contribution.sender for t in report.taken] == ["p0"] and report.taken[0].drained
+    assert any(not torch.equal(joiner._offset[n], o) for n, o in offset.items())
+    joiner.retract(report.taken)
+    for n, o in offset.items():
+        torch.testing.assert_close(joiner._offset[n], o)
+        torch.testing.assert_close(replicas[2][n], replica[n])
+
+
+def test_a_donors_own_inherited_sources_drain_the_takers_offset_too() -> None:
+    """A peer that takes the state of a peer that itself holds an offset (p3 takes p2's, which
+    took p0's): the deltas of both donors drain it; the transfer's donor id wins over the id
+    the state names; a state's own sources are bounded, and this peer is never one."""
+    s = spec(codec="topk", topk_fraction=0.1)
+    replicas, states = _joined(s)
+    taker = SyncState({k: v.clone() for k, v in replicas[2].items()}, s, peer_id="p3")
+    taker.load_state_tensors(states[2].state_tensors())
+    taker.adopt()
+    assert taker._offset_from == {"p0", "p2"}
+    taker.load_state_tensors(states[2].state_tensors())
+    taker.adopt("p7")  # as the transfer verified it
+    assert taker._offset_from == {"p0", "p7"}
+    many = "\n".join(f"q{i}" for i in range(40)) + "\np3"
+    saved = states[2].state_tensors()
+    taker.load_state_tensors(
+        {**saved, "sync.inherited_from": torch.tensor(list(many.encode()), dtype=torch.uint8)}
+    )
+    taker.adopt()
+    assert len(taker._offset_from) <= 16 and "p2" in taker._offset_from
+    assert "p3" not in taker._offset_from
+
+
 def test_the_joiner_sends_the_inherited_progress_once_the_donor_has_left() -> None:
     """A donor that sends nothing for max_staleness + 1 rounds has left the job: nobody else
     will send its progress, so the joiner sends it as its own. Alone (a whole round) and in
-    consolidation (the plain average of the models) it is sent at once."""
+    consolidation (the plain average of the models) it is sent at once, and a peer that takes
+    a state during consolidation holds none apart."""
     s = spec(codec="fp32", max_staleness=1)
     joiner = _joined(s)[1][2]
     assert joiner._offset
-    for _ in range(s.max_staleness + 1):
+    for _ in range(s.max_staleness):
         joiner.round_boundary([], n_peers=2, whole=False)
         assert joiner._offset
     joiner.round_boundary([], n_peers=2, whole=False)
-    assert not joiner._offset and joiner._offset_from is None
+    assert not joiner._offset and joiner._offset_from == set()
     for fold in ("alone", "consolidation"):
         _, states = _joined(s)
         inherited = {n: o.clone() for n, o in states[2]._offset.items()}
@@ -1159,6 +1216,12 @@ def test_the_joiner_sends_the_inherited_progress_once_the_donor_has_left() -> No
         assert not states[2]._offset
         for n, e in out.tensors:  # nothing trained since the join: the delta is the offset
             torch.testing.assert_close(decode(e).reshape(inherited[n].shape), inherited[n])
+    replicas, states = _joined(s)
+    states[0].average_from_now()
+    late = SyncState({k: v.clone() for k, v in replicas[0].items()}, s, peer_id="p4")
+    late.load_state_tensors(states[0].state_tensors())
+    late.adopt()
+    assert late.averaging and not late._offset
 
 
 def test_the_inherited_progress_survives_a_restart_and_bad_bytes_name_nobody() -> None:
@@ -1168,7 +1231,7 @@ def test_the_inherited_progress_survives_a_restart_and_bad_bytes_name_nobody() -
     assert bytes(saved["sync.served_by"].tolist()) == b"p2"
     again = SyncState({k: v.clone() for k, v in replicas[2].items()}, s, peer_id="p2")
     again.load_state_tensors(saved)
-    assert again._offset_from == "p0" and again._offset_heard == states[2]._offset_heard
+    assert again._offset_from == {"p0"} and again._offset_heard == states[2]._offset_heard
     for n, o in states[2]._offset.items():
         assert torch.equal(again._offset[n], o)
     for bad in (
@@ -1176,8 +1239,12 @@ def test_the_inherited_progress_survives_a_restart_and_bad_bytes_name_nobody() -
         torch.tensor([0xFF, 0xFE], dtype=torch.uint8),
         torch.zeros(65, dtype=torch.uint8) + 97,
         torch.tensor([], dtype=torch.uint8),
+        torch.zeros((2, 2), dtype=torch.uint8) + 97,
     ):
-        again.load_state_tensors({**saved, "sync.inherited_from": bad, "sync.served_by": bad})
-        assert again._offset_from is None and again._served_by is None
+        again.load_state_tensors({**saved, "sync.served_by": bad})
+        assert again._served_by is None
+        if bad.numel() != 65:
+            again.load_state_tensors({**saved, "sync.inherited_from": bad})
+            assert again._offset_from == set()
     with pytest.raises(ValueError, match="offset w"):
         again.load_state_tensors({**saved, "inherited.w": torch.zeros(5)})
