@@ -367,7 +367,7 @@ async def test_a_retake_takes_the_swarms_state_whatever_its_step(
         if at_least > 310:
             return None  # the donor has nothing that new
         ckpt.checkpoint_dir(root, 310).mkdir(parents=True)
-        return Fetched(step=310, donor="https://d1")
+        return Fetched(step=310, donor="https://d1", donor_id="d1" * 16)
 
     jobs.swarm = SimpleNamespace(  # type: ignore[assignment]
         settled_donors=settled_donors, fetch_state=fetch_state
@@ -382,6 +382,7 @@ async def test_a_retake_takes_the_swarms_state_whatever_its_step(
         names = [p.name for p in ckpt.list_checkpoints(root)]
         if retaking:
             assert asked == [1] and active.adopt_step == 310
+            assert active.adopt_from == "d1" * 16  # the trainer's plugin.adopt(donor)
             assert names == ["step-00000310", "step-00000300"]
         else:
             assert asked == [321] and active.adopt_step is None

@@ -480,5 +480,6 @@ async def test_the_donor_of_a_fetched_state_counts_as_training_the_job(
     assert node.job_peers(job) == []
     got = await node.fetch_state(job, [url], tmp_path / "ckpt")
     assert got is not None and got.step == 7
+    assert got.donor_id == donor.peer_id  # the joiner's offset drains by its deltas
     assert [m.id for m in node.job_peers(job)] == [donor.peer_id]
     await engine.dispose()
