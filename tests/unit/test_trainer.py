@@ -331,3 +331,39 @@ def test_an_untrained_model_scores_a_uniform_guess(
     t = trainer_for(spec, tmp_path, device="cpu")
     measured = t.engine.evaluate(t.val_batches)
     assert abs(measured - untrained_loss(t.model_config.vocab_size)) < 0.02 * measured
+
+
+def test_a_taken_state_is_adopted_as_from_the_donor_the_transfer_named(
+    tmp_path: Path, text_file: Path
+) -> None:
+    """The trainer hands the donor's peer id the state transfer verified (``adopt_from``) to
+    the plugin's adopt: the joiner's inherited offset gives way by that peer's deltas. A
+    checkpoint taken before a restart (no ``adopt_step``) falls back to the id its state
+    names."""
+    import shutil
+
+    from atomd.p2p.identity import Identity
+    from atomd.sync.runner import SyncPlugin
+    from atomd.train import checkpoint as ckpt
+
+    spec = fast_spec(data=str(text_file), max_steps=20, lr=3e-3, checkpoint_interval=100)
+
+    def plugin(identity: Identity | None = None) -> SyncPlugin:
+        return SyncPlugin(job_id="j" * 32, spec=spec.sync, identity=identity or Identity.generate(),
+                          counted=lambda base: [], send=lambda out: None)  # fmt: skip
+
+    donor_id = Identity.generate()
+    trainer_for(spec, tmp_path / "donor", device="cpu", plugin=plugin(donor_id)).run()
+    for name, told in (("told", "t" * 32), ("marked", None)):
+        out = tmp_path / name
+        root = ckpt.checkpoint_root(out)
+        root.mkdir(parents=True)
+        shutil.copytree(ckpt.checkpoint_dir(ckpt.checkpoint_root(tmp_path / "donor"), 20),
+                        ckpt.checkpoint_dir(root, 20))  # fmt: skip
+        if told is None:
+            (ckpt.checkpoint_dir(root, 20) / ckpt.DONATED_FILE).write_text("https://donor")
+        joiner = plugin()
+        trainer_for(spec, out, device="cpu", resume=True, plugin=joiner,
+                    adopt_step=20 if told else None, adopt_from=told)  # fmt: skip
+        assert joiner.state is not None
+        assert joiner.state._offset_from == {told or donor_id.peer_id}, name
