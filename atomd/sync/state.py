@@ -1059,22 +1059,23 @@ class SyncState:
             at = xs.nonzero().squeeze(1)
             ov, xv = o.view(-1)[at], xs[at]
             give = torch.where(ov * xv > 0, ov.sign() * torch.minimum(ov.abs(), xv.abs()), 0.0)
-            o.view(-1).index_add_(0, at, -give)
-            p = self.params[name]
-            p.view(-1).index_add_(0, at.to(p.device), (-give).to(p.device, p.dtype))
+            self._move_offset(name, at, -give)
             drained[name] = (at, give)
         return drained
 
-    @torch.no_grad()
     def _undrain(self, drained: Mapping[str, tuple[Tensor, Tensor]] | None) -> None:
         """Give back what ``_drain_offset`` cleared (a retracted delta of the donor's)."""
         for name, (at, give) in (drained or {}).items():
-            o = self._offset.get(name)
-            if o is None:  # folded since: the replica holds it and sends it
-                continue
-            o.view(-1).index_add_(0, at, give)
-            p = self.params[name]
-            p.view(-1).index_add_(0, at.to(p.device), give.to(p.device, p.dtype))
+            if name in self._offset:  # else folded since: the replica holds it and sends it
+                self._move_offset(name, at, give)
+
+    @torch.no_grad()
+    def _move_offset(self, name: str, at: Tensor, by: Tensor) -> None:
+        """Add ``by`` to the inherited offset of ``name`` at flat positions ``at``, and to the
+        replica, which holds the offset."""
+        self._offset[name].view(-1).index_add_(0, at, by)
+        p = self.params[name]
+        p.view(-1).index_add_(0, at.to(p.device), by.to(p.device, p.dtype))
 
     def _fold_offset(self) -> None:
         """Send the inherited offset as this peer's own progress from the next delta on: the
@@ -1110,7 +1111,7 @@ class SyncState:
         if self.averaging:
             out[_AVERAGING] = torch.tensor(1, dtype=torch.int64)
         seen = "".join(f"{sender}\t{b}\n" for sender, b in sorted(self._seen))
-        out[_SEEN] = torch.tensor(list(seen.encode()), dtype=torch.uint8)
+        out[_SEEN] = _text_tensor(seen)
         for b, (sums, count) in self._committed.items():
             out[f"{_COMMITTED_COUNT}{b}"] = torch.tensor(count, dtype=torch.int64)
             for n, t in sums.items():
