@@ -36,6 +36,11 @@ class JobPublic(BaseModel):
     state: JobState
     scope: Literal["local", "swarm"] = "local"
     origin: str | None = Field(None, description="Peer id of the daemon that started it")
+    run: int = Field(
+        0,
+        description="Swarm jobs: how many times its origin resumed it. A swarm-wide stop ends "
+        "the run it names and those before, no later one",
+    )
     reason: str | None = None
     spec: dict[str, Any]
     out_dir: str

@@ -222,7 +222,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown, signal.Signals(sig).name)
         try:
-            await node.load_bans()  # refused from the peer plane's first answer
+            await node.load_records()  # refused from the peer plane's first answer
             async with asyncio.TaskGroup() as tg:
                 # First: a resumed job's plugin hands it rounds as soon as it trains.
                 exchange_task = tg.create_task(exchange.run(), name="delta-exchange")

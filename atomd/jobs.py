@@ -121,7 +121,7 @@ class SwarmLink(Protocol):
     """What the job manager needs from the swarm (``atomd.p2p.node.SwarmNode``)."""
 
     def announce(self, advert: dict[str, Any]) -> None: ...
-    def broadcast_stop(self, job_id: str) -> None: ...
+    def broadcast_stop(self, job_id: str, run: int = 0) -> None: ...
     async def fetch_state(
         self,
         job_id: str,
@@ -183,6 +183,7 @@ class ActiveJob:
     # carried on in this daemon's adverts; None for a job started here (the swarm signs it).
     origin_key: str | None = None
     origin_signature: str | None = None
+    run: int = 0  # the run of the job (``JobAdvert.run``): a stop of an earlier one is refused
     donors: list[str] = field(default_factory=list)
     stop_event: threading.Event = field(default_factory=threading.Event)  # the trainer's
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # the same, for the loop
@@ -213,6 +214,7 @@ def _resumed(job: JobRecord, spec: JobSpec) -> ActiveJob:
     return ActiveJob(
         id=job.id, spec=spec, out_dir=Path(job.out_dir), resume=True, scope=job.scope,
         origin=job.origin, origin_key=job.origin_key, origin_signature=job.origin_signature,
+        run=job.run,
     )  # fmt: skip
 
 
@@ -423,9 +425,10 @@ class JobManager:
         # and the end a cancelled transfer writes at once could wait on another process's
         # lock side by side, and the later commit won ("stopping" for ever, nothing running).
         self._state_writes = asyncio.Lock()
-        # Swarm jobs this daemon started and stopped swarm-wide: a member that missed the stop
-        # (asleep, cut off, restarted) and advertises one is told again (``SwarmNode``).
-        self._swarm_stopped: set[str] = set()
+        # Swarm jobs this daemon started and stopped swarm-wide, not resumed since: job id ->
+        # the run the stop ended (``StopNotice.run``). A member that missed the stop (asleep,
+        # cut off, restarted) and advertises one is told again (``SwarmNode``).
+        self._swarm_stopped: dict[str, int] = {}
 
     async def run(self) -> None:
         """Own the per-job tasks until ``shutdown()``; resume interrupted jobs first."""
@@ -502,7 +505,7 @@ class JobManager:
             return None
         return {
             "id": a.id, "spec": a.spec.model_dump(), "origin": a.origin,
-            "origin_key": a.origin_key, "signature": a.origin_signature,
+            "origin_key": a.origin_key, "signature": a.origin_signature, "run": a.run,
         }  # fmt: skip
 
     def trains(self, job_id: str) -> bool:
@@ -626,8 +629,14 @@ class JobManager:
                 )
             spec = JobSpec.model_validate(job.spec)
             admit(local_data(spec, self.data_names), self.device)
-            job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", "")
-            self._swarm_stopped.discard(job_id)
+            said = ""
+            if job.scope == "swarm" and job.origin in (None, self.peer_id):
+                # A new run of the swarm's job: a stop of the runs before ends none of its
+                # copies (``StopNotice.run``). A joined copy goes on in the run it joined.
+                async with self.sessions() as s, s.begin():
+                    said = f"run {await repo.next_run(s, job_id=job_id)}"
+            job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", said)
+            self._swarm_stopped.pop(job_id, None)
             self._launch(_resumed(job, spec))
         return job
 
@@ -643,9 +652,10 @@ class JobManager:
         if swarm is not None:
             if job_id not in self._swarm_stopped:
                 async with self.sessions() as s, s.begin():
-                    await repo.add_event(s, kind="job.swarm_stopped", job_id=job_id, message="")
-                self._swarm_stopped.add(job_id)  # once recorded: a failed write is retried
-            swarm.broadcast_stop(job_id)
+                    await repo.add_event(s, kind="job.swarm_stopped", job_id=job_id,
+                                         message=f"run {job.run}")  # fmt: skip
+                self._swarm_stopped[job_id] = job.run  # once recorded: a failed write is retried
+            swarm.broadcast_stop(job_id, job.run)
         active = self.active
         if active is None or active.id != job_id:
             if scope == "swarm":
@@ -653,12 +663,17 @@ class JobManager:
             raise JobConflictError(f"job {job_id} is {job.state}, not active; nothing to stop")
         return await self._request_stop(active, "stopped by request")
 
-    async def stop_from_peer(self, job_id: str, peer_id: str, via: str | None = None) -> None:
+    async def stop_from_peer(
+        self, job_id: str, peer_id: str, via: str | None = None, run: int | None = None
+    ) -> None:
         """A peer stopped ``job_id`` swarm-wide: stop our copy (if we train it), if that peer
         started the job. ``JobConflictError`` from another: any member could otherwise end
         every peer's copy of every job with one message each, and a stopped job is not joined
         again (a review of 2026-12-06). ``via``: the member that passed on the origin's signed
-        stop (``atomd.p2p.messages.StopNotice``), checked there."""
+        stop (``atomd.p2p.messages.StopNotice``), checked there; ``run``: the run it ends, and
+        those before (None: the origin's own word, unsigned, from a daemon of before runs).
+        ``JobConflictError`` for a stop of a run before ours: the origin resumed the job since,
+        and a member that kept its old stop could otherwise end every copy of the new run."""
         active = self.active
         if active is None or active.id != job_id or active.stop_reason is not None:
             return
@@ -666,6 +681,14 @@ class JobManager:
             log.warning("job %s: a stop from peer %s refused; only its origin %s stops it on "
                         "every peer", job_id, peer_id, active.origin)  # fmt: skip
             raise _origin_only(job_id, active.origin)
+        if run is not None and run < active.run:
+            log.warning("job %s: a stop of its run %d refused (told by peer %s); this "
+                        "daemon trains run %d", job_id, run, (via or peer_id)[:12],
+                        active.run)  # fmt: skip
+            raise JobConflictError(
+                f"a stop of run {run} of job {job_id}; this daemon trains its run {active.run}, "
+                "which its origin started after that stop"
+            )
         told = "" if via is None else f", told by peer {via[:12]}"
         await self._request_stop(active, f"stopped by the swarm (peer {peer_id[:12]}{told})")
 
@@ -742,8 +765,10 @@ class JobManager:
                     return
                 out_dir = self.job_dir(job_id)
                 origin = str(advert.get("origin") or "") or None
-                # The origin's seal of the advert (``SwarmNode`` checked it), carried on in ours.
+                # The origin's seal of the advert (``SwarmNode`` checked it), carried on in ours,
+                # and the run of the job it names.
                 key, signature = advert.get("origin_key"), advert.get("signature")
+                run = int(advert.get("run") or 0)
                 async with self.sessions() as s, s.begin():
                     await repo.create_job(
                         s,
@@ -754,6 +779,7 @@ class JobManager:
                         origin=origin,
                         origin_key=key,
                         origin_signature=signature,
+                        run=run,
                     )
                     await repo.add_event(
                         s,
@@ -765,6 +791,7 @@ class JobManager:
                     ActiveJob(
                         id=job_id, spec=spec, out_dir=out_dir, resume=True, scope="swarm",
                         origin=origin, donors=donors, origin_key=key, origin_signature=signature,
+                        run=run,
                     )
                 )  # fmt: skip
         except (AtomdError, ValueError) as e:
@@ -774,10 +801,10 @@ class JobManager:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def stopped_swarm_wide(self, job_id: str) -> bool:
-        """Whether this daemon started ``job_id`` and stopped it on every peer (and has not
-        resumed it since)."""
-        return job_id in self._swarm_stopped
+    def stopped_swarm_wide(self, job_id: str) -> int | None:
+        """The run of ``job_id`` this daemon started and stopped on every peer (and has not
+        resumed since), or None."""
+        return self._swarm_stopped.get(job_id)
 
     async def _resume_interrupted(self) -> None:
         async with self.sessions() as s:

@@ -139,6 +139,8 @@ class Job(Base):
     # A joined job: the origin's public key and its signature of the job's advert (0006).
     origin_key: Mapped[str | None] = mapped_column(String(64))
     origin_signature: Mapped[str | None] = mapped_column(String(128))
+    # How many times the origin resumed it by request; a joined job's, that of the advert (0008).
+    run: Mapped[int] = mapped_column(default=0, server_default="0")
     # The newest progress point's sync figures: cadence in force, time in sync (0003).
     sync: Mapped[dict[str, Any] | None]
 

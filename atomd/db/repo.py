@@ -112,9 +112,11 @@ async def create_job(
     origin: str | None = None,
     origin_key: str | None = None,
     origin_signature: str | None = None,
+    run: int = 0,
 ) -> JobRecord:
     """Record a new job (``scope`` "swarm": announced to the peers; ``origin``: who started it;
-    a joined job's ``origin_key`` and ``origin_signature``: its origin's seal of its advert)."""
+    a joined job's ``origin_key`` and ``origin_signature``: its origin's seal of its advert,
+    and ``run``: the run of the job that advert named)."""
     _check("job state", state, JOB_STATES)
     _check("job scope", scope, JOB_SCOPES)
     now = utcnow()
@@ -127,6 +129,7 @@ async def create_job(
         origin=origin,
         origin_key=origin_key,
         origin_signature=origin_signature,
+        run=run,
         created_at=now,
         started_at=now if state == "running" else None,
         updated_at=now,
@@ -480,9 +483,10 @@ async def prune_events(s: AsyncSession, *, keep: int) -> int:
     return int(getattr(result, "rowcount", 0) or 0)
 
 
-async def swarm_stopped_jobs(s: AsyncSession, *, limit: int) -> list[str]:
+async def swarm_stopped_jobs(s: AsyncSession, *, limit: int) -> dict[str, int]:
     """The jobs among the newest ``limit`` swarm-wide stops (``job.swarm_stopped`` events) not
-    resumed since here (no later ``job.resuming`` event), whatever their state now."""
+    resumed since here (no later ``job.resuming`` event), whatever their state now, each with
+    its run (the run the stop ended: a resume starts the next)."""
     stopped = (
         select(Event.job_id, func.max(Event.id).label("at"))
         .where(Event.kind == "job.swarm_stopped", Event.job_id.is_not(None))
@@ -498,11 +502,19 @@ async def swarm_stopped_jobs(s: AsyncSession, *, limit: int) -> list[str]:
         .subquery()
     )
     stmt = (
-        select(stopped.c.job_id)
+        select(stopped.c.job_id, Job.run)
+        .join(Job, Job.id == stopped.c.job_id)
         .join(resumed, resumed.c.job_id == stopped.c.job_id, isouter=True)
         .where(or_(resumed.c.at.is_(None), resumed.c.at < stopped.c.at))
     )
-    return [str(j) for j in await s.scalars(stmt)]
+    return {str(j): int(run) for j, run in (await s.execute(stmt)).all()}
+
+
+async def next_run(s: AsyncSession, *, job_id: str) -> int:
+    """Count one more run of ``job_id`` (its origin resumes it) and return it."""
+    job = await _job(s, job_id)
+    job.run += 1
+    return job.run
 
 
 async def list_events(

@@ -80,6 +80,7 @@ class JobRecord(_Record):
     origin: str | None = None
     origin_key: str | None = None
     origin_signature: str | None = None
+    run: int = 0
     sync: dict[str, Any] | None = None
 
 

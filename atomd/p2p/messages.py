@@ -181,6 +181,8 @@ class JobAdvert(Message):
     Signed by the job's ``origin`` (the daemon that started it) over the job id and the spec
     every peer trains alike (``advert_payload``); every member that trains the job carries that
     signature on, so a joiner believes the origin and the spec it records, whoever told it.
+    ``run``: how many times the origin resumed the job by request (signed with it), so that a
+    stop of an earlier run (``StopNotice.run``) ends no copy of a later one.
     """
 
     id: JobId
@@ -188,6 +190,7 @@ class JobAdvert(Message):
     origin: PeerId | None = None
     origin_key: PublicKeyHex | None = None
     signature: SignatureHex | None = None
+    run: Counter = 0
 
 
 ADVERT_VERSION = "atomd-job-v1"
@@ -208,14 +211,20 @@ def shared_spec(spec: JobSpec) -> JobSpec:
     return spec.model_copy(update={"shard_index": 0})
 
 
+def _with_run(fields: tuple[str, ...], run: int) -> bytes:
+    """``fields`` to sign, and the run after them from the first resume on: the first run's
+    payload is the one daemons signed before runs were (they still verify it)."""
+    return "\n".join(fields + ((str(run),) if run else ())).encode()
+
+
 def advert_payload(a: JobAdvert, swarm: str) -> bytes:
     """What a job's origin signs of its advert (its signature aside): the swarm, the job id,
-    the origin and its key, and the digest of the shared spec (canonical JSON)."""
+    the origin and its key, the digest of the shared spec (canonical JSON), and the run."""
     spec = json.dumps(shared_spec(a.spec).model_dump(mode="json"), sort_keys=True,
                       separators=(",", ":"))  # fmt: skip
     digest = hashlib.sha256(spec.encode()).hexdigest()
     fields = (ADVERT_VERSION, swarm, a.id, a.origin or "", a.origin_key or "", digest)
-    return "\n".join(fields).encode()
+    return _with_run(fields, a.run)
 
 
 def sign_advert(a: JobAdvert, identity: Identity, swarm: str) -> JobAdvert:
@@ -280,27 +289,33 @@ STOP_VERSION = "atomd-stop-v1"
 class StopNotice(Message):
     """A job's origin's word that it stopped the job on every peer, signed, so that any member
     that heard it can tell a peer that missed it (asleep, cut off, down while it went out)
-    when the origin cannot: gone, cut off itself, or stopped for good."""
+    when the origin cannot: gone, cut off itself, or stopped for good.
+
+    ``run``: the run of the job it ends (``JobAdvert.run``), and every run before it. After the
+    origin resumes the job, a member that kept the stop cannot end the new run's copies with
+    it: a peer takes a stop of no earlier run than the one it trains."""
 
     job_id: JobId
     origin: PeerId
     origin_key: PublicKeyHex
     signature: SignatureHex
+    run: Counter = 0
 
 
-def stop_payload(job_id: str, origin: str, origin_key: str, swarm: str) -> bytes:
-    """What an origin signs to stop a job: the swarm, the job, itself and its key."""
-    return "\n".join((STOP_VERSION, swarm, job_id, origin, origin_key)).encode()
+def stop_payload(job_id: str, origin: str, origin_key: str, swarm: str, run: int) -> bytes:
+    """What an origin signs to stop a job: the swarm, the job, itself and its key, the run."""
+    return _with_run((STOP_VERSION, swarm, job_id, origin, origin_key), run)
 
 
-def sign_stop(job_id: str, identity: Identity, swarm: str) -> StopNotice:
-    """The stop of ``job_id`` by ``identity``, its origin."""
-    payload = stop_payload(job_id, identity.peer_id, identity.public_key_hex, swarm)
+def sign_stop(job_id: str, identity: Identity, swarm: str, run: int = 0) -> StopNotice:
+    """The stop of run ``run`` (and those before) of ``job_id`` by ``identity``, its origin."""
+    payload = stop_payload(job_id, identity.peer_id, identity.public_key_hex, swarm, run)
     return StopNotice(
         job_id=job_id,
         origin=identity.peer_id,
         origin_key=identity.public_key_hex,
         signature=identity.sign(payload).hex(),
+        run=run,
     )
 
 
@@ -314,7 +329,7 @@ def stop_forgery(n: StopNotice, job_id: str, swarm: str) -> str | None:
         return f"the stop of job {job_id}: peer id {n.origin} is not that of key {n.origin_key}"
     if job_id != job_id_for(n.origin, job_id[:JOB_NONCE_HEX]):
         return f"job id {job_id} is not one the stop's origin {n.origin} made"
-    payload = stop_payload(job_id, n.origin, n.origin_key, swarm)
+    payload = stop_payload(job_id, n.origin, n.origin_key, swarm, n.run)
     if not verify_signature(n.origin_key, payload, bytes.fromhex(n.signature)):
         return f"the stop of job {job_id} is not signed by its origin {n.origin}"
     return None

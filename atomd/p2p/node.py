@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from atomd.config import Settings
@@ -71,6 +72,7 @@ MAX_CURVE_PEERS = 32
 RESTOP_S = 10.0  # a straggler that missed a swarm-wide stop is told again at most this often
 MAX_TOLD_STOPPED = 1024  # (peer, job) pairs remembered for RESTOP_S
 MAX_STOP_NOTICES = 1024  # origins' signed stops kept to pass on (the oldest go first)
+STOP_HEARD = "job.stop_heard"  # the event that keeps an origin's signed stop across a restart
 LEFT_CANDIDATES = 8  # peers that said they left, knocked at last when (re)joining
 DONORS_TIMEOUT_S = 30.0  # a restarted daemon waits at most this long to hear who trains a job
 REJECTIONS_FLUSH_S = 60.0
@@ -91,13 +93,15 @@ class SwarmJobs(Protocol):
         """A peer trains ``advert``: join it if free."""
         ...
 
-    async def stop_from_peer(self, job_id: str, peer_id: str, via: str | None = None) -> None:
+    async def stop_from_peer(
+        self, job_id: str, peer_id: str, via: str | None = None, run: int | None = None
+    ) -> None:
         """The origin ``peer_id`` stopped ``job_id`` swarm-wide (``via``: the member that
-        passed its signed stop on)."""
+        passed its signed stop on; ``run``: the run it signed, and those before)."""
         ...
 
-    def stopped_swarm_wide(self, job_id: str) -> bool:
-        """Whether this daemon started ``job_id`` and stopped it on every peer."""
+    def stopped_swarm_wide(self, job_id: str) -> int | None:
+        """The run of ``job_id`` this daemon started and stopped on every peer, or None."""
         ...
 
     async def live_state(self, job_id: str, at_least: int = 0) -> bool:
@@ -240,17 +244,27 @@ class SwarmNode:
             return None
         return "its key is banned by this daemon's operator (atomd unban to lift it)"
 
-    async def load_bans(self) -> None:
-        """The operator's bans and the quarantines still running, from the database: a
-        restart lifts neither. Called before the peer plane listens, so that a banned key is
-        refused from the first answer (``run`` began after the daemon was ready, and until
-        then a restarted daemon served such a key its joins and its states)."""
+    async def load_records(self) -> None:
+        """The operator's bans, the quarantines still running and the origins' stops members
+        passed on (``STOP_HEARD``), from the database: a restart lifts none. Called before the
+        peer plane listens, so that a banned key is refused from the first answer (``run``
+        began after the daemon was ready, and until then a restarted daemon served such a key
+        its joins and its states)."""
         async with self.sessions() as s, s.begin():
             bans = await repo.list_bans(s)
             held = await repo.list_quarantines(s)
+            heard = await repo.list_events(s, kind=STOP_HEARD, limit=MAX_STOP_NOTICES)
         self.quarantine.set_bans({b.public_key: b.reason for b in bans})
         for q in held:
             self.quarantine.restore(q.peer_id, q.public_key, q.reason, q.until.timestamp())
+        before = time.monotonic() - RESTOP_S - 1  # heard before this start
+        for e in reversed(heard):  # the oldest first, as they were heard
+            try:
+                notice = StopNotice.model_validate(e.data or {})
+            except ValidationError:
+                continue
+            if stop_forgery(notice, notice.job_id, self.settings.swarm) is None:
+                self._keep_stop(notice, before)
 
     async def ban(self, public_key: str, reason: str) -> None:
         """Ban a key (persisted): refused on the peer plane, out of every merge and transfer."""
@@ -308,7 +322,7 @@ class SwarmNode:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Join, then probe and record until cancelled (``load_bans`` first: the daemon
+        """Join, then probe and record until cancelled (``load_records`` first: the daemon
         calls it before its peer plane listens)."""
         try:
             async with asyncio.TaskGroup() as tg:
@@ -531,15 +545,20 @@ class SwarmNode:
         if forged is not None:  # neither joined nor counted as training the job
             self._repeated.log("forged-advert", logging.WARNING, "peer %s: %s", sender, forged)
             return
-        if sender == advert.origin:  # the origin trains it: a stop we hold of it is old
-            held = self._stop_notices.get(advert.id)
-            # (a message the origin sent before its stop may come after it)
-            if held is not None and time.monotonic() - held[1] > RESTOP_S:
-                del self._stop_notices[advert.id]
+        held = self._stop_notices.get(advert.id)
+        if (
+            held is not None
+            and sender == advert.origin
+            and advert.run == held[0].run
+            and time.monotonic() - held[1] > RESTOP_S
+        ):  # the origin trains the run it stopped: it resumed it, a daemon of before runs (a
+            # message it sent before its stop may come after it)
+            del self._stop_notices[advert.id]
         notice = self.stop_notice(advert.id, advert.origin)
-        if notice is not None:  # a straggler: it missed the stop (and is not joined)
-            self._tell_stopped(sender, notice)
+        if notice is not None and notice.run >= advert.run:
+            self._tell_stopped(sender, notice)  # a straggler: it missed the stop (not joined)
             return
+        # (A stop of a run before the advert's is kept for the stragglers of that run.)
         self._trains(advert.id, sender)
         if self.settings.auto_join and not self.quarantine.excluded(sender):
             member = self.membership.get(sender)
@@ -571,8 +590,10 @@ class SwarmNode:
         """The signed stop of ``job_id`` (of ``origin``) to tell a peer that still trains it:
         ours if we started the job and stopped it swarm-wide, else its origin's as a member
         passed it on to us (``stop_from_peer``), or None."""
-        if origin == self.peer_id and self.jobs.stopped_swarm_wide(job_id):
-            return sign_stop(job_id, self.identity, self.settings.swarm)
+        if origin == self.peer_id:
+            run = self.jobs.stopped_swarm_wide(job_id)
+            if run is not None:
+                return sign_stop(job_id, self.identity, self.settings.swarm, run)
         held = self._stop_notices.get(job_id)
         return None if held is None else held[0]
 
@@ -589,12 +610,29 @@ class SwarmNode:
             raise MessageError(forged)
         if notice.origin == self.peer_id:
             return  # our own job: whether it is stopped is ours to say (we may have resumed it)
-        self._stop_notices.pop(job_id, None)
-        self._stop_notices[job_id] = (notice, time.monotonic())  # the newest last
+        held = self._stop_notices.get(job_id)
+        if self._keep_stop(notice, time.monotonic()) and (held is None or held[0] != notice):
+            async with self.sessions() as s, s.begin():  # a new one: kept across a restart
+                await repo.add_event(
+                    s, kind=STOP_HEARD, job_id=job_id, peer_id=peer_id,
+                    message=f"run {notice.run} stopped by its origin {notice.origin}",
+                    data=notice.model_dump(mode="json"),
+                )  # fmt: skip
+        via = None if peer_id == notice.origin else peer_id
+        await self.jobs.stop_from_peer(job_id, notice.origin, via, notice.run)
+
+    def _keep_stop(self, notice: StopNotice, at: float) -> bool:
+        """Keep an origin's signed stop heard at ``at`` (monotonic seconds) to pass on, unless
+        the one held of its job ends a later run; whether it was kept. The newest
+        MAX_STOP_NOTICES jobs' are kept."""
+        held = self._stop_notices.get(notice.job_id)
+        if held is not None and held[0].run > notice.run:
+            return False  # the stop of a later run ends more
+        self._stop_notices.pop(notice.job_id, None)
+        self._stop_notices[notice.job_id] = (notice, at)  # the newest last
         while len(self._stop_notices) > MAX_STOP_NOTICES:
             del self._stop_notices[next(iter(self._stop_notices))]
-        via = None if peer_id == notice.origin else peer_id
-        await self.jobs.stop_from_peer(job_id, notice.origin, via)
+        return True
 
     def _tell_stopped(self, peer_id: str, notice: StopNotice) -> None:
         """``peer_id`` trains a job stopped swarm-wide: it missed the stop (asleep, cut off,
@@ -620,8 +658,8 @@ class SwarmNode:
                  peer_id[:12], job_id, notice.origin[:12])  # fmt: skip
         self._send_stop([member], notice)
 
-    def broadcast_stop(self, job_id: str) -> None:
-        notice = sign_stop(job_id, self.identity, self.settings.swarm)
+    def broadcast_stop(self, job_id: str, run: int = 0) -> None:
+        notice = sign_stop(job_id, self.identity, self.settings.swarm, run)
         self._send_stop(self.membership.others("alive", "suspect"), notice)
 
     def _send_stop(self, members: Iterable[Member], notice: StopNotice) -> None:

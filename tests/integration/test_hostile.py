@@ -36,7 +36,17 @@ from atomd.model.presets import get_preset
 from atomd.p2p import paths
 from atomd.p2p.client import PeerClient
 from atomd.p2p.identity import Identity
-from atomd.p2p.messages import DeltaAccepted, Gossip, JoinReply, MemberRecord, sign_record
+from atomd.p2p.messages import (
+    Ack,
+    DeltaAccepted,
+    Gossip,
+    JoinReply,
+    MemberRecord,
+    StopJob,
+    StopNotice,
+    sign_record,
+    sign_stop,
+)
 from atomd.p2p.signing import Admission
 from atomd.sync.codecs import Encoded, make_codec
 from atomd.sync.wire import encode_frame
@@ -99,6 +109,21 @@ class Hostile:
                     await c.post_bytes(d.peer_url, paths.job_deltas(JOB_ID[0]), frame,
                                        DeltaAccepted, target=target)  # fmt: skip
                     return 202
+                except Exception as e:
+                    self.last_error = str(e)
+                    return int(getattr(e, "status", None) or 0)
+
+        return asyncio.run(go())
+
+    def stop(self, d: DaemonProcess, target: str, notice: StopNotice) -> int:
+        """Pass ``notice`` on to ``d`` as a member that kept it would; the HTTP status."""
+
+        async def go() -> int:
+            async with self._client() as c:
+                try:
+                    msg = StopJob(sender=self.record, notice=notice)
+                    await c.post(d.peer_url, paths.job_stop(notice.job_id), msg, Ack, target=target)
+                    return 200
                 except Exception as e:
                     self.last_error = str(e)
                     return int(getattr(e, "status", None) or 0)
@@ -290,3 +315,42 @@ def test_a_ban_holds_from_the_first_answer_after_a_restart(tmp_path: Path) -> No
         assert evil.join(d, target) == 403
     finally:
         d.stop()
+
+
+def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path) -> None:
+    """An origin stops its job swarm-wide and resumes it: a new run (``StopNotice.run``). A
+    member that kept the origin's signed stop of the first run passes it to a daemon that
+    joined the new run; that daemon answers 409 and trains on (before, it stopped, for good: a
+    peer never rejoins a job it had). The origin's stop of the new run, passed on the same way,
+    stops it."""
+    started: list[DaemonProcess] = []
+    try:
+        origin = start_swarm(tmp_path, 1, started=started)[0]
+        jid = httpx.post(f"{origin.url}/v1/jobs", json=JOB, timeout=60).json()["id"]
+        wait_until(lambda: _job(origin, jid).get("state") == "running", timeout=READY_TIMEOUT,
+                   what="the origin trains")  # fmt: skip
+        stop = httpx.post(f"{origin.url}/v1/jobs/{jid}/stop", params={"scope": "swarm"})
+        assert stop.status_code == 200, stop.text
+        wait_until(lambda: _job(origin, jid).get("state") == "stopped", timeout=READY_TIMEOUT,
+                   what="the origin stopped")  # fmt: skip
+        resumed = httpx.post(f"{origin.url}/v1/jobs/{jid}/resume", timeout=60)
+        assert resumed.is_success, resumed.text
+        joiner = DaemonProcess(tmp_path / "joiner", extra_args=["--seed", origin.peer_url])
+        started.append(joiner)
+        joiner.start()
+        wait_until(lambda: _job(joiner, jid).get("step", 0) > 0, timeout=READY_TIMEOUT,
+                   what="the joiner trains the new run")  # fmt: skip
+        target = peer_id(joiner)
+        evil = Hostile()
+        assert evil.join(joiner, target) == 200
+        key = Identity.load_or_create(origin.data_dir)  # what the first run's members heard
+        assert evil.stop(joiner, target, sign_stop(jid, key, "default", run=0)) == 409
+        assert "run 0" in evil.last_error and "run 1" in evil.last_error, evil.last_error
+        assert _job(joiner, jid)["state"] == "running"
+        assert evil.stop(joiner, target, sign_stop(jid, key, "default", run=1)) == 200
+        wait_until(lambda: _job(joiner, jid).get("state") == "stopped", timeout=READY_TIMEOUT,
+                   what="the joiner stopped")  # fmt: skip
+        told = f"told by peer {evil.identity.peer_id[:12]}"
+        assert told in str(_job(joiner, jid)["reason"])
+    finally:
+        stop_all(started)

@@ -628,10 +628,113 @@ async def test_a_swarm_wide_stop_is_remembered_across_a_restart(tmp_path: Path) 
     task = asyncio.create_task(jobs.run())
     try:
         await jobs.wait_started()
-        assert jobs.stopped_swarm_wide(stopped) and jobs.stopped_swarm_wide(stopping)
-        assert not jobs.stopped_swarm_wide(resumed)
-        assert not jobs.stopped_swarm_wide(local)  # stopped here only
+        assert jobs.stopped_swarm_wide(stopped) == 0 and jobs.stopped_swarm_wide(stopping) == 0
+        assert jobs.stopped_swarm_wide(resumed) is None
+        assert jobs.stopped_swarm_wide(local) is None  # stopped here only
     finally:
+        await jobs.shutdown()
+        await task
+        await engine.dispose()
+
+
+async def _launched(
+    jobs: JobManager, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[Any], asyncio.Task[None]]:
+    """``jobs``, running, with its launches caught instead of trained: the list they go to,
+    and its task."""
+    launched: list[Any] = []
+    monkeypatch.setattr(jobs, "_launch", launched.append)
+    task = asyncio.create_task(jobs.run())
+    await jobs.wait_started()
+    return launched, task
+
+
+async def test_the_origins_resume_starts_a_new_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A swarm-wide stop names the run it ends, and the origin's resume starts the next
+    (recorded, in the ``job.resuming`` event, and across a restart), so that the stop it
+    signed before ends no copy of the new run. A joined copy resumed here goes on in the run
+    it joined: the origin's signature covers that one only."""
+    from atomd.errors import JobConflictError
+
+    jobs, sessions, engine = await _manager(tmp_path)
+    stops: list[tuple[str, int]] = []
+    jobs.swarm = SimpleNamespace(broadcast_stop=lambda j, r: stops.append((j, r)))  # type: ignore[assignment]
+    mine, joined = job_id_for("p" * 32), "b" * 32
+    spec = JobSpec(preset="tiny").model_dump()
+    async with sessions() as s, s.begin():
+        await repo.create_job(s, job_id=mine, spec=spec, out_dir="/x", state="stopped",
+                              scope="swarm", origin="p" * 32)  # fmt: skip
+        await repo.create_job(s, job_id=joined, spec=spec, out_dir="/y", state="stopped",
+                              scope="swarm", origin="o" * 32, run=3)  # fmt: skip
+    launched, task = await _launched(jobs, monkeypatch)
+    try:
+        await jobs.stop(mine, scope="swarm")
+        assert stops == [(mine, 0)] and jobs.stopped_swarm_wide(mine) == 0
+        await jobs.resume(mine)
+        assert [a.run for a in launched] == [1] and jobs.stopped_swarm_wide(mine) is None
+        async with sessions() as s, s.begin():
+            events = await repo.list_events(s, kind="job.resuming")
+            await repo.set_job_state(s, job_id=mine, state="stopped")
+        assert [e.message for e in events] == ["run 1"]
+        await jobs.stop(mine, scope="swarm")
+        assert stops[-1] == (mine, 1) and jobs.stopped_swarm_wide(mine) == 1
+        await jobs.resume(joined)
+        assert launched[-1].run == 3
+        with pytest.raises(JobConflictError):
+            await jobs.stop(joined, scope="swarm")  # not its origin
+    finally:
+        await jobs.shutdown()
+        await task
+        await engine.dispose()
+    again, sessions, engine = await _manager(tmp_path)
+    _, task = await _launched(again, monkeypatch)
+    try:
+        assert again.stopped_swarm_wide(mine) == 1
+        async with sessions() as s:
+            assert [(j.id, j.run) for j in await repo.list_jobs(s) if j.id == mine] == [(mine, 1)]
+    finally:
+        await again.shutdown()
+        await task
+        await engine.dispose()
+
+
+async def test_a_joiner_trains_the_run_its_advert_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A joiner records the run of the origin's advert and carries it on, signed; it takes a
+    stop of that run (or a later one) and refuses one of a run before: a member that kept the
+    origin's stop of that run, replaying it, would end every copy of the new run."""
+    from atomd.errors import JobConflictError
+
+    origin = Identity.generate()
+    jobs, sessions, engine = await _manager(tmp_path)
+    launched, task = await _launched(jobs, monkeypatch)
+    try:
+        advert = sign_advert(
+            JobAdvert(id=job_id_for(origin.peer_id), spec=JobSpec(preset="tiny"), run=2),
+            origin, "default",
+        )  # fmt: skip
+        jobs.offer(advert.model_dump(mode="json"), ["http://127.0.0.1:1"])
+        for _ in range(200):
+            if launched:
+                break
+            await asyncio.sleep(0.02)
+        assert [a.run for a in launched] == [2]
+        async with sessions() as s:
+            row = await repo.get_job(s, job_id=advert.id)
+        assert row is not None and row.run == 2
+        active = jobs.active = launched[0]
+        told = JobAdvert.model_validate(jobs.advert())
+        assert told.run == 2 and advert_forgery(told, "default") is None
+        with pytest.raises(JobConflictError, match="trains its run 2"):
+            await jobs.stop_from_peer(advert.id, origin.peer_id, "m" * 32, run=1)
+        assert not active.stop_event.is_set() and active.stop_reason is None
+        await jobs.stop_from_peer(advert.id, origin.peer_id, "m" * 32, run=2)
+        assert active.stop_event.is_set() and "told by peer mmmm" in str(active.stop_reason)
+    finally:
+        jobs.active = None
         await jobs.shutdown()
         await task
         await engine.dispose()

@@ -137,11 +137,13 @@ async def test_a_member_passes_the_origins_stop_on(
     stops: list[tuple[str, str, str | None]] = []
 
     class Jobs:
-        async def stop_from_peer(self, job_id: str, peer_id: str, via: str | None = None) -> None:
+        async def stop_from_peer(
+            self, job_id: str, peer_id: str, via: str | None = None, run: int | None = None
+        ) -> None:
             stops.append((job_id, peer_id, via))
 
-        def stopped_swarm_wide(self, job_id: str) -> bool:
-            return False
+        def stopped_swarm_wide(self, job_id: str) -> int | None:
+            return None
 
     settings = Settings(data_dir=tmp_path, device="cpu", auto_join=False)
     node = SwarmNode(settings=settings, identity=Identity.generate(), sessions=sessions,
@@ -176,3 +178,158 @@ async def test_a_member_passes_the_origins_stop_on(
         m.setattr(node_module.time, "monotonic", lambda: at + node_module.RESTOP_S + 1)
         node._on_message(origin.peer_id, cast(Any, SimpleNamespace(job=advert)))  # resumed
     assert node.stop_notice(job) is None
+
+
+def test_a_stop_and_an_advert_sign_their_run() -> None:
+    """The run a stop ends and the run an advert names are the origin's word: changed on the
+    way, neither holds. The first run's payloads are those of daemons before runs, so that
+    those still believe a job that was never resumed, and its stop."""
+    from atomd.p2p.messages import (
+        ADVERT_VERSION,
+        STOP_VERSION,
+        JobAdvert,
+        advert_forgery,
+        advert_payload,
+        sign_advert,
+        stop_forgery,
+        stop_payload,
+    )
+    from atomd.spec import JobSpec
+
+    origin = Identity.generate()
+    job = job_id_for(origin.peer_id)
+    stop = sign_stop(job, origin, "s", run=3)
+    assert stop.run == 3 and stop_forgery(stop, job, "s") is None
+    for run in (0, 2, 4):
+        assert "not signed by its origin" in str(
+            stop_forgery(stop.model_copy(update={"run": run}), job, "s")
+        )
+    fields = (STOP_VERSION, "s", job, origin.peer_id, origin.public_key_hex)
+    assert (
+        stop_payload(job, origin.peer_id, origin.public_key_hex, "s", 0)
+        == "\n".join(fields).encode()
+    )
+    advert = sign_advert(JobAdvert(id=job, spec=JobSpec(preset="tiny"), run=3), origin, "s")
+    assert advert.run == 3 and advert_forgery(advert, "s") is None
+    assert advert_forgery(advert.model_copy(update={"run": 4}), "s") is not None
+    first = advert.model_copy(update={"run": 0, "signature": None})
+    assert advert_payload(first, "s").split(b"\n")[:-1] == [
+        ADVERT_VERSION.encode(), b"s", job.encode(), origin.peer_id.encode(),
+        origin.public_key_hex.encode(),
+    ]  # fmt: skip
+
+
+async def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path, sessions: Sessions) -> None:
+    """The replay of a kept stop (docs/notes/issue-14.md): an origin stops its job swarm-wide
+    and resumes it; a member that kept the old signed stop passed it to every peer that joined
+    the new run, and a peer never rejoins a job it had. A member now tells the stop only to a
+    peer of the run it ended (or before); it keeps that stop for the stragglers of that run;
+    the stop of a later run replaces it, and an earlier one does not replace a later one. What
+    it passes to the job manager names the run, which refuses a stop of a run before its own
+    (``test_adverts``)."""
+    from types import SimpleNamespace
+
+    from atomd.p2p.messages import JobAdvert, sign_advert
+    from atomd.spec import JobSpec
+
+    stops: list[tuple[str, int | None]] = []
+
+    class Jobs:
+        async def stop_from_peer(
+            self, job_id: str, peer_id: str, via: str | None = None, run: int | None = None
+        ) -> None:
+            stops.append((job_id, run))
+
+        def stopped_swarm_wide(self, job_id: str) -> int | None:
+            return None
+
+    settings = Settings(data_dir=tmp_path, device="cpu", auto_join=False)
+    node = SwarmNode(settings=settings, identity=Identity.generate(), sessions=sessions,
+                     telemetry=Telemetry(), jobs=cast(Any, Jobs()))  # fmt: skip
+    origin, relay, joiner, straggler = (Identity.generate() for _ in range(4))
+    for i, who in enumerate((origin, relay, joiner, straggler)):
+        node.membership.members[who.peer_id] = Member(
+            who.peer_id, f"https://127.0.0.1:{42300 + i}", who.public_key_hex, "alive", 1
+        )
+    job = job_id_for(origin.peer_id)
+
+    def advert(run: int) -> Any:
+        a = sign_advert(JobAdvert(id=job, spec=JobSpec(), run=run), origin, settings.swarm)
+        return cast(Any, SimpleNamespace(job=a))
+
+    first = sign_stop(job, origin, settings.swarm, run=0)
+    await node.stop_from_peer(job, relay.peer_id, first)
+    assert stops == [(job, 0)]
+    node._on_message(joiner.peer_id, advert(1))  # the origin resumed: run 1
+    assert (joiner.peer_id, job) not in node._told_stopped
+    assert [m.id for m in node.job_peers(job)] == [joiner.peer_id]  # counted as training it
+    assert node.stop_notice(job) == first  # kept for the stragglers of run 0
+    node._on_message(origin.peer_id, advert(1))  # the origin itself: the stop stays too
+    assert node.stop_notice(job) == first
+    node._on_message(straggler.peer_id, advert(0))
+    assert (straggler.peer_id, job) in node._told_stopped
+
+    second = sign_stop(job, origin, settings.swarm, run=1)
+    await node.stop_from_peer(job, relay.peer_id, second)
+    assert node.stop_notice(job) == second and stops[-1] == (job, 1)
+    await node.stop_from_peer(job, relay.peer_id, first)  # replayed late: not kept
+    assert node.stop_notice(job) == second and stops[-1] == (job, 0)
+    node._on_message(joiner.peer_id, advert(1))
+    assert (joiner.peer_id, job) in node._told_stopped
+
+
+async def test_a_kept_stop_outlives_a_restart(tmp_path: Path, sessions: Sessions) -> None:
+    """A member that restarted forgot the origins' stops it had heard, so a straggler that
+    woke after that (the origin gone) trained on alone. Each stop a member keeps is recorded
+    once (``job.stop_heard``) and read back, checked again: a row whose signature does not
+    hold, or that is no stop, is not believed, and a stop of an earlier run than the one held
+    of its job is neither kept nor recorded."""
+    from types import SimpleNamespace
+
+    from atomd.p2p.messages import JobAdvert, sign_advert
+    from atomd.p2p.node import STOP_HEARD
+    from atomd.spec import JobSpec
+
+    class Jobs:
+        async def stop_from_peer(
+            self, job_id: str, peer_id: str, via: str | None = None, run: int | None = None
+        ) -> None:
+            pass
+
+        def stopped_swarm_wide(self, job_id: str) -> int | None:
+            return None
+
+    settings = Settings(data_dir=tmp_path, device="cpu", auto_join=False)
+    me, origin, relay, straggler = (Identity.generate() for _ in range(4))
+
+    def node() -> SwarmNode:
+        n = SwarmNode(settings=settings, identity=me, sessions=sessions, telemetry=Telemetry(),
+                      jobs=cast(Any, Jobs()))  # fmt: skip
+        for i, who in enumerate((origin, relay, straggler)):
+            n.membership.members[who.peer_id] = Member(
+                who.peer_id, f"https://127.0.0.1:{42400 + i}", who.public_key_hex, "alive", 1
+            )
+        return n
+
+    before = node()
+    job, other = job_id_for(origin.peer_id), job_id_for(origin.peer_id)
+    first, second = (sign_stop(job, origin, settings.swarm, run=r) for r in (0, 1))
+    third = sign_stop(other, origin, settings.swarm)
+    for notice in (second, second, first, third):
+        await before.stop_from_peer(notice.job_id, relay.peer_id, notice)
+    async with sessions() as s, s.begin():
+        heard = await repo.list_events(s, kind=STOP_HEARD)
+        assert [(e.job_id, e.peer_id) for e in heard] == [(other, relay.peer_id),
+                                                           (job, relay.peer_id)]  # fmt: skip
+        lying = {**second.model_dump(mode="json"), "run": 7}
+        await repo.add_event(s, kind=STOP_HEARD, message="", job_id=job, data=lying)
+        await repo.add_event(s, kind=STOP_HEARD, message="", job_id=job, data={"job_id": "x"})
+
+    after = node()
+    await after.load_records()
+    assert after.stop_notice(job) == second and after.stop_notice(other) == third
+    advert = sign_advert(JobAdvert(id=job, spec=JobSpec(), run=1), origin, settings.swarm)
+    after._on_message(straggler.peer_id, cast(Any, SimpleNamespace(job=advert)))
+    assert (straggler.peer_id, job) in after._told_stopped
+    after._on_message(origin.peer_id, cast(Any, SimpleNamespace(job=advert)))
+    assert after.stop_notice(job) is None  # heard before the restart: the origin resumed it

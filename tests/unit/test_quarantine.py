@@ -143,7 +143,7 @@ async def test_a_quarantine_survives_a_restart_and_still_ends(tmp_path: Path) ->
         engine = make_engine(settings.db_path)
         node = SwarmNode(settings=settings, identity=me, sessions=make_sessionmaker(engine),
                          telemetry=Telemetry(), jobs=cast(Any, None))  # fmt: skip
-        await node.load_bans()
+        await node.load_records()
         for i in (evil, other):  # the members, as gossip brings them back
             node.membership.members[i.peer_id] = Member(
                 i.peer_id, "https://127.0.0.1:42001", i.public_key_hex, "alive", 1
