@@ -71,7 +71,7 @@ from atomd.errors import (
 )
 from atomd.logs import get_logger
 from atomd.model.config import num_parameters
-from atomd.p2p.messages import job_id_for
+from atomd.p2p.messages import job_id_for, shared_spec
 from atomd.spec import JobSpec
 from atomd.telemetry import Telemetry
 from atomd.train.checkpoint import (
@@ -507,6 +507,34 @@ class JobManager:
             "id": a.id, "spec": a.spec.model_dump(), "origin": a.origin,
             "origin_key": a.origin_key, "signature": a.origin_signature, "run": a.run,
         }  # fmt: skip
+
+    async def newer_run(self, advert: dict[str, Any]) -> None:
+        """The origin of the job trained here signed a later run of it in ``advert`` (the swarm
+        node checked the seal): the copy goes on in that run, and carries that seal on. A stop
+        of the run it trained before, which a member may have kept, then ends it no more. The
+        spec must be the one trained here (an origin resumes a job as it was)."""
+        a = self.active
+        run, signature = int(advert.get("run") or 0), advert.get("signature")
+        if (
+            a is None
+            or a.id != advert.get("id")
+            or a.origin in (None, self.peer_id)
+            or a.origin != advert.get("origin")
+            or run <= a.run
+            or not isinstance(signature, str)
+        ):
+            return
+        theirs = JobSpec.model_validate(advert.get("spec", {}))
+        if shared_spec(theirs) != shared_spec(a.spec):
+            log.warning("job %s: its run %d has another spec; this daemon goes on in run %d",
+                        a.id, run, a.run)  # fmt: skip
+            return
+        log.info("job %s: its origin resumed it; this copy goes on in run %d (was %d)",
+                 a.id, run, a.run)  # fmt: skip
+        a.run, a.origin_signature = run, signature
+        async with self.sessions() as s, s.begin():
+            await repo.set_run(s, job_id=a.id, run=run, origin_signature=signature)
+            await repo.add_event(s, kind="job.run", job_id=a.id, message=f"run {run}")
 
     def trains(self, job_id: str) -> bool:
         """Whether this daemon trains swarm job ``job_id`` now (and is not stopping it)."""

@@ -510,6 +510,13 @@ async def swarm_stopped_jobs(s: AsyncSession, *, limit: int) -> dict[str, int]:
     return {str(j): int(run) for j, run in (await s.execute(stmt)).all()}
 
 
+async def set_run(s: AsyncSession, *, job_id: str, run: int, origin_signature: str) -> None:
+    """A joined job goes on in a later ``run`` of its origin's, sealed by ``origin_signature``
+    (the origin's signature of its advert of that run)."""
+    job = await _job(s, job_id)
+    job.run, job.origin_signature = run, origin_signature
+
+
 async def next_run(s: AsyncSession, *, job_id: str) -> int:
     """Count one more run of ``job_id`` (its origin resumes it) and return it."""
     job = await _job(s, job_id)

@@ -190,7 +190,7 @@ class JobAdvert(Message):
     origin: PeerId | None = None
     origin_key: PublicKeyHex | None = None
     signature: SignatureHex | None = None
-    run: Counter = 0
+    run: Counter = Field(0, exclude_if=lambda r: r == 0)  # 0: not on the wire, as before runs
 
 
 ADVERT_VERSION = "atomd-job-v1"
@@ -299,7 +299,7 @@ class StopNotice(Message):
     origin: PeerId
     origin_key: PublicKeyHex
     signature: SignatureHex
-    run: Counter = 0
+    run: Counter = Field(0, exclude_if=lambda r: r == 0)  # 0: not on the wire, as before runs
 
 
 def stop_payload(job_id: str, origin: str, origin_key: str, swarm: str, run: int) -> bytes:

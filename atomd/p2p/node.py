@@ -104,6 +104,15 @@ class SwarmJobs(Protocol):
         """The run of ``job_id`` this daemon started and stopped on every peer, or None."""
         ...
 
+    def trains(self, job_id: str) -> bool:
+        """Whether this daemon trains swarm job ``job_id`` now."""
+        ...
+
+    async def newer_run(self, advert: dict[str, Any]) -> None:
+        """The origin signed a later run of a job, in ``advert``: the copy trained here goes
+        on in that run."""
+        ...
+
     async def live_state(self, job_id: str, at_least: int = 0) -> bool:
         """Checkpoint the live state of a job trained here for a joining peer, if it is at
         step ``at_least`` or later (``NotFoundError`` if it is younger)."""
@@ -224,6 +233,10 @@ class SwarmNode:
         # job id -> its origin's signed stop, heard from the origin or passed on by a member,
         # and when (monotonic seconds)
         self._stop_notices: dict[str, tuple[StopNotice, float]] = {}
+        # job id -> the latest run its origin signed in an advert heard here (the newest
+        # MAX_STOP_NOTICES jobs'): a joiner takes no earlier one, nor keeps a stop of a job
+        # it never heard of
+        self._runs: dict[str, int] = {}
         self._joined = asyncio.Event()  # joined a swarm once, or there is nobody to join
         self._liars: set[str] = set()  # donor URLs whose state transfer lied: not asked again
         self.on_excluded: Callable[[str], None] = lambda _peer_id: None
@@ -545,6 +558,7 @@ class SwarmNode:
         if forged is not None:  # neither joined nor counted as training the job
             self._repeated.log("forged-advert", logging.WARNING, "peer %s: %s", sender, forged)
             return
+        latest = self._run_heard(advert)
         held = self._stop_notices.get(advert.id)
         if (
             held is not None
@@ -560,12 +574,25 @@ class SwarmNode:
             return
         # (A stop of a run before the advert's is kept for the stragglers of that run.)
         self._trains(advert.id, sender)
+        if advert.run > max(latest, 0):  # the origin resumed the job: a copy here goes on in it
+            self._spawn(self.jobs.newer_run(advert.model_dump(mode="json")), "newer-run")
+        if advert.run < latest:
+            return  # an earlier run's (a straggler's): a joiner joins the latest it heard of
         if self.settings.auto_join and not self.quarantine.excluded(sender):
             member = self.membership.get(sender)
             donors = [member.url] if member is not None else []
             # Other members that train the same job are donors too, should this one fail.
             offer = advert.model_dump(mode="json")
             self.jobs.offer(offer, donors + self._donors_besides(sender))
+
+    def _run_heard(self, advert: JobAdvert) -> int:
+        """Record the run of a job's origin-signed ``advert``; the latest heard before it (-1:
+        none)."""
+        latest = self._runs.pop(advert.id, -1)
+        self._runs[advert.id] = max(latest, advert.run)  # the newest last
+        while len(self._runs) > MAX_STOP_NOTICES:
+            del self._runs[next(iter(self._runs))]
+        return latest
 
     def _donors_besides(self, sender: str) -> list[str]:
         return [
@@ -611,13 +638,19 @@ class SwarmNode:
         if notice.origin == self.peer_id:
             return  # our own job: whether it is stopped is ours to say (we may have resumed it)
         held = self._stop_notices.get(job_id)
-        if self._keep_stop(notice, time.monotonic()) and (held is None or held[0] != notice):
-            async with self.sessions() as s, s.begin():  # a new one: kept across a restart
+        new = held is None or notice.run > held[0].run
+        # Kept only for a job heard of here: any key is the origin of the jobs it makes up,
+        # and their stops would push out the others' (kept, and recorded, a row each).
+        if new and (job_id in self._runs or self.jobs.trains(job_id)):
+            async with self.sessions() as s, s.begin():  # recorded first: kept across a restart
                 await repo.add_event(
                     s, kind=STOP_HEARD, job_id=job_id, peer_id=peer_id,
                     message=f"run {notice.run} stopped by its origin {notice.origin}",
                     data=notice.model_dump(mode="json"),
                 )  # fmt: skip
+            self._keep_stop(notice, time.monotonic())
+        elif held is not None and held[0] == notice:
+            self._keep_stop(notice, time.monotonic())  # heard again: the newest
         via = None if peer_id == notice.origin else peer_id
         await self.jobs.stop_from_peer(job_id, notice.origin, via, notice.run)
 

@@ -346,7 +346,10 @@ def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path) -> None:
         key = Identity.load_or_create(origin.data_dir)  # what the first run's members heard
         assert evil.stop(joiner, target, sign_stop(jid, key, "default", run=0)) == 409
         assert "run 0" in evil.last_error and "run 1" in evil.last_error, evil.last_error
-        assert _job(joiner, jid)["state"] == "running"
+        step = _job(joiner, jid)["step"]
+        wait_until(lambda: _job(joiner, jid)["step"] > step + 5, timeout=READY_TIMEOUT,
+                   what="the joiner trains on")  # fmt: skip
+        assert _job(joiner, jid)["state"] == "running" and _job(joiner, jid)["run"] == 1
         assert evil.stop(joiner, target, sign_stop(jid, key, "default", run=1)) == 200
         wait_until(lambda: _job(joiner, jid).get("state") == "stopped", timeout=READY_TIMEOUT,
                    what="the joiner stopped")  # fmt: skip

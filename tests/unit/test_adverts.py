@@ -705,7 +705,8 @@ async def test_a_joiner_trains_the_run_its_advert_names(
 ) -> None:
     """A joiner records the run of the origin's advert and carries it on, signed; it takes a
     stop of that run (or a later one) and refuses one of a run before: a member that kept the
-    origin's stop of that run, replaying it, would end every copy of the new run."""
+    origin's stop of that run, replaying it, would end every copy of the new run. Hearing of
+    a later run of the same job (its spec), the copy goes on in it, recorded."""
     from atomd.errors import JobConflictError
 
     origin = Identity.generate()
@@ -731,7 +732,26 @@ async def test_a_joiner_trains_the_run_its_advert_names(
         with pytest.raises(JobConflictError, match="trains its run 2"):
             await jobs.stop_from_peer(advert.id, origin.peer_id, "m" * 32, run=1)
         assert not active.stop_event.is_set() and active.stop_reason is None
-        await jobs.stop_from_peer(advert.id, origin.peer_id, "m" * 32, run=2)
+
+        # The origin resumes the job again: heard of, the copy goes on in run 3, sealed so.
+        def later(run: int, spec: JobSpec) -> dict[str, Any]:
+            a = sign_advert(advert.model_copy(update={"run": run, "spec": spec}), origin,
+                            "default")  # fmt: skip
+            return a.model_dump(mode="json")
+
+        await jobs.newer_run(later(3, JobSpec(preset="tiny", lr=1.0)))  # not the job trained
+        await jobs.newer_run(later(1, advert.spec))  # an earlier run
+        assert active.run == 2
+        await jobs.newer_run(later(3, advert.spec))
+        told = JobAdvert.model_validate(jobs.advert())
+        assert told.run == 3 and advert_forgery(told, "default") is None
+        async with sessions() as s:
+            row = await repo.get_job(s, job_id=advert.id)
+            assert row is not None and (row.run, row.origin_signature) == (3, told.signature)
+            assert [e.message for e in await repo.list_events(s, kind="job.run")] == ["run 3"]
+        with pytest.raises(JobConflictError, match="trains its run 3"):
+            await jobs.stop_from_peer(advert.id, origin.peer_id, "m" * 32, run=2)
+        await jobs.stop_from_peer(advert.id, origin.peer_id, "m" * 32, run=3)
         assert active.stop_event.is_set() and "told by peer mmmm" in str(active.stop_reason)
     finally:
         jobs.active = None

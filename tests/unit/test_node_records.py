@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -120,63 +121,97 @@ def test_a_stop_is_its_origins_own() -> None:
     assert "not signed by its origin" in str(stop_forgery(forged, job, "s"))
 
 
+class _Jobs:
+    """The job manager as the swarm node sees it: what it was told."""
+
+    def __init__(self) -> None:
+        self.stops: list[tuple[str, str, str | None, int | None]] = []
+        self.newer: list[int] = []  # the runs of newer_run's adverts
+        self.training: set[str] = set()
+
+    async def stop_from_peer(
+        self, job_id: str, peer_id: str, via: str | None = None, run: int | None = None
+    ) -> None:
+        self.stops.append((job_id, peer_id, via, run))
+
+    def stopped_swarm_wide(self, job_id: str) -> int | None:
+        return None
+
+    def trains(self, job_id: str) -> bool:
+        return job_id in self.training
+
+    async def newer_run(self, advert: dict[str, Any]) -> None:
+        self.newer.append(int(advert.get("run") or 0))
+
+    def offer(self, advert: dict[str, Any], donors: list[str]) -> None:
+        raise AssertionError("auto_join is off")
+
+
+def _node(
+    tmp_path: Path, sessions: Sessions, members: Sequence[Identity], me: Identity | None = None
+) -> tuple[SwarmNode, _Jobs]:
+    """A swarm node (auto-join off) that knows ``members`` alive, and its job manager."""
+    jobs = _Jobs()
+    settings = Settings(data_dir=tmp_path, device="cpu", auto_join=False)
+    node = SwarmNode(settings=settings, identity=me or Identity.generate(), sessions=sessions,
+                     telemetry=Telemetry(), jobs=cast(Any, jobs))  # fmt: skip
+    for i, who in enumerate(members):
+        node.membership.members[who.peer_id] = Member(
+            who.peer_id, f"https://127.0.0.1:{42200 + i}", who.public_key_hex, "alive", 1
+        )
+    return node, jobs
+
+
+def _gossip(origin: Identity, job: str, run: int = 0, swarm: str = "default") -> Any:
+    """A message carrying the origin's advert of ``job``'s ``run``."""
+    from types import SimpleNamespace
+
+    from atomd.p2p.messages import JobAdvert, sign_advert
+    from atomd.spec import JobSpec
+
+    advert = sign_advert(JobAdvert(id=job, spec=JobSpec(), run=run), origin, swarm)
+    return cast(Any, SimpleNamespace(job=advert))
+
+
 async def test_a_member_passes_the_origins_stop_on(
     tmp_path: Path, sessions: Sessions, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A member that heard a job's signed stop tells a straggler still training the job, as
     the origin would (the origin may be gone); a forged stop is refused and kept nowhere; a
-    stop of our own job is ours to say; the origin heard training the job again (resumed),
-    the stop is dropped."""
-    from types import SimpleNamespace
-
+    stop of our own job is ours to say; the origin heard training the job again (resumed,
+    a daemon of before runs), the stop is dropped."""
     from atomd.errors import MessageError
     from atomd.p2p import node as node_module
-    from atomd.p2p.messages import JobAdvert, sign_advert
-    from atomd.spec import JobSpec
 
-    stops: list[tuple[str, str, str | None]] = []
-
-    class Jobs:
-        async def stop_from_peer(
-            self, job_id: str, peer_id: str, via: str | None = None, run: int | None = None
-        ) -> None:
-            stops.append((job_id, peer_id, via))
-
-        def stopped_swarm_wide(self, job_id: str) -> int | None:
-            return None
-
-    settings = Settings(data_dir=tmp_path, device="cpu", auto_join=False)
-    node = SwarmNode(settings=settings, identity=Identity.generate(), sessions=sessions,
-                     telemetry=Telemetry(), jobs=cast(Any, Jobs()))  # fmt: skip
     origin, relay, straggler = (Identity.generate() for _ in range(3))
-    for i, who in enumerate((origin, relay, straggler)):
-        node.membership.members[who.peer_id] = Member(
-            who.peer_id, f"https://127.0.0.1:{42200 + i}", who.public_key_hex, "alive", 1
-        )
+    node, jobs = _node(tmp_path, sessions, [origin, relay, straggler])
+    swarm = node.settings.swarm
     job = job_id_for(origin.peer_id)
-    stop = sign_stop(job, origin, settings.swarm)
+    stop = sign_stop(job, origin, swarm)
     with pytest.raises(MessageError, match="not signed by its origin"):
         await node.stop_from_peer(job, relay.peer_id, sign_stop(job, origin, "another swarm"))
-    assert stops == [] and node.stop_notice(job) is None
+    assert jobs.stops == [] and node.stop_notice(job) is None
 
+    node._on_message(relay.peer_id, _gossip(origin, job))  # the job is heard of here
     await node.stop_from_peer(job, relay.peer_id, stop)
-    assert stops == [(job, origin.peer_id, relay.peer_id)]
+    assert jobs.stops == [(job, origin.peer_id, relay.peer_id, 0)]
     assert node.stop_notice(job) == stop
-    advert = sign_advert(JobAdvert(id=job, spec=JobSpec()), origin, settings.swarm)
-    node._on_message(straggler.peer_id, cast(Any, SimpleNamespace(job=advert)))
+    node._on_message(straggler.peer_id, _gossip(origin, job))
     assert (straggler.peer_id, job) in node._told_stopped
-    assert job not in node._job_peers  # not counted as training it
+    assert straggler.peer_id not in node._job_peers[job]  # not counted as training it
 
     mine = job_id_for(node.peer_id)
-    await node.stop_from_peer(mine, relay.peer_id, sign_stop(mine, node.identity, settings.swarm))
-    assert len(stops) == 1 and node.stop_notice(mine) is None
+    await node.stop_from_peer(mine, relay.peer_id, sign_stop(mine, node.identity, swarm))
+    assert len(jobs.stops) == 1 and node.stop_notice(mine) is None
 
-    node._on_message(origin.peer_id, cast(Any, SimpleNamespace(job=advert)))  # sent before
+    node._on_message(origin.peer_id, _gossip(origin, job))  # sent before its stop
     assert node.stop_notice(job) == stop
     at = node._stop_notices[job][1]
     with monkeypatch.context() as m:  # RESTOP_S on
         m.setattr(node_module.time, "monotonic", lambda: at + node_module.RESTOP_S + 1)
-        node._on_message(origin.peer_id, cast(Any, SimpleNamespace(job=advert)))  # resumed
+        node._on_message(origin.peer_id, _gossip(origin, job, run=1))  # a later run: kept
+        assert node.stop_notice(job) == stop
+        node._on_message(origin.peer_id, _gossip(origin, job))  # resumed, runs unknown to it
     assert node.stop_notice(job) is None
 
 
@@ -227,55 +262,67 @@ async def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path, sessions:
     the stop of a later run replaces it, and an earlier one does not replace a later one. What
     it passes to the job manager names the run, which refuses a stop of a run before its own
     (``test_adverts``)."""
-    from types import SimpleNamespace
-
-    from atomd.p2p.messages import JobAdvert, sign_advert
-    from atomd.spec import JobSpec
-
-    stops: list[tuple[str, int | None]] = []
-
-    class Jobs:
-        async def stop_from_peer(
-            self, job_id: str, peer_id: str, via: str | None = None, run: int | None = None
-        ) -> None:
-            stops.append((job_id, run))
-
-        def stopped_swarm_wide(self, job_id: str) -> int | None:
-            return None
-
-    settings = Settings(data_dir=tmp_path, device="cpu", auto_join=False)
-    node = SwarmNode(settings=settings, identity=Identity.generate(), sessions=sessions,
-                     telemetry=Telemetry(), jobs=cast(Any, Jobs()))  # fmt: skip
     origin, relay, joiner, straggler = (Identity.generate() for _ in range(4))
-    for i, who in enumerate((origin, relay, joiner, straggler)):
-        node.membership.members[who.peer_id] = Member(
-            who.peer_id, f"https://127.0.0.1:{42300 + i}", who.public_key_hex, "alive", 1
-        )
+    node, jobs = _node(tmp_path, sessions, [origin, relay, joiner, straggler])
     job = job_id_for(origin.peer_id)
-
-    def advert(run: int) -> Any:
-        a = sign_advert(JobAdvert(id=job, spec=JobSpec(), run=run), origin, settings.swarm)
-        return cast(Any, SimpleNamespace(job=a))
-
-    first = sign_stop(job, origin, settings.swarm, run=0)
+    swarm = node.settings.swarm
+    node._on_message(relay.peer_id, _gossip(origin, job))
+    first = sign_stop(job, origin, swarm, run=0)
     await node.stop_from_peer(job, relay.peer_id, first)
-    assert stops == [(job, 0)]
-    node._on_message(joiner.peer_id, advert(1))  # the origin resumed: run 1
+    assert [r for *_, r in jobs.stops] == [0]
+    node._on_message(joiner.peer_id, _gossip(origin, job, 1))  # the origin resumed: run 1
     assert (joiner.peer_id, job) not in node._told_stopped
-    assert [m.id for m in node.job_peers(job)] == [joiner.peer_id]  # counted as training it
+    assert joiner.peer_id in [m.id for m in node.job_peers(job)]  # counted as training it
     assert node.stop_notice(job) == first  # kept for the stragglers of run 0
-    node._on_message(origin.peer_id, advert(1))  # the origin itself: the stop stays too
+    node._on_message(origin.peer_id, _gossip(origin, job, 1))  # the origin itself: stays too
     assert node.stop_notice(job) == first
-    node._on_message(straggler.peer_id, advert(0))
+    node._on_message(straggler.peer_id, _gossip(origin, job, 0))
     assert (straggler.peer_id, job) in node._told_stopped
 
-    second = sign_stop(job, origin, settings.swarm, run=1)
+    second = sign_stop(job, origin, swarm, run=1)
     await node.stop_from_peer(job, relay.peer_id, second)
-    assert node.stop_notice(job) == second and stops[-1] == (job, 1)
+    assert node.stop_notice(job) == second and jobs.stops[-1][-1] == 1
     await node.stop_from_peer(job, relay.peer_id, first)  # replayed late: not kept
-    assert node.stop_notice(job) == second and stops[-1] == (job, 0)
-    node._on_message(joiner.peer_id, advert(1))
+    assert node.stop_notice(job) == second and jobs.stops[-1][-1] == 0
+    node._on_message(joiner.peer_id, _gossip(origin, job, 1))
     assert (joiner.peer_id, job) in node._told_stopped
+
+
+async def test_an_earlier_runs_advert_is_not_joined(tmp_path: Path, sessions: Sessions) -> None:
+    """The origin's advert of an earlier run is still signed: a member could hand it to a
+    fresh peer, which joined that run and was then ended by the run's kept stop, for good.
+    A joiner takes no run earlier than the latest it heard of; a copy trained here hears of
+    a later one (the job manager goes on in it: ``test_adverts``); and a stop of a job never
+    heard of here is neither kept nor recorded (any key makes up jobs of its own, and their
+    stops would push out the others')."""
+    from atomd.p2p.node import STOP_HEARD
+
+    origin, member, straggler = (Identity.generate() for _ in range(3))
+    node, jobs = _node(tmp_path, sessions, [origin, member, straggler])
+    offers: list[int] = []
+    node.settings.auto_join = True
+    jobs.offer = lambda advert, donors: offers.append(int(advert.get("run") or 0))  # type: ignore[method-assign]
+    job = job_id_for(origin.peer_id)
+    async with asyncio.TaskGroup() as tg:
+        node._tg = tg
+        node._on_message(member.peer_id, _gossip(origin, job, 0))
+        node._on_message(origin.peer_id, _gossip(origin, job, 2))
+        node._on_message(straggler.peer_id, _gossip(origin, job, 1))
+        node._on_message(member.peer_id, _gossip(origin, job, 2))
+    node._tg = None
+    assert offers == [0, 2, 2] and jobs.newer == [2]
+    assert {m.id for m in node.job_peers(job)} == {origin.peer_id, member.peer_id,
+                                                   straggler.peer_id}  # fmt: skip
+
+    stranger = Identity.generate()
+    made_up = job_id_for(stranger.peer_id)
+    await node.stop_from_peer(made_up, member.peer_id, sign_stop(made_up, stranger, "default"))
+    assert node.stop_notice(made_up) is None and jobs.stops[-1][0] == made_up
+    jobs.training.add(made_up)  # ... unless this daemon trains it
+    await node.stop_from_peer(made_up, member.peer_id, sign_stop(made_up, stranger, "default"))
+    assert node.stop_notice(made_up) is not None
+    async with sessions() as s:
+        assert [e.job_id for e in await repo.list_events(s, kind=STOP_HEARD)] == [made_up]
 
 
 async def test_a_kept_stop_outlives_a_restart(tmp_path: Path, sessions: Sessions) -> None:
@@ -284,37 +331,16 @@ async def test_a_kept_stop_outlives_a_restart(tmp_path: Path, sessions: Sessions
     once (``job.stop_heard``) and read back, checked again: a row whose signature does not
     hold, or that is no stop, is not believed, and a stop of an earlier run than the one held
     of its job is neither kept nor recorded."""
-    from types import SimpleNamespace
-
-    from atomd.p2p.messages import JobAdvert, sign_advert
     from atomd.p2p.node import STOP_HEARD
-    from atomd.spec import JobSpec
 
-    class Jobs:
-        async def stop_from_peer(
-            self, job_id: str, peer_id: str, via: str | None = None, run: int | None = None
-        ) -> None:
-            pass
-
-        def stopped_swarm_wide(self, job_id: str) -> int | None:
-            return None
-
-    settings = Settings(data_dir=tmp_path, device="cpu", auto_join=False)
     me, origin, relay, straggler = (Identity.generate() for _ in range(4))
-
-    def node() -> SwarmNode:
-        n = SwarmNode(settings=settings, identity=me, sessions=sessions, telemetry=Telemetry(),
-                      jobs=cast(Any, Jobs()))  # fmt: skip
-        for i, who in enumerate((origin, relay, straggler)):
-            n.membership.members[who.peer_id] = Member(
-                who.peer_id, f"https://127.0.0.1:{42400 + i}", who.public_key_hex, "alive", 1
-            )
-        return n
-
-    before = node()
+    before, _ = _node(tmp_path, sessions, [origin, relay, straggler], me)
+    swarm = before.settings.swarm
     job, other = job_id_for(origin.peer_id), job_id_for(origin.peer_id)
-    first, second = (sign_stop(job, origin, settings.swarm, run=r) for r in (0, 1))
-    third = sign_stop(other, origin, settings.swarm)
+    first, second = (sign_stop(job, origin, swarm, run=r) for r in (0, 1))
+    third = sign_stop(other, origin, swarm)
+    for j in (job, other):
+        before._on_message(relay.peer_id, _gossip(origin, j))
     for notice in (second, second, first, third):
         await before.stop_from_peer(notice.job_id, relay.peer_id, notice)
     async with sessions() as s, s.begin():
@@ -325,11 +351,10 @@ async def test_a_kept_stop_outlives_a_restart(tmp_path: Path, sessions: Sessions
         await repo.add_event(s, kind=STOP_HEARD, message="", job_id=job, data=lying)
         await repo.add_event(s, kind=STOP_HEARD, message="", job_id=job, data={"job_id": "x"})
 
-    after = node()
+    after, _ = _node(tmp_path, sessions, [origin, relay, straggler], me)
     await after.load_records()
     assert after.stop_notice(job) == second and after.stop_notice(other) == third
-    advert = sign_advert(JobAdvert(id=job, spec=JobSpec(), run=1), origin, settings.swarm)
-    after._on_message(straggler.peer_id, cast(Any, SimpleNamespace(job=advert)))
+    after._on_message(straggler.peer_id, _gossip(origin, job, 1))
     assert (straggler.peer_id, job) in after._told_stopped
-    after._on_message(origin.peer_id, cast(Any, SimpleNamespace(job=advert)))
+    after._on_message(origin.peer_id, _gossip(origin, job, 1))
     assert after.stop_notice(job) is None  # heard before the restart: the origin resumed it
