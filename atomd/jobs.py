@@ -115,6 +115,7 @@ DONOR_TRIES = 3
 # merge (``SwarmMovedOnError``); beyond that it catches up by closing rounds early, as before.
 RETAKES = 3
 RESUMING_REASON = "resuming from the last good checkpoint"
+SWARM_STOP_REASON = "stopped by the swarm"  # how a copy's reason begins once its origin stopped it
 
 
 class SwarmLink(Protocol):
@@ -122,6 +123,7 @@ class SwarmLink(Protocol):
 
     def announce(self, advert: dict[str, Any]) -> None: ...
     def broadcast_stop(self, job_id: str, run: int = 0) -> None: ...
+    def latest_run(self, job_id: str) -> int: ...
     async def fetch_state(
         self,
         job_id: str,
@@ -508,6 +510,31 @@ class JobManager:
             "origin_key": a.origin_key, "signature": a.origin_signature, "run": a.run,
         }  # fmt: skip
 
+    async def _rejoin(self, had: JobRecord, advert: dict[str, Any]) -> None:
+        """A copy of the swarm's job that its origin stopped here (``SWARM_STOP_REASON``) goes
+        on in the later run ``advert`` names, from its newest checkpoint or the swarm's state
+        (``resume``): the origin resumed the job, and its word is the job's. A copy stopped
+        by this daemon's operator, finished or failed stays so."""
+        run, signature = int(advert.get("run") or 0), advert.get("signature")
+        if (
+            had.scope != "swarm"
+            or had.state != "stopped"
+            or not (had.reason or "").startswith(SWARM_STOP_REASON)
+            or had.origin in (None, self.peer_id)
+            or had.origin != advert.get("origin")
+            or run <= had.run
+            or not isinstance(signature, str)
+            or shared_spec(JobSpec.model_validate(advert.get("spec", {})))
+            != shared_spec(JobSpec.model_validate(had.spec))
+        ):
+            return
+        log.info("job %s: its origin resumed it (run %d); this copy, stopped by the swarm in "
+                 "run %d, goes on", had.id, run, had.run)  # fmt: skip
+        async with self.sessions() as s, s.begin():
+            await repo.set_run(s, job_id=had.id, run=run, origin_signature=signature)
+            await repo.add_event(s, kind="job.run", job_id=had.id, message=f"run {run}")
+        await self.resume(had.id)
+
     async def newer_run(self, advert: dict[str, Any]) -> None:
         """The origin of the job trained here signed a later run of it in ``advert`` (the swarm
         node checked the seal): the copy goes on in that run, and carries that seal on. A stop
@@ -535,6 +562,15 @@ class JobManager:
         async with self.sessions() as s, s.begin():
             await repo.set_run(s, job_id=a.id, run=run, origin_signature=signature)
             await repo.add_event(s, kind="job.run", job_id=a.id, message=f"run {run}")
+
+    def run_of(self, job_id: str) -> int | None:
+        """The run of swarm job ``job_id`` this daemon trains now (None: it does not)."""
+        return self.active.run if self.trains(job_id) and self.active is not None else None
+
+    async def had(self, job_id: str) -> bool:
+        """Whether this daemon has a record of ``job_id`` (trains it, or trained it once)."""
+        async with self.sessions() as s:
+            return await repo.get_job(s, job_id=job_id) is not None
 
     def trains(self, job_id: str) -> bool:
         """Whether this daemon trains swarm job ``job_id`` now (and is not stopping it)."""
@@ -718,7 +754,7 @@ class JobManager:
                 "which its origin started after that stop"
             )
         told = "" if via is None else f", told by peer {via[:12]}"
-        await self._request_stop(active, f"stopped by the swarm (peer {peer_id[:12]}{told})")
+        await self._request_stop(active, f"{SWARM_STOP_REASON} (peer {peer_id[:12]}{told})")
 
     async def _request_stop(self, active: ActiveJob, reason: str) -> JobRecord:
         active.stop_reason = reason
@@ -767,9 +803,14 @@ class JobManager:
 
     async def _join(self, job_id: str, advert: dict[str, Any], donors: list[str]) -> None:
         try:
+            run = int(advert.get("run") or 0)
+            if self.swarm is not None and run < self.swarm.latest_run(job_id):
+                return  # a later run was heard of since: its advert is offered in turn
             async with self.sessions() as s:
-                if await repo.get_job(s, job_id=job_id) is not None:
-                    return  # we had it: stopped, finished or failed here; do not rejoin
+                had = await repo.get_job(s, job_id=job_id)
+            if had is not None:  # stopped, finished or failed here: not joined again, but
+                await self._rejoin(had, advert)  # a later run of a stop of the swarm's
+                return
             spec = JobSpec.model_validate(advert.get("spec", {}))
             problem = advert_problem(spec, self.data_names)
             if problem is not None:
@@ -793,10 +834,8 @@ class JobManager:
                     return
                 out_dir = self.job_dir(job_id)
                 origin = str(advert.get("origin") or "") or None
-                # The origin's seal of the advert (``SwarmNode`` checked it), carried on in ours,
-                # and the run of the job it names.
+                # The origin's seal of the advert (``SwarmNode`` checked it), carried on in ours.
                 key, signature = advert.get("origin_key"), advert.get("signature")
-                run = int(advert.get("run") or 0)
                 async with self.sessions() as s, s.begin():
                     await repo.create_job(
                         s,

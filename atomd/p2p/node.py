@@ -72,6 +72,7 @@ MAX_CURVE_PEERS = 32
 RESTOP_S = 10.0  # a straggler that missed a swarm-wide stop is told again at most this often
 MAX_TOLD_STOPPED = 1024  # (peer, job) pairs remembered for RESTOP_S
 MAX_STOP_NOTICES = 1024  # origins' signed stops kept to pass on (the oldest go first)
+RUNS_A_TELLER = 8  # jobs' latest runs kept of those one member told us of
 STOP_HEARD = "job.stop_heard"  # the event that keeps an origin's signed stop across a restart
 LEFT_CANDIDATES = 8  # peers that said they left, knocked at last when (re)joining
 DONORS_TIMEOUT_S = 30.0  # a restarted daemon waits at most this long to hear who trains a job
@@ -106,6 +107,14 @@ class SwarmJobs(Protocol):
 
     def trains(self, job_id: str) -> bool:
         """Whether this daemon trains swarm job ``job_id`` now."""
+        ...
+
+    def run_of(self, job_id: str) -> int | None:
+        """The run of ``job_id`` this daemon trains now (None: it does not train it)."""
+        ...
+
+    async def had(self, job_id: str) -> bool:
+        """Whether this daemon has a record of ``job_id`` (trains it, or trained it once)."""
         ...
 
     async def newer_run(self, advert: dict[str, Any]) -> None:
@@ -233,10 +242,10 @@ class SwarmNode:
         # job id -> its origin's signed stop, heard from the origin or passed on by a member,
         # and when (monotonic seconds)
         self._stop_notices: dict[str, tuple[StopNotice, float]] = {}
-        # job id -> the latest run its origin signed in an advert heard here (the newest
-        # MAX_STOP_NOTICES jobs'): a joiner takes no earlier one, nor keeps a stop of a job
-        # it never heard of
-        self._runs: dict[str, int] = {}
+        # job id -> the latest run its origin signed in an advert heard here, and the member
+        # that first told us of the job (the newest MAX_STOP_NOTICES jobs', at most
+        # RUNS_A_TELLER a member): a joiner takes no earlier run
+        self._runs: dict[str, tuple[int, str]] = {}
         self._joined = asyncio.Event()  # joined a swarm once, or there is nobody to join
         self._liars: set[str] = set()  # donor URLs whose state transfer lied: not asked again
         self.on_excluded: Callable[[str], None] = lambda _peer_id: None
@@ -558,7 +567,7 @@ class SwarmNode:
         if forged is not None:  # neither joined nor counted as training the job
             self._repeated.log("forged-advert", logging.WARNING, "peer %s: %s", sender, forged)
             return
-        latest = self._run_heard(advert)
+        latest = self._run_heard(advert, sender)
         held = self._stop_notices.get(advert.id)
         if (
             held is not None
@@ -574,7 +583,8 @@ class SwarmNode:
             return
         # (A stop of a run before the advert's is kept for the stragglers of that run.)
         self._trains(advert.id, sender)
-        if advert.run > max(latest, 0):  # the origin resumed the job: a copy here goes on in it
+        ours = self.jobs.run_of(advert.id)
+        if ours is not None and advert.run > ours:  # the origin resumed it: ours goes on in it
             self._spawn(self.jobs.newer_run(advert.model_dump(mode="json")), "newer-run")
         if advert.run < latest:
             return  # an earlier run's (a straggler's): a joiner joins the latest it heard of
@@ -585,14 +595,25 @@ class SwarmNode:
             offer = advert.model_dump(mode="json")
             self.jobs.offer(offer, donors + self._donors_besides(sender))
 
-    def _run_heard(self, advert: JobAdvert) -> int:
-        """Record the run of a job's origin-signed ``advert``; the latest heard before it (-1:
-        none)."""
-        latest = self._runs.pop(advert.id, -1)
-        self._runs[advert.id] = max(latest, advert.run)  # the newest last
+    def _run_heard(self, advert: JobAdvert, sender: str) -> int:
+        """Record the run of a job's origin-signed ``advert`` that ``sender`` told us; the
+        latest heard before it (-1: none). Any key is the origin of the jobs it makes up: a
+        member's adverts of such jobs push out its own older ones only, past RUNS_A_TELLER."""
+        held = self._runs.pop(advert.id, None)
+        latest, teller = held if held is not None else (-1, sender)
+        if held is None:
+            told = [j for j, (_, t) in self._runs.items() if t == teller]
+            for j in told[: max(0, len(told) - RUNS_A_TELLER + 1)]:
+                del self._runs[j]
+        self._runs[advert.id] = (max(latest, advert.run), teller)  # the newest last
         while len(self._runs) > MAX_STOP_NOTICES:
             del self._runs[next(iter(self._runs))]
         return latest
+
+    def latest_run(self, job_id: str) -> int:
+        """The latest run of ``job_id`` its origin signed in an advert heard here (-1: none)."""
+        held = self._runs.get(job_id)
+        return -1 if held is None else held[0]
 
     def _donors_besides(self, sender: str) -> list[str]:
         return [
@@ -639,9 +660,10 @@ class SwarmNode:
             return  # our own job: whether it is stopped is ours to say (we may have resumed it)
         held = self._stop_notices.get(job_id)
         new = held is None or notice.run > held[0].run
-        # Kept only for a job heard of here: any key is the origin of the jobs it makes up,
-        # and their stops would push out the others' (kept, and recorded, a row each).
-        if new and (job_id in self._runs or self.jobs.trains(job_id)):
+        # Kept only for a job this daemon trains or trained: any key is the origin of the
+        # jobs it makes up, and their stops would push out the others' (kept, and recorded,
+        # a row each). The members that trained a job tell its stragglers.
+        if new and (held is not None or self.jobs.trains(job_id) or await self.jobs.had(job_id)):
             async with self.sessions() as s, s.begin():  # recorded first: kept across a restart
                 await repo.add_event(
                     s, kind=STOP_HEARD, job_id=job_id, peer_id=peer_id,

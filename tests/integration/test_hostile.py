@@ -322,7 +322,8 @@ def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path) -> None:
     member that kept the origin's signed stop of the first run passes it to a daemon that
     joined the new run; that daemon answers 409 and trains on (before, it stopped, for good: a
     peer never rejoins a job it had). The origin's stop of the new run, passed on the same way,
-    stops it."""
+    stops it; when the origin resumes the job again, the copy the swarm stopped goes on in
+    that run."""
     started: list[DaemonProcess] = []
     try:
         origin = start_swarm(tmp_path, 1, started=started)[0]
@@ -355,5 +356,17 @@ def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path) -> None:
                    what="the joiner stopped")  # fmt: skip
         told = f"told by peer {evil.identity.peer_id[:12]}"
         assert told in str(_job(joiner, jid)["reason"])
+        # The origin stops run 1 and resumes the job again: the copy the swarm stopped here
+        # goes on in run 2 (it had the job, so it never joined it again before runs).
+        stop = httpx.post(f"{origin.url}/v1/jobs/{jid}/stop", params={"scope": "swarm"})
+        assert stop.status_code == 200, stop.text
+        wait_until(lambda: _job(origin, jid).get("state") == "stopped", timeout=READY_TIMEOUT,
+                   what="the origin stopped again")  # fmt: skip
+        resumed = httpx.post(f"{origin.url}/v1/jobs/{jid}/resume", timeout=60)
+        assert resumed.is_success and resumed.json()["run"] == 2, resumed.text
+        step = _job(joiner, jid)["step"]
+        wait_until(lambda: _job(joiner, jid)["run"] == 2 and _job(joiner, jid)["step"] > step,
+                   timeout=READY_TIMEOUT, what="the copy trains run 2")  # fmt: skip
+        assert _job(joiner, jid)["state"] == "running"
     finally:
         stop_all(started)

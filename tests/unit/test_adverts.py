@@ -206,7 +206,7 @@ async def test_a_forged_advert_is_neither_joined_nor_counted(tmp_path: Path) -> 
     origin, evil, me = Identity.generate(), Identity.generate(), Identity.generate()
     offers: list[dict[str, Any]] = []
     fake_jobs = SimpleNamespace(offer=lambda advert, donors: offers.append(advert),
-                                advert=lambda: None)  # fmt: skip
+                                advert=lambda: None, run_of=lambda job_id: None)  # fmt: skip
     settings = Settings(data_dir=tmp_path / "n", device="cpu", auto_join=True)
     await asyncio.to_thread(migrate.upgrade, settings.db_path)
     engine = make_engine(settings.db_path)
@@ -755,6 +755,55 @@ async def test_a_joiner_trains_the_run_its_advert_names(
         assert active.stop_event.is_set() and "told by peer mmmm" in str(active.stop_reason)
     finally:
         jobs.active = None
+        await jobs.shutdown()
+        await task
+        await engine.dispose()
+
+
+async def test_a_copy_the_swarm_stopped_rejoins_a_later_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The origin's resume of the job it stopped swarm-wide starts a later run: a copy the
+    swarm stopped here goes on in it (its origin's word is the job's), recorded; a copy its
+    operator stopped, or one of another spec, or an advert of no later run, is not joined
+    again. A joiner takes no advert of an earlier run than the latest the swarm heard of."""
+    origin = Identity.generate()
+    jobs, sessions, engine = await _manager(tmp_path)
+    latest = {"run": 0}
+    jobs.swarm = SimpleNamespace(latest_run=lambda j: latest["run"])  # type: ignore[assignment]
+    spec = JobSpec(preset="tiny")
+    ids = [job_id_for(origin.peer_id) for _ in range(3)]
+    reasons = [f"stopped by the swarm (peer {origin.peer_id[:12]})", "stopped by request",
+               f"stopped by the swarm (peer {origin.peer_id[:12]})"]  # fmt: skip
+    async with sessions() as s, s.begin():
+        for job_id, reason in zip(ids, reasons, strict=True):
+            await repo.create_job(s, job_id=job_id, spec=spec.model_dump(), out_dir="/x",
+                                  scope="swarm", origin=origin.peer_id)  # fmt: skip
+            await repo.set_job_state(s, job_id=job_id, state="stopped", reason=reason)
+    launched, task = await _launched(jobs, monkeypatch)
+
+    async def offer(job_id: str, run: int, lr: float = spec.lr) -> None:
+        a = JobAdvert(id=job_id, spec=spec.model_copy(update={"lr": lr}), run=run)
+        await jobs._join(job_id, sign_advert(a, origin, "default").model_dump(mode="json"), [])
+
+    try:
+        await offer(ids[0], 0)  # no later run
+        await offer(ids[1], 1)  # its operator stopped it
+        await offer(ids[2], 1, lr=1.0)  # another spec
+        assert launched == []
+        await offer(ids[0], 1)
+        assert [(a.id, a.run) for a in launched] == [(ids[0], 1)]
+        async with sessions() as s:
+            row = await repo.get_job(s, job_id=ids[0])
+            assert row is not None and (row.state, row.run) == ("pending", 1)
+            assert [e.job_id for e in await repo.list_events(s, kind="job.run")] == [ids[0]]
+        latest["run"] = 3
+        fresh = job_id_for(origin.peer_id)
+        await offer(fresh, 2)  # run 3 was heard of since
+        assert len(launched) == 1
+        async with sessions() as s:
+            assert await repo.get_job(s, job_id=fresh) is None
+    finally:
         await jobs.shutdown()
         await task
         await engine.dispose()

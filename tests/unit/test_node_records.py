@@ -127,7 +127,8 @@ class _Jobs:
     def __init__(self) -> None:
         self.stops: list[tuple[str, str, str | None, int | None]] = []
         self.newer: list[int] = []  # the runs of newer_run's adverts
-        self.training: set[str] = set()
+        self.training: dict[str, int] = {}  # job id -> its run, trained here now
+        self.known: set[str] = set()  # jobs trained here once
 
     async def stop_from_peer(
         self, job_id: str, peer_id: str, via: str | None = None, run: int | None = None
@@ -140,8 +141,15 @@ class _Jobs:
     def trains(self, job_id: str) -> bool:
         return job_id in self.training
 
+    def run_of(self, job_id: str) -> int | None:
+        return self.training.get(job_id)
+
+    async def had(self, job_id: str) -> bool:
+        return job_id in self.training or job_id in self.known
+
     async def newer_run(self, advert: dict[str, Any]) -> None:
         self.newer.append(int(advert.get("run") or 0))
+        self.training[str(advert["id"])] = self.newer[-1]
 
     def offer(self, advert: dict[str, Any], donors: list[str]) -> None:
         raise AssertionError("auto_join is off")
@@ -192,13 +200,13 @@ async def test_a_member_passes_the_origins_stop_on(
         await node.stop_from_peer(job, relay.peer_id, sign_stop(job, origin, "another swarm"))
     assert jobs.stops == [] and node.stop_notice(job) is None
 
-    node._on_message(relay.peer_id, _gossip(origin, job))  # the job is heard of here
+    jobs.known.add(job)  # trained here once
     await node.stop_from_peer(job, relay.peer_id, stop)
     assert jobs.stops == [(job, origin.peer_id, relay.peer_id, 0)]
     assert node.stop_notice(job) == stop
     node._on_message(straggler.peer_id, _gossip(origin, job))
     assert (straggler.peer_id, job) in node._told_stopped
-    assert straggler.peer_id not in node._job_peers[job]  # not counted as training it
+    assert job not in node._job_peers  # not counted as training it
 
     mine = job_id_for(node.peer_id)
     await node.stop_from_peer(mine, relay.peer_id, sign_stop(mine, node.identity, swarm))
@@ -266,7 +274,7 @@ async def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path, sessions:
     node, jobs = _node(tmp_path, sessions, [origin, relay, joiner, straggler])
     job = job_id_for(origin.peer_id)
     swarm = node.settings.swarm
-    node._on_message(relay.peer_id, _gossip(origin, job))
+    jobs.known.add(job)
     first = sign_stop(job, origin, swarm, run=0)
     await node.stop_from_peer(job, relay.peer_id, first)
     assert [r for *_, r in jobs.stops] == [0]
@@ -291,35 +299,45 @@ async def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path, sessions:
 async def test_an_earlier_runs_advert_is_not_joined(tmp_path: Path, sessions: Sessions) -> None:
     """The origin's advert of an earlier run is still signed: a member could hand it to a
     fresh peer, which joined that run and was then ended by the run's kept stop, for good.
-    A joiner takes no run earlier than the latest it heard of; a copy trained here hears of
-    a later one (the job manager goes on in it: ``test_adverts``); and a stop of a job never
-    heard of here is neither kept nor recorded (any key makes up jobs of its own, and their
+    A joiner takes no run earlier than the latest it heard of (a member's made-up jobs push
+    out only its own: RUNS_A_TELLER); a copy trained here in an earlier run than an advert's
+    goes on in that one (the job manager: ``test_adverts``); and a stop of a job this daemon
+    never had is neither kept nor recorded (any key makes up jobs of its own, and their
     stops would push out the others')."""
-    from atomd.p2p.node import STOP_HEARD
+    from atomd.p2p.node import RUNS_A_TELLER, STOP_HEARD
 
-    origin, member, straggler = (Identity.generate() for _ in range(3))
-    node, jobs = _node(tmp_path, sessions, [origin, member, straggler])
+    origin, member, straggler, evil = (Identity.generate() for _ in range(4))
+    node, jobs = _node(tmp_path, sessions, [origin, member, straggler, evil])
     offers: list[int] = []
     node.settings.auto_join = True
     jobs.offer = lambda advert, donors: offers.append(int(advert.get("run") or 0))  # type: ignore[method-assign]
     job = job_id_for(origin.peer_id)
-    async with asyncio.TaskGroup() as tg:
-        node._tg = tg
-        node._on_message(member.peer_id, _gossip(origin, job, 0))
-        node._on_message(origin.peer_id, _gossip(origin, job, 2))
-        node._on_message(straggler.peer_id, _gossip(origin, job, 1))
-        node._on_message(member.peer_id, _gossip(origin, job, 2))
-    node._tg = None
-    assert offers == [0, 2, 2] and jobs.newer == [2]
+    node._on_message(member.peer_id, _gossip(origin, job, 0))
+    for _ in range(RUNS_A_TELLER):  # made up, each: they push out evil's own only
+        node._on_message(evil.peer_id, _gossip(evil, job_id_for(evil.peer_id)))
+    node._on_message(origin.peer_id, _gossip(origin, job, 2))
+    node._on_message(straggler.peer_id, _gossip(origin, job, 1))
+    assert offers[0] == 0 and offers[-1] == 2 and 1 not in offers and node.latest_run(job) == 2
+    assert sum(t == evil.peer_id for _, t in node._runs.values()) == RUNS_A_TELLER
     assert {m.id for m in node.job_peers(job)} == {origin.peer_id, member.peer_id,
                                                    straggler.peer_id}  # fmt: skip
+    jobs.training[job] = 0  # trained here, in run 0
+    async with asyncio.TaskGroup() as tg:
+        node._tg = tg
+        node._on_message(straggler.peer_id, _gossip(origin, job, 1))
+        await asyncio.sleep(0)
+        node._on_message(member.peer_id, _gossip(origin, job, 2))
+        await asyncio.sleep(0)
+        node._on_message(origin.peer_id, _gossip(origin, job, 2))
+    node._tg = None
+    assert jobs.newer == [1, 2]  # each time ours is earlier, not only a run heard first
 
-    stranger = Identity.generate()
-    made_up = job_id_for(stranger.peer_id)
-    await node.stop_from_peer(made_up, member.peer_id, sign_stop(made_up, stranger, "default"))
+    made_up = job_id_for(evil.peer_id)
+    node._on_message(evil.peer_id, _gossip(evil, made_up))
+    await node.stop_from_peer(made_up, evil.peer_id, sign_stop(made_up, evil, "default"))
     assert node.stop_notice(made_up) is None and jobs.stops[-1][0] == made_up
-    jobs.training.add(made_up)  # ... unless this daemon trains it
-    await node.stop_from_peer(made_up, member.peer_id, sign_stop(made_up, stranger, "default"))
+    jobs.known.add(made_up)  # ... unless this daemon trained it
+    await node.stop_from_peer(made_up, evil.peer_id, sign_stop(made_up, evil, "default"))
     assert node.stop_notice(made_up) is not None
     async with sessions() as s:
         assert [e.job_id for e in await repo.list_events(s, kind=STOP_HEARD)] == [made_up]
@@ -334,13 +352,12 @@ async def test_a_kept_stop_outlives_a_restart(tmp_path: Path, sessions: Sessions
     from atomd.p2p.node import STOP_HEARD
 
     me, origin, relay, straggler = (Identity.generate() for _ in range(4))
-    before, _ = _node(tmp_path, sessions, [origin, relay, straggler], me)
+    before, jobs = _node(tmp_path, sessions, [origin, relay, straggler], me)
     swarm = before.settings.swarm
     job, other = job_id_for(origin.peer_id), job_id_for(origin.peer_id)
     first, second = (sign_stop(job, origin, swarm, run=r) for r in (0, 1))
     third = sign_stop(other, origin, swarm)
-    for j in (job, other):
-        before._on_message(relay.peer_id, _gossip(origin, j))
+    jobs.known.update((job, other))
     for notice in (second, second, first, third):
         await before.stop_from_peer(notice.job_id, relay.peer_id, notice)
     async with sessions() as s, s.begin():
