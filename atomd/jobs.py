@@ -28,7 +28,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -530,10 +530,7 @@ class JobManager:
             return
         log.info("job %s: its origin resumed it (run %d); this copy, stopped by the swarm in "
                  "run %d, goes on", had.id, run, had.run)  # fmt: skip
-        async with self.sessions() as s, s.begin():
-            await repo.set_run(s, job_id=had.id, run=run, origin_signature=signature)
-            await repo.add_event(s, kind="job.run", job_id=had.id, message=f"run {run}")
-        await self.resume(had.id)
+        await self.resume(had.id, later=(run, signature))
 
     async def newer_run(self, advert: dict[str, Any]) -> None:
         """The origin of the job trained here signed a later run of it in ``advert`` (the swarm
@@ -681,9 +678,10 @@ class JobManager:
                 self.swarm.announce(advert)
         return job
 
-    async def resume(self, job_id: str) -> JobRecord:
+    async def resume(self, job_id: str, later: tuple[int, str] | None = None) -> JobRecord:
         """Continue a stopped or failed job here from its newest good checkpoint (a job that
-        stopped on a full disk, once there is space again)."""
+        stopped on a full disk, once there is space again). ``later``: a joined copy goes on
+        in that later run of its origin's, sealed by that signature (``_rejoin``)."""
         async with self._launching:
             job = await self.get(job_id)
             self._check_free()
@@ -693,13 +691,20 @@ class JobManager:
                 )
             spec = JobSpec.model_validate(job.spec)
             admit(local_data(spec, self.data_names), self.device)
-            said = ""
-            if job.scope == "swarm" and job.origin in (None, self.peer_id):
+            run: Callable[[AsyncSession], Awaitable[int]] | None = None
+            if later is not None:
+
+                async def run(s: AsyncSession) -> int:
+                    await repo.set_run(s, job_id=job_id, run=later[0], origin_signature=later[1])
+                    return later[0]
+
+            elif job.scope == "swarm" and job.origin in (None, self.peer_id):
                 # A new run of the swarm's job: a stop of the runs before ends none of its
                 # copies (``StopNotice.run``). A joined copy goes on in the run it joined.
-                async with self.sessions() as s, s.begin():
-                    said = f"run {await repo.next_run(s, job_id=job_id)}"
-            job = await self._set_state(job_id, "pending", RESUMING_REASON, "job.resuming", said)
+                run = functools.partial(repo.next_run, job_id=job_id)
+            job = await self._set_state(
+                job_id, "pending", RESUMING_REASON, "job.resuming", "", run=run
+            )
             self._swarm_stopped.pop(job_id, None)
             self._launch(_resumed(job, spec))
         return job
@@ -759,7 +764,7 @@ class JobManager:
     async def _request_stop(self, active: ActiveJob, reason: str) -> JobRecord:
         active.stop_reason = reason
         active.stop()
-        return await self._set_state(active.id, "stopping", None, "job.stopping", reason)
+        return await self._set_state(active.id, "stopping", reason, "job.stopping", reason)
 
     def offer(self, advert: dict[str, Any], donors: list[str]) -> None:
         """A peer trains ``advert``: join it if we are free and have never had it."""
@@ -883,9 +888,11 @@ class JobManager:
             if self.active is not None and job.id == self.active.id:
                 continue  # taken up by a try before that another process's lock cut short
             if job.state == "stopping":
-                # Someone asked it to stop and the daemon died first: honour the stop.
+                # Someone asked it to stop and the daemon died first: honour the stop (and say
+                # who: a copy the swarm stopped rejoins a later run, ``_rejoin``).
+                reason = job.reason or "stopped"
                 await self._set_state(
-                    job.id, "stopped", "stopped (daemon restarted)", "job.stopped", ""
+                    job.id, "stopped", f"{reason} (daemon restarted)", "job.stopped", ""
                 )
                 continue
             if self.active is not None:
@@ -1286,8 +1293,10 @@ class JobManager:
         kind: str,
         message: str,
         committed: Callable[[], None] | None = None,
+        run: Callable[[AsyncSession], Awaitable[int]] | None = None,
     ) -> JobRecord:
-        """Record a job's state and its event; ``committed`` runs right after the commit.
+        """Record a job's state and its event; ``committed`` runs right after the commit;
+        ``run`` changes the job's run in the same transaction (the event then names it).
         Another process's write lock is waited out (``until_unlocked``; until a shutdown, whose
         next start repairs the record): a state change that failed on it ended the job's task,
         and with it the daemon. State changes commit in the order they were asked for."""
@@ -1295,8 +1304,9 @@ class JobManager:
         async def write() -> JobRecord:
             async with self.sessions() as s:
                 async with s.begin():
+                    said = message if run is None else f"run {await run(s)}"
                     job = await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
-                    await repo.add_event(s, kind=kind, job_id=job_id, message=message)
+                    await repo.add_event(s, kind=kind, job_id=job_id, message=said)
                 # Before ``committed`` frees the daemon: the next job's launch sets its own.
                 self.telemetry.job_state.state(state)
                 if committed is not None:

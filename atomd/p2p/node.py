@@ -601,7 +601,9 @@ class SwarmNode:
         member's adverts of such jobs push out its own older ones only, past RUNS_A_TELLER."""
         held = self._runs.pop(advert.id, None)
         latest, teller = held if held is not None else (-1, sender)
-        if held is None:
+        if sender == advert.origin:
+            teller = sender  # the origin's own: no member's made-up jobs push it out
+        if held is None or held[1] != teller:
             told = [j for j, (_, t) in self._runs.items() if t == teller]
             for j in told[: max(0, len(told) - RUNS_A_TELLER + 1)]:
                 del self._runs[j]

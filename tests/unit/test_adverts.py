@@ -764,45 +764,80 @@ async def test_a_copy_the_swarm_stopped_rejoins_a_later_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The origin's resume of the job it stopped swarm-wide starts a later run: a copy the
-    swarm stopped here goes on in it (its origin's word is the job's), recorded; a copy its
-    operator stopped, or one of another spec, or an advert of no later run, is not joined
-    again. A joiner takes no advert of an earlier run than the latest the swarm heard of."""
-    origin = Identity.generate()
+    swarm stopped here goes on in it (its origin's word is the job's), in the same write as
+    its resume, also when a restart cut its stop short; a rejoin refused (the daemon busy)
+    keeps the run for the next advert. A copy its operator stopped, one that finished or
+    failed, one of another spec or origin, or an advert of no later run is not joined again.
+    A joiner takes no advert of an earlier run than the latest the swarm heard of."""
+    from atomd.jobs import ActiveJob
+
+    origin, other = Identity.generate(), Identity.generate()
     jobs, sessions, engine = await _manager(tmp_path)
     latest = {"run": 0}
     jobs.swarm = SimpleNamespace(latest_run=lambda j: latest["run"])  # type: ignore[assignment]
     spec = JobSpec(preset="tiny")
-    ids = [job_id_for(origin.peer_id) for _ in range(3)]
-    reasons = [f"stopped by the swarm (peer {origin.peer_id[:12]})", "stopped by request",
-               f"stopped by the swarm (peer {origin.peer_id[:12]})"]  # fmt: skip
+    swarm_stop = f"stopped by the swarm (peer {origin.peer_id[:12]})"
+    rows = {  # job id -> (state, reason)
+        job_id_for(origin.peer_id): ("stopped", swarm_stop),
+        job_id_for(origin.peer_id): ("stopped", "stopped by request"),
+        job_id_for(origin.peer_id): ("finished", swarm_stop),
+        job_id_for(origin.peer_id): ("failed", swarm_stop),
+        job_id_for(origin.peer_id): ("stopping", swarm_stop),  # the daemon died stopping it
+    }
+    ids = list(rows)
     async with sessions() as s, s.begin():
-        for job_id, reason in zip(ids, reasons, strict=True):
+        for job_id, (state, reason) in rows.items():
             await repo.create_job(s, job_id=job_id, spec=spec.model_dump(), out_dir="/x",
                                   scope="swarm", origin=origin.peer_id)  # fmt: skip
-            await repo.set_job_state(s, job_id=job_id, state="stopped", reason=reason)
+            await repo.set_job_state(s, job_id=job_id, state=state, reason=reason)
     launched, task = await _launched(jobs, monkeypatch)
 
-    async def offer(job_id: str, run: int, lr: float = spec.lr) -> None:
+    async def offer(job_id: str, run: int, lr: float = spec.lr, by: Identity = origin) -> None:
         a = JobAdvert(id=job_id, spec=spec.model_copy(update={"lr": lr}), run=run)
-        await jobs._join(job_id, sign_advert(a, origin, "default").model_dump(mode="json"), [])
+        await jobs._join(job_id, sign_advert(a, by, "default").model_dump(mode="json"), [])
 
     try:
         await offer(ids[0], 0)  # no later run
-        await offer(ids[1], 1)  # its operator stopped it
-        await offer(ids[2], 1, lr=1.0)  # another spec
+        await offer(ids[0], 1, lr=1.0)  # another spec
+        for job_id in ids[1:4]:  # its operator stopped it; it finished; it failed
+            await offer(job_id, 1)
+        theirs = job_id_for(other.peer_id)
+        await offer(theirs, 1, by=other)  # another origin's: a fresh job, joined
+        assert [a.id for a in launched] == [theirs]
+        launched.clear()
+        jobs.active = cast(ActiveJob, SimpleNamespace(id="busy"))  # another job came first
+        await offer(ids[0], 1)
+        jobs.active = None
         assert launched == []
         await offer(ids[0], 1)
         assert [(a.id, a.run) for a in launched] == [(ids[0], 1)]
         async with sessions() as s:
             row = await repo.get_job(s, job_id=ids[0])
             assert row is not None and (row.state, row.run) == ("pending", 1)
-            assert [e.job_id for e in await repo.list_events(s, kind="job.run")] == [ids[0]]
+            said = [e.message for e in await repo.list_events(s, kind="job.resuming")]
+            assert said == ["run 1"]
         latest["run"] = 3
         fresh = job_id_for(origin.peer_id)
         await offer(fresh, 2)  # run 3 was heard of since
         assert len(launched) == 1
         async with sessions() as s:
             assert await repo.get_job(s, job_id=fresh) is None
+    finally:
+        jobs.active = None
+        await jobs.shutdown()
+        await task
+        await engine.dispose()
+    # The copy the daemon died stopping: recorded as the swarm's stop, rejoined.
+    jobs, sessions, engine = await _manager(tmp_path)
+    jobs.swarm = SimpleNamespace(latest_run=lambda j: 0)  # type: ignore[assignment]
+    launched, task = await _launched(jobs, monkeypatch)
+    try:
+        async with sessions() as s:
+            row = await repo.get_job(s, job_id=ids[4])
+        assert row is not None and row.state == "stopped"
+        assert str(row.reason).startswith(swarm_stop), row.reason
+        await offer(ids[4], 1)
+        assert (ids[4], 1) in [(a.id, a.run) for a in launched]  # (and ids[0], pending)
     finally:
         await jobs.shutdown()
         await task

@@ -310,14 +310,17 @@ async def test_an_earlier_runs_advert_is_not_joined(tmp_path: Path, sessions: Se
     node, jobs = _node(tmp_path, sessions, [origin, member, straggler, evil])
     offers: list[int] = []
     node.settings.auto_join = True
-    jobs.offer = lambda advert, donors: offers.append(int(advert.get("run") or 0))  # type: ignore[method-assign]
+    jobs.offer = lambda advert, donors: offers.append(  # type: ignore[method-assign]
+        int(advert.get("run") or 0) if advert["id"] == job else -1
+    )
     job = job_id_for(origin.peer_id)
     node._on_message(member.peer_id, _gossip(origin, job, 0))
-    for _ in range(RUNS_A_TELLER):  # made up, each: they push out evil's own only
+    node._on_message(evil.peer_id, _gossip(origin, job, 2))  # told first by evil, then
+    node._on_message(origin.peer_id, _gossip(origin, job, 2))  # by its origin: the origin's
+    for _ in range(RUNS_A_TELLER + 1):  # made up, each: they push out evil's own only
         node._on_message(evil.peer_id, _gossip(evil, job_id_for(evil.peer_id)))
-    node._on_message(origin.peer_id, _gossip(origin, job, 2))
     node._on_message(straggler.peer_id, _gossip(origin, job, 1))
-    assert offers[0] == 0 and offers[-1] == 2 and 1 not in offers and node.latest_run(job) == 2
+    assert [r for r in offers if r >= 0] == [0, 2, 2] and node.latest_run(job) == 2
     assert sum(t == evil.peer_id for _, t in node._runs.values()) == RUNS_A_TELLER
     assert {m.id for m in node.job_peers(job)} == {origin.peer_id, member.peer_id,
                                                    straggler.peer_id}  # fmt: skip
