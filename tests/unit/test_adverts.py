@@ -649,6 +649,14 @@ async def _launched(
     return launched, task
 
 
+async def _close(jobs: JobManager, task: asyncio.Task[None], engine: Any) -> None:
+    """Stop a running ``jobs`` (``_launched``) and its database."""
+    jobs.active = None
+    await jobs.shutdown()
+    await task
+    await engine.dispose()
+
+
 async def test_the_origins_resume_starts_a_new_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -685,9 +693,7 @@ async def test_the_origins_resume_starts_a_new_run(
         with pytest.raises(JobConflictError):
             await jobs.stop(joined, scope="swarm")  # not its origin
     finally:
-        await jobs.shutdown()
-        await task
-        await engine.dispose()
+        await _close(jobs, task, engine)
     again, sessions, engine = await _manager(tmp_path)
     _, task = await _launched(again, monkeypatch)
     try:
@@ -695,9 +701,7 @@ async def test_the_origins_resume_starts_a_new_run(
         async with sessions() as s:
             assert [(j.id, j.run) for j in await repo.list_jobs(s) if j.id == mine] == [(mine, 1)]
     finally:
-        await again.shutdown()
-        await task
-        await engine.dispose()
+        await _close(again, task, engine)
 
 
 async def test_a_joiner_trains_the_run_its_advert_names(
@@ -754,10 +758,7 @@ async def test_a_joiner_trains_the_run_its_advert_names(
         await jobs.stop_from_peer(advert.id, origin.peer_id, "m" * 32, run=3)
         assert active.stop_event.is_set() and "told by peer mmmm" in str(active.stop_reason)
     finally:
-        jobs.active = None
-        await jobs.shutdown()
-        await task
-        await engine.dispose()
+        await _close(jobs, task, engine)
 
 
 async def test_a_copy_the_swarm_stopped_rejoins_a_later_run(
@@ -823,10 +824,7 @@ async def test_a_copy_the_swarm_stopped_rejoins_a_later_run(
         async with sessions() as s:
             assert await repo.get_job(s, job_id=fresh) is None
     finally:
-        jobs.active = None
-        await jobs.shutdown()
-        await task
-        await engine.dispose()
+        await _close(jobs, task, engine)
     # The copy the daemon died stopping: recorded as the swarm's stop, rejoined.
     jobs, sessions, engine = await _manager(tmp_path)
     jobs.swarm = SimpleNamespace(latest_run=lambda j: 0)  # type: ignore[assignment]
@@ -839,6 +837,4 @@ async def test_a_copy_the_swarm_stopped_rejoins_a_later_run(
         await offer(ids[4], 1)
         assert (ids[4], 1) in [(a.id, a.run) for a in launched]  # (and ids[0], pending)
     finally:
-        await jobs.shutdown()
-        await task
-        await engine.dispose()
+        await _close(jobs, task, engine)
