@@ -515,22 +515,19 @@ class JobManager:
         on in the later run ``advert`` names, from its newest checkpoint or the swarm's state
         (``resume``): the origin resumed the job, and its word is the job's. A copy stopped
         by this daemon's operator, finished or failed stays so."""
-        run, signature = int(advert.get("run") or 0), advert.get("signature")
         if (
             had.scope != "swarm"
             or had.state != "stopped"
             or not (had.reason or "").startswith(SWARM_STOP_REASON)
-            or had.origin in (None, self.peer_id)
-            or had.origin != advert.get("origin")
-            or run <= had.run
-            or not isinstance(signature, str)
-            or shared_spec(JobSpec.model_validate(advert.get("spec", {})))
-            != shared_spec(JobSpec.model_validate(had.spec))
         ):
             return
+        spec = JobSpec.model_validate(had.spec)
+        later = self._later_run(had.id, had.origin, had.run, spec, advert)
+        if later is None:
+            return
         log.info("job %s: its origin resumed it (run %d); this copy, stopped by the swarm in "
-                 "run %d, goes on", had.id, run, had.run)  # fmt: skip
-        await self.resume(had.id, later=(run, signature))
+                 "run %d, goes on", had.id, later[0], had.run)  # fmt: skip
+        await self.resume(had.id, later=later)
 
     async def newer_run(self, advert: dict[str, Any]) -> None:
         """The origin of the job trained here signed a later run of it in ``advert`` (the swarm
@@ -538,27 +535,38 @@ class JobManager:
         of the run it trained before, which a member may have kept, then ends it no more. The
         spec must be the one trained here (an origin resumes a job as it was)."""
         a = self.active
-        run, signature = int(advert.get("run") or 0), advert.get("signature")
-        if (
-            a is None
-            or a.id != advert.get("id")
-            or a.origin in (None, self.peer_id)
-            or a.origin != advert.get("origin")
-            or run <= a.run
-            or not isinstance(signature, str)
-        ):
+        later = None if a is None else self._later_run(a.id, a.origin, a.run, a.spec, advert)
+        if a is None or later is None:
             return
-        theirs = JobSpec.model_validate(advert.get("spec", {}))
-        if shared_spec(theirs) != shared_spec(a.spec):
-            log.warning("job %s: its run %d has another spec; this daemon goes on in run %d",
-                        a.id, run, a.run)  # fmt: skip
-            return
+        run, signature = later
         log.info("job %s: its origin resumed it; this copy goes on in run %d (was %d)",
                  a.id, run, a.run)  # fmt: skip
         a.run, a.origin_signature = run, signature
         async with self.sessions() as s, s.begin():
             await repo.set_run(s, job_id=a.id, run=run, origin_signature=signature)
             await repo.add_event(s, kind="job.run", job_id=a.id, message=f"run {run}")
+
+    def _later_run(
+        self, job_id: str, origin: str | None, run: int, spec: JobSpec, advert: dict[str, Any]
+    ) -> tuple[int, str] | None:
+        """(run, the origin's signature) of ``advert`` if it names a later run than ``run`` of
+        the joined job ``job_id`` of ``origin`` trained here as ``spec`` (the swarm node
+        checked its seal; an origin resumes a job as it was, so another spec is refused),
+        else None."""
+        later, signature = int(advert.get("run") or 0), advert.get("signature")
+        if (
+            advert.get("id") != job_id
+            or origin in (None, self.peer_id)
+            or origin != advert.get("origin")
+            or later <= run
+            or not isinstance(signature, str)
+        ):
+            return None
+        if shared_spec(JobSpec.model_validate(advert.get("spec", {}))) != shared_spec(spec):
+            log.warning("job %s: its run %d has another spec; this copy stays in run %d",
+                        job_id, later, run)  # fmt: skip
+            return None
+        return later, signature
 
     def run_of(self, job_id: str) -> int | None:
         """The run of swarm job ``job_id`` this daemon trains now (None: it does not)."""

@@ -678,18 +678,16 @@ class SwarmNode:
         via = None if peer_id == notice.origin else peer_id
         await self.jobs.stop_from_peer(job_id, notice.origin, via, notice.run)
 
-    def _keep_stop(self, notice: StopNotice, at: float) -> bool:
+    def _keep_stop(self, notice: StopNotice, at: float) -> None:
         """Keep an origin's signed stop heard at ``at`` (monotonic seconds) to pass on, unless
-        the one held of its job ends a later run; whether it was kept. The newest
-        MAX_STOP_NOTICES jobs' are kept."""
+        the one held of its job ends a later run. The newest MAX_STOP_NOTICES jobs' are kept."""
         held = self._stop_notices.get(notice.job_id)
         if held is not None and held[0].run > notice.run:
-            return False  # the stop of a later run ends more
+            return  # the stop of a later run ends more
         self._stop_notices.pop(notice.job_id, None)
         self._stop_notices[notice.job_id] = (notice, at)  # the newest last
         while len(self._stop_notices) > MAX_STOP_NOTICES:
             del self._stop_notices[next(iter(self._stop_notices))]
-        return True
 
     def _tell_stopped(self, peer_id: str, notice: StopNotice) -> None:
         """``peer_id`` trains a job stopped swarm-wide: it missed the stop (asleep, cut off,
