@@ -9,7 +9,7 @@ A pure ASGI middleware (it sees the request before FastAPI reads the body), in t
    ``Origin`` is not one of those names, or ``Sec-Fetch-Site: cross-site``) is refused (403),
    not counted against the source (the operator's own machine: a page could otherwise get
    the CLI rate-limited). A page can send a "simple" POST without preflight, with the real
-   Host: it stopped jobs of a daemon without a token (a review of 2026-12-06).
+   Host: without this check it could stop the jobs of a daemon that has no token.
 3. **Rate limit**: a source refused too often is answered 429 (``atomd.rejections``).
 4. **Token**: with ``ATOMD_CONTROL_TOKEN`` set, every path but ``/healthz`` and the dashboard's
    data-free shell (``/dashboard`` and its assets, ``atomd_api.dashboard``) needs

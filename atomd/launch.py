@@ -129,7 +129,7 @@ runs, each with its own range); unset: any port the system gives."""
 # Ports this process handed out lately: a port is free when picked, but the daemon binds it
 # only once it runs, and ``start_swarm`` picks every daemon's two ports before starting any. A
 # second pick of the same one (6 picks among a worker's 1,000 ports: ~1.5 % a swarm) left a
-# daemon "Address already in use" (CI, 2026-12-05: test_dashboard's peer2).
+# daemon "Address already in use".
 _GIVEN: deque[int] = deque(maxlen=256)
 _GIVEN_LOCK = threading.Lock()
 

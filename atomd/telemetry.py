@@ -32,7 +32,7 @@ class Telemetry:
         self.rounds = Counter(
             "atomd_sync_rounds", "Sync rounds", ["direction", "applied"], registry=r
         )
-        # Where a round's time goes on a slow link (issue #14): each upload until its answer,
+        # Where a round's time goes on a slow link: each upload until its answer,
         # the round's whole traffic time, which the automatic cadence spaces rounds by, and on
         # the receiving side how long its checks of each frame held the answer.
         seconds = (0.01, 0.03, 0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)

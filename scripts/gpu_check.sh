@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The swap engine's checks on a CUDA machine, as one prepared run (issue #16): tests/gpu, then
-# `atomd bench swap` on the issue's three configurations. Everything lands in $OUT (or the
+# The swap engine's checks on a CUDA machine, as one prepared run: tests/gpu, then
+# `atomd bench swap` on three configurations. Everything lands in $OUT (or the
 # folder given): nvidia-smi.txt, pytest-gpu.log, bench-*.json, bench-*.log.
 #
 # On the lent GPU machine (its python3 has CUDA torch but lacks a few of our dependencies):
@@ -61,7 +61,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 xl=(--preset gpt3-xl --device cuda --micro-batch-size 4 --seq-len 2048 --grad-accum 4 --steps 3)
 if [ "${DIAG:-0}" = 1 ]; then
-    # Where the engine serializes (issue #16): the reference script's own schedule (K=3, M=4,
+    # Where the engine serializes: the reference script's own schedule (K=3, M=4,
     # every block recomputed) with the host AdamW, without then with clipping, both profiled;
     # ATOMD_SYNC_DEBUG makes torch warn at every device synchronization.
     ref=("${xl[@]}" --optimizer host --slots 3 --micro-batches 4 --graph-blocks 0)
@@ -72,11 +72,11 @@ if [ "${DIAG:-0}" = 1 ]; then
 fi
 # Every bench trains the spec's clipping (1.0) and then, on the same engine, without clipping
 # (--also-grad-clip 0: the host AdamW then runs during the backward).
-# gpt3-xl: 32k tokens per optimizer step, 4 micro-batches of 8k tokens (the issue's ratio
+# gpt3-xl: 32k tokens per optimizer step, 4 micro-batches of 8k tokens (the ratio
 # target): the planner's choice (the split optimizer over an fp32 link at the H200's rates,
 # predicted 0.94 of resident with clipping), recorded and replayed at the measured rates; then
 # the host optimizer alone with 14 of the 16 host threads (the worker ran 1.5x slower beside
-# the issuing thread than alone on 2026-11-30), profiled.
+# the issuing thread than alone), profiled.
 bench xl 110 "${xl[@]}" --also-grad-clip 0 --trace "$out/trace-xl.json"
 bench xl-host14 120 "${xl[@]}" --optimizer host --host-threads 14 --also-grad-clip 0 \
     --profile "$out/prof-xl-host"

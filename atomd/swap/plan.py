@@ -52,7 +52,7 @@ GRAPH_HEADROOM = 0.05
 MODEL_FLOPS_FRACTION = 0.5
 """A whole model's step (attention, norms, elementwise work, launch gaps) runs at about this
 fraction of a large square matmul's rate: resident gpt3-xl on an H200 reached 0.53 of the
-measured 778 TFLOP/s (bench/results-swap-h200-2026-11-30.json)."""
+measured 778 TFLOP/s (`atomd bench swap`; research/README.md)."""
 Optimizer = Literal["host", "device", "split"]
 Link = Literal["bf16", "fp32"]
 

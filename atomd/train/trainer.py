@@ -69,7 +69,7 @@ PROBE_BATCH = 8  # sequences in the loss guard's probe batch (atomd.sync.guard)
 PROBE_SEED = 99  # not the validation batches' seed
 # The job's final model (the swarm's, its own, the peers' average) is chosen on this many times
 # the probe's windows (the same seed: the probe's 16 first). Once per job, between models that
-# differ by ~0.01 (run bs at 256 kbit/s: 0.004-0.031), where 16 windows leave a standard error
+# differ by ~0.01 (0.004-0.031 at 256 kbit/s upload), where 16 windows leave a standard error
 # of 0.003-0.0045 on the difference and 64 half that (``SyncPlugin._end_on_the_better_model``).
 FINAL_PROBE_COUNT = 4
 
@@ -151,7 +151,7 @@ CLAIMED_SLACK = (1.25, 0.1)
 # restarted peer whose first deltas lag more than max_staleness rounds has them refused by
 # some peers and not others (4 real daemons, a round every ~0.9 s, two evaluations of 20
 # batches: 4.5 s from the fetch to the first step, deltas 5-6 rounds stale, the settled
-# anchors 0.077 apart; bench/results-swarm-2026-12-06eq.json).
+# anchors 0.077 apart; measured with `atomd bench swarm --scenarios sigkill`).
 ADOPT_EVAL_BATCHES = 4
 
 
