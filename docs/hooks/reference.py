@@ -78,18 +78,18 @@ def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Literal:
-        return " \\| ".join(json.dumps(a) for a in args)
+        return " | ".join(json.dumps(a) for a in args)
     if origin is typing.Annotated:
         return _type_name(args[0])
     if origin in (typing.Union, types.UnionType):
-        return " \\| ".join(_type_name(a) for a in args)
+        return " | ".join(_type_name(a) for a in args)
     if origin is not None:
         inner = ", ".join(_type_name(a) for a in args)
         return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
     if annotation is type(None):
         return "null"
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return " \\| ".join(json.dumps(m.value) for m in annotation)
+        return " | ".join(json.dumps(m.value) for m in annotation)
     return getattr(annotation, "__name__", str(annotation))
 
 
@@ -122,11 +122,10 @@ def _table(model: type[BaseModel], env_prefix: str | None = None) -> str:
     for name, info in model.model_fields.items():
         row = [
             f"`{name}`",
-            f"`{_type_name(info.annotation)}`".replace("`", "") or "",
-            _default(info),
+            _cell(_type_name(info.annotation)),
+            _cell(_default(info)),
             _cell(info.description or ""),
         ]
-        row[1] = _cell(row[1])
         if env_prefix is not None:
             row.insert(1, f"`{env_prefix}{name.upper()}`")
         lines.append("| " + " | ".join(row) + " |")
