@@ -7,17 +7,18 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-local test lint typecheck unit bench bench-quick clean help
+.PHONY: demo demo-local test lint typecheck unit docs bench bench-quick clean help
 
 help:
 	@echo "make demo   - set up .venv, run 3 daemons on loopback that train the tiny GPT together"
 	@echo "make demo-local - one process: train the tiny GPT with a progress bar, print a sample"
 	@echo "make test   - set up .venv, run ruff, mypy and the whole test suite (2 workers;"
 	@echo "              TEST_WORKERS=0: in one process)"
+	@echo "make docs   - build the documentation site into site/ (mkdocs, warnings are errors)"
 	@echo "make bench  - run the benchmarks, JSON to stdout (about 100 min on 2 cores)"
 	@echo "make bench-quick - the benchmarks' quick variants (a few minutes)"
 
-# constraints.txt pins the test tools (ruff, mypy, pytest and its plugins).
+# constraints.txt pins the test and docs tools (ruff, mypy, pytest and its plugins, mkdocs).
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -47,6 +48,11 @@ $(IMPORT_NAMES): | $(STAMP)
 typecheck: $(STAMP) $(IMPORT_NAMES)
 	$(BIN)/mypy
 
+# The documentation site: docs/ and mkdocs.yml; the reference pages are generated from the
+# code (docs/hooks/reference.py). Nothing is fetched from the network.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
 
@@ -54,7 +60,7 @@ unit: $(STAMP)
 # so two share two cores well. Tests that run several training daemons are one group
 # (xdist_group "swarm"), run one at a time. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: lint typecheck
+test: lint typecheck docs
 	$(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)
@@ -64,4 +70,4 @@ bench-quick: $(STAMP)
 	$(BIN)/python -m atomd_bench --quick
 
 clean:
-	rm -rf $(VENV) runs .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs site .mypy_cache .pytest_cache .ruff_cache

@@ -1,5 +1,5 @@
-"""The README tells the truth: its example outputs are what the commands print, and it links
-nothing outside the repository."""
+"""The README and the documentation tell the truth: their example outputs are what the
+commands print, and they link nothing outside the repository."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ assert _spec is not None and _spec.loader is not None
 readme_examples = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(readme_examples)
 
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-EXAMPLES = readme_examples.examples((REPO / "README.md").read_text())
+DOCS = readme_examples.documents()
+EXAMPLES = readme_examples.all_examples()
+# Pages the site's build writes from the code (docs/hooks/reference.py): not files in the tree.
+GENERATED = {REPO / "docs/reference/configuration.md", REPO / "docs/reference/rest-api.md"}
 
 
 def test_there_are_examples_to_check() -> None:
@@ -32,11 +34,13 @@ def test_example_output_is_what_the_command_prints(command: str, shown: str) -> 
     )
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(REPO)) for d in DOCS])
 def test_links_stay_inside_the_repository(doc: Path) -> None:
     for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
         if target.startswith(("http://", "https://", "#", "mailto:")):
             continue
         path = (doc.parent / target.split("#")[0]).resolve()
-        assert path.is_relative_to(REPO), f"{doc.name} links outside the repository: {target}"
-        assert path.exists(), f"{doc.name} links to a missing file: {target}"
+        assert path.is_relative_to(REPO), f"{doc} links outside the repository: {target}"
+        if path in GENERATED:
+            continue
+        assert path.exists(), f"{doc} links to a missing file: {target}"
