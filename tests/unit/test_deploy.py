@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from atomd.config import Settings, check_environment
+from atomd.config import ENV_PREFIX, Settings, check_environment
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "deploy" / "atomd.service"
@@ -27,20 +27,8 @@ ENV_EXAMPLE = REPO / "deploy" / "atomd.env.example"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 COMPOSE = REPO / "docker-compose.yml"
 
-# The `atomd run` settings of the interface contract (DESIGN.md), plus the control-plane token.
-KNOWN_VARS = {
-    "ATOMD_DATA_DIR",
-    "ATOMD_CONTROL",
-    "ATOMD_CONTROL_TOKEN",
-    "ATOMD_LISTEN",
-    "ATOMD_ADVERTISE",
-    "ATOMD_SEEDS",
-    "ATOMD_PEER_TLS",
-    "ATOMD_SWARM",
-    "ATOMD_SWARM_SECRET",
-    "ATOMD_DEVICE",
-    "ATOMD_LOG_LEVEL",
-}
+# Every setting of `atomd run`: a field of Settings, read from ATOMD_<FIELD>.
+KNOWN_VARS = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
 _VAR = re.compile(r"\bATOMD_[A-Z0-9_]+")
 
 Unit = dict[str, dict[str, list[str]]]
@@ -193,6 +181,9 @@ def _env_example() -> dict[str, str]:
 
 def test_env_example_lists_every_setting_and_nothing_else() -> None:
     settings = _env_example()
+    assert (
+        sorted(set(Settings.model_fields) - {k[len(ENV_PREFIX) :].lower() for k in settings}) == []
+    )
     assert set(settings) == KNOWN_VARS
     # Every mention anywhere in the file, prose included, is a real setting.
     assert set(_VAR.findall(ENV_EXAMPLE.read_text())) <= KNOWN_VARS
@@ -202,6 +193,19 @@ def test_env_example_lists_every_setting_and_nothing_else() -> None:
     assert settings["ATOMD_DEVICE"] == "auto"
     # systemd's EnvironmentFile= takes plain assignments, not shell.
     assert "export " not in ENV_EXAMPLE.read_text()
+
+
+def test_env_example_explains_each_setting_in_one_comment_line() -> None:
+    setting = re.compile(r"#?ATOMD_[A-Z0-9_]+=\S*")
+    lines = ENV_EXAMPLE.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not setting.fullmatch(line):
+            continue
+        name, comment, before = line.lstrip("#").split("=")[0], lines[i - 1], lines[i - 2]
+        assert comment.startswith("# ") and len(comment) > 10, f"{name}: no comment above"
+        assert len(comment) <= 100, f"{name}: comment over 100 characters"
+        # One line: above the comment, a blank line or the setting before.
+        assert before == "" or setting.fullmatch(before), f"{name}: a comment of several lines"
 
 
 def _settings(env: dict[str, str]) -> Settings:
@@ -215,8 +219,11 @@ def _settings(env: dict[str, str]) -> Settings:
 def test_env_example_defaults_are_the_daemons() -> None:
     settings = _env_example()
     defaults = {name: field.default for name, field in Settings.model_fields.items()}
-    for name in ("control", "listen", "swarm", "device", "log_level"):
-        assert settings[f"ATOMD_{name.upper()}"] == defaults[name], name
+    for name, default in defaults.items():
+        if isinstance(default, bool):
+            assert settings[f"ATOMD_{name.upper()}"] == str(default).lower(), name
+        elif isinstance(default, int | float | str):
+            assert type(default)(settings[f"ATOMD_{name.upper()}"]) == default, name
     # The example values that are filled in are valid settings.
     _settings({name: value for name, value in settings.items() if value})
 
