@@ -6,14 +6,17 @@ skipped otherwise; the structural checks below run everywhere.
 
 from __future__ import annotations
 
+import configparser
 import http.server
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from atomd.config import ENV_PREFIX, Settings, check_environment
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "deploy" / "atomd.service"
+TEMPLATE = REPO / "deploy" / "atomd@.service"  # one daemon per GPU: atomd@0, atomd@1, ...
 ENV_EXAMPLE = REPO / "deploy" / "atomd.env.example"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 COMPOSE = REPO / "docker-compose.yml"
@@ -126,6 +130,89 @@ def test_unit_runs_unprivileged_and_hardened(unit: Unit) -> None:
     # Devices are an allow-list that includes the NVIDIA ones.
     assert _one(unit, "Service", "DevicePolicy") in ("closed", "strict")
     assert any("nvidia" in rule and rule.endswith("rw") for rule in service["DeviceAllow"])
+
+
+@pytest.fixture(scope="module")
+def template() -> Unit:
+    return parse_unit(TEMPLATE.read_text())
+
+
+@pytest.mark.parametrize("path", [UNIT, TEMPLATE], ids=["atomd.service", "atomd@.service"])
+def test_units_are_ini_files(path: Path) -> None:
+    """Both units read as INI (repeated keys such as Environment= allowed, as in systemd)."""
+    parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys keep their case
+    parser.read_string(path.read_text())
+    assert parser.sections() == ["Unit", "Service", "Install"]
+    assert parser["Service"]["ExecStart"].split()[1] == "run"
+
+
+def run_help_options() -> set[str]:
+    """The options `atomd run --help` lists, from the installed console script's entry point."""
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "atomd"]
+    module, _, function = script.value.partition(":")
+    done = subprocess.run(
+        [sys.executable, "-c", f"from {module} import {function}; {function}()", "run", "--help"],
+        capture_output=True, text=True, timeout=120, check=True,
+        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
+    )  # fmt: skip
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", done.stdout))
+
+
+def exec_start_options(unit: Unit) -> list[str]:
+    command = _one(unit, "Service", "ExecStart").split()
+    assert command[0].startswith("/") and command[0].endswith("/atomd"), command
+    assert command[1] == "run", command
+    return [word.split("=")[0] for word in command[2:] if word.startswith("-")]
+
+
+def test_units_start_the_daemon_with_options_it_has(unit: Unit, template: Unit) -> None:
+    known = run_help_options()
+    assert {"--data-dir", "--control", "--listen", "--device"} <= known  # the help was read
+    for parsed in (unit, template):
+        options = exec_start_options(parsed)
+        assert set(options) <= known, options
+        assert "--seed" not in options  # peers to join come from the env file
+    assert exec_start_options(template) == ["--device"]
+    assert exec_start_options(parse_unit("[Service]\nExecStart=/x/atomd run --nope 1\n")) == [
+        "--nope"
+    ]
+    assert "--nope" not in known
+
+
+def test_template_runs_one_daemon_per_gpu(template: Unit) -> None:
+    assert "%i" in _one(template, "Unit", "Description")
+    environment = template["Service"]["Environment"]
+    assert "CUDA_VISIBLE_DEVICES=%i" in environment
+    assert "ATOMD_DATA_DIR=%S/atomd-%i" in environment
+    assert _one(template, "Service", "StateDirectory") == "atomd-%i"
+    assert _one(template, "Service", "CacheDirectory") == "atomd-%i"
+    assert all("%C/atomd-%i" in v for v in environment if v.split("=")[0].endswith("CACHE_DIR"))
+    # The shared settings (optional), then the instance's own (required: its ports) override.
+    assert template["Service"]["EnvironmentFile"] == [
+        "-/etc/atomd/atomd.env",
+        "/etc/atomd/atomd-%i.env",
+    ]
+    assert _one(template, "Service", "User") == "atomd-%i"
+    assert _one(template, "Service", "SyslogIdentifier") == "atomd-%i"
+    assert set(_VAR.findall(" ".join(environment))) <= KNOWN_VARS
+
+
+# The keys in which one instance of the template differs from atomd.service.
+PER_INSTANCE = {
+    "ExecStart", "Environment", "EnvironmentFile", "StateDirectory", "CacheDirectory",
+    "SyslogIdentifier", "User",
+}  # fmt: skip
+
+
+def test_template_is_the_unit_otherwise(unit: Unit, template: Unit) -> None:
+    """Hardening, watchdog and restart policy are the same as atomd.service's."""
+    for section in ("Service", "Install"):
+        same = {k: v for k, v in unit[section].items() if k not in PER_INSTANCE}
+        assert {k: v for k, v in template[section].items() if k not in PER_INSTANCE} == same
+    unit_env = [v for v in unit["Service"]["Environment"] if not v.startswith(("ATOMD_", "XDG_"))]
+    unit_env = [v for v in unit_env if "CACHE_DIR" not in v]
+    assert set(unit_env) <= set(template["Service"]["Environment"])
 
 
 def _verify(unit_text: str, directory: Path) -> list[str]:
