@@ -215,18 +215,20 @@ def test_template_is_the_unit_otherwise(unit: Unit, template: Unit) -> None:
     assert set(unit_env) <= set(template["Service"]["Environment"])
 
 
-def _verify(unit_text: str, directory: Path) -> list[str]:
-    """Problems `systemd-analyze verify` reports about this unit (its own lines only)."""
+def _verify(unit_text: str, directory: Path, name: str = "atomd.service") -> list[str]:
+    """Problems `systemd-analyze verify` reports about this unit (its own lines only); a
+    template (``atomd@.service``) is verified through its instance ``atomd@0.service``."""
     # verify insists that ExecStart's binary exists: point it at one that does, so the check
     # judges the unit rather than this machine's install layout.
     venv_bin = Path(sys.executable).parent
     executable = shutil.which("atomd", path=str(venv_bin)) or sys.executable
     text = re.sub(r"(?m)^ExecStart=\S+", f"ExecStart={executable}", unit_text)
     assert text != unit_text or str(executable) in unit_text
-    path = directory / "atomd.service"
+    path = directory / name
     path.write_text(text)
+    target = directory / name.replace("@.", "@0.")
     result = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", str(path)],
+        ["systemd-analyze", "verify", "--man=no", str(target)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -254,6 +256,13 @@ def test_systemd_analyze_verify_catches_mistakes(tmp_path: Path) -> None:
     """The check above means something: a misspelt key is reported."""
     broken = UNIT.read_text().replace("[Service]\n", "[Service]\nWatchdogSecs=30\n", 1)
     assert any("WatchdogSecs" in line for line in _verify(broken, tmp_path))
+
+
+@needs_systemd_analyze
+def test_systemd_analyze_verify_accepts_the_template(tmp_path: Path) -> None:
+    assert _verify(TEMPLATE.read_text(), tmp_path, TEMPLATE.name) == []
+    broken = TEMPLATE.read_text().replace("[Service]\n", "[Service]\nWatchdogSecs=30\n", 1)
+    assert any("WatchdogSecs" in line for line in _verify(broken, tmp_path, TEMPLATE.name))
 
 
 def _env_example() -> dict[str, str]:
