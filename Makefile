@@ -1,9 +1,15 @@
 # The two commands a new user runs: `make demo` and `make test`. Each sets up .venv itself.
 PYTHON ?= python3
 VENV   ?= .venv
-# The CPU build works everywhere; on a GPU box install your CUDA build of torch first
-# (`make TORCH_SPEC=torch ...` or pip install it into .venv), pip then keeps it.
+# torch is installed first, then the project (pip keeps the torch it finds). From PyPI on
+# Linux, torch==2.13.0 is the CUDA build: it pulls in the NVIDIA CUDA libraries (gigabytes) and
+# runs on CPU too. CPU=1 installs the CPU-only build from the PyTorch CPU wheel index instead,
+# with no CUDA libraries: `make CPU=1 demo`, `make CPU=1 test`. For another CUDA version, name
+# its index, e.g. `make TORCH_INDEX=https://download.pytorch.org/whl/cu126 test`, or pip
+# install your torch into .venv first. CPU and TORCH_INDEX take effect when .venv is created
+# (`make clean` first to change an existing one).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= $(if $(filter 1,$(CPU)),https://download.pytorch.org/whl/cpu)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -19,10 +25,12 @@ help:
 	@echo "make bench-quick - the benchmarks' quick variants (a few minutes)"
 
 # constraints.txt pins the test and docs tools (ruff, mypy, pytest and its plugins, mkdocs).
+# setuptools >= 77 reads pyproject's license fields (PEP 639); the packaging tests build the
+# wheel with it.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=77"
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"$(if $(TORCH_INDEX), --index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -e ".[dev]" -c constraints.txt
 	@touch $(STAMP)
 

@@ -1,16 +1,53 @@
-"""Prometheus metrics of one daemon (its own registry, so several daemons can share a process)."""
+"""Prometheus metrics of one daemon (its own registry, so several daemons can share a process).
+
+Besides the daemon's own metrics, the registry carries the process's (``process_*``: CPU
+seconds, resident memory, open file descriptors, start time) and ``atomd_build_info``, whose
+labels name the versions of atomd, Python, torch and CUDA that run it.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
+import platform
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Enum,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+from atomd import __version__
 
 JOB_STATES = ["none", "pending", "running", "stopping", "stopped", "finished", "failed"]
+
+
+def build_labels() -> dict[str, str]:
+    """The versions this daemon runs with; ``cuda`` is ``none`` for a torch built without it."""
+    import torch
+
+    return {
+        "version": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+    }
 
 
 class Telemetry:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # The default registry's process collector is not in this one: register it here.
+        ProcessCollector(registry=r)
+        labels = build_labels()
+        self.build_info = Gauge(
+            "atomd_build_info", "Versions this daemon runs with (always 1)", list(labels),
+            registry=r,
+        )  # fmt: skip
+        self.build_info.labels(**labels).set(1)
         # The newest job's: NaN from its launch until it reports (never the job before's).
         job = {
             "step": "Optimizer steps done by the newest job (NaN before it reports)",
@@ -32,9 +69,9 @@ class Telemetry:
         self.rounds = Counter(
             "atomd_sync_rounds", "Sync rounds", ["direction", "applied"], registry=r
         )
-        # Where a round's time goes on a slow link: each upload until its answer,
-        # the round's whole traffic time, which the automatic cadence spaces rounds by, and on
-        # the receiving side how long its checks of each frame held the answer.
+        # Where a round's time goes on a slow link: each upload until its answer, the round's
+        # whole traffic time, which the automatic cadence spaces rounds by, and on the receiving
+        # side how long its checks of each frame held the answer.
         seconds = (0.01, 0.03, 0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
         self.upload_seconds = Histogram(
             "atomd_sync_upload_seconds", "One delta frame to one peer, until its answer",

@@ -6,41 +6,33 @@ skipped otherwise; the structural checks below run everywhere.
 
 from __future__ import annotations
 
+import configparser
 import http.server
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from atomd.config import Settings, check_environment
+from atomd.config import ENV_PREFIX, Settings, check_environment
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "deploy" / "atomd.service"
+TEMPLATE = REPO / "deploy" / "atomd@.service"  # one daemon per GPU: atomd@0, atomd@1, ...
 ENV_EXAMPLE = REPO / "deploy" / "atomd.env.example"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 COMPOSE = REPO / "docker-compose.yml"
 
-# The `atomd run` settings of the interface contract (DESIGN.md), plus the control-plane token.
-KNOWN_VARS = {
-    "ATOMD_DATA_DIR",
-    "ATOMD_CONTROL",
-    "ATOMD_CONTROL_TOKEN",
-    "ATOMD_LISTEN",
-    "ATOMD_ADVERTISE",
-    "ATOMD_SEEDS",
-    "ATOMD_PEER_TLS",
-    "ATOMD_SWARM",
-    "ATOMD_SWARM_SECRET",
-    "ATOMD_DEVICE",
-    "ATOMD_LOG_LEVEL",
-}
+# Every setting of `atomd run`: a field of Settings, read from ATOMD_<FIELD>.
+KNOWN_VARS = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
 _VAR = re.compile(r"\bATOMD_[A-Z0-9_]+")
 
 Unit = dict[str, dict[str, list[str]]]
@@ -140,18 +132,103 @@ def test_unit_runs_unprivileged_and_hardened(unit: Unit) -> None:
     assert any("nvidia" in rule and rule.endswith("rw") for rule in service["DeviceAllow"])
 
 
-def _verify(unit_text: str, directory: Path) -> list[str]:
-    """Problems `systemd-analyze verify` reports about this unit (its own lines only)."""
+@pytest.fixture(scope="module")
+def template() -> Unit:
+    return parse_unit(TEMPLATE.read_text())
+
+
+@pytest.mark.parametrize("path", [UNIT, TEMPLATE], ids=["atomd.service", "atomd@.service"])
+def test_units_are_ini_files(path: Path) -> None:
+    """Both units read as INI (repeated keys such as Environment= allowed, as in systemd)."""
+    parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys keep their case
+    parser.read_string(path.read_text())
+    assert parser.sections() == ["Unit", "Service", "Install"]
+    assert parser["Service"]["ExecStart"].split()[1] == "run"
+
+
+def run_help_options() -> set[str]:
+    """The options `atomd run --help` lists, from the installed console script's entry point."""
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "atomd"]
+    module, _, function = script.value.partition(":")
+    done = subprocess.run(
+        [sys.executable, "-c", f"from {module} import {function}; {function}()", "run", "--help"],
+        capture_output=True, text=True, timeout=120, check=True,
+        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
+    )  # fmt: skip
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", done.stdout))
+
+
+def exec_start_options(unit: Unit) -> list[str]:
+    command = _one(unit, "Service", "ExecStart").split()
+    assert command[0].startswith("/") and command[0].endswith("/atomd"), command
+    assert command[1] == "run", command
+    return [word.split("=")[0] for word in command[2:] if word.startswith("-")]
+
+
+def test_units_start_the_daemon_with_options_it_has(unit: Unit, template: Unit) -> None:
+    known = run_help_options()
+    assert {"--data-dir", "--control", "--listen", "--device"} <= known  # the help was read
+    for parsed in (unit, template):
+        options = exec_start_options(parsed)
+        assert set(options) <= known, options
+        assert "--seed" not in options  # peers to join come from the env file
+    assert exec_start_options(template) == ["--device"]
+    assert exec_start_options(parse_unit("[Service]\nExecStart=/x/atomd run --nope 1\n")) == [
+        "--nope"
+    ]
+    assert "--nope" not in known
+
+
+def test_template_runs_one_daemon_per_gpu(template: Unit) -> None:
+    assert "%i" in _one(template, "Unit", "Description")
+    environment = template["Service"]["Environment"]
+    assert "CUDA_VISIBLE_DEVICES=%i" in environment
+    assert "ATOMD_DATA_DIR=%S/atomd-%i" in environment
+    assert _one(template, "Service", "StateDirectory") == "atomd-%i"
+    assert _one(template, "Service", "CacheDirectory") == "atomd-%i"
+    assert all("%C/atomd-%i" in v for v in environment if v.split("=")[0].endswith("CACHE_DIR"))
+    # The shared settings (optional), then the instance's own (required: its ports) override.
+    assert template["Service"]["EnvironmentFile"] == [
+        "-/etc/atomd/atomd.env",
+        "/etc/atomd/atomd-%i.env",
+    ]
+    assert _one(template, "Service", "User") == "atomd-%i"
+    assert _one(template, "Service", "SyslogIdentifier") == "atomd-%i"
+    assert set(_VAR.findall(" ".join(environment))) <= KNOWN_VARS
+
+
+# The keys in which one instance of the template differs from atomd.service.
+PER_INSTANCE = {
+    "ExecStart", "Environment", "EnvironmentFile", "StateDirectory", "CacheDirectory",
+    "SyslogIdentifier", "User",
+}  # fmt: skip
+
+
+def test_template_is_the_unit_otherwise(unit: Unit, template: Unit) -> None:
+    """Hardening, watchdog and restart policy are the same as atomd.service's."""
+    for section in ("Service", "Install"):
+        same = {k: v for k, v in unit[section].items() if k not in PER_INSTANCE}
+        assert {k: v for k, v in template[section].items() if k not in PER_INSTANCE} == same
+    unit_env = [v for v in unit["Service"]["Environment"] if not v.startswith(("ATOMD_", "XDG_"))]
+    unit_env = [v for v in unit_env if "CACHE_DIR" not in v]
+    assert set(unit_env) <= set(template["Service"]["Environment"])
+
+
+def _verify(unit_text: str, directory: Path, name: str = "atomd.service") -> list[str]:
+    """Problems `systemd-analyze verify` reports about this unit (its own lines only); a
+    template (``atomd@.service``) is verified through its instance ``atomd@0.service``."""
     # verify insists that ExecStart's binary exists: point it at one that does, so the check
     # judges the unit rather than this machine's install layout.
     venv_bin = Path(sys.executable).parent
     executable = shutil.which("atomd", path=str(venv_bin)) or sys.executable
     text = re.sub(r"(?m)^ExecStart=\S+", f"ExecStart={executable}", unit_text)
     assert text != unit_text or str(executable) in unit_text
-    path = directory / "atomd.service"
+    path = directory / name
     path.write_text(text)
+    target = directory / name.replace("@.", "@0.")
     result = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", str(path)],
+        ["systemd-analyze", "verify", "--man=no", str(target)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -181,6 +258,13 @@ def test_systemd_analyze_verify_catches_mistakes(tmp_path: Path) -> None:
     assert any("WatchdogSecs" in line for line in _verify(broken, tmp_path))
 
 
+@needs_systemd_analyze
+def test_systemd_analyze_verify_accepts_the_template(tmp_path: Path) -> None:
+    assert _verify(TEMPLATE.read_text(), tmp_path, TEMPLATE.name) == []
+    broken = TEMPLATE.read_text().replace("[Service]\n", "[Service]\nWatchdogSecs=30\n", 1)
+    assert any("WatchdogSecs" in line for line in _verify(broken, tmp_path, TEMPLATE.name))
+
+
 def _env_example() -> dict[str, str]:
     """The example's settings, commented out or not: name → default value."""
     settings: dict[str, str] = {}
@@ -193,6 +277,9 @@ def _env_example() -> dict[str, str]:
 
 def test_env_example_lists_every_setting_and_nothing_else() -> None:
     settings = _env_example()
+    assert (
+        sorted(set(Settings.model_fields) - {k[len(ENV_PREFIX) :].lower() for k in settings}) == []
+    )
     assert set(settings) == KNOWN_VARS
     # Every mention anywhere in the file, prose included, is a real setting.
     assert set(_VAR.findall(ENV_EXAMPLE.read_text())) <= KNOWN_VARS
@@ -202,6 +289,19 @@ def test_env_example_lists_every_setting_and_nothing_else() -> None:
     assert settings["ATOMD_DEVICE"] == "auto"
     # systemd's EnvironmentFile= takes plain assignments, not shell.
     assert "export " not in ENV_EXAMPLE.read_text()
+
+
+def test_env_example_explains_each_setting_in_one_comment_line() -> None:
+    setting = re.compile(r"#?ATOMD_[A-Z0-9_]+=\S*")
+    lines = ENV_EXAMPLE.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not setting.fullmatch(line):
+            continue
+        name, comment, before = line.lstrip("#").split("=")[0], lines[i - 1], lines[i - 2]
+        assert comment.startswith("# ") and len(comment) > 10, f"{name}: no comment above"
+        assert len(comment) <= 100, f"{name}: comment over 100 characters"
+        # One line: above the comment, a blank line or the setting before.
+        assert before == "" or setting.fullmatch(before), f"{name}: a comment of several lines"
 
 
 def _settings(env: dict[str, str]) -> Settings:
@@ -215,8 +315,11 @@ def _settings(env: dict[str, str]) -> Settings:
 def test_env_example_defaults_are_the_daemons() -> None:
     settings = _env_example()
     defaults = {name: field.default for name, field in Settings.model_fields.items()}
-    for name in ("control", "listen", "swarm", "device", "log_level"):
-        assert settings[f"ATOMD_{name.upper()}"] == defaults[name], name
+    for name, default in defaults.items():
+        if isinstance(default, bool):
+            assert settings[f"ATOMD_{name.upper()}"] == str(default).lower(), name
+        elif isinstance(default, int | float | str):
+            assert type(default)(settings[f"ATOMD_{name.upper()}"]) == default, name
     # The example values that are filled in are valid settings.
     _settings({name: value for name, value in settings.items() if value})
 

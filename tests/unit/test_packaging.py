@@ -106,7 +106,7 @@ def test_the_wheel_ships_the_dashboard(tmp_path: Path) -> None:
     # A copy of what the wheel is built from, so that the build leaves nothing in the clone.
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE", *INSTALLED):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "NOTICE", *INSTALLED):
         if (REPO / name).is_dir():
             shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
         elif (REPO / name).exists():
