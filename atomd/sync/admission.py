@@ -20,8 +20,9 @@ from atomd.telemetry import Telemetry
 if TYPE_CHECKING:  # torch loads with the first swarm job, not when the daemon starts
     from torch import Tensor
 
+    from atomd.sync.replay import ReplayGuard
     from atomd.sync.runner import SyncPlugin
-    from atomd.sync.wire import DeltaFrame, ReplayGuard
+    from atomd.sync.wire import DeltaFrame
 
 log = get_logger(__name__)
 
@@ -139,8 +140,9 @@ class FrameAdmission:
     ) -> int:
         """Check one frame whole (off the loop) and queue it in ``plugin``'s inbox. ``fresh``:
         it came just now (not kept during a state transfer), so its sender is alive now."""
+        from atomd.sync.frame_decoder import FrameDecoder, check_codec, decode_tensors
+        from atomd.sync.replay import ReplayGuard
         from atomd.sync.state import Contribution
-        from atomd.sync.wire import FrameDecoder, ReplayGuard, check_codec, decode_tensors
 
         codec = plugin.spec.codec
         if self._replay_guard is None:

@@ -20,16 +20,10 @@ from atomd.errors import WireError
 from atomd.p2p.identity import Identity
 from atomd.sync import codecs
 from atomd.sync.codecs import Encoded, make_codec
-from atomd.sync.wire import (
-    MAX_HEADER_BYTES,
-    PREFIX,
-    VERSION,
-    DeltaFrame,
-    FrameDecoder,
-    ReplayGuard,
-    decode_tensors,
-    encode_frame,
-)
+from atomd.sync.frame_decoder import FrameDecoder, decode_tensors
+from atomd.sync.frame_header import MAX_HEADER_BYTES, VERSION
+from atomd.sync.replay import ReplayGuard
+from atomd.sync.wire import PREFIX, DeltaFrame, encode_frame
 
 JOB = "job-1"
 SHAPES = {"wte": (64, 32), "h.0.attn.w": (32, 96), "ln_f.b": (32,)}
