@@ -168,7 +168,7 @@ async def until(predicate: Any, what: str) -> None:
 
 async def test_the_robust_rule_weighs_longer_rounds_by_the_jobs_schedule(sessions: Any) -> None:
     """The exchange hands each job's plugin the job's learning rate at each step, which its
-    robust rule weighs a longer round by (``robust.Screen._longer``; run ch's warm-up clip)."""
+    robust rule weighs a longer round by (``robust.Screen._longer``)."""
     spec = JobSpec(max_steps=600, warmup_steps=50, sync={"codec": "fp32", "every": 1})
     plugin = exchange(sessions, FakeClient(), FakePeers([])).plugin(JOB, spec)
     plugin.attach(fake_engine(torch.nn.Linear(4, 3)))
@@ -311,8 +311,8 @@ async def test_a_rounds_uploads_go_one_after_another_and_a_silent_peer_costs_the
 async def test_each_peer_gets_this_peers_rounds_in_order(sessions: Any) -> None:
     """One delivery at a time: a round handed over while the last one's frame is still on its
     way (the job's last round does not wait for it) goes out after it, so that no receiver
-    gets round r + 1 before round r (one that did ended its job without the earlier delta, its
-    anchor 2.3 % from the others': 4 real daemons at 256 kbit/s, run cb)."""
+    gets round r + 1 before round r (one that does can end its job without the earlier delta,
+    its anchor 2.3 % from the others': 4 real daemons at 256 kbit/s)."""
     peers = [Peer(ch * 32, f"http://{ch}") for ch in "pq"]
     client = SlowClient(delay={"http://p": 0.3, "http://q": 0.01})
     ex = exchange(sessions, cast(Any, client), FakePeers(peers))
@@ -337,8 +337,8 @@ async def test_a_peer_that_answers_nothing_holds_up_nobody_once_it_is_dead(
     """A stopped daemon (SIGSTOP) answers no upload until its timeout (2 x 30 s). Once its
     membership declares it dead, the round counts as gone and the next one goes. Alive again,
     it gets the next round after the one still stuck on it, in order, or, dead again by then,
-    not at all. (Until 2026-12-06 every round of every peer waited behind the stuck upload: a
-    72-step round at all three others of ``atomd bench swarm``'s sigstop, runs ew and ex.)"""
+    not at all. (Were the rounds to wait behind the stuck upload, every peer's would: a
+    72-step round at all three others of ``atomd bench swarm``'s sigstop scenario.)"""
     p, q = (Peer(ch * 32, f"http://{ch}") for ch in "pq")
     client = SlowClient(delay={"http://p": 1.5, "http://q": 0.01})
     peers = FakePeers([p, q])
@@ -373,8 +373,8 @@ async def test_a_peer_that_answers_nothing_holds_up_nobody_once_it_is_dead(
 
 async def test_the_average_frame_waits_for_the_round_in_flight(sessions: Any) -> None:
     """The final average's frame (25x a round's at a slow link) goes after the job's last
-    round, not beside it on the same uplink: shared with it, the last round reached a peer
-    following the rounds 11 s late, after it had ended its job (run ce, 2026-12-05)."""
+    round, not beside it on the same uplink: shared with it, the last round can reach a peer
+    following the rounds 11 s late, after it has ended its job."""
     average = b"the average"
     rounds_in_flight_at_average: list[int] = []
 
@@ -536,8 +536,8 @@ async def test_only_members_frames_are_kept_during_the_state_transfer_and_bounde
     sessions: Any,
 ) -> None:
     """What a peer keeps while it fetches its state is checked only once it is attached, so
-    only a known member's body is kept (keys are free: before 2026-12-06 fresh keys took every
-    place, and the members' frames were then refused and their deltas lost), and all the bodies
+    only a known member's body is kept (keys are free: fresh keys would take every place, and
+    the members' frames would then be refused and their deltas lost), and all the bodies
     kept hold at most EARLY_MAX_FRAMES of the largest frames the job takes; over that, the
     sender holding the most gives up its oldest."""
     from atomd.sync.admission import EARLY_MAX_FRAMES, EARLY_PER_SENDER
@@ -737,7 +737,7 @@ async def test_a_silent_peer_stops_counting_in_the_rounds_and_counts_again_when_
     sessions: Any,
 ) -> None:
     """A peer listed as training the job whose deltas no merge applies (it sends nothing:
-    broken, or issue #15's silent member; or only what is refused) counts in the rounds'
+    broken, or a hostile silent member; or only what is refused) counts in the rounds'
     average (``n_peers``) for SILENT_ROUNDS + max_staleness rounds, then no more; it is still
     sent every frame; its next applied delta counts it again. A refused delta, or one
     clipped hard enough to be a strike, does not."""
@@ -796,7 +796,7 @@ async def test_a_received_delta_carries_the_steps_its_frame_says_its_round_laste
 
 
 async def test_quarantined_senders_and_other_codecs_are_refused(sessions: Any) -> None:
-    """Issue #15: a frame in another codec than the job's is refused (a strike), and nothing
+    """A frame in another codec than the job's is refused (a strike), and nothing
     from a quarantined member is decoded at all."""
     from atomd.errors import PeerAuthError
     from atomd.sync.codecs import make_codec
@@ -872,8 +872,8 @@ async def test_the_traffic_time_is_the_links_not_the_databases(
 async def test_frames_pushed_out_of_the_inbox_leave_no_record_behind(sessions: Any) -> None:
     """A member sends 12 frames of distinct rounds: the inbox keeps its newest 4, and the
     exchange forgets the 8 it pushed out (they will never be merged, so never reported):
-    what it keeps per frame stays bounded by the inbox's bound (a review of 2026-12-06: one
-    record a frame, for the life of the job)."""
+    what it keeps per frame stays bounded by the inbox's bound (not one record a frame, for
+    the life of the job)."""
     sender = Identity.generate()
     peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
     ex = exchange(sessions, FakeClient(), peers)
