@@ -80,7 +80,8 @@ from atomd.p2p.messages import (
 from atomd.p2p.signing import PEER, Admission
 from atomd.p2p.tls import server_context
 from atomd.sync.codecs import Encoded, make_codec
-from atomd.sync.wire import FrameDecoder, decode_tensors, encode_frame
+from atomd.sync.frame_decoder import FrameDecoder, decode_tensors
+from atomd.sync.wire import encode_frame
 
 ATTACKS = (
     "absent", "none", "x10", "x100", "x1e30", "signflip", "noise", "stale", "replay", "const",

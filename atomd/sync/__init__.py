@@ -2,6 +2,8 @@
 
 - ``codecs``: fp32, bf16, int8 block-wise and chunked top-k (the default) codecs behind one small
   interface, and the error feedback that keeps what a codec drops for the next round.
-- ``wire``: the delta frame: versioned, length-prefixed, signed, decoded incrementally; anything
-  malformed, stale, replayed, unauthenticated or non-finite is refused with a ``WireError``.
+- ``wire``: the delta frame's layout and its encoding (versioned, length-prefixed, signed);
+  ``frame_header`` its header's fields and checks, ``frame_decoder`` the incremental reading of
+  a received frame and ``replay`` the replay guard: anything malformed, stale, replayed,
+  unauthenticated or non-finite is refused with a ``WireError``.
 """

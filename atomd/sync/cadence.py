@@ -26,11 +26,10 @@ H * step_s + work_s, so a peer closes a round every
     H_i = clamp(round((T - work_s_i) / step_s_i), 1, MAX_EVERY)
 
 steps: rounds come at the same rate in wall time on fast and slow peers (a slower peer puts fewer
-steps into each round instead of falling behind). Until 2026-12-03 H was T / step_s: the round
-work was left out of the conversion and rounds came later than the period said (4 real daemons
-at 256 kbit/s: a period of 2.9 s, rounds every 4.2 s, the link a third used). Conditions are
-re-measured all the time, so T
-follows a peer that slows down or a link that fills (or frees up).
+steps into each round instead of falling behind). The round work counts in the conversion:
+with H = T / step_s, rounds come later than the period says (4 real daemons at 256 kbit/s: a
+period of 2.9 s, rounds every 4.2 s, the link a third used). Conditions are re-measured all the
+time, so T follows a peer that slows down or a link that fills (or frees up).
 
 And at most one round in flight: a peer does not close a round while its previous round's frame
 is still being uploaded. It keeps training meanwhile (nobody waits): a link slower than measured
@@ -61,45 +60,44 @@ from typing import TypeVar
 # A round's traffic may fill at most 1/MARGIN of the time between rounds: the rest is headroom
 # for membership on the same link and a link that slows down (a round's frames go out one after
 # another, so they never crowd each other; a link slower than measured stretches the round by
-# the one-round-in-flight rule, it does not queue frames). 2 until 2026-12-02: at 256 kbit/s
-# the frames then used a fifth of the link (bench/results-swarm-2026-12-01o.json: 7 of 32 kB/s).
-# 1.0 bought nothing at 256 kbit/s (runs cm, co of 2026-12-05: 0.605, 0.548 against 0.567-0.597):
-# the traffic time includes each upload's answer, and the uplink was ~77 % busy already.
+# the one-round-in-flight rule, it does not queue frames). At 2 the frames use a fifth of the
+# link at 256 kbit/s (7 of 32 kB/s); 1.0 buys nothing there (val 0.605 and 0.548 against
+# 0.567-0.597): the traffic time includes each upload's answer, and the uplink is ~77 % busy
+# already (measured, see research/).
 MARGIN = 1.25
 # A round's own work on the trainer thread may take at most this share of the compute between
-# rounds (at most a third of the wall time). Measured on the tiny model with 4 real daemons
-# (bench/results-swarm-unlimited-2026-12-01d/e.json, the loss guard's probes included): 0.25 gave
-# rounds every 7 steps, val 1.803 in 445 s; 0.5 every 3 steps, 1.747 in 502 s (one peer alone:
-# 1.930). Fewer steps per round buy far more than the wall time they cost.
+# rounds (at most a third of the wall time). Measured on the tiny model with 4 real daemons,
+# the loss guard's probes included (see research/): 0.25 gives rounds every 7 steps, val 1.803
+# in 445 s; 0.5 every 3 steps, 1.747 in 502 s (one peer alone: 1.930). Fewer steps per round
+# buy far more than the wall time they cost.
 WORK_SHARE = 0.5
 MAX_EVERY = 1000
 STEP_SAMPLES = 16  # steps whose median is the step time
 # Rounds whose median traffic time (and rate) counts: a link that fills is seen after three of
 # them (meanwhile the one-round-in-flight rule stretches the rounds), and one slow round does
-# not set the swarm's pace. The largest of the last 3 until 2026-12-03: the swarm's period is
-# the largest proposal, so the slowest of 4 x 3 rounds set it, 1.9x the mean traffic time
-# (4 real daemons at 256 kbit/s, bench/results-swarm-2026-12-03aj.json).
+# not set the swarm's pace. Not the largest of the last few: the swarm's period is the largest
+# proposal, so the slowest of 4 x 3 rounds would set it, 1.9x the mean traffic time (4 real
+# daemons at 256 kbit/s; measured, see research/).
 TRAFFIC_SAMPLES = 5
 WORK_SAMPLES = 8
 # The shortest round, in steps, the automatic cadence proposes. With top-k's outer step
 # (momentum 0.7) a round every step is no better than one every 3 and worse than one every 2,
 # at twice the rounds' work: `atomd bench sync`, the defaults at H = 1 / 2 / 3: 1.7357 / 1.7242 /
-# 1.7368 (bench/results-sync-h1-h3-2026-12-03.json, -direction-progress-); at 2026-12-01's
-# defaults 1.7541 / 1.7245 (-momentum-, -h2-codec-). A slower peer still takes fewer steps a
-# round (H_i below): the floor is on the swarm's period, not on each peer's H.
+# 1.7368 (measured, see research/). A slower peer still takes fewer steps a round (H_i below):
+# the floor is on the swarm's period, not on each peer's H.
 MIN_EVERY = 2
 PROPOSAL_TTL_S = 10.0  # a peer's proposal counts this long, plus 3 swarm periods
 # A proposal heard from another peer counts for at most this many times the lower median of
-# all current proposals (this peer's own included; issue #15): the largest proposal sets the
+# all current proposals (this peer's own included): the largest proposal sets the
 # pace, so without a cap one member declaring a day would stop everyone's rounds. Honest
 # proposals differ by the peers' speeds and links (a slow uplink: 16x a step in the tests); a
 # slower link than that gets its rounds stretched by the one-round-in-flight rule instead. The
 # same factor as the robust merge's refusal (16x a delta's reference norm).
 CLAIM_CAP = 16.0
-# Issue #14: where the link is what spaces the rounds, a sparse codec sends fewer entries so that
-# rounds still come every LINK_EVERY steps (or as often as the round work allows, if rarer), down
-# to MIN_FRACTION of the entries; below that the rounds grow apart instead. `atomd bench sync` at
-# the same bytes a step (bench/results-sync-budget-2026-12-01*.json): see docs/cadence.md.
+# Where the link is what spaces the rounds, a sparse codec sends fewer entries so that rounds
+# still come every LINK_EVERY steps (or as often as the round work allows, if rarer), down to
+# MIN_FRACTION of the entries; below that the rounds grow apart instead. `atomd bench sync` at
+# the same bytes a step: see docs/cadence.md.
 LINK_EVERY = 5
 MIN_FRACTION = 0.0025
 # The shares ``fit_fraction`` chooses from: the spec's, then each RUNG times the last (three

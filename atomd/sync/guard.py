@@ -19,10 +19,10 @@ restart from the anchor, which moves the replica by the deltas merged, each judg
 the outer step). What a few of them change in the probe loss is small against a jump of
 ``MAX_RISE`` = 0.5 nats, and a round's work on the trainer thread (which the automatic cadence
 charges) shrinks: the probe is 60 % of a round's work on the tiny model (forward passes of 8
-sequences; a training step is 16 with a backward), and until 2026-12-03 a boundary voided the
-last probe, so a round at H=2 ran two (the loss before its merge and after) where it now runs
-one. A jump judged against an older probe is judged again against a fresh one before anything
-is refused: the replica without the merged deltas is probed, then each delta is merged back
+sequences; a training step is 16 with a backward), and were a boundary to void the last
+probe, a round at H=2 would run two (the loss before its merge and after) instead of one. A
+jump judged against an older probe is judged again against a fresh one before anything is
+refused: the replica without the merged deltas is probed, then each delta is merged back
 alone (``_roll_back``), so an older probe can start that careful path but never refuse a delta
 by itself (a hostile delta that raises the loss by less than a jump, amplified by the outer
 step at the next boundary, cannot get the honest deltas merged after it refused).

@@ -19,7 +19,8 @@ the signal away):
    median is the smaller: a member sending near-zero deltas made the next honest delta of the
    round an outlier, and a peer just restarted, whose fresh error feedback sends little in its
    LayerNorm tensors, made the others clip each other's there for ten rounds (their anchors
-   then left its own by 4 %, 4 real daemons, SIGKILL scenario, 2026-12-05).
+   then left its own by 4 %: 4 real daemons, a peer killed and restarted; measured, see
+   research/).
 2. A delta whose norm exceeds ``refuse_ratio`` (16) times the reference is refused (a strike
    against its sender); above ``clip_ratio`` (4) it is scaled down to ``clip_ratio`` times
    the reference (norm clipping, as in Byzantine-robust SGD: it bounds what any one delta can
@@ -56,48 +57,48 @@ the signal away):
    state), and in consolidation rounds (each peer sends its difference from the mean: opposed
    by design).
 
-   Why the direction bounds a delta but never strikes its sender (2026-12-06): strikes are
+   Why the direction bounds a delta but never strikes its sender: strikes are
    for what no honest peer sends, and honest peers out of step send opposed deltas and
    unaligned ones of several times the reference. Three real daemons at H=5, two of them
-   stalled (SIGSTOP) while the third ran 40 steps and 8 rounds on, alone: its anchor took its
-   own rounds whole (with top-k's momentum) while theirs took them a third each, and for a
-   few rounds after the stall each side judged the other's honest deltas at cosines down to
-   -0.083 (15 c): opposed refusals in 13 of 14 runs, 3 of a sender's 10 in 2.
-   With them strikes, 2 of 20 runs failed: the one ahead quarantined both others for an hour
-   and the swarm split for good (the busy machine's flake of
-   ``tests/integration/test_sync.py::test_a_peer_far_ahead_falls_back_in_step``). With only
-   the opposed ones spared, a run of 8 still failed the same way: the peer back from the stall
-   sent deltas within chance of 0 (cosines -0.0024 to 0.002) at 2.4-2.8x the reference, each
-   held to 1x and so struck, three in a row. (An honest donor was quarantined by its joiner
-   that way before, when the rounds' steps were not yet weighed: ``Screen._longer``.) A sign
-   flipper's deltas came at -0.006 to -0.093 (``bench attack``), and noise of 10x sent in
-   top-k arrives at ~2.9x the reference: what the direction sees does not tell them apart from
+   stalled (SIGSTOP) while the third runs 40 steps and 8 rounds on, alone: its anchor takes
+   its own rounds whole (with top-k's momentum) while theirs take them a third each, and for a
+   few rounds after the stall each side judges the other's honest deltas at cosines down to
+   -0.083 (15 c): opposed refusals in 13 of 14 runs, 3 of a sender's 10 in 2. Were they
+   strikes, 2 of 20 such runs would fail: the one ahead quarantines both others for an hour
+   and the swarm splits for good (what
+   ``tests/integration/test_sync.py::test_a_peer_far_ahead_falls_back_in_step`` covers).
+   Sparing only the opposed ones is not enough either: the peer back from the stall sends
+   deltas within chance of 0 (cosines -0.0024 to 0.002) at 2.4-2.8x the reference, each held
+   to 1x and so struck, three in a row (measured, see research/). (A joiner can quarantine
+   an honest donor that way too where the rounds' steps are not weighed: ``Screen._longer``.)
+   A sign flipper's deltas come at -0.006 to -0.093 (``bench attack``), and noise of 10x sent
+   in top-k arrives at ~2.9x the reference: what the direction sees does not tell them apart from
    an honest peer out of step. The refusal keeps every opposed delta out of the model and the
    1x bound holds each unaligned one to what an honest delta moves (the unprotected case of
    noise under 1x); a norm beyond what an aligned delta may have still strikes, and the loss
    guard still refuses what makes the loss jump.
 
-   Why the own progress and not the own *frame* of the round (the rule before 2026-12-03): two
+   Why the own progress and not the own *frame* of the round: two
    peers' top-k frames share few entries, and at the small shares a slow link gets (0.25 %)
-   honest cosines between frames fell within chance (28 of 720 judgements in
+   honest cosines between frames fall within chance (28 of 720 judgements in
    ``atomd bench sync`` at top-k 0.25 %, H=10: as low as 0.0028 against c = 0.0054). Honest
-   deltas were then clipped by some peers and not by others, and the anchors drifted apart
-   (9e-4). Against the dense own progress the same deltas' cosines were at least 0.037
+   deltas are then clipped by some peers and not by others, and the anchors drift apart
+   (9e-4). Against the dense own progress the same deltas' cosines are at least 0.037
    (6.8 c; median 0.052). It costs no memory either: nothing of the own frames is kept.
 
-   Why the swarm's last round where every entry is sent (2026-12-06): a whole delta of a short
-   round is mostly its sender's own noise, and two peers' one-step deltas can point against each
-   other (fp32 a round a step, a helper's 300-step runs of ``atomd bench sync``: cosines down to
-   -0.17). Each judged against the receiver's own one-step progress, the two refused each other,
-   the others merged both, and the anchors parted for good (fp32-h1-sync-plain on the full task:
-   0.109, val 1.7511). Against the swarm's last round the same deltas' cosines were at least
-   0.21, every receiver takes the same decision (in a synchronous swarm the very same
-   reference), and the anchors agree (1.2e-8, val 1.6863). Each delta counts as a unit vector
-   there, so that no member weighs more than one honest delta: with plain sums (0fed8da,
-   reverted) a member's aligned delta counted up to 4x and could steer the reference until
-   honest deltas pointed against it. Not where a share is sent: a top-k frame shares few entries
-   with the last round's (at top-k 1 %, a round a step, cosines fell to 0.0014, within chance),
-   while its own progress holds the residual its next frames come from.
+   Why the swarm's last round where every entry is sent: a whole delta of a short round is
+   mostly its sender's own noise, and two peers' one-step deltas can point against each other
+   (fp32 a round a step, 300-step runs of ``atomd bench sync``: cosines down to -0.17). Each
+   judged against the receiver's own one-step progress, the two refuse each other, the others
+   merge both, and the anchors part for good (fp32, a round a step, on the full task: 0.109,
+   val 1.7511). Against the swarm's last round the same deltas' cosines are at least 0.21,
+   every receiver takes the same decision (in a synchronous swarm the very same reference),
+   and the anchors agree (1.2e-8, val 1.6863). Each delta counts as a unit vector there, so
+   that no member weighs more than one honest delta: with plain sums a member's aligned delta
+   counts up to 4x and can steer the reference until honest deltas point against it. Not where
+   a share is sent: a top-k frame shares few entries with the last round's (at top-k 1 %, a
+   round a step, cosines fall to 0.0014, within chance), while its own progress holds the
+   residual its next frames come from.
 
 Honest deltas of peers at the same pace differ in norm by a few percent (the study in
 ``bench/robust_sim.py``: within 3%, per tensor within 1.5x), so at these ratios an honest
@@ -340,7 +341,7 @@ class Screen:
         closed the round early (a joiner catching up with the swarm closes rounds after one
         step each): its norms are scaled by that much, so that the others' deltas of whole
         rounds are not judged against a delta of a fraction of their steps (as hard clips,
-        strikes: an honest donor was quarantined by its joiner that way). ``floor``: statistics
+        strikes: a joiner would quarantine an honest donor that way). ``floor``: statistics
         the reference is at least (a peer whose error feedback is fresh after a state transfer
         sends top-k of a near-empty accumulator, the others of theirs: the donor's newest own
         statistics stand in as the floor for a few rounds). ``steps``: the steps this peer
@@ -424,20 +425,21 @@ class Screen:
 
         Rounds of one number last different steps at different peers where the link spaces
         them (a peer does not close a round while its last frame is still uploading): 4 real
-        daemons at 256 kbit/s (2026-12-05) closed round 2 after 4, 6, 11 and 15 steps, during
-        the learning rate's warm-up, and two of them clipped honest deltas of 4.5-6 x their
-        own (their anchors then differed from the others' by 0.3-1 % for good). A longer round
+        daemons at 256 kbit/s can close round 2 after 4, 6, 11 and 15 steps, during the
+        learning rate's warm-up, and without this rule two of them clip honest deltas of
+        4.5-6 x their own (their anchors then differ from the others' by 0.3-1 % for good;
+        measured, see research/). A longer round
         said by the frame raises the clip bounds by as much (``_longer``: by the learning rate
         summed over its steps, where the schedule is known), up to ``steps_ratio`` of this
         peer's steps; a member that lies about it gains that much and no more: the refusal is
         judged against the bound as it was. The strike is judged against the raised bound, as
         the clip is: an honest peer whose round was longer (the job's first peer in the
-        warm-up, run ch: 10x the receivers' delta) is not struck for it up to the refusal
-        bound, where three such rounds would have quarantined it. What that costs: past the
-        warm-up nothing a round (a liar that stayed under the old strike bound, 8x, merged
-        the clip's 8x unpunished; now one sending 8-16x merges the same 8x, no longer
-        quarantined); in the warm-up, where the weighing raises the bound up to 16x, a liar's
-        unstruck room is that bound instead of 8x (docs/robust-merge.md)."""
+        warm-up: 10x the receivers' delta) is not struck for it up to the refusal bound,
+        where three such rounds would quarantine it. What that costs: past the warm-up
+        nothing a round (a liar under an unraised strike bound, 8x, would merge the clip's 8x
+        unpunished; one sending 8-16x merges the same 8x, not quarantined); in the warm-up,
+        where the weighing raises the bound up to 16x, a liar's unstruck room is that bound
+        instead of 8x (docs/robust-merge.md)."""
         rule = self.rule
         own, accepted = self._reference(base_version)
         r = self._rounds.get(base_version)
@@ -534,10 +536,11 @@ class Screen:
 
         A step's delta scales with its learning rate, and during the warm-up that grows with
         every step: a round of 4 steps from step 0 moves ~10 times one of 1 step (1+2+3+4
-        against 1), not 4. 4 real daemons at 256 kbit/s (2026-12-05, run ch): the job's first
-        peer closed round 0 after 4 steps, the others after 1 (they had started later); they
-        clipped its honest delta (9.97x their own) to 8x, and its settled anchor ended 1.1e-4
-        from theirs for good, where the others agreed to 6e-8. Both rounds are taken to start
+        against 1), not 4. With 4 real daemons at 256 kbit/s the job's first peer can close
+        round 0 after 4 steps and the others after 1 (they started later); counting steps
+        alone, they clip its honest delta (9.97x their own) to 8x, and its settled anchor ends
+        1.1e-4 from theirs for good, where the others agree to 6e-8 (measured, see
+        research/). Both rounds are taken to start
         at this peer's first step: exact for round 0, and where rounds close in phase nearly so.
         The weights only ever raise the steps' ratio (past the warm-up, where the rate falls,
         it is that ratio: a longer last round ends with the others' rather than starting with

@@ -68,9 +68,9 @@ def test_a_moderately_large_delta_is_clipped_to_the_bound() -> None:
 
 
 def test_a_longer_round_said_by_its_frame_raises_the_clip_bound_and_the_strikes() -> None:
-    """Issue #14: at a slow link rounds of one number last different steps at different peers
-    (4 real daemons at 256 kbit/s closed round 2 after 4 to 15 steps, in the warm-up), and two
-    peers clipped honest deltas of 4.5-6 x their own, so their anchors left the others'. A
+    """At a slow link rounds of one number last different steps at different peers (4 real
+    daemons at 256 kbit/s can close round 2 after 4 to 15 steps, in the warm-up), and two
+    peers would clip honest deltas of 4.5-6 x their own, so their anchors leave the others'. A
     frame that says its round lasted 3x this peer's steps is clipped at up to ``steps_ratio``
     (2) x the bound; one that claims a huge round gains no more: its delta merges clipped to
     that bound, and beyond ``refuse_ratio`` (twice the raised bound) it is refused and struck
@@ -116,10 +116,10 @@ def test_a_longer_round_said_by_its_frame_raises_the_clip_bound_and_the_strikes(
 
 
 def test_a_longer_round_in_the_warm_up_is_weighed_by_its_learning_rates() -> None:
-    """Issue #14, run ch (2026-12-05): the job's first peer closed round 0 after 4 steps, the
-    others after 1; in the learning rate's warm-up its honest delta was ~10x theirs (1+2+3+4
-    against 1), they clipped it to 8x (4 x steps_ratio), and its settled anchor ended 1.1e-4
-    from theirs for good. Weighed by the schedule, 4 steps claimed against 1 (counted as 2,
+    """The job's first peer can close round 0 after 4 steps, the others after 1; in the
+    learning rate's warm-up its honest delta is then ~10x theirs (1+2+3+4 against 1), clipped
+    to 8x (4 x steps_ratio) by steps alone, and its settled anchor would end 1.1e-4 from
+    theirs for good. Weighed by the schedule, 4 steps claimed against 1 (counted as 2,
     steps_ratio) earn 3x (1+2 against 1), so the clip bound is 12x: the delta passes whole.
     The strike is judged against the raised bound too (the honest first peer took one strike
     at each receiver when it was not); where the rate falls the bound is the steps' (the
@@ -221,7 +221,7 @@ def test_a_poisoned_delta_never_reaches_the_replica() -> None:
 
 
 def test_a_far_future_claim_does_not_change_the_pace() -> None:
-    """Issue #15: one frame claiming round 1e9 made the peers close a round at every step."""
+    """One frame claiming round 1e9 does not make the peers close a round at every step."""
     replicas, states = swarm(3, spec(max_staleness=2))
     me = states[0]
     far = Contribution("evil", 10**9, 10**9, {n: torch.zeros(s) for n, s in SHAPES.items()})
@@ -308,8 +308,8 @@ def test_the_loss_guard_reuses_a_recent_probe_as_the_loss_before_a_merge() -> No
 
 def test_a_round_boundary_counts_as_one_move_and_keeps_the_last_probe() -> None:
     """At a round every 2 steps the deltas of the round before are merged at the boundary:
-    until 2026-12-03 the restart voided the last probe, so each round ran two passes (the
-    loss before its merge and after). The restart now counts as one move of the replica."""
+    were the restart to void the last probe, each round would run two passes (the loss
+    before its merge and after). The restart counts as one move of the replica."""
     replicas, states, honest, sent = _round_zero()
     me = states[0]
     calls: list[int] = []
@@ -369,7 +369,7 @@ def test_a_jump_against_an_older_probe_is_judged_again_before_a_delta_is_refused
     assert states[0].deltas_in(0) == 3
 
 
-# -- the direction check (issue #15: a delta of honest size pointed the wrong way) ------------
+# -- the direction check (a delta of honest size pointed the wrong way) -----------------------
 
 BIG = {"w": (200, 150), "b": (150,), "e": (80, 64)}  # 35,270 entries: chance 5/sqrt(n) = 0.027
 
@@ -633,7 +633,7 @@ def test_honest_frames_that_share_few_entries_pass_untouched_and_the_anchors_agr
 @pytest.mark.parametrize("flip", [False, True])
 def test_dense_deltas_opposed_pairwise_are_judged_alike_by_every_receiver(flip: bool) -> None:
     """fp32 a round a step: two peers' one-step deltas can point against each other (honest
-    AdamW steps of the tiny task: a helper measured cosines down to -0.17 against c = 0.0054).
+    AdamW steps of the tiny task: cosines down to -0.17 against c = 0.0054).
     Judged against each receiver's own one-step progress, p1 and p2 refused each other while
     p0 and p3 merged both, and the anchors parted for good (``atomd bench sync``'s
     fp32-h1-sync-plain: 0.109). Judged against the swarm's last round (its deltas as unit

@@ -83,8 +83,8 @@ def test_round_work_takes_at_most_its_share_of_the_compute() -> None:
 
 def test_a_round_lasts_its_steps_and_its_work_so_h_leaves_room_for_the_work() -> None:
     """The period is wall time between two rounds' closes; a round of H steps lasts
-    H * step_s + work_s. 4 real daemons at 256 kbit/s (bench/results-swarm-2026-12-03ai.json)
-    proposed 2.9 s and closed rounds every 4.2 s while H was T / step_s."""
+    H * step_s + work_s. With H = T / step_s, 4 real daemons at 256 kbit/s propose 2.9 s and
+    close rounds every 4.2 s."""
     c = measured(0.5, traffic=2.4, work=0.5)  # 3 s: traffic-bound
     assert c.proposal() == pytest.approx(MARGIN * 2.4)
     assert c.every() == 5  # 5 steps and the round's work: 3 s; T / step_s would give 6
@@ -116,7 +116,7 @@ def test_the_swarm_follows_its_slowest_proposal_until_it_goes_quiet() -> None:
 
 
 def test_a_member_cannot_stall_the_rounds_by_declaring_a_huge_period() -> None:
-    """Issue #15: the largest proposal sets the pace; one heard proposal counts for at most
+    """The largest proposal sets the pace; one heard proposal counts for at most
     CLAIM_CAP times the lower median of the proposals (ours included)."""
     c = measured(0.25, traffic=0.1)  # proposes 2 steps: 0.5 s
     c.heard("liar", 86_400.0, now=100.0)  # the largest period a frame may carry
@@ -142,7 +142,7 @@ def test_every_is_bounded() -> None:
 
 
 def test_the_frame_budget_fits_a_round_every_link_every_steps_into_the_measured_link() -> None:
-    """Issue #14: the bytes a frame may have so that its traffic fits MARGIN times into the
+    """The bytes a frame may have so that its traffic fits MARGIN times into the
     compute of LINK_EVERY steps, at the slowest rate of the last rounds' frames."""
     assert Cadence(7).frame_budget() is None and Cadence(None).frame_budget() is None
     c = measured(0.25, traffic=3.0)  # a traffic time without the frame's size: no rate

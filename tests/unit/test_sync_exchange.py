@@ -21,7 +21,9 @@ from atomd.errors import NotFoundError, PeerRequestError, WireError
 from atomd.p2p.identity import Identity
 from atomd.spec import JobSpec, lr_at
 from atomd.sync import average
-from atomd.sync.exchange import RETRY_DELAY_S, DeltaExchange, PeerRef
+from atomd.sync.exchange import DeltaExchange
+from atomd.sync.job_peers import PeerRef
+from atomd.sync.uplink import RETRY_DELAY_S
 from atomd.telemetry import Telemetry
 from tests.conftest import fake_engine
 
@@ -166,7 +168,7 @@ async def until(predicate: Any, what: str) -> None:
 
 async def test_the_robust_rule_weighs_longer_rounds_by_the_jobs_schedule(sessions: Any) -> None:
     """The exchange hands each job's plugin the job's learning rate at each step, which its
-    robust rule weighs a longer round by (``robust.Screen._longer``; run ch's warm-up clip)."""
+    robust rule weighs a longer round by (``robust.Screen._longer``)."""
     spec = JobSpec(max_steps=600, warmup_steps=50, sync={"codec": "fp32", "every": 1})
     plugin = exchange(sessions, FakeClient(), FakePeers([])).plugin(JOB, spec)
     plugin.attach(fake_engine(torch.nn.Linear(4, 3)))
@@ -215,13 +217,13 @@ async def test_a_peer_that_starts_training_later_gets_the_rounds_it_missed(
     plugin.attach(fake_engine(torch.nn.Linear(4, 3)))
     plugin._previous_open = lambda: False  # a round a step: none held for a's deltas
     round_of: dict[bytes, int] = {}
-    keep = ex._keep
+    keep = ex.delivery.kept.keep
 
-    def keeping(out: Any, tried: set[str]) -> None:
+    def keeping(out: Any, tried: set[str], limit: int) -> None:
         round_of[out.frame] = out.outgoing.round
-        keep(out, tried)
+        keep(out, tried, limit)
 
-    ex._keep = keeping  # type: ignore[method-assign]
+    ex.delivery.kept.keep = keeping  # type: ignore[method-assign]
 
     def rows_of(n: int) -> Any:
         async def check() -> bool:
@@ -277,10 +279,10 @@ async def test_a_rounds_uploads_go_one_after_another_and_a_silent_peer_costs_the
 ) -> None:
     """One at a time, a round's frames do not leave as one burst that overflows a slow
     uplink's buffer; a peer that does not answer holds the next upload only for the frame's
-    time at the rate measured so far (``_pace``), not for its timeout nor the stagger."""
-    from atomd.sync import exchange as exchange_module
+    time at the rate measured so far (``Uplink.pace``), not for its timeout nor the stagger."""
+    from atomd.sync import uplink
 
-    monkeypatch.setattr(exchange_module, "UPLOAD_STAGGER_S", 5.0)
+    monkeypatch.setattr(uplink, "UPLOAD_STAGGER_S", 5.0)
     peers = [Peer(ch * 32, f"http://{ch}") for ch in "pqr"]
     client = SlowClient(delay={"http://p": 0.05, "http://q": 0.05, "http://r": 0.05})
     ex = exchange(sessions, cast(Any, client), FakePeers(peers))
@@ -309,8 +311,8 @@ async def test_a_rounds_uploads_go_one_after_another_and_a_silent_peer_costs_the
 async def test_each_peer_gets_this_peers_rounds_in_order(sessions: Any) -> None:
     """One delivery at a time: a round handed over while the last one's frame is still on its
     way (the job's last round does not wait for it) goes out after it, so that no receiver
-    gets round r + 1 before round r (one that did ended its job without the earlier delta, its
-    anchor 2.3 % from the others': 4 real daemons at 256 kbit/s, run cb)."""
+    gets round r + 1 before round r (one that does can end its job without the earlier delta,
+    its anchor 2.3 % from the others': 4 real daemons at 256 kbit/s)."""
     peers = [Peer(ch * 32, f"http://{ch}") for ch in "pq"]
     client = SlowClient(delay={"http://p": 0.3, "http://q": 0.01})
     ex = exchange(sessions, cast(Any, client), FakePeers(peers))
@@ -335,8 +337,8 @@ async def test_a_peer_that_answers_nothing_holds_up_nobody_once_it_is_dead(
     """A stopped daemon (SIGSTOP) answers no upload until its timeout (2 x 30 s). Once its
     membership declares it dead, the round counts as gone and the next one goes. Alive again,
     it gets the next round after the one still stuck on it, in order, or, dead again by then,
-    not at all. (Until 2026-12-06 every round of every peer waited behind the stuck upload: a
-    72-step round at all three others of ``atomd bench swarm``'s sigstop, runs ew and ex.)"""
+    not at all. (Were the rounds to wait behind the stuck upload, every peer's would: a
+    72-step round at all three others of ``atomd bench swarm``'s sigstop scenario.)"""
     p, q = (Peer(ch * 32, f"http://{ch}") for ch in "pq")
     client = SlowClient(delay={"http://p": 1.5, "http://q": 0.01})
     peers = FakePeers([p, q])
@@ -371,8 +373,8 @@ async def test_a_peer_that_answers_nothing_holds_up_nobody_once_it_is_dead(
 
 async def test_the_average_frame_waits_for_the_round_in_flight(sessions: Any) -> None:
     """The final average's frame (25x a round's at a slow link) goes after the job's last
-    round, not beside it on the same uplink: shared with it, the last round reached a peer
-    following the rounds 11 s late, after it had ended its job (run ce, 2026-12-05)."""
+    round, not beside it on the same uplink: shared with it, the last round can reach a peer
+    following the rounds 11 s late, after it has ended its job."""
     average = b"the average"
     rounds_in_flight_at_average: list[int] = []
 
@@ -407,7 +409,7 @@ async def test_a_round_stuck_on_a_silent_peer_holds_the_average_only_for_a_while
     """The average waits for the round in flight a quarter of the time the others wait for it
     at most: a round whose upload to a silent peer takes its full timeout would otherwise make
     the share miss every other peer's wait. Then it goes beside that round."""
-    from atomd.sync.exchange import AVERAGE_WAITS_FOR_ROUND
+    from atomd.sync.delivery import AVERAGE_WAITS_FOR_ROUND
 
     average = b"the average"
     peers = [Peer(ch * 32, f"http://{ch}") for ch in "pq"]
@@ -430,15 +432,15 @@ async def test_a_round_stuck_on_a_silent_peer_holds_the_average_only_for_a_while
 def test_the_pace_is_a_frames_time_at_the_fastest_recent_rate(sessions: Any) -> None:
     """Before any upload is measured the stagger; then the frame's size over the fastest of
     the last RATE_SAMPLES rates, never above the stagger."""
-    from atomd.sync.exchange import RATE_SAMPLES, UPLOAD_STAGGER_S
+    from atomd.sync.uplink import RATE_SAMPLES, UPLOAD_STAGGER_S
 
     ex = exchange(sessions, FakeClient(), FakePeers([]))
-    assert ex._pace(10_000) == UPLOAD_STAGGER_S
-    ex._rates.extend([1_000.0, 4_000.0, 2_000.0])
-    assert ex._pace(2_000) == pytest.approx(0.5)
-    assert ex._pace(10**9) == UPLOAD_STAGGER_S
-    ex._rates.extend([100.0] * RATE_SAMPLES)  # the fast ones aged out
-    assert ex._pace(20) == pytest.approx(0.2)
+    assert ex.uplink.pace(10_000) == UPLOAD_STAGGER_S
+    ex.uplink.rates.extend([1_000.0, 4_000.0, 2_000.0])
+    assert ex.uplink.pace(2_000) == pytest.approx(0.5)
+    assert ex.uplink.pace(10**9) == UPLOAD_STAGGER_S
+    ex.uplink.rates.extend([100.0] * RATE_SAMPLES)  # the fast ones aged out
+    assert ex.uplink.pace(20) == pytest.approx(0.2)
 
 
 async def test_received_frames_are_checked_queued_and_recorded(sessions: Any) -> None:
@@ -490,7 +492,7 @@ async def test_frames_that_come_during_the_state_transfer_are_kept_and_checked_a
     already send it their frames: lost, those deltas would be in every anchor but its own.
     They are kept (the newest EARLY_PER_SENDER of each sender), then checked and queued once
     the plugin is attached; garbage is refused then, as it would have been at once."""
-    from atomd.sync.exchange import EARLY_PER_SENDER
+    from atomd.sync.admission import EARLY_PER_SENDER
 
     sender, other_sender = Identity.generate(), Identity.generate()
     keys = {i.peer_id: i.public_key_hex for i in (sender, other_sender)}
@@ -527,18 +529,18 @@ async def test_frames_that_come_during_the_state_transfer_are_kept_and_checked_a
     ex.plugin(JOB, spec)
     await ex.receive(JOB, frames[0], sender.peer_id)
     ex.release(JOB)
-    assert not ex._early and ex.max_frame_bytes(JOB) == 0
+    assert not ex.admission.early.frames and ex.max_frame_bytes(JOB) == 0
 
 
 async def test_only_members_frames_are_kept_during_the_state_transfer_and_boundedly(
     sessions: Any,
 ) -> None:
     """What a peer keeps while it fetches its state is checked only once it is attached, so
-    only a known member's body is kept (keys are free: before 2026-12-06 fresh keys took every
-    place, and the members' frames were then refused and their deltas lost), and all the bodies
+    only a known member's body is kept (keys are free: fresh keys would take every place, and
+    the members' frames would then be refused and their deltas lost), and all the bodies
     kept hold at most EARLY_MAX_FRAMES of the largest frames the job takes; over that, the
     sender holding the most gives up its oldest."""
-    from atomd.sync.exchange import EARLY_MAX_FRAMES, EARLY_PER_SENDER
+    from atomd.sync.admission import EARLY_MAX_FRAMES, EARLY_PER_SENDER
 
     members = [Identity.generate() for _ in range(3)]
     keys = {i.peer_id: i.public_key_hex for i in members}
@@ -550,7 +552,7 @@ async def test_only_members_frames_are_kept_during_the_state_transfer_and_bounde
     for _ in range(EARLY_PER_SENDER):
         for i in members:
             assert await ex.receive(JOB, bytes(big), i.peer_id) == big
-    kept = ex._early[JOB]
+    kept = ex.admission.early.frames[JOB]
     assert sum(len(b) for q in kept.values() for b in q) <= EARLY_MAX_FRAMES * big
     assert sorted(len(q) for q in kept.values()) == [2, 3, 3]  # 12 would be 1.5x the bound
     assert await ex.receive(JOB, b"small", members[0].peer_id) == 5  # a small one still fits
@@ -563,7 +565,7 @@ async def test_a_senders_refused_frames_are_recorded_at_most_so_many_a_minute(
     """A refused frame is recorded a row in the job's rounds, but a member sending junk frames
     (refused without a strike) wrote a row each without end: REFUSAL_ROWS a minute a sender
     are recorded, the rest counted only."""
-    from atomd.sync.exchange import REFUSAL_ROWS
+    from atomd.sync.records import REFUSAL_ROWS
 
     junk, other = Identity.generate(), Identity.generate()
     keys = {i.peer_id: i.public_key_hex for i in (junk, other)}
@@ -577,8 +579,11 @@ async def test_a_senders_refused_frames_are_recorded_at_most_so_many_a_minute(
     rows = await rounds(sessions)
     assert [r.peer_id for r in rows].count(junk.peer_id) == REFUSAL_ROWS
     assert [r.peer_id for r in rows].count(other.peer_id) == 1
-    start, n = ex._refusals[(JOB, junk.peer_id)]
-    ex._refusals[(JOB, junk.peer_id)] = (start - 60, n)  # a minute on: recorded again
+    start, n = ex.records.refusals.windows[(JOB, junk.peer_id)]
+    ex.records.refusals.windows[(JOB, junk.peer_id)] = (
+        start - 60,
+        n,
+    )  # a minute on: recorded again
     with pytest.raises(WireError):
         await ex.receive(JOB, b"ATD1junk", junk.peer_id)
     assert [r.peer_id for r in await rounds(sessions)].count(junk.peer_id) == REFUSAL_ROWS + 1
@@ -619,7 +624,7 @@ async def test_frames_that_come_while_the_trainer_loads_are_kept_for_its_plugin(
     ex.expect(JOB, spec)
     assert ex.max_frame_bytes(JOB) > 0  # the peer plane bounds the body from the spec
     assert await ex.receive(JOB, frame, sender.peer_id) == len(frame)
-    assert JOB not in ex.plugins and not await rounds(sessions)
+    assert JOB not in ex.job_table.plugins and not await rounds(sessions)
 
     plugin = ex.plugin(JOB, spec)  # torch is loaded; then the state transfer
     async with running(ex):
@@ -636,7 +641,7 @@ async def test_frames_that_come_while_the_trainer_loads_are_kept_for_its_plugin(
     ex.expect(JOB, spec)
     await ex.receive(JOB, frame, sender.peer_id)
     ex.release(JOB)
-    assert not ex._early and ex.max_frame_bytes(JOB) == 0
+    assert not ex.admission.early.frames and ex.max_frame_bytes(JOB) == 0
     with pytest.raises(NotFoundError):
         await ex.receive(JOB, frame, sender.peer_id)
 
@@ -732,11 +737,11 @@ async def test_a_silent_peer_stops_counting_in_the_rounds_and_counts_again_when_
     sessions: Any,
 ) -> None:
     """A peer listed as training the job whose deltas no merge applies (it sends nothing:
-    broken, or issue #15's silent member; or only what is refused) counts in the rounds'
+    broken, or a hostile silent member; or only what is refused) counts in the rounds'
     average (``n_peers``) for SILENT_ROUNDS + max_staleness rounds, then no more; it is still
     sent every frame; its next applied delta counts it again. A refused delta, or one
     clipped hard enough to be a strike, does not."""
-    from atomd.sync.exchange import SILENT_ROUNDS
+    from atomd.sync.job_peers import SILENT_ROUNDS
     from atomd.sync.state import AppliedDelta, MergeReport, RefusedDelta
 
     loud, quiet = Peer("l" * 32, "http://l"), Peer("q" * 32, "http://q")
@@ -748,18 +753,21 @@ async def test_a_silent_peer_stops_counting_in_the_rounds_and_counts_again_when_
         return MergeReport(version, applied=[AppliedDelta(peer.id, 0, 0, 1.0, strike=strike)])
 
     assert plugin.n_peers(0) == 3  # both listed, neither silent yet
-    await ex._record_merge(JOB, applied(1, loud))  # the loud one's delta merged in round 1
+    await ex.record_merge(JOB, applied(1, loud))  # the loud one's delta merged in round 1
     assert plugin.n_peers(grace) == 3
     assert plugin.n_peers(grace + 1) == 2  # the quiet one: silent now, the loud one not yet
     assert plugin.n_peers(grace + 2) == 1
-    assert [p.id for p in ex._training(JOB, grace + 2)] == [loud.id, quiet.id]  # still sent to
-    await ex._record_merge(JOB, applied(grace + 2, quiet))  # it counts again
+    assert [p.id for p in ex.round_peers.training(JOB, grace + 2)] == [
+        loud.id,
+        quiet.id,
+    ]  # still sent to
+    await ex.record_merge(JOB, applied(grace + 2, quiet))  # it counts again
     assert plugin.n_peers(grace + 2) == 2
     assert plugin.n_peers(2 * grace + 2) == 2 and plugin.n_peers(2 * grace + 3) == 1
     # Refused, or applied as a strike: the loud one stays silent.
     refused = MergeReport(2 * grace + 3, refused=[RefusedDelta(loud.id, 5, "stale")])
-    await ex._record_merge(JOB, refused)
-    await ex._record_merge(JOB, applied(2 * grace + 3, loud, strike=True))
+    await ex.record_merge(JOB, refused)
+    await ex.record_merge(JOB, applied(2 * grace + 3, loud, strike=True))
     assert plugin.n_peers(2 * grace + 3) == 1
 
 
@@ -788,7 +796,7 @@ async def test_a_received_delta_carries_the_steps_its_frame_says_its_round_laste
 
 
 async def test_quarantined_senders_and_other_codecs_are_refused(sessions: Any) -> None:
-    """Issue #15: a frame in another codec than the job's is refused (a strike), and nothing
+    """A frame in another codec than the job's is refused (a strike), and nothing
     from a quarantined member is decoded at all."""
     from atomd.errors import PeerAuthError
     from atomd.sync.codecs import make_codec
@@ -831,7 +839,7 @@ async def test_the_traffic_time_is_the_links_not_the_databases(
     plugin = attach(ex)
     recorded: list[int] = []
     traffic: list[float] = []
-    record_merge = ex._record_merge
+    record_merge = ex.record_merge
 
     async def slow_record(job_id: str, merge: Any) -> None:
         await asyncio.sleep(0.5)
@@ -839,7 +847,7 @@ async def test_the_traffic_time_is_the_links_not_the_databases(
         recorded.append(len(recorded))
 
     delivered = plugin.delivered
-    monkeypatch.setattr(ex, "_record_merge", slow_record)
+    monkeypatch.setattr(ex, "record_merge", slow_record)
     monkeypatch.setattr(plugin, "delivered", lambda rnd, s: (traffic.append(s), delivered(rnd, s)))
     async with running(ex):
         plugin.after_step(1)
@@ -864,8 +872,8 @@ async def test_the_traffic_time_is_the_links_not_the_databases(
 async def test_frames_pushed_out_of_the_inbox_leave_no_record_behind(sessions: Any) -> None:
     """A member sends 12 frames of distinct rounds: the inbox keeps its newest 4, and the
     exchange forgets the 8 it pushed out (they will never be merged, so never reported):
-    what it keeps per frame stays bounded by the inbox's bound (a review of 2026-12-06: one
-    record a frame, for the life of the job)."""
+    what it keeps per frame stays bounded by the inbox's bound (not one record a frame, for
+    the life of the job)."""
     sender = Identity.generate()
     peers = FakePeers([Peer(sender.peer_id, "http://s")], {sender.peer_id: sender.public_key_hex})
     ex = exchange(sessions, FakeClient(), peers)
@@ -873,9 +881,9 @@ async def test_frames_pushed_out_of_the_inbox_leave_no_record_behind(sessions: A
     for f in frames_of(sessions, sender, 12):  # rounds 0..11
         await ex.receive(JOB, f, sender.peer_id)
     assert len(plugin.inbox) == 4 and plugin.inbox.dropped == 8
-    assert len(ex._received) == 4
+    assert len(ex.records.received) == 4
     ex.drop_sender(sender.peer_id)  # quarantined: its waiting frames and their records go
-    assert len(plugin.inbox) == 0 and len(ex._received) == 0
+    assert len(plugin.inbox) == 0 and len(ex.records.received) == 0
 
 
 async def test_a_restored_state_counts_the_peers_from_its_own_version(sessions: Any) -> None:
@@ -884,7 +892,7 @@ async def test_a_restored_state_counts_the_peers_from_its_own_version(sessions: 
     since round 0, and the first round after counted this peer alone and committed its whole
     delta, which the others never do (4 real daemons, SIGKILL: anchors 5.2e-3 apart, run
     fh). Silence counts from the restored version."""
-    from atomd.sync.exchange import SILENT_ROUNDS
+    from atomd.sync.job_peers import SILENT_ROUNDS
 
     peers = [Peer("a" * 32, "http://a"), Peer("b" * 32, "http://b")]
     ex = exchange(sessions, FakeClient(), FakePeers(peers))

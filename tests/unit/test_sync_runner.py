@@ -20,10 +20,10 @@ from atomd.spec import SyncSpec
 from atomd.sync import cadence, runner
 from atomd.sync.cadence import LINK_EVERY, MARGIN, MIN_FRACTION, Cadence
 from atomd.sync.codecs import decode
+from atomd.sync.frame_decoder import FrameDecoder
 from atomd.sync.guard import LossGuard
 from atomd.sync.runner import ALONE_EVERY, RoundOut, SyncPlugin
 from atomd.sync.state import Contribution, MergeReport
-from atomd.sync.wire import FrameDecoder
 from tests.conftest import fake_engine
 
 
@@ -526,7 +526,7 @@ def _three_peers_that_finish_together(
     average frames, through the wire's decoder, to the others' ``averages``. Each has trained
     differently; their guard's probe is the distance to ``probe_target[0]``."""
     from atomd.sync.average import Share
-    from atomd.sync.wire import decode_tensors
+    from atomd.sync.frame_decoder import decode_tensors
 
     peers: list[SyncPlugin] = []
     ids = [Identity.generate() for _ in range(3)]

@@ -20,16 +20,10 @@ from atomd.errors import WireError
 from atomd.p2p.identity import Identity
 from atomd.sync import codecs
 from atomd.sync.codecs import Encoded, make_codec
-from atomd.sync.wire import (
-    MAX_HEADER_BYTES,
-    PREFIX,
-    VERSION,
-    DeltaFrame,
-    FrameDecoder,
-    ReplayGuard,
-    decode_tensors,
-    encode_frame,
-)
+from atomd.sync.frame_decoder import FrameDecoder, decode_tensors
+from atomd.sync.frame_header import MAX_HEADER_BYTES, VERSION
+from atomd.sync.replay import ReplayGuard
+from atomd.sync.wire import PREFIX, DeltaFrame, encode_frame
 
 JOB = "job-1"
 SHAPES = {"wte": (64, 32), "h.0.attn.w": (32, 96), "ln_f.b": (32,)}
@@ -304,8 +298,8 @@ def test_replay_guard_is_bounded() -> None:
 
 def test_replay_guard_floors_are_per_sender() -> None:
     """One member's frames filling the guard raise its own floor only: with one floor for all,
-    frames dated a minute ahead (allowed: clocks differ) had every honest frame of the next
-    minute refused as a replay (a review of 2026-12-06)."""
+    frames dated a minute ahead (allowed: clocks differ) would have every honest frame of the
+    next minute refused as a replay."""
     seen = ReplayGuard(max_entries=2)
     ahead = time.time() + 59
     for r in range(3):
@@ -331,7 +325,7 @@ def test_replay_guard_forgets_floors_older_than_any_frame_it_takes() -> None:
 def test_a_frame_is_its_signers_own_before_it_is_recorded() -> None:
     """A member re-posting another's frame (it receives them all) is refused before the replay
     guard records the frame: checked after, the sender's own upload of it, a moment later,
-    was refused as a replay and its delta lost there (a review of 2026-12-06)."""
+    would be refused as a replay and its delta lost there."""
     seen = ReplayGuard()
     data = frame()  # ME's
     refused(data, "bad_signature", seen=seen, sender=OTHER.peer_id)
