@@ -1,4 +1,4 @@
-"""A job from the swarm may not name a local path (issue #15)."""
+"""A job from the swarm may not name a local path, and only its origin speaks for it."""
 
 from __future__ import annotations
 
@@ -100,8 +100,8 @@ async def test_an_advert_naming_a_path_is_not_joined(tmp_path: Path) -> None:
 
 async def test_only_its_origin_stops_a_job_on_every_peer(tmp_path: Path) -> None:
     """A stop heard from the swarm ends this daemon's copy only if the job's origin sent it:
-    from any member, one message each ended every peer's copy of every job, for good (a
-    stopped job is not joined again; a review of 2026-12-06). An operator of another peer
+    from any member, one message each would end every peer's copy of every job, for good (a
+    stopped job is not joined again). An operator of another peer
     is told so, and can stop its own copy."""
     from types import SimpleNamespace
 
@@ -624,7 +624,7 @@ async def test_a_swarm_wide_stop_is_remembered_across_a_restart(tmp_path: Path) 
     after the origin itself restarted: the stop is recorded (``job.swarm_stopped``) and read
     back as the jobs are taken up, whatever the origin's own copy reads (a SIGKILL may leave
     it "stopping"); a job resumed here since is no longer stopped, also when it was stopped
-    here only afterwards (a review of 2026-12-07)."""
+    here only afterwards."""
     stopped, stopping, resumed, local = "c" * 32, "d" * 32, "e" * 32, "f" * 32
     jobs, sessions, engine = await _manager(tmp_path)
     async with sessions() as s, s.begin():
