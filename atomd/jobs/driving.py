@@ -1,6 +1,6 @@
 """Driving a job: its trainer runs on the one trainer thread, off the event loop, and the loop
-follows it, records what it reports, and reacts to how it ends (finished, stopped, failed, or
-a swarm state to take again)."""
+follows it, records what it reports, asks it for live-state checkpoints that joining peers
+fetch, and reacts to how it ends (finished, stopped, failed, or a swarm state to take again)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ LIVE_STATE_EVERY_S = 30.0
 
 class JobDriver:
     """Runs the jobs of ``jobs`` (its manager) one at a time on the trainer thread
-    (``executor``, at the priority ``trainer_nice`` lowers it to)."""
+    (``executor``, at the priority ``trainer_nice`` lowers it to), and asks the running
+    trainer for its live state (``live_state``)."""
 
     def __init__(self, jobs: JobManager, trainer_nice: int) -> None:
         self.jobs = jobs
