@@ -29,10 +29,10 @@ class DatabaseFile:
     The header is read through a descriptor opened once, here, and closed only by ``close()``
     once the daemon's SQLite connections are closed: closing any descriptor of the file drops
     every POSIX lock this process holds on it, SQLite's included (sqlite.org/howtocorrupt.html,
-    2.2). Until 2026-12-06 each check opened and closed the file, and the next process to read
-    the database and close it (a test, the sqlite3 shell, a backup) took the lock SQLite thought
-    it held, checkpointed and deleted the write-ahead log under the daemon: every record it
-    wrote from then on went to the deleted file and was lost."""
+    2.2). A check that opened and closed the file would let the next process to read the
+    database and close it (a test, the sqlite3 shell, a backup) take the lock SQLite thinks it
+    holds, checkpoint and delete the write-ahead log under the daemon: every record written
+    from then on would go to the deleted file and be lost."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -100,8 +100,8 @@ async def until_unlocked(
 ) -> T:
     """``await call()``, again every LOCKED_RETRY_S while another process holds the database
     (the sqlite3 shell in a transaction, a backup tool), saying so at a backoff. A start-up
-    step that failed then ended the daemon with a traceback (a review, 2026-12-07); it now
-    waits, not ready (``/readyz`` 503), and goes on once the lock is gone. Any other error
+    step waits so, not ready (``/readyz`` 503), rather than ending the daemon with a
+    traceback, and goes on once the lock is gone. Any other error
     is raised, and "locked" too once ``give_up()`` (the daemon shuts down: a stop must not
     wait on another process for ever)."""
     repeated = Repeated(log, first=5.0, longest=60.0)

@@ -86,11 +86,11 @@ LIVE_STATES: frozenset[PeerState] = frozenset({"alive", "suspect"})
 class SwarmJobs(Protocol):
     """What the swarm needs from the job manager (``atomd.jobs.JobManager``)."""
 
-    def advert(self) -> dict[str, Any] | None:
+    def advert(self) -> JobAdvert | None:
         """The swarm job this daemon trains, as told to peers (None if none)."""
         ...
 
-    def offer(self, advert: dict[str, Any], donors: list[str]) -> None:
+    def offer(self, advert: JobAdvert, donors: list[str]) -> None:
         """A peer trains ``advert``: join it if free."""
         ...
 
@@ -117,7 +117,7 @@ class SwarmJobs(Protocol):
         """Whether this daemon has a record of ``job_id`` (trains it, or trained it once)."""
         ...
 
-    async def newer_run(self, advert: dict[str, Any]) -> None:
+    async def newer_run(self, advert: JobAdvert) -> None:
         """The origin signed a later run of a job, in ``advert``: the copy trained here goes
         on in that run."""
         ...
@@ -551,10 +551,9 @@ class SwarmNode:
         advert = self.jobs.advert()
         return self._sealed(advert) if advert else None
 
-    def _sealed(self, advert: dict[str, Any]) -> JobAdvert:
-        """``advert`` as told to peers: signed here if this daemon started the job; a joined
+    def _sealed(self, a: JobAdvert) -> JobAdvert:
+        """``a`` as told to peers: signed here if this daemon started the job; a joined
         job's carries its origin's signature (``JobManager.advert``)."""
-        a = JobAdvert.model_validate(advert)
         return sign_advert(a, self.identity, self.settings.swarm) if a.origin == self.peer_id else a
 
     def _on_message(self, sender: str, msg: Gossip) -> None:
@@ -585,15 +584,14 @@ class SwarmNode:
         self._trains(advert.id, sender)
         ours = self.jobs.run_of(advert.id)
         if ours is not None and advert.run > ours:  # the origin resumed it: ours goes on in it
-            self._spawn(self.jobs.newer_run(advert.model_dump(mode="json")), "newer-run")
+            self._spawn(self.jobs.newer_run(advert), "newer-run")
         if advert.run < latest:
             return  # an earlier run's (a straggler's): a joiner joins the latest it heard of
         if self.settings.auto_join and not self.quarantine.excluded(sender):
             member = self.membership.get(sender)
             donors = [member.url] if member is not None else []
             # Other members that train the same job are donors too, should this one fail.
-            offer = advert.model_dump(mode="json")
-            self.jobs.offer(offer, donors + self._donors_besides(sender))
+            self.jobs.offer(advert, donors + self._donors_besides(sender))
 
     def _run_heard(self, advert: JobAdvert, sender: str) -> int:
         """Record the run of a job's origin-signed ``advert`` that ``sender`` told us; the
@@ -630,7 +628,7 @@ class SwarmNode:
             return
         self._tg.create_task(_logged(coro, name), name=name)
 
-    def announce(self, advert: dict[str, Any]) -> None:
+    def announce(self, advert: JobAdvert) -> None:
         """Tell every live peer about a new swarm job now (gossip would in a few periods)."""
         msg = Announce(sender=self.membership.me.update(), job=self._sealed(advert))
         for m in self.membership.others("alive"):

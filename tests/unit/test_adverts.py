@@ -1,4 +1,4 @@
-"""A job from the swarm may not name a local path (issue #15)."""
+"""A job from the swarm may not name a local path, and only its origin speaks for it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from atomd.config import Settings
 from atomd.db import migrate, repo
 from atomd.db.engine import make_engine, make_sessionmaker
-from atomd.jobs import JobManager, advert_data_problem, advert_problem, local_data
+from atomd.jobs import JobManager
+from atomd.jobs.admission import advert_data_problem, advert_problem, local_data
 from atomd.p2p.identity import Identity
 from atomd.p2p.membership import Update
 from atomd.p2p.messages import JobAdvert, advert_forgery, job_id_for, sign_advert
@@ -39,7 +40,8 @@ async def _why_not_joined(
     task = asyncio.create_task(jobs.run())
     await jobs.wait_started()
     try:
-        events = await _refusals_of(jobs, sessions, {"id": "a" * 32, "spec": spec})
+        advert = JobAdvert.model_validate({"id": "a" * 32, "spec": spec})
+        events = await _refusals_of(jobs, sessions, advert)
         assert events, "no job.refused event"
         assert jobs.active is None
         async with sessions() as s:
@@ -51,7 +53,7 @@ async def _why_not_joined(
         await engine.dispose()
 
 
-async def _refusals_of(jobs: JobManager, sessions: Any, advert: dict[str, Any]) -> list[Any]:
+async def _refusals_of(jobs: JobManager, sessions: Any, advert: JobAdvert) -> list[Any]:
     """Offer ``advert`` to a running ``jobs`` and wait (up to 4 s) for its ``job.refused``."""
     jobs.offer(advert, ["http://127.0.0.1:1"])
     for _ in range(200):
@@ -98,13 +100,13 @@ async def test_an_advert_naming_a_path_is_not_joined(tmp_path: Path) -> None:
 
 async def test_only_its_origin_stops_a_job_on_every_peer(tmp_path: Path) -> None:
     """A stop heard from the swarm ends this daemon's copy only if the job's origin sent it:
-    from any member, one message each ended every peer's copy of every job, for good (a
-    stopped job is not joined again; a review of 2026-12-06). An operator of another peer
+    from any member, one message each would end every peer's copy of every job, for good (a
+    stopped job is not joined again). An operator of another peer
     is told so, and can stop its own copy."""
     from types import SimpleNamespace
 
     from atomd.errors import JobConflictError
-    from atomd.jobs import ActiveJob
+    from atomd.jobs.active import ActiveJob
 
     jobs, sessions, engine = await _manager(tmp_path)
     origin, job_id = "o" * 32, "a" * 32
@@ -136,16 +138,16 @@ async def test_a_job_whose_checkpoints_would_not_fit_the_disk_is_not_joined(
     joiner checks they fit its free disk first, and says why it does not join."""
     import shutil
 
-    from atomd import jobs as jobs_module
-    from atomd.jobs import CHECKPOINT_MODEL_SIZES
+    from atomd.jobs import admission
+    from atomd.jobs.admission import CHECKPOINT_MODEL_SIZES, disk_problem
     from atomd.model.config import num_parameters
 
     jobs, sessions, engine = await _manager(tmp_path)
     bound = CHECKPOINT_MODEL_SIZES * 4 * num_parameters(JobSpec(preset="tiny").model_shape)
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(jobs_module.shutil, "disk_usage",
+    monkeypatch.setattr(admission.shutil, "disk_usage",
                         lambda path: usage._replace(free=10 * bound))  # fmt: skip
-    assert jobs._disk_problem(JobSpec(preset="tiny", keep_checkpoints=3)) is None
+    assert disk_problem(JobSpec(preset="tiny", keep_checkpoints=3), jobs.jobs_dir) is None
     spec = {"preset": "tiny", "keep_checkpoints": 1000}
     assert "keeping 1000 checkpoints" in await _why_not_joined(jobs, sessions, engine, spec)
 
@@ -198,13 +200,13 @@ async def test_a_forged_advert_is_neither_joined_nor_counted(tmp_path: Path) -> 
 
     from atomd.config import Settings
     from atomd.db.engine import make_engine, make_sessionmaker
-    from atomd.jobs import ActiveJob
+    from atomd.jobs.active import ActiveJob
     from atomd.p2p.membership import Member
     from atomd.p2p.messages import Gossip
     from atomd.p2p.node import SwarmNode
 
     origin, evil, me = Identity.generate(), Identity.generate(), Identity.generate()
-    offers: list[dict[str, Any]] = []
+    offers: list[JobAdvert] = []
     fake_jobs = SimpleNamespace(offer=lambda advert, donors: offers.append(advert),
                                 advert=lambda: None, run_of=lambda job_id: None)  # fmt: skip
     settings = Settings(data_dir=tmp_path / "n", device="cpu", auto_join=True)
@@ -224,7 +226,7 @@ async def test_a_forged_advert_is_neither_joined_nor_counted(tmp_path: Path) -> 
     node._on_message(evil.peer_id, Gossip(sender=sender, job=claimed))
     assert offers == [] and node.job_peers(claimed.id) == []
     node._on_message(evil.peer_id, Gossip(sender=sender, job=honest))  # passed on as it is
-    assert [o["origin"] for o in offers] == [origin.peer_id]
+    assert [o.origin for o in offers] == [origin.peer_id]
     assert [m.id for m in node.job_peers(honest.id)] == [evil.peer_id]
     await engine.dispose()
 
@@ -233,16 +235,16 @@ async def test_a_forged_advert_is_neither_joined_nor_counted(tmp_path: Path) -> 
     try:
         offer = offers[0]
         async with sessions() as s, s.begin():
-            await repo.create_job(s, job_id=honest.id, spec=offer["spec"], out_dir="/x",
-                                  state="running", scope="swarm", origin=offer["origin"],
-                                  origin_key=offer["origin_key"],
-                                  origin_signature=offer["signature"])  # fmt: skip
+            await repo.create_job(s, job_id=honest.id, spec=offer.spec.model_dump(mode="json"),
+                                  out_dir="/x", state="running", scope="swarm",
+                                  origin=offer.origin, origin_key=offer.origin_key,
+                                  origin_signature=offer.signature)  # fmt: skip
         async with sessions() as s:
             row = await repo.get_job(s, job_id=honest.id)
         assert row is not None
-        from atomd.jobs import _resumed
+        from atomd.jobs.active import resumed_job
 
-        jobs.active = _resumed(row, JobSpec.model_validate(row.spec))
+        jobs.active = resumed_job(row, JobSpec.model_validate(row.spec))
         assert isinstance(jobs.active, ActiveJob)
         told = JobAdvert.model_validate(jobs.advert())
         assert advert_forgery(told, "default") is None and told.origin == origin.peer_id
@@ -263,7 +265,8 @@ async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path
     checkpoint, records why, does not ask the donor again and takes another's, up to
     DONOR_TRIES donors; any other failure is the job's own."""
     from atomd.errors import DonorStateError
-    from atomd.jobs import DONOR_TRIES, ActiveJob
+    from atomd.jobs.active import ActiveJob
+    from atomd.jobs.donor_state import DONOR_TRIES
     from atomd.train import checkpoint as ckpt
 
     jobs, sessions, engine = await _manager(tmp_path)
@@ -278,7 +281,9 @@ async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path
             where.mkdir(parents=True)
             (where / ckpt.DONATED_FILE).write_text(f"https://d{n}")  # as the fetch writes it
             active.adopt_step = 40
-            again = await jobs._donor_refused(active, _failed(DonorStateError("far worse", 40)))
+            again = await jobs.donor_state.donor_refused(
+                active, _failed(DonorStateError("far worse", 40))
+            )
             assert again == (n < DONOR_TRIES) and not where.exists()
             assert active.adopt_step is None
             assert f"https://d{n}" not in active.donors
@@ -291,14 +296,16 @@ async def test_a_refused_donor_state_is_removed_and_another_donor_asked(tmp_path
         kept = ckpt.checkpoint_dir(ckpt.checkpoint_root(active.out_dir), 39)
         kept.mkdir(parents=True)
         (kept / ckpt.DONATED_FILE).write_text("https://d9")
-        assert not await jobs._donor_refused(active, _failed(ValueError("a bug")))
+        assert not await jobs.donor_state.donor_refused(active, _failed(ValueError("a bug")))
         assert distrusted[-1] != "https://d9" and kept.exists()
         # A state fetched before the daemon stopped, refused when it resumed: the donor its
         # checkpoint names is distrusted, and the checkpoint goes.
         where = ckpt.checkpoint_dir(ckpt.checkpoint_root(active.out_dir), 41)
         where.mkdir(parents=True)
         (where / ckpt.DONATED_FILE).write_text("https://d7")
-        assert await jobs._donor_refused(active, _failed(DonorStateError("far worse", 41)))
+        assert await jobs.donor_state.donor_refused(
+            active, _failed(DonorStateError("far worse", 41))
+        )
         assert distrusted[-1] == "https://d7" and not where.exists()
     finally:
         await engine.dispose()
@@ -311,7 +318,8 @@ async def test_a_swarm_moved_on_past_the_trainer_takes_its_state_again(tmp_path:
     ``job.retake`` event, and lets the next plugin do so again only RETAKES times a job; any
     other failure is not one."""
     from atomd.errors import SwarmMovedOnError
-    from atomd.jobs import RETAKES, ActiveJob
+    from atomd.jobs.active import ActiveJob
+    from atomd.jobs.donor_state import RETAKES
 
     jobs, sessions, engine = await _manager(tmp_path)
     made: list[bool] = []
@@ -328,11 +336,11 @@ async def test_a_swarm_moved_on_past_the_trainer_takes_its_state_again(tmp_path:
                            donors=["https://d1"])  # fmt: skip
         old = active.plugin = cast(Any, object())
         active.adopt_step = 40
-        assert not await jobs._moved_on(active, _failed(ValueError("a bug")))
+        assert not await jobs.donor_state.moved_on(active, _failed(ValueError("a bug")))
         assert active.plugin is old and made == []
         for n in range(1, RETAKES + 1):
             moved = SwarmMovedOnError("the swarm has closed 7 round(s) past", 40 + n)
-            assert await jobs._moved_on(active, _failed(moved))
+            assert await jobs.donor_state.moved_on(active, _failed(moved))
             assert active.plugin is not old and made[-1] == (n < RETAKES)
             assert active.resume and active.donors == [] and active.adopt_step is None
             assert active.retaking
@@ -351,7 +359,7 @@ async def test_a_retake_takes_the_swarms_state_whatever_its_step(
     state. Retaking, it asks for the swarm's state from any step on, removes its own
     checkpoints past the one fetched (the trainer resumes from the newest) and adopts it; a
     restarted daemon asks only for a state newer than its own."""
-    from atomd.jobs import ActiveJob
+    from atomd.jobs.active import ActiveJob
     from atomd.p2p.transfer import Fetched
     from atomd.train import checkpoint as ckpt
 
@@ -378,7 +386,7 @@ async def test_a_retake_takes_the_swarms_state_whatever_its_step(
         root = ckpt.checkpoint_root(active.out_dir)
         for step in (300, 320):
             ckpt.checkpoint_dir(root, step).mkdir(parents=True)
-        assert await jobs._take_swarm_state(active)
+        assert await jobs.donor_state.take(active)
         names = [p.name for p in ckpt.list_checkpoints(root)]
         if retaking:
             assert asked == [1] and active.adopt_step == 310
@@ -398,12 +406,12 @@ async def test_a_job_whose_activations_would_not_fit_host_memory_is_not_joined(
     """A member may advertise micro_batch_size 4096 so that every free peer joins it; on the
     CPU its activations (~20 GiB for tiny) would bring the kernel's OOM killer onto the
     daemon. A joiner that trains on the CPU counts them first, and says why it does not join."""
-    from atomd import jobs as jobs_module
     from atomd.devices import TRAIN_BYTES_PER_PARAMETER
+    from atomd.jobs import admission
     from atomd.model.config import num_parameters
 
     state = num_parameters(JobSpec(preset="tiny").model_shape) * TRAIN_BYTES_PER_PARAMETER
-    monkeypatch.setattr(jobs_module, "host_memory_available", lambda: state + (1 << 30))
+    monkeypatch.setattr(admission, "host_memory_available", lambda: state + (1 << 30))
     jobs, sessions, engine = await _manager(tmp_path)  # device cpu
     spec = {"preset": "tiny", "micro_batch_size": 4096}
     why = await _why_not_joined(jobs, sessions, engine, spec)
@@ -423,7 +431,7 @@ async def test_a_refused_donor_state_leaves_its_model_behind_before_the_next_try
 
     from atomd.engines import build_engine
     from atomd.errors import DonorStateError
-    from atomd.jobs import ActiveJob
+    from atomd.jobs.active import ActiveJob
     from atomd.sync.runner import SyncPlugin
     from atomd.train import checkpoint as ckpt
     from atomd.train.trainer import Trainer
@@ -459,7 +467,7 @@ async def test_a_refused_donor_state_leaves_its_model_behind_before_the_next_try
         fut.set_exception(e)
     del built
     try:
-        assert await jobs._donor_refused(active, fut)
+        assert await jobs.donor_state.donor_refused(active, fut)
         del fut  # as the job's next try does: the refused trainer's frames go with it
         gc.collect()
         assert model() is None, "the refused state's model is still held"
@@ -477,12 +485,12 @@ async def test_a_full_disk_while_recording_progress_waits_instead_of_ending_the_
     shuts down); any other database error still raises."""
     from sqlalchemy.exc import OperationalError
 
-    from atomd import jobs as jobs_module
     from atomd.db import health
-    from atomd.jobs import ActiveJob
+    from atomd.jobs import recording
+    from atomd.jobs.active import ActiveJob
 
     jobs, _, engine = await _manager(tmp_path)
-    monkeypatch.setattr(jobs_module, "RECORD_RETRY_S", 0.01)
+    monkeypatch.setattr(recording, "RECORD_RETRY_S", 0.01)
     active = ActiveJob("a" * 32, JobSpec(preset="tiny"), tmp_path / "job", False)
     calls: list[int] = []
     fail: list[BaseException] = []
@@ -495,10 +503,10 @@ async def test_a_full_disk_while_recording_progress_waits_instead_of_ending_the_
     def full() -> OperationalError:
         return OperationalError("COMMIT", None, Exception("database or disk is full"))
 
-    monkeypatch.setattr(jobs, "_record", record)
+    monkeypatch.setattr(jobs.recorder, "record", record)
     try:
         fail[:] = [full(), full()]
-        await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
+        await jobs.recorder.record_when_room(active, [object()])  # type: ignore[list-item]
         assert calls == [1, 1, 1] and not fail
         monkeypatch.setattr(health, "LOCKED_RETRY_S", 0.01)
 
@@ -507,20 +515,20 @@ async def test_a_full_disk_while_recording_progress_waits_instead_of_ending_the_
 
         calls.clear()
         fail[:] = [locked(), locked()]
-        await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
+        await jobs.recorder.record_when_room(active, [object()])  # type: ignore[list-item]
         assert calls == [1, 1, 1] and not fail
         fail[:] = [OperationalError("COMMIT", None, Exception("disk I/O error"))]
         with pytest.raises(OperationalError, match="I/O"):
-            await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
+            await jobs.recorder.record_when_room(active, [object()])  # type: ignore[list-item]
         await jobs.shutdown()
         calls.clear()
         fail[:] = [locked()]
-        await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
+        await jobs.recorder.record_when_room(active, [object()])  # type: ignore[list-item]
         assert calls == [1], "shutting down: dropped, not waited for"
-        monkeypatch.setattr(jobs_module, "RECORD_FULL_S", 0.0)
+        monkeypatch.setattr(recording, "RECORD_FULL_S", 0.0)
         calls.clear()
         fail[:] = [full()]
-        await jobs._record_when_room(active, [object()])  # type: ignore[list-item]
+        await jobs.recorder.record_when_room(active, [object()])  # type: ignore[list-item]
         assert calls == [1], "dropped past the bound, not retried"
     finally:
         await engine.dispose()
@@ -535,7 +543,8 @@ async def test_a_stop_cancels_a_state_transfer_under_way(
     stop during training would be: pending to resume after a shutdown (from its newest
     checkpoint), stopped after a stop, also when the stop's own record ("stopping") is slow
     to commit (another process's lock): the end is written after it, not overwritten by it."""
-    from atomd.jobs import SHUTDOWN_REASON, ActiveJob
+    from atomd.jobs.active import ActiveJob
+    from atomd.jobs.recording import SHUTDOWN_REASON
     from atomd.train import checkpoint as ckpt
 
     if how == "stop, its record slow":
@@ -571,12 +580,12 @@ async def test_a_stop_cancels_a_state_transfer_under_way(
                               state="running", scope="swarm")  # fmt: skip
     jobs.active = active
     try:
-        taking = asyncio.create_task(jobs._take_swarm_state(active))
+        taking = asyncio.create_task(jobs.donor_state.take(active))
         await asyncio.wait_for(fetching.wait(), 10)
         if how == "shutdown":
             await jobs.shutdown()
         else:
-            await asyncio.gather(jobs._request_stop(active, "stopped by request"), taking)
+            await asyncio.gather(jobs.request_stop(active, "stopped by request"), taking)
         assert await asyncio.wait_for(taking, 10) is False  # the job ended here
         assert cancelled.is_set() and jobs.active is None
         async with sessions() as s:
@@ -594,14 +603,16 @@ async def test_a_checkpoint_pruned_before_it_was_recorded_is_skipped(tmp_path: P
     """Reports wait while another process holds the database, and the trainer goes on and
     prunes its old checkpoints (``keep_checkpoints``): hashing one that is gone raised out of
     the job's task and ended the daemon. It is skipped; the rest of the batch is recorded."""
-    from atomd.jobs import ActiveJob, _Saved
+    from atomd.jobs.active import ActiveJob, CheckpointSaved
 
     jobs, sessions, engine = await _manager(tmp_path)
     active = ActiveJob("b" * 32, JobSpec(preset="tiny"), tmp_path / "job", False)
     async with sessions() as s, s.begin():
         await repo.create_job(s, job_id=active.id, spec={}, out_dir=str(active.out_dir))
     try:
-        await jobs._record(active, [_Saved(tmp_path / "job" / "step-00000010", 10)])
+        await jobs.recorder.record(
+            active, [CheckpointSaved(tmp_path / "job" / "step-00000010", 10)]
+        )
         async with sessions() as s:
             assert await repo.latest_checkpoint(s, job_id=active.id) is None
     finally:
@@ -613,7 +624,7 @@ async def test_a_swarm_wide_stop_is_remembered_across_a_restart(tmp_path: Path) 
     after the origin itself restarted: the stop is recorded (``job.swarm_stopped``) and read
     back as the jobs are taken up, whatever the origin's own copy reads (a SIGKILL may leave
     it "stopping"); a job resumed here since is no longer stopped, also when it was stopped
-    here only afterwards (a review of 2026-12-07)."""
+    here only afterwards."""
     stopped, stopping, resumed, local = "c" * 32, "d" * 32, "e" * 32, "f" * 32
     jobs, sessions, engine = await _manager(tmp_path)
     async with sessions() as s, s.begin():
@@ -643,7 +654,7 @@ async def _launched(
     """``jobs``, running, with its launches caught instead of trained: the list they go to,
     and its task."""
     launched: list[Any] = []
-    monkeypatch.setattr(jobs, "_launch", launched.append)
+    monkeypatch.setattr(jobs, "launch", launched.append)
     task = asyncio.create_task(jobs.run())
     await jobs.wait_started()
     return launched, task
@@ -721,7 +732,7 @@ async def test_a_joiner_trains_the_run_its_advert_names(
             JobAdvert(id=job_id_for(origin.peer_id), spec=JobSpec(preset="tiny"), run=2),
             origin, "default",
         )  # fmt: skip
-        jobs.offer(advert.model_dump(mode="json"), ["http://127.0.0.1:1"])
+        jobs.offer(advert, ["http://127.0.0.1:1"])
         for _ in range(200):
             if launched:
                 break
@@ -738,10 +749,9 @@ async def test_a_joiner_trains_the_run_its_advert_names(
         assert not active.stop_event.is_set() and active.stop_reason is None
 
         # The origin resumes the job again: heard of, the copy goes on in run 3, sealed so.
-        def later(run: int, spec: JobSpec) -> dict[str, Any]:
-            a = sign_advert(advert.model_copy(update={"run": run, "spec": spec}), origin,
-                            "default")  # fmt: skip
-            return a.model_dump(mode="json")
+        def later(run: int, spec: JobSpec) -> JobAdvert:
+            return sign_advert(advert.model_copy(update={"run": run, "spec": spec}), origin,
+                               "default")  # fmt: skip
 
         await jobs.newer_run(later(3, JobSpec(preset="tiny", lr=1.0)))  # not the job trained
         await jobs.newer_run(later(1, advert.spec))  # an earlier run
@@ -770,7 +780,7 @@ async def test_a_copy_the_swarm_stopped_rejoins_a_later_run(
     keeps the run for the next advert. A copy its operator stopped, one that finished or
     failed, one of another spec or origin, or an advert of no later run is not joined again.
     A joiner takes no advert of an earlier run than the latest the swarm heard of."""
-    from atomd.jobs import ActiveJob
+    from atomd.jobs.active import ActiveJob
 
     origin, other = Identity.generate(), Identity.generate()
     jobs, sessions, engine = await _manager(tmp_path)
@@ -795,7 +805,7 @@ async def test_a_copy_the_swarm_stopped_rejoins_a_later_run(
 
     async def offer(job_id: str, run: int, lr: float = spec.lr, by: Identity = origin) -> None:
         a = JobAdvert(id=job_id, spec=spec.model_copy(update={"lr": lr}), run=run)
-        await jobs._join(job_id, sign_advert(a, by, "default").model_dump(mode="json"), [])
+        await jobs.joiner.join(sign_advert(a, by, "default"), [])
 
     try:
         await offer(ids[0], 0)  # no later run

@@ -97,9 +97,9 @@ def _count_in_another_process(db: Path) -> int:
 async def test_the_database_check_keeps_sqlites_locks(sessions: Sessions, db: Path) -> None:
     """The daemon's check of its database file (``/readyz``, every few seconds) must not close
     a descriptor of the file: that drops the process's POSIX locks, SQLite's too, and the next
-    process to read the database and close it deleted the write-ahead log under the daemon,
-    whose later records were lost (found under load on 2026-12-06: a peer's events stopped at
-    the test's first read of its database)."""
+    process to read the database and close it would delete the write-ahead log under the
+    daemon, whose later records would be lost (under load, a peer's events stopped at the
+    test's first read of its database)."""
     database = DatabaseFile(db)
     try:
         async with sessions() as s, s.begin():
@@ -504,7 +504,7 @@ async def test_bans_persist_replace_and_lift(sessions: Sessions) -> None:
 
 
 async def test_quarantines_persist_expire_and_lift(db: Path, sessions: Sessions) -> None:
-    """A quarantine is kept until its end (issue #15): listed while it runs, not after (the
+    """A quarantine is kept until its end: listed while it runs, not after (the
     rows that ended are deleted as the next is added, so that listing only reads), lifted by
     peer id or by key."""
     now = datetime.now(UTC)

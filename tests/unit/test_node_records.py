@@ -13,7 +13,7 @@ from atomd.config import Settings
 from atomd.db import repo
 from atomd.p2p.identity import Identity
 from atomd.p2p.membership import Member
-from atomd.p2p.messages import job_id_for, sign_stop
+from atomd.p2p.messages import JobAdvert, job_id_for, sign_stop
 from atomd.p2p.node import SwarmNode
 from atomd.telemetry import Telemetry
 from tests.unit.conftest import Sessions
@@ -147,11 +147,11 @@ class _Jobs:
     async def had(self, job_id: str) -> bool:
         return job_id in self.training or job_id in self.known
 
-    async def newer_run(self, advert: dict[str, Any]) -> None:
-        self.newer.append(int(advert.get("run") or 0))
-        self.training[str(advert["id"])] = self.newer[-1]
+    async def newer_run(self, advert: JobAdvert) -> None:
+        self.newer.append(advert.run)
+        self.training[advert.id] = self.newer[-1]
 
-    def offer(self, advert: dict[str, Any], donors: list[str]) -> None:
+    def offer(self, advert: JobAdvert, donors: list[str]) -> None:
         raise AssertionError("auto_join is off")
 
 
@@ -311,7 +311,7 @@ async def test_an_earlier_runs_advert_is_not_joined(tmp_path: Path, sessions: Se
     offers: list[int] = []
     node.settings.auto_join = True
     jobs.offer = lambda advert, donors: offers.append(  # type: ignore[method-assign]
-        int(advert.get("run") or 0) if advert["id"] == job else -1
+        advert.run if advert.id == job else -1
     )
     job = job_id_for(origin.peer_id)
     node._on_message(member.peer_id, _gossip(origin, job, 0))

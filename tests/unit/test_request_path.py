@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from atomd import devices, jobs
+from atomd import devices
 from atomd.devices import (
     TRAIN_BYTES_PER_PARAMETER,
     TRAINING_RESERVE_BYTES,
@@ -17,18 +17,19 @@ from atomd.devices import (
     host_step_bytes,
 )
 from atomd.errors import SpecError
+from atomd.jobs import admission
 from atomd.model.config import num_parameters
 from atomd.spec import JobSpec
 
 SCRIPT = """
 import sys
-import atomd_api.control, atomd.daemon, atomd.jobs
+import atomd_api.control, atomd.daemon, atomd.jobs.admission
 from atomd.errors import SpecError
 from atomd.model import PRESETS
 from atomd.spec import JobSpec
 for name in PRESETS:
     try:
-        atomd.jobs.admit(JobSpec(preset=name))
+        atomd.jobs.admission.admit(JobSpec(preset=name))
     except SpecError as e:
         assert "host memory" in str(e), e
 heavy = sorted(m for m in ("torch", "numpy", "atomd.model.gpt") if m in sys.modules)
@@ -113,7 +114,7 @@ def _state(spec: JobSpec) -> int:
 
 
 def _available(monkeypatch: pytest.MonkeyPatch, have: int) -> None:
-    monkeypatch.setattr(jobs, "host_memory_available", lambda: have)
+    monkeypatch.setattr(admission, "host_memory_available", lambda: have)
 
 
 HUGE = JobSpec(preset="tiny", micro_batch_size=4096)  # ~20 GiB of activations on the CPU
@@ -131,7 +132,7 @@ def test_a_job_whose_activations_do_not_fit_the_host_is_refused_naming_the_field
     need = _state(HUGE) + host_step_bytes(HUGE)
     _available(monkeypatch, need - 1)
     with pytest.raises(SpecError, match="host memory") as e:
-        jobs.admit(HUGE, "cpu")
+        admission.admit(HUGE, "cpu")
     assert e.value.field == "micro_batch_size"
     message = str(e.value)
     assert f"needs about {need / 2**30:.1f} GiB" in message
@@ -140,21 +141,21 @@ def test_a_job_whose_activations_do_not_fit_the_host_is_refused_naming_the_field
     # it says how many sequences do fit: that many pass, one more does not
     fit = int(re.findall(r"\((\d+) sequences fit\)", message)[0])
     assert 1024 <= fit < 4096
-    jobs.admit(HUGE.model_copy(update={"micro_batch_size": fit}), "cpu")
+    admission.admit(HUGE.model_copy(update={"micro_batch_size": fit}), "cpu")
     with pytest.raises(SpecError):
-        jobs.admit(HUGE.model_copy(update={"micro_batch_size": fit + 1}), "cpu")
+        admission.admit(HUGE.model_copy(update={"micro_batch_size": fit + 1}), "cpu")
 
 
 def test_a_job_whose_activations_fit_is_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
     _available(monkeypatch, _state(HUGE) + host_step_bytes(HUGE))
-    jobs.admit(HUGE, "cpu")
+    admission.admit(HUGE, "cpu")
 
 
 def test_not_one_sequence_fitting_names_seq_len(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = JobSpec(preset="tiny", micro_batch_size=1)
     _available(monkeypatch, _state(spec) + TRAINING_RESERVE_BYTES)
     with pytest.raises(SpecError, match="not one sequence fits") as e:
-        jobs.admit(spec, "cpu")
+        admission.admit(spec, "cpu")
     assert e.value.field == "seq_len" and "lower seq_len" in str(e.value)
 
 
@@ -162,7 +163,7 @@ def test_the_training_state_alone_still_names_the_preset(monkeypatch: pytest.Mon
     _available(monkeypatch, _state(HUGE) - 1)
     for device in ("cpu", "cuda"):
         with pytest.raises(SpecError, match="weights, gradients and AdamW state") as e:
-            jobs.admit(HUGE, device)
+            admission.admit(HUGE, device)
         assert e.value.field == "preset"
 
 
@@ -170,9 +171,9 @@ def test_activations_on_a_gpu_are_not_counted_against_host_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _available(monkeypatch, _state(HUGE))
-    jobs.admit(HUGE, "cuda")
+    admission.admit(HUGE, "cuda")
     with pytest.raises(SpecError):
-        jobs.admit(HUGE, "cpu")
+        admission.admit(HUGE, "cpu")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the device nodes are Linux's")
@@ -184,10 +185,10 @@ def test_auto_counts_them_only_where_no_gpu_device_node_exists(
     monkeypatch.setattr(devices.os.path, "exists", lambda p: p in nodes)
     assert devices.trains_on_host("auto")
     with pytest.raises(SpecError, match="training on the CPU"):
-        jobs.admit(HUGE)  # the default: auto
+        admission.admit(HUGE)  # the default: auto
     nodes.add("/dev/nvidiactl")  # a GPU torch may train on: never refuse what may fit there
     assert not devices.trains_on_host("auto")
-    jobs.admit(HUGE)
+    admission.admit(HUGE)
     assert devices.trains_on_host("cpu") and not devices.trains_on_host("cuda")
 
 

@@ -236,7 +236,8 @@ async def test_a_resume_backfills_what_is_missing_but_not_what_was_thinned(
 ) -> None:
     """The job manager's resume: the points a crash lost before its checkpoint come back from
     the metrics file; the older points the thinning deleted do not (the file has them all)."""
-    from atomd.jobs import JobManager, _Resumed
+    from atomd.jobs import JobManager
+    from atomd.jobs.active import TrainerResumed
     from atomd.spec import JobSpec
     from atomd.telemetry import Telemetry
 
@@ -254,7 +255,7 @@ async def test_a_resume_backfills_what_is_missing_but_not_what_was_thinned(
         rows = [_point(n, val_loss=_val(n)).model_dump(mode="json") for n in range(1, 5001)]
         active = SimpleNamespace(id="j1", step=0, tokens_seen=0, logged_at=0.0,
                                  spec=JobSpec(preset="tiny"))  # fmt: skip
-        await jobs._record(cast(Any, active), [_Resumed(start_step=4950, rows=rows)])
+        await jobs.recorder.record(cast(Any, active), [TrainerResumed(start_step=4950, rows=rows)])
         steps = await _steps(sessions)
         assert steps == [*kept, *range(4801, 4951)]
         async with sessions() as s:

@@ -129,7 +129,7 @@ def test_bytes_runs_carry_the_bytes_tokenizer(tmp_path: Path, text_file: Path) -
 @pytest.mark.parametrize("name", ["/nope/tokenizer.json", "x" * 5000, "~no-such-user-here/t.json"])
 def test_the_daemon_refuses_a_missing_tokenizer_or_init_from_before_queueing(name: str) -> None:
     from atomd.errors import SpecError
-    from atomd.jobs import admit
+    from atomd.jobs.admission import admit
     from atomd.spec import JobSpec
 
     with pytest.raises(SpecError, match="not found") as e:

@@ -12,7 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from atomd.config import Settings
-from atomd.jobs import JobManager, lower_thread_priority
+from atomd.jobs import JobManager
+from atomd.jobs.trainer_thread import lower_thread_priority
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
 
@@ -57,9 +58,9 @@ def test_the_job_managers_trainer_thread_runs_nicer(tmp_path: Path) -> None:
         trainer_nice=Settings().trainer_nice,
     )  # fmt: skip
     try:
-        assert jobs._executor.submit(_nice).result(timeout=10) == min(19, base + 10)
+        assert jobs.driver.executor.submit(_nice).result(timeout=10) == min(19, base + 10)
     finally:
-        jobs._executor.shutdown(wait=True)
+        jobs.driver.executor.shutdown(wait=True)
 
 
 def test_trainer_nice_is_bounded() -> None:

@@ -314,7 +314,9 @@ async def test_a_donor_refuses_a_state_younger_than_asked_or_before_its_first_ro
     closed no round yet (the joiner starts from the initial weights, the swarm's model then);
     old enough and past its first round, it is asked."""
     from atomd.errors import NotFoundError
-    from atomd.jobs import LIVE_STATE_EVERY_S, ActiveJob, JobManager
+    from atomd.jobs import JobManager
+    from atomd.jobs.active import ActiveJob
+    from atomd.jobs.driving import LIVE_STATE_EVERY_S
     from atomd.spec import JobSpec
     from atomd.telemetry import Telemetry
     from atomd.train.trainer import SnapshotRequests
@@ -356,7 +358,8 @@ async def test_a_swarm_job_expects_its_frames_from_its_launch_until_its_release(
 ) -> None:
     """The job manager tells the exchange as it launches a swarm job (before torch loads and
     before the plugin exists), and releases the job when it ends; local jobs stay out of it."""
-    from atomd.jobs import ActiveJob, JobManager
+    from atomd.jobs import JobManager
+    from atomd.jobs.active import ActiveJob
     from atomd.spec import JobSpec
     from atomd.telemetry import Telemetry
 
@@ -376,22 +379,22 @@ async def test_a_swarm_job_expects_its_frames_from_its_launch_until_its_release(
         # the exchange already knows of a swarm job, before anything of it ran
         assert calls == ([("expect", active.id)] if active.scope == "swarm" else [])
 
-    jobs._drive = drive  # type: ignore[method-assign]
+    jobs.driver.drive = drive  # type: ignore[method-assign]
     async with asyncio.TaskGroup() as tg:
-        jobs._tg = tg
+        jobs.task_group = tg
         swarm_job = ActiveJob(id="s" * 32, spec=JobSpec(preset="tiny"), out_dir=tmp_path,
                               resume=True, scope="swarm")  # fmt: skip
-        jobs._launch(swarm_job)
+        jobs.launch(swarm_job)
     assert driven == ["s" * 32]
-    jobs._release(swarm_job)
+    jobs.release(swarm_job)
     assert calls == [("expect", "s" * 32), ("release", "s" * 32)] and jobs.active is None
     calls.clear()
     async with asyncio.TaskGroup() as tg:
-        jobs._tg = tg
+        jobs.task_group = tg
         local = ActiveJob(id="l" * 32, spec=JobSpec(preset="tiny"), out_dir=tmp_path,
                           resume=False, scope="local")  # fmt: skip
-        jobs._launch(local)
-    jobs._release(local)
+        jobs.launch(local)
+    jobs.release(local)
     assert calls == [] and driven == ["s" * 32, "l" * 32]
 
 
