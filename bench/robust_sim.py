@@ -318,19 +318,41 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    attacks: Sequence[str] = ATTACKS
-    defences: Sequence[str] = DEFENCES
-    if "--attacks" in args:
-        attacks = args[args.index("--attacks") + 1].split(",")
-    if "--defences" in args:
-        defences = args[args.index("--defences") + 1].split(",")
+    """``python -m atomd_bench.robust_sim [OPTIONS]``: JSON to stdout."""
+    import argparse
+
+    def names(value: str) -> list[str]:
+        return [n for n in value.split(",") if n]
+
+    ap = argparse.ArgumentParser(
+        prog="python -m atomd_bench.robust_sim", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--quick", action="store_true", help="a few steps of a small task")
+    ap.add_argument(
+        "--attacks", type=names, default=list(ATTACKS), help=f"of: {', '.join(ATTACKS)}"
+    )
+    ap.add_argument(
+        "--defences", type=names, default=list(DEFENCES), help=f"of: {', '.join(DEFENCES)}"
+    )
+    ap.add_argument(
+        "--no-direction", action="store_true", help="the robust rule without its direction check"
+    )
+    ap.add_argument(
+        "--quarantine",
+        action="store_true",
+        help="each honest peer quarantines a member as the daemon does",
+    )
+    args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     rule = DEFAULT_RULE
-    if "--no-direction" in args:  # the rule as it was before the direction check
+    if args.no_direction:
         rule = dataclasses.replace(rule, direction=False)
-    quarantine = "--quarantine" in args
-    quick = "--quick" in args
-    result = run(quick=quick, attacks=attacks, defences=defences, rule=rule, quarantine=quarantine)
+    result = run(
+        quick=args.quick,
+        attacks=args.attacks,
+        defences=args.defences,
+        rule=rule,
+        quarantine=args.quarantine,
+    )
     print(json.dumps(result))
 
 
