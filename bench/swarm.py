@@ -112,7 +112,7 @@ def run_scenario(
         seen.job_id = r.json()["id"]
         seen.started = time.monotonic()
         if scenario.fault is not None:
-            seen.kill = Fault(victim=n - 1, at_step=max(1, int(FAULT_AT * task.steps)),
+            seen.fault = Fault(victim=n - 1, at_step=max(1, int(FAULT_AT * task.steps)),
                               how=scenario.fault)  # fmt: skip
         _train(task, daemons, net, seen, deadline, say)
         seen.ended = time.monotonic()
@@ -145,37 +145,37 @@ def _train(
 ) -> None:  # fmt: skip
     """Poll until every peer's job is done (or the deadline); strike the victim with its fault
     and undo it (``_strike``)."""
-    kill = seen.kill
+    fault = seen.fault
     last_line = 0.0
     while True:
         now = time.monotonic()
         # A stopped daemon answers nothing: not asked until it is continued.
         stopped = None
-        if kill is not None and kill.how == "sigstop" and kill.restarted_at is None:
-            stopped = None if kill.killed_at is None else kill.victim
+        if fault is not None and fault.how == "sigstop" and fault.restarted_at is None:
+            stopped = None if fault.killed_at is None else fault.victim
         states = {
             d.i: job_state(d, seen.job_id) if d.alive() and d.i != stopped else None
             for d in daemons
         }
         for i, s in states.items():
-            back = kill is None or i != kill.victim or kill.restarted_at is not None
+            back = fault is None or i != fault.victim or fault.restarted_at is not None
             if s is not None and s["state"] in DONE and i not in seen.finished and back:
                 seen.finished[i] = now
         if len(seen.finished) == len(daemons):
             return
-        if kill is not None:
-            victim = daemons[kill.victim]
-            s = states[kill.victim]
-            if kill.killed_at is None and s is not None and s["step"] >= kill.at_step:
-                say(f"  {_strike(kill.how, victim, net, undo=False)} at step {s['step']}")
-                kill.killed_at, kill.killed_step = now, s["step"]
+        if fault is not None:
+            victim = daemons[fault.victim]
+            s = states[fault.victim]
+            if fault.killed_at is None and s is not None and s["step"] >= fault.at_step:
+                say(f"  {_strike(fault.how, victim, net, undo=False)} at step {s['step']}")
+                fault.killed_at, fault.killed_step = now, s["step"]
             elif (
-                kill.killed_at is not None
-                and kill.restarted_at is None
-                and now - kill.killed_at >= task.restart_after_s
+                fault.killed_at is not None
+                and fault.restarted_at is None
+                and now - fault.killed_at >= task.restart_after_s
             ):
-                say(f"  {_strike(kill.how, victim, net, undo=True)}")
-                kill.restarted_at = now
+                say(f"  {_strike(fault.how, victim, net, undo=True)}")
+                fault.restarted_at = now
         if now - last_line > 30:
             steps = " ".join(
                 f"{s['step'] if s else '-'}" for s in states.values()

@@ -198,7 +198,7 @@ def scenario_report(
         p["sync_wait_share"] = None if wait is None or not p["wall_s"] else wait / p["wall_s"]
     frames = [p["frame_bytes_mean"] for p in peers if p.get("frame_bytes_mean")]
     model = max((p.get("model_fp32_bytes") or 0 for p in peers), default=0)
-    kill = seen.kill
+    fault = seen.fault
     return {
         "scenario": scenario.name,
         "network": mode,
@@ -217,23 +217,25 @@ def scenario_report(
         "bytes_ratio_vs_fp32_model": model / statistics.fmean(frames) if frames else None,
         "idle_membership_bytes_per_s": idle,
         **{
-            how: fault_report(kill, seen.started) if kill is not None and kill.how == how else None
+            how: fault_report(fault, seen.started)
+            if fault is not None and fault.how == how
+            else None
             for how in ("sigkill", "sigstop", "partition")
         },
         "peers": peers,
     }
 
 
-def fault_report(kill: Fault, started: float) -> dict[str, Any]:
+def fault_report(fault: Fault, started: float) -> dict[str, Any]:
     def since(t: float | None) -> float | None:
         return None if t is None else round(t - started, 1)
 
     return {
-        "victim": kill.victim,
-        "at_step": kill.at_step,
-        "killed_step": kill.killed_step,
-        "killed_at_s": since(kill.killed_at),
-        "restarted_at_s": since(kill.restarted_at),
+        "victim": fault.victim,
+        "at_step": fault.at_step,
+        "killed_step": fault.killed_step,
+        "killed_at_s": since(fault.killed_at),
+        "restarted_at_s": since(fault.restarted_at),
     }
 
 

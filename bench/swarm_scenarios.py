@@ -101,4 +101,4 @@ class ScenarioRecord:
     ended: float = 0.0
     finished: dict[int, float] = field(default_factory=dict)
     timed_out: bool = False
-    kill: Fault | None = None
+    fault: Fault | None = None
