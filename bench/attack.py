@@ -1,4 +1,4 @@
-"""``python -m atomd_bench attack``: real daemons against one hostile member (issue #15).
+"""``python -m atomd_bench attack``: real daemons against one hostile member.
 
 Three honest daemons on loopback (``honest=3``; ``--quick``: 2) train the tiny GPT together
 (top-k 1 %, H = 5) over the TLS peer plane; a hostile member with its own valid key joins
@@ -10,8 +10,8 @@ it their real deltas, which it decodes and turns into its attacks:
 - ``none``: it joins, receives, and never sends a delta (a silent member: the honest peers
   count it among the job's peers, so each round waits for and divides by one more delta);
 - ``const``: every round, correctly signed top-k frames whose every value is 5.0;
-- ``fp32``: the same in dense fp32 (a frame in another codec than the job's: the attack that
-  took the loss 2.75 -> 11.48 before #15);
+- ``fp32``: the same in dense fp32 (a frame in another codec than the job's: undefended, it
+  takes the loss from 2.75 to 11.48);
 - ``x10``, ``x100``, ``x1e30``: the newest honest delta it received, scaled, as its own;
 - ``signflip``: that delta negated; ``noise``: Gaussian noise at 10x its norm;
 - ``stale``: honest-looking deltas for a round 20 behind;
@@ -93,9 +93,9 @@ MENU = (*ATTACKS, "absent")
 QUICK_ATTACKS = ("absent", "const", "x100", "replay")
 STEPS = 200  # at 60 steps two clean runs ended 3.5 % apart: too short to test a 2 % bar
 SWARM = "default"
-# Batches of 16 x 64 tokens and 8 x 16 validation windows: with batches of 4 x 32 (before
-# 2026-12-02) four clean runs spread 0.962-1.049 of their mean, wider than the 2 % bar
-# (bench/results-attack-2026-12-02s.json); at 16 x 64 three clean runs end within ~0.5 %.
+# Batches of 16 x 64 tokens and 8 x 16 validation windows: with batches of 4 x 32 four clean
+# runs spread 0.962-1.049 of their mean, wider than the 2 % bar; at 16 x 64 three clean runs
+# end within ~0.5 % (measured in research/).
 JOB: dict[str, Any] = {
     "preset": "tiny", "seq_len": 64, "micro_batch_size": 16, "eval_batches": 8,
     "eval_interval": 50, "log_interval": 1, "checkpoint_interval": 20, "warmup_steps": 2,

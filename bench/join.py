@@ -10,20 +10,18 @@ step 0, and at ``join_at`` peer 1 is killed (what was on its way to it is lost) 
 0's state, as a restarted daemon does. The variants differ only in where the joiner's replica
 starts:
 
-- ``clone`` (the daemon's ``SyncState.adopt`` since 2026-12-07): the donor's model, with the
+- ``clone`` (what the daemon does, ``SyncState.adopt``): the donor's model, with the
   donor's progress the codec has not sent yet kept apart and not sent (it gives way by what the
   donor's deltas carry);
-- ``reset`` (the daemon from 2026-12-02): the swarm's estimate, the anchor plus the deltas in;
+- ``reset``: the swarm's estimate, the anchor plus the deltas in;
   when no delta of peer 1 has reached peer 0 yet, peer 0 first closes its round whole
   (``SyncPlugin.before_snapshot``), so that estimate is its model. Where rounds are rare it is
   far behind the models (H=50 ``--restart``: 5.3 against 2.7-2.9), and a daemon refuses it;
-- ``keep`` (the daemon before 2026-12-02): the donor's replica sent whole: the donor's unsent
+- ``keep``: the donor's replica sent whole: the donor's unsent
   progress reaches the anchors from both peers.
 
 A round commits the mean of the deltas it gets (``SyncState._close``), so peer 0's rounds
-while the joiner fetches are its own delta whether it counts one peer or two. (Before
-2026-12-05 a round was divided by the peers counted, and ``--expect-all`` here measured how
-the start point estimated the delta of a peer still fetching.)
+while the joiner fetches are its own delta whether it counts one peer or two.
 
 Reported per variant and seed: both peers' validation loss every 10 steps and at the end (the
 same fixed validation batches), their mean, and the joiner's right after it took the state.
@@ -43,7 +41,7 @@ from atomd.data.dataset import TokenDataset, load_dataset
 from atomd.spec import JobSpec, SyncSpec, lr_at
 from atomd.sync.codecs import decode
 from atomd.sync.state import Contribution, SyncState
-from atomd_bench.sync import _build
+from atomd_bench.engines import build_engine
 
 VARIANTS = ("clone", "reset", "keep")
 VAL_BATCHES = 8
@@ -79,7 +77,7 @@ def run(
         for i in range(2)
     ]
     val = data.val_batches(count=VAL_BATCHES, batch_size=16)
-    engines = [_build(spec) for _ in range(2)]
+    engines = [build_engine(spec) for _ in range(2)]
     states = [SyncState.of_engine(e, sync, peer_id=f"peer-{i}") for i, e in enumerate(engines)]
     rng = random.Random(f"join:{seed}")
     active = [True, restart]

@@ -6,13 +6,13 @@ The announce leaves with the 201, so the joiner's times count from the 201. Real
 loopback: ``trainer`` (the seed) and ``joiner`` (its peer, auto-join) train one
 swarm job together while ``/healthz`` of the trainer is timed; ``creator`` (no auto-join)
 creates local jobs one after another, each stopped before the next, timing each 201.
-Targets (issue 13): job creation p99 < 1 s and /healthz p99 < 50 ms under the hog load; the
+Targets: job creation p99 < 1 s and /healthz p99 < 50 ms under the hog load; the
 joiner trains within 3 s of the announce.
 
 Where the hogs run matters as much as how many there are (``atomd_bench.load``): the targets
 are for ``background`` (the hogs in one session of their own, as a parallel build started from
 another terminal); the full run also measures ``prober`` (the hogs in the timing process's own
-session: what this benchmark measured before 2026-12-01) and ``each`` (a session per hog).
+session) and ``each`` (a session per hog).
 """
 
 from __future__ import annotations

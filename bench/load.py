@@ -5,7 +5,7 @@ Linux shares the CPU between sessions before it shares it between processes
 where the spinning processes run matters as much as how many there are:
 
 - ``background``: all in one session of their own, as a parallel build started from another
-  terminal would be (the arrangement issue 13's targets are measured under);
+  terminal would be (the arrangement the latency targets are measured under);
 - ``prober``: in the caller's own session, so whatever the caller times queues behind them;
 - ``each``: every one a session of its own (eight unrelated programs).
 

@@ -59,10 +59,10 @@ def run(n: int = 8) -> dict[str, Any]:
 def idle(n: int = 4, seconds: float = 30.0, settle_s: float = 10.0) -> dict[str, Any]:
     """Bytes per second each peer's link carries while a swarm of ``n`` idles (membership
     only), in network namespaces (root): the settled pace (the default) beside one pace
-    throughout (``ATOMD_GOSSIP_SETTLED_INTERVAL`` = the gossip interval: before 2026-12-01),
-    measured in the same run. Target (issue 14): <= 4 kB/s a direction per peer."""
+    throughout (``ATOMD_GOSSIP_SETTLED_INTERVAL`` = the gossip interval), measured in the
+    same run. Target: <= 4 kB/s a direction per peer."""
     from atomd_bench import netns
-    from atomd_bench.swarm import Daemon, idle_bytes, wait_formed
+    from atomd_bench.swarm_daemon import Daemon, idle_bytes, wait_formed
 
     why = netns.namespaces_available()
     if why is not None:

@@ -1,6 +1,6 @@
 """The robust merge under attack, in one process: simulated peers, one of them hostile.
 
-The setting of ``bench/sync.py`` (the ``tiny`` GPT on the bundled corpus, each peer on its own
+The setting of ``atomd_bench.sync`` (the ``tiny`` GPT on the bundled corpus, each peer on its own
 shard, deltas delayed by 0..H steps and absorbed as they arrive) with ``HONEST`` honest peers
 and one hostile member. The hostile member trains like the others but sends, in the job's codec
 (so every check of the wire format passes), a delta made from its honest one by an attack of
@@ -9,7 +9,7 @@ times that), ``signflip``, ``noise1``/``noise3``/``noise10`` (Gaussian noise of 
 its honest delta's norm). ``absent`` is the swarm without the hostile member (the reference),
 ``honest`` the same member behaving.
 
-Each attack runs under three defences: ``none`` (the merge as it was: every delta that passes
+Each attack runs under three defences: ``none`` (no defence: every delta that passes
 the wire checks is merged), ``screen`` (the robust rule of ``atomd.sync.robust``) and ``guard``
 (the rule and the loss guard of ``atomd.sync.guard``, as the daemon runs them). Reported per
 run: the honest peers' mean validation loss at the end (after the last deltas arrive), its
@@ -18,7 +18,7 @@ the defence refused, clipped and rolled back. A run whose honest loss became non
 ``val_loss`` null and the step (``diverged_at``).
 
 Also reported: the cosines of the received deltas with the receiver's own progress (what it
-trained that the swarm does not hold yet; before 2026-12-03, its own delta of the round), in
+trained that the swarm does not hold yet), in
 quantiles, honest senders and the hostile one apart: what the direction check of the rule
 judges by.
 
@@ -52,7 +52,7 @@ from atomd.sync.codecs import decode, make_codec
 from atomd.sync.guard import LossGuard
 from atomd.sync.robust import RobustRule
 from atomd.sync.state import DEFAULT_RULE, Contribution, Outgoing, SyncState
-from atomd_bench.sync import _build, _max_divergence
+from atomd_bench.engines import build_engine, max_divergence
 
 HONEST = 3
 ATTACKS = (
@@ -109,9 +109,7 @@ def _contribution(sender: str, out: Outgoing) -> Contribution:
 def _hostile(attack: str, out: Outgoing, spec: SyncSpec, rng: torch.Generator) -> Contribution:
     """The attack, encoded in the job's codec (it passes every check of the wire format)."""
     honest = {name: decode(enc) for name, enc in out.tensors}
-    codec = make_codec(
-        spec.codec, topk_fraction=spec.topk_fraction, value_bits=spec.value_bits, zstd=False
-    )
+    codec = make_codec(spec.codec, topk_fraction=spec.topk_fraction, zstd=False)
     sent = {k: decode(codec.encode(t)) for k, t in _attack(attack, honest, rng).items()}
     return Contribution("hostile", out.round, out.base_version, sent)
 
@@ -160,7 +158,7 @@ def run_one(
     ]  # fmt: skip
     val = data.val_batches(count=budget.val_batches, batch_size=16)
     probe_batch = data.val_batches(count=1, batch_size=4, seed=99)
-    engines = [_build(spec) for _ in range(n)]
+    engines = [build_engine(spec) for _ in range(n)]
     robust = None if defence == "none" else rule
     states = [
         SyncState.of_engine(e, sync, peer_id=f"peer-{i}", robust=robust)
@@ -250,7 +248,7 @@ def run_one(
                         delay = 1
                     inbox.setdefault((j, step + 1 + delay), []).append(c)
         if step + 1 > spec.warmup_steps:
-            divergences.append(_max_divergence([states[i].anchor for i in honest_ids]))
+            divergences.append(max_divergence([states[i].anchor for i in honest_ids]))
         rnd += 1
     if diverged_at is None:
         for i in honest_ids:
@@ -320,19 +318,41 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    attacks: Sequence[str] = ATTACKS
-    defences: Sequence[str] = DEFENCES
-    if "--attacks" in args:
-        attacks = args[args.index("--attacks") + 1].split(",")
-    if "--defences" in args:
-        defences = args[args.index("--defences") + 1].split(",")
+    """``python -m atomd_bench.robust_sim [OPTIONS]``: JSON to stdout."""
+    import argparse
+
+    def names(value: str) -> list[str]:
+        return [n for n in value.split(",") if n]
+
+    ap = argparse.ArgumentParser(
+        prog="python -m atomd_bench.robust_sim", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--quick", action="store_true", help="a few steps of a small task")
+    ap.add_argument(
+        "--attacks", type=names, default=list(ATTACKS), help=f"of: {', '.join(ATTACKS)}"
+    )
+    ap.add_argument(
+        "--defences", type=names, default=list(DEFENCES), help=f"of: {', '.join(DEFENCES)}"
+    )
+    ap.add_argument(
+        "--no-direction", action="store_true", help="the robust rule without its direction check"
+    )
+    ap.add_argument(
+        "--quarantine",
+        action="store_true",
+        help="each honest peer quarantines a member as the daemon does",
+    )
+    args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     rule = DEFAULT_RULE
-    if "--no-direction" in args:  # the rule as it was before the direction check
+    if args.no_direction:
         rule = dataclasses.replace(rule, direction=False)
-    quarantine = "--quarantine" in args
-    quick = "--quick" in args
-    result = run(quick=quick, attacks=attacks, defences=defences, rule=rule, quarantine=quarantine)
+    result = run(
+        quick=args.quick,
+        attacks=args.attacks,
+        defences=args.defences,
+        rule=rule,
+        quarantine=args.quarantine,
+    )
     print(json.dumps(result))
 
 

@@ -1,4 +1,4 @@
-"""``python -m atomd_bench tls``: what TLS on the peer plane costs (issue #15).
+"""``python -m atomd_bench tls``: what TLS on the peer plane costs.
 
 One real uvicorn peer plane on loopback (the daemon's route stack: signed requests, bounded
 bodies) served with and without TLS (``atomd.p2p.tls``), called by ``PeerClient`` through a

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from atomd_bench import netns
-from atomd_bench.swarm import Scenario, Task, run_scenario
+from atomd_bench.swarm import run_scenario
+from atomd_bench.swarm_scenarios import Scenario, Task
 
 # Several training daemons: one such test at a time under `make test`'s two workers.
 pytestmark = pytest.mark.xdist_group("swarm")

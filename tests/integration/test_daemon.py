@@ -308,7 +308,7 @@ def test_cli_clients_talk_to_the_daemon(daemons: Any, tmp_path: Path) -> None:
 def test_the_peer_plane_serves_with_the_chosen_congestion_control(daemons: Any) -> None:
     """``ATOMD_TCP_CONGESTION`` reaches the connections the daemon's peer plane accepts (they
     inherit it from its listening socket), and its start-up line says what is in force."""
-    from atomd_bench.swarm import tcp_congestion_of
+    from atomd_bench.swarm_daemon import tcp_congestion_of
 
     _, name = another_congestion()
     d: DaemonProcess = daemons(env={"ATOMD_TCP_CONGESTION": name}).start()

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from atomd.telemetry import Telemetry
-from atomd_bench.swarm import _mean_seconds, run, tcp_congestion_of
+from atomd_bench.swarm import run
+from atomd_bench.swarm_daemon import tcp_congestion_of
+from atomd_bench.swarm_report import mean_seconds
 
 
 def test_the_means_of_the_upload_round_traffic_and_answer_held_histograms() -> None:
     t = Telemetry()
-    assert _mean_seconds(t.render().decode()) == {
+    assert mean_seconds(t.render().decode()) == {
         "upload_s_mean": None,
         "round_traffic_s_mean": None,
         "answer_held_s_mean": None,
@@ -23,7 +25,7 @@ def test_the_means_of_the_upload_round_traffic_and_answer_held_histograms() -> N
     t.round_traffic_seconds.observe(1.5)
     t.answer_held_seconds.observe(0.1)
     t.answer_held_seconds.observe(0.3)
-    got = _mean_seconds(t.render().decode())
+    got = mean_seconds(t.render().decode())
     assert got["upload_s_mean"] == pytest.approx(0.5)
     assert got["round_traffic_s_mean"] == pytest.approx(1.5)
     assert got["answer_held_s_mean"] == pytest.approx(0.2)
@@ -43,7 +45,7 @@ def test_the_anchors_divergence_is_read_from_each_peers_newest_checkpoint(tmp_pa
     import torch
     from safetensors.torch import save_file
 
-    from atomd_bench.swarm import anchor_divergence
+    from atomd_bench.swarm_report import anchor_divergence
 
     job = "a" * 32
 
@@ -74,7 +76,7 @@ def test_the_settled_anchors_of_real_states_agree_where_the_anchors_do_not(tmp_p
     from atomd.spec import SyncSpec
     from atomd.sync.codecs import decode
     from atomd.sync.state import Contribution, Outgoing, SyncState
-    from atomd_bench.swarm import anchor_divergence, settled_divergence
+    from atomd_bench.swarm_report import anchor_divergence, settled_divergence
 
     job = "b" * 32
     sync = {"codec": "fp32", "every": 2, "outer_momentum": 0.7}

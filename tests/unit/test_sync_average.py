@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -174,9 +173,10 @@ def test_a_share_cannot_steer_what_it_left_out() -> None:
     clamped = torch.clamp(own_whole["w"][:, 1:], min=-b, max=b)
     torch.testing.assert_close(got.model["w"][:, 1:], (own["w"][:, 1:] + clamped) / 2)
     # A negative scale (a sender's choice that decodes finite) bounds the same as its magnitude.
-    plain = TopKCodec(fraction=1 / 4096, bits=8, zstd=False).encode(spike)
-    raw = bytearray(plain.payload)  # gaps, int8 levels, then the two chunks' fp32 scales
-    raw[-8:] = (np.frombuffer(bytes(raw[-8:]), "<f4") * -1).astype("<f4").tobytes()
+    plain = TopKCodec(fraction=1 / 4096, zstd=False).encode(spike)
+    raw = bytearray(plain.payload)  # gaps, 4-bit levels, then the two chunks' bf16 scales
+    raw[-3] ^= 0x80  # each scale's sign bit: the high byte of a little-endian bf16
+    raw[-1] ^= 0x80
     flipped = {"w": dataclasses.replace(plain, payload=bytes(raw))}
     assert float(decode(flipped["w"])[0, 0]) < 0  # the kept entry flipped with its scale
     got = combine(start, own, [Share("p1", 0, flipped)], fill_from=own_whole)

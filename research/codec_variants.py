@@ -1,11 +1,12 @@
-"""Top-k codec variants tried against the default on the ``bench sync`` task (issue #6).
+"""Top-k codec variants tried against the default on the ``bench sync`` task.
 
-Not product code: each variant replaces ``TopKCodec``'s encode/decode in this process (and in
-the spawned bench worker, which imports this module as its main) and runs one swarm::
+A research study, not product code: each variant replaces ``TopKCodec``'s encode/decode in
+this process (and in the spawned bench worker, which imports this file as its main) and runs
+one swarm of ``atomd_bench.sync``. From the repository root, with atomd installed::
 
-    VARIANT=blocks B=4 FRACTION=0.04 python -m atomd_bench.codec_variants  # blocks of B entries
-    VARIANT=small CHUNK=64 K=1 DCT=0 python -m atomd_bench.codec_variants  # uint8 indices
-    VARIANT=shared FRACTION=0.031 QBITS=8 python -m atomd_bench.codec_variants  # same entries
+    VARIANT=blocks B=4 FRACTION=0.04 python research/codec_variants.py  # blocks of B entries
+    VARIANT=small CHUNK=64 K=1 DCT=0 python research/codec_variants.py  # uint8 indices
+    VARIANT=shared FRACTION=0.031 QBITS=8 python research/codec_variants.py  # same entries
 
 - ``blocks``: the flat tensor in chunks of ~4096, blocks of ``B`` consecutive entries, the
   ``FRACTION`` of blocks with the largest L2 norm kept, 4-bit values, one fp32 scale per chunk.
@@ -17,7 +18,7 @@ the spawned bench worker, which imports this module as its main) and runs one sw
   travel and those entries are averaged exactly (SPARTA-style); int8 values (``QBITS=8``) or
   4-bit, one fp32 scale per 256 or 64 values.
 
-Results: bench/results-sync-codec-variants-2026-11-30.json.
+None of them beat the default top-k; the results are in research/.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from atomd.sync import codecs
-from atomd.sync.codecs import Encoded, ErrorFeedback, TopKCodec
+from atomd.sync.codecs import TOPK_CHUNK, Encoded, ErrorFeedback, TopKCodec
+from atomd.sync.codecs import registry as codec_registry
+from atomd.sync.codecs.base import finite_tensor, flat_array, numel_of, unpack_payload
 from atomd.sync.state import Outgoing, SyncState
 
 VARIANT = os.environ.get("VARIANT", "small")
@@ -63,14 +65,14 @@ def _dct_matrix(n: int) -> np.ndarray:
 
 def _block_layout(numel: int) -> tuple[int, int]:
     """(chunk, blocks kept per chunk)."""
-    n = math.ceil(numel / codecs.TOPK_CHUNK)
+    n = math.ceil(numel / TOPK_CHUNK)
     chunk = math.ceil(math.ceil(numel / max(1, n)) / B) * B
     blocks = chunk // B
     return chunk, max(1, min(blocks, round(FRACTION * blocks)))
 
 
 def _encode_blocks(self: TopKCodec, x: torch.Tensor) -> Encoded:
-    flat = codecs._flat(x)
+    flat = flat_array(x)
     chunk, kb = _block_layout(flat.size)
     blocks = _chunks(flat, chunk).reshape(-1, chunk // B, B)
     score = (blocks * blocks).sum(axis=2)
@@ -85,16 +87,16 @@ def _encode_blocks(self: TopKCodec, x: torch.Tensor) -> Encoded:
         u = np.append(u, np.uint8(8))
     packed = (u[0::2] | (u[1::2] << 4)).tobytes()
     raw = idx.astype("<u2").tobytes() + packed + scale.astype("<f4").tobytes()
-    return self._pack(tuple(x.shape), {"chunk": chunk, "k": kb}, raw)
+    return self.pack(tuple(x.shape), {"chunk": chunk, "k": kb}, raw)
 
 
 def _decode_blocks(self: TopKCodec, enc: Encoded) -> torch.Tensor:
-    numel = codecs._numel(enc.shape)
+    numel = numel_of(enc.shape)
     chunk, kb = int(enc.meta["chunk"]), int(enc.meta["k"])
     n_chunks = math.ceil(numel / chunk)
     n = n_chunks * kb * B
     nq = (n + 1) // 2
-    raw = codecs._unpack(enc, n_chunks * kb * 2 + nq + n_chunks * 4, ("chunk", "k"))
+    raw = unpack_payload(enc, n_chunks * kb * 2 + nq + n_chunks * 4, ("chunk", "k"))
     idx = np.frombuffer(raw, "<u2", count=n_chunks * kb).astype(np.intp).reshape(n_chunks, kb)
     off = n_chunks * kb * 2
     u = np.frombuffer(raw, np.uint8, count=nq, offset=off)
@@ -104,14 +106,14 @@ def _decode_blocks(self: TopKCodec, enc: Encoded) -> torch.Tensor:
     vals = q[:n].reshape(n_chunks, kb, B).astype(np.float32) * scale[:, None, None]
     dense = np.zeros((n_chunks, chunk // B, B), np.float32)
     np.put_along_axis(dense, idx[:, :, None], vals, axis=1)
-    return codecs._tensor(dense.reshape(-1)[:numel], enc.shape)
+    return finite_tensor(dense.reshape(-1)[:numel], enc.shape)
 
 
 _M = _dct_matrix(CHUNK)
 
 
 def _encode_small(self: TopKCodec, x: torch.Tensor) -> Encoded:
-    rows = _chunks(codecs._flat(x), CHUNK)
+    rows = _chunks(flat_array(x), CHUNK)
     coef = rows @ _M.T if DCT else rows
     idx = np.sort(np.argpartition(np.abs(coef), CHUNK - K, axis=1)[:, CHUNK - K :], axis=1)
     vals = np.take_along_axis(coef, idx, axis=1)
@@ -122,21 +124,21 @@ def _encode_small(self: TopKCodec, x: torch.Tensor) -> Encoded:
     safe = np.where(scale > 0, scale, 1)
     q = np.clip(np.rint(grouped.reshape(ng, -1) / safe[:, None]), -127, 127).astype(np.int8)
     raw = idx.astype(np.uint8).tobytes() + q.reshape(-1, K)[:n].tobytes()
-    return self._pack(tuple(x.shape), {"chunk": CHUNK, "k": K}, raw + scale.astype("<f4").tobytes())
+    return self.pack(tuple(x.shape), {"chunk": CHUNK, "k": K}, raw + scale.astype("<f4").tobytes())
 
 
 def _decode_small(self: TopKCodec, enc: Encoded) -> torch.Tensor:
-    numel = codecs._numel(enc.shape)
+    numel = numel_of(enc.shape)
     n = math.ceil(numel / CHUNK)
     ng = math.ceil(n / GROUP)
-    raw = codecs._unpack(enc, n * K * 2 + ng * 4, ("chunk", "k"))
+    raw = unpack_payload(enc, n * K * 2 + ng * 4, ("chunk", "k"))
     idx = np.frombuffer(raw, np.uint8, count=n * K).astype(np.intp).reshape(n, K)
     q = np.frombuffer(raw, np.int8, count=n * K, offset=n * K).astype(np.float32).reshape(n, K)
     per_chunk = np.repeat(np.frombuffer(raw, "<f4", offset=2 * n * K), GROUP)[:n]
     coef = np.zeros((n, CHUNK), np.float32)
     np.put_along_axis(coef, idx, q * per_chunk[:, None], axis=1)
     rows = coef @ _M if DCT else coef
-    return codecs._tensor(rows.reshape(-1)[:numel].copy(), enc.shape)
+    return finite_tensor(rows.reshape(-1)[:numel].copy(), enc.shape)
 
 
 # The shared variant's encoder needs the tensor's name and the round, which the codec
@@ -158,7 +160,7 @@ def _shared_group() -> tuple[int, int]:
 
 
 def _encode_shared(self: TopKCodec, x: torch.Tensor) -> Encoded:
-    flat = codecs._flat(x)
+    flat = flat_array(x)
     k = max(1, min(flat.size, math.ceil(FRACTION * flat.size)))
     seed, rnd = zlib.crc32(str(_CONTEXT["name"]).encode()), int(_CONTEXT["round"])
     group, qmax = _shared_group()
@@ -176,15 +178,15 @@ def _encode_shared(self: TopKCodec, x: torch.Tensor) -> Encoded:
         u = np.append(u, np.uint8(8)) if u.size % 2 else u
         packed = (u[0::2] | (u[1::2] << 4)).tobytes()
     meta: dict[str, int | float | str] = {"seed": seed, "r": rnd, "k": k}
-    return self._pack(tuple(x.shape), meta, packed + scale.astype("<f4").tobytes())
+    return self.pack(tuple(x.shape), meta, packed + scale.astype("<f4").tobytes())
 
 
 def _decode_shared(self: TopKCodec, enc: Encoded) -> torch.Tensor:
-    numel = codecs._numel(enc.shape)
+    numel = numel_of(enc.shape)
     k, seed, rnd = int(enc.meta["k"]), int(enc.meta["seed"]), int(enc.meta["r"])
     group, _ = _shared_group()
     nq = k if QBITS == 8 else (k + 1) // 2
-    raw = codecs._unpack(enc, nq + math.ceil(k / group) * 4, ("seed", "r", "k"))
+    raw = unpack_payload(enc, nq + math.ceil(k / group) * 4, ("seed", "r", "k"))
     if QBITS == 8:
         q = np.frombuffer(raw, np.int8, count=k)
     else:
@@ -195,7 +197,7 @@ def _decode_shared(self: TopKCodec, enc: Encoded) -> torch.Tensor:
     scale = np.frombuffer(raw, "<f4", offset=nq)
     out = np.zeros(numel, np.float32)
     out[_shared_mask(seed, numel, k, rnd)] = q.astype(np.float32) * np.repeat(scale, group)[:k]
-    return codecs._tensor(out, enc.shape)
+    return finite_tensor(out, enc.shape)
 
 
 def _install_context() -> None:
@@ -223,14 +225,15 @@ def install() -> None:
         _install_context()
     setattr(TopKCodec, "encode", enc)  # noqa: B010
     setattr(TopKCodec, "decode", dec)  # noqa: B010
-    codecs._DECODERS["topk"] = TopKCodec()
+    codec_registry._DECODERS["topk"] = TopKCodec()  # the decoder that ``decode`` uses
 
 
 install()  # at import, so the bench's spawned worker (which imports this module) has it too
 
 
 def main() -> None:
-    from atomd_bench.sync import RunSpec, run
+    from atomd_bench.sync import run
+    from atomd_bench.sync_runs import RunSpec
 
     every = int(os.environ.get("H", "2"))
     # The variants were measured with the plain outer step (momentum 0).
