@@ -208,13 +208,13 @@ async def test_a_member_advertising_a_donors_url_cannot_have_it_taken_for_a_liar
     tmp_path: Path, donors: Any
 ) -> None:
     """Any member signs its own record with any URL, another's included. The donor's key is
-    the one of the member its manifest names, if that member is at the URL (``SwarmNode.
+    the one of the member its manifest names, if that member is at the URL (``Donors.
     _key_at``): found by URL alone, a member whose id sorted first and who advertised the
-    honest donor's URL was taken for it, the honest manifest failed against its key, and the
-    honest donor was never asked for state again (a review of 2026-12-06)."""
+    honest donor's URL would be taken for it, the honest manifest would fail against its key,
+    and the honest donor would never be asked for state again."""
+    from atomd.p2p.donors import Donors
     from atomd.p2p.membership import Membership, Update
     from atomd.p2p.messages import sign_record
-    from atomd.p2p.node import SwarmNode
 
     url = await donors("signed")
     honest = DONORS["signed"]
@@ -234,7 +234,7 @@ async def test_a_member_advertising_a_donors_url_cannot_have_it_taken_for_a_liar
         Identity.generate(), Admission("s", None, frozenset()), tls=False
     ) as client:
         step = await fetch_state(client, [url], "job1", tmp_path / "j", liars=liars,
-                                 key_at=lambda u, signer: SwarmNode._key_at(node, u, signer))  # type: ignore[arg-type]  # fmt: skip
+                                 key_at=lambda u, signer: Donors._key_at(node, u, signer))  # type: ignore[arg-type]  # fmt: skip
     assert step is not None and step.step == 7 and not liars
 
 
@@ -401,9 +401,9 @@ async def test_the_members_word_on_a_fetched_state_needs_two_and_one_cannot_lowe
     """With a fetched state, the node asks the job's other members for their newest
     validation loss (the donor's own word does not count): the higher median of at least two
     (``CLAIM_QUORUM``), so one member claiming a tiny loss cannot have an honest state refused."""
-    from atomd.p2p import node as node_module
+    from atomd.p2p import donors as donors_module
+    from atomd.p2p.donors import Donors
     from atomd.p2p.messages import CurvePoint, ProgressCurve
-    from atomd.p2p.node import SwarmNode
     from atomd.p2p.transfer import Fetched
 
     def curve(*vals: float | None) -> ProgressCurve:
@@ -418,12 +418,13 @@ async def test_the_members_word_on_a_fetched_state_needs_two_and_one_cannot_lowe
     async def peer_curves(job_id: str) -> tuple[list[tuple[Any, Any]], int]:
         return answers, 0
 
-    monkeypatch.setattr(node_module, "fetch_state", fetched)
-    node = SimpleNamespace(client=None, _liars=set(), _key_at=None, peer_curves=peer_curves,
+    monkeypatch.setattr(donors_module, "fetch_state", fetched)
+    node = SimpleNamespace(client=None, _liars=set(), _key_at=None,
+                           trainers=SimpleNamespace(peer_curves=peer_curves),
                            membership=SimpleNamespace(others=lambda *states: []))  # fmt: skip
 
     async def claimed() -> float | None:
-        got = await SwarmNode.fetch_state(node, "j", ["https://donor"], Path("/x"))  # type: ignore[arg-type]
+        got = await Donors.fetch_state(node, "j", ["https://donor"], Path("/x"))  # type: ignore[arg-type]
         assert got is not None and got.step == 7
         return got.claimed_val
 
@@ -451,7 +452,7 @@ async def test_the_donor_of_a_fetched_state_counts_as_training_the_job(
     from atomd.config import Settings
     from atomd.db import migrate
     from atomd.db.engine import make_engine, make_sessionmaker
-    from atomd.p2p import node as node_module
+    from atomd.p2p import donors as donors_module
     from atomd.p2p.membership import Member
     from atomd.p2p.node import SwarmNode
     from atomd.p2p.transfer import Fetched
@@ -474,8 +475,8 @@ async def test_the_donor_of_a_fetched_state_counts_as_training_the_job(
     async def no_curves(job_id: str) -> tuple[list[Any], int]:
         return [], 0
 
-    monkeypatch.setattr(node_module, "fetch_state", fetched)
-    monkeypatch.setattr(node, "peer_curves", no_curves)
+    monkeypatch.setattr(donors_module, "fetch_state", fetched)
+    monkeypatch.setattr(node.trainers, "peer_curves", no_curves)
     job = "j" * 32
     assert node.job_peers(job) == []
     got = await node.fetch_state(job, [url], tmp_path / "ckpt")
