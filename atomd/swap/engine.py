@@ -10,7 +10,7 @@ CUDA's default with the host optimizer) a bf16 copy of the matrices, which is ex
 autocast would make of the fp32 masters, so half the bytes cross the link for the same
 arithmetic. A block runs on a slot's tensors via
 ``torch.func.functional_call`` on the host module, so the model code knows nothing of slots
-(one reparametrization per visit serves its M micro-batches: per micro-batch it was a third
+(one reparametrization per visit serves its M micro-batches: one per micro-batch costs a third
 of the engine's Python time on a small model).
 
 One optimizer step of G micro-batches is G / M *waves*; in a wave, all M micro-batches pass

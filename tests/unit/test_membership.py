@@ -78,9 +78,9 @@ def test_suspicion_of_self_is_refuted() -> None:
 
 
 def test_a_suspicion_no_life_of_this_daemon_could_have_signed_is_not_refuted() -> None:
-    """Suspicions are unsigned hearsay, so anyone can say one. One at the largest counter made
-    the victim refute to a counter no record can hold: every later ping, answer and join
-    reply of it raised (a review of 2026-12-06). A suspicion beyond what a previous life of
+    """Suspicions are unsigned hearsay, so anyone can say one. One at the largest counter would
+    make the victim refute to a counter no record can hold: every later ping, answer and join
+    reply of it would raise. A suspicion beyond what a previous life of
     this daemon could have signed (its clock, plus a day) is ignored; one a previous life
     could have (a clock set back across a restart) is still outranked."""
     me = ident("victim")
@@ -97,8 +97,8 @@ def test_a_suspicion_no_life_of_this_daemon_could_have_signed_is_not_refuted() -
 
 def test_the_members_kept_are_bounded() -> None:
     """Keys are free, and gossip adds any member whose record its own key signed: one member
-    gossiping 64 fresh records a ping grew every daemon's table without end (a review of
-    2026-12-06: 1,152 members in 18 pings). At ``max_known`` a new member takes the place of
+    gossiping 64 fresh records a ping would grow every daemon's table without end (1,152
+    members in 18 pings). At ``max_known`` a new member takes the place of
     the one dead or gone the longest; with none, one heard from itself takes the place of the
     one not heard from directly for the longest; one only gossiped about is refused."""
     ms = Membership(upd("me"), max_known=4)
@@ -358,8 +358,8 @@ def test_the_turn_of_a_member_heard_lately_passes_without_a_probe_while_settled(
 async def test_a_settled_swarm_whose_frames_flow_sends_no_probes_and_still_finds_a_crash(
     net: Net,
 ) -> None:
-    """Issue #14: on a slow uplink the probes and their answers took a share of the line while
-    delta frames, which say the same, flowed anyway. News is still spread at the pace."""
+    """On a slow uplink the probes and their answers would take a share of the line while
+    delta frames, which say the same, flow anyway. News is still spread at the pace."""
     config = dataclasses.replace(SETTLING, heard_window=1.0)
     for name, seeds in (("a", []), ("b", ["a"]), ("c", ["a"])):
         await net.start(name, seeds, config=config)
@@ -424,8 +424,8 @@ def test_gossip_carries_at_most_64_updates() -> None:
 
 
 def test_claims_about_a_member_come_only_from_that_member() -> None:
-    """Issue #15: gossip to A that B has left, at a huge incarnation, with the attacker's URL
-    and key, made A list B as left with them, for good."""
+    """Gossip to A that B has left, at a huge incarnation, with the attacker's URL and key,
+    must not make A list B as left with them."""
     probes: list[str] = []
     ms = Membership(upd("me"), identity=ident("me"), on_hearsay=probes.append)
     assert ms.apply(upd("b", inc=5))
@@ -535,8 +535,8 @@ def test_a_frame_heard_says_its_sender_is_alive_and_trains_the_job() -> None:
 
 def test_who_trains_what_holds_one_job_a_known_member() -> None:
     """A member advertising a fresh job id on every message, or a stranger's advert, adds no
-    entry that stays: a peer trains one job at a time, and only members count (a review of
-    2026-12-06 found one entry a message kept for good)."""
+    entry that stays: a peer trains one job at a time, and only members count (else one entry
+    a message would be kept for good)."""
     m = Membership(upd("me"))
     m.apply(upd("a"))
     fake = SimpleNamespace(membership=m, _job_peers={}, _job_of={})
@@ -548,9 +548,9 @@ def test_who_trains_what_holds_one_job_a_known_member() -> None:
 
 async def test_a_dashboard_refresh_asks_a_bounded_number_of_peers_for_curves() -> None:
     """Every dashboard refresh (each 2 s) asks the job's peers for their loss curves. With the
-    swarm secret alone keys are free: a member that advertised the job under 4,096 keys made
-    each refresh ask 4,096 peers for up to 402 points each, parsed and sent on to the browser
-    (measured: ~50 s of the event loop, 146 MB of JSON a refresh; a review of 2026-12-06).
+    swarm secret alone keys are free: a member that advertises the job under 4,096 keys would
+    make each refresh ask 4,096 peers for up to 402 points each, parsed and sent on to the
+    browser (measured: ~50 s of the event loop, 146 MB of JSON a refresh).
     Only the first MAX_CURVE_PEERS heard training it are asked; the rest are counted."""
     members = [SimpleNamespace(id=f"{i:032x}", url=f"https://m{i}") for i in range(4096)]
     asked: list[str] = []

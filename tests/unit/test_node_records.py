@@ -21,8 +21,7 @@ from tests.unit.conftest import Sessions
 
 async def test_changes_queued_at_shutdown_are_recorded(tmp_path: Path, sessions: Sessions) -> None:
     """A swarm stopping together: the others' leaves reach this daemon as it stops, and the
-    recorder task is cancelled with changes queued and one being written. Those writes were cut
-    off (8 of 251 daemon logs of a flake hunt, 1-5 changes each); now they all land."""
+    recorder task is cancelled with changes queued and one being written: they all land."""
     settings = Settings(data_dir=tmp_path, device="cpu")
     node = SwarmNode(settings=settings, identity=Identity.generate(), sessions=sessions,
                      telemetry=Telemetry(), jobs=cast(Any, None))  # fmt: skip
@@ -263,7 +262,7 @@ def test_a_stop_and_an_advert_sign_their_run() -> None:
 
 
 async def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path, sessions: Sessions) -> None:
-    """The replay of a kept stop (docs/notes/issue-14.md): an origin stops its job swarm-wide
+    """The replay of a kept stop: an origin stops its job swarm-wide
     and resumes it; a member that kept the old signed stop passed it to every peer that joined
     the new run, and a peer never rejoins a job it had. A member now tells the stop only to a
     peer of the run it ended (or before); it keeps that stop for the stragglers of that run;

@@ -65,7 +65,7 @@ def donor_app(root: Path, behaviour: str) -> FastAPI:
                 )
                 signed = signed.model_copy(update={"files": files})
             m = signed.model_dump(mode="json", by_alias=True, exclude_none=True)
-        if behaviour == "huge":  # issue #15: a manifest claimed 10^12-byte files
+        if behaviour == "huge":  # a manifest claiming 10^12-byte files
             m = {**m, "files": {n: {**f, "bytes": 10**12} for n, f in m["files"].items()}}
         if behaviour == "garbage":  # consistent sizes and hashes of bytes that are no checkpoint
             m = {
@@ -263,7 +263,7 @@ def test_the_signed_manifest_covers_the_tokenizer_file() -> None:
 
 
 def test_a_checkpoint_that_names_its_tokenizer_is_served(tmp_path: Path) -> None:
-    """The trainer's meta.json holds the job's tokenizer (#17): the donor's manifest keeps it
+    """The trainer's meta.json holds the job's tokenizer: the donor's manifest keeps it
     (a strict manifest that refused the key made every live state a 404)."""
     root = tmp_path / "ckpts"
     ckpt.save_checkpoint(
@@ -276,8 +276,8 @@ def test_a_checkpoint_that_names_its_tokenizer_is_served(tmp_path: Path) -> None
 
 def test_a_donors_state_not_yet_checked_here_is_never_passed_on(tmp_path: Path) -> None:
     """A state fetched from a donor is marked until this daemon's trainer has evaluated it; a
-    crash between the two left it the newest checkpoint, served on to the next joiner as if
-    checked (a review of 2026-12-07). The older, checked one is served instead."""
+    crash between the two would leave it the newest checkpoint, served on to the next joiner
+    as if checked. The older, checked one is served instead."""
     root = tmp_path / "ckpts"
     for step in (3, 8):
         ckpt.save_checkpoint(
