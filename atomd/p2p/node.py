@@ -186,6 +186,7 @@ class SwarmNode:
 
     @property
     def quarantine(self) -> Quarantine:
+        """Strike records, quarantines and bans in memory (``Trust`` keeps their records)."""
         return self.trust.quarantine
 
     @property
