@@ -5,18 +5,18 @@ kernel's default) on its connections: the peer client on every socket it opens (
 its network backend in ``atomd.p2p.tls``), the daemon on its listening socket, whose accepted
 connections inherit it (the state a donor serves). The control API is not concerned.
 
-Why: cubic is Linux's own default, but some systems run BBR instead (this project's machine
-does), and on a slow uplink BBR carried the swarm's delta frames markedly worse. Four real
-daemons at 256 kbit/s a peer (``bench swarm``: ``tc tbf`` with a 4 kB burst and half a second
-of queue): with BBR 91-97 rounds a peer and gain_recovered 0.39-0.48, with cubic on the same
-code 111-125 rounds and 0.57-0.60 (``docs/notes/issue-14.md``, 2026-12-05, fourth). ``ss -ti``
-showed why on these links: the bucket's burst leaves at the veth's speed, so BBR's delivery
-samples put the line at megabytes a second (median 5 MB/s for 32 kB/s), it paces at that, the
-queue overflows, and its connections recover by retransmission timeouts (3.4 % of the bytes
-resent; cubic 0.4 %). A real line whose shaper lets such bursts through would do the same; a
-plain FIFO at the line's rate would not. Cubic fills the uplink's queue, as any loss-based
-sender does, so the host's other traffic waits behind the frames; that is the common Linux
-behaviour, and the setting concerns only the peer plane's connections.
+Why: cubic is Linux's own default, but some systems run BBR instead, and on a slow uplink BBR
+carries the swarm's delta frames markedly worse. Four real daemons at 256 kbit/s a peer
+(``bench swarm``: ``tc tbf`` with a 4 kB burst and half a second of queue): with BBR 91-97
+rounds a peer and gain_recovered 0.39-0.48, with cubic on the same code 111-125 rounds and
+0.57-0.60 (measured in research/). ``ss -ti`` shows why on these links: the bucket's burst
+leaves at the veth's speed, so BBR's delivery samples put the line at megabytes a second
+(median 5 MB/s for 32 kB/s), it paces at that, the queue overflows, and its connections recover
+by retransmission timeouts (3.4 % of the bytes resent; cubic 0.4 %). A real line whose shaper
+lets such bursts through would do the same; a plain FIFO at the line's rate would not. Cubic
+fills the uplink's queue, as any loss-based sender does, so the host's other traffic waits
+behind the frames; that is the common Linux behaviour, and the setting concerns only the peer
+plane's connections.
 
 Where the kernel does not offer the choice or does not let this process make it (an
 unprivileged process may choose only what ``net.ipv4.tcp_allowed_congestion_control`` lists:

@@ -328,9 +328,11 @@ class LanDiscovery:
         log.info("LAN discovery: found peer %s at %s", advert.peer_id, advert.url)
         try:
             self._on_found(advert.peer_id, advert.url)
-        except Exception:
+        except Exception as e:
             # A failing consumer must not stop discovery of the next peer.
-            log.exception("LAN discovery: on_found(%s, %s) failed", advert.peer_id, advert.url)
+            log.exception(
+                "LAN discovery: on_found(%s, %s) failed: %s", advert.peer_id, advert.url, e
+            )
 
     async def aclose(self) -> None:
         """Say goodbye on the network (unregister), stop browsing and close the sockets."""

@@ -13,7 +13,7 @@ frame said what the probe's answer would (``Membership.heard``, ``SwimConfig.hea
 Incarnations start from the wall clock in milliseconds, so a restarted daemon (same id) always
 outranks what the swarm remembers of its previous life.
 
-Claims about a member come from that member (issue #15): its ``alive`` and ``left`` records,
+Claims about a member come from that member: its ``alive`` and ``left`` records,
 with their URL and incarnation, are signed by its own key and checked on receipt
 (``atomd.p2p.messages.record_problem``); a peer id is the hash of its key, so the key cannot
 change either. ``suspect`` and ``dead`` are each daemon's own verdicts, reached by its own
@@ -234,9 +234,9 @@ class Membership:
             if direct and u.state == "alive" and known.state in ("suspect", "dead"):
                 # It speaks to us, and we hold it suspect or dead at an incarnation its record
                 # does not outrank: the gossip that said so may be spent (a daemon stopped for
-                # 20 s came back to a swarm that had stopped saying it was dead, and it was dead
-                # to them for the rest of its job: ``atomd bench swarm`` sigstop, run ew). Say
-                # it again, on the answer to this very message, so that it refutes.
+                # 20 s comes back to a swarm that has stopped saying it is dead, and it stays
+                # dead to them for the rest of its job: ``atomd bench swarm`` sigstop). Say it
+                # again, on the answer to this very message, so that it refutes.
                 self._enqueue(known.update())
             return False
         before = known.state
@@ -256,8 +256,8 @@ class Membership:
         forgotten; with none, a member heard from itself (``direct``) takes the place of the
         one not heard from directly for the longest, and one only gossiped about is refused.
         Without a bound one member could gossip self-signed records of fresh keys, and every
-        daemon kept them all and probed the URLs they named (a review of 2026-12-06: 1,152
-        members from one sender in 18 messages)."""
+        daemon would keep them all and probe the URLs they name (1,152 members from one
+        sender in 18 messages)."""
         if len(self.members) < self.max_known:
             return True
         gone = [m for m in self.members.values() if m.state in ("dead", "left")]
@@ -278,8 +278,8 @@ class Membership:
         incarnation or above, up to what a previous life of it could have signed (incarnations
         start from the wall clock in ms: now, plus INCARNATION_SKEW_MS for a clock set back
         since). Higher is a lie, and outranking it would take this daemon's incarnation with
-        it: a suspicion at the largest counter made the next one unsignable, and every ping
-        and answer of the victim failed from then on (a review of 2026-12-06)."""
+        it: a suspicion at the largest counter would make the next one unsignable, and every
+        ping and answer of the victim would fail from then on."""
         plausible = max(self.me.incarnation, int(time.time() * 1000) + INCARNATION_SKEW_MS)
         return self.me.incarnation <= incarnation <= plausible
 

@@ -82,9 +82,9 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     # The largest answer of this type a peer client reads (``PeerClient``): refused unread
-    # beyond. pydantic parses with the GIL held, so a peer answering 16 MiB (the one bound for
-    # every answer until 2026-12-06) stalled this daemon's event loop ~1 s an answer, off the
-    # loop or not. The largest honest one is a join reply of 1,024 members (~0.4 MiB).
+    # beyond. pydantic parses with the GIL held, so a peer answering 16 MiB (one bound for
+    # every answer) would stall this daemon's event loop ~1 s an answer, off the loop or
+    # not. The largest honest one is a join reply of 1,024 members (~0.4 MiB).
     MAX_ANSWER_BYTES: ClassVar[int] = 1 << 20
 
     def to_bytes(self) -> bytes:
@@ -241,7 +241,7 @@ def advert_forgery(a: JobAdvert, swarm: str) -> str | None:
     """Why ``a`` is not its origin's own advert, or None: it names its origin and the origin's
     key, the job id is one the origin made (``job_id_for``), and the origin signed the id and
     the shared spec. A member could otherwise record itself as the origin of another's job (and
-    stop every joiner's copy), or change the spec it passes on (a review of 2026-12-06)."""
+    stop every joiner's copy), or change the spec it passes on."""
     if a.origin is None or a.origin_key is None or a.signature is None:
         return f"the advert of job {a.id} is not signed by its origin"
     if peer_id_from_public_key(a.origin_key) != a.origin:

@@ -307,9 +307,9 @@ def _parse_headers(headers: Mapping[str, str]) -> SignedHeaders:
 
 # The longest a signed request's body may take to arrive. The longest upload a peer makes is
 # its share of a job's final average, sized for at most 10 minutes of its link
-# (``atomd.sync.average.UPLOAD_MAX_S``); 4 real daemons at 256 kbit/s took 30-36 s for it, and
-# a freshness window of 30 s counted from the body's end refused it (bench/results-swarm-
-# 2026-12-03bb.json).
+# (``atomd.sync.average.UPLOAD_MAX_S``); 4 real daemons at 256 kbit/s take 30-36 s for it, and
+# a freshness window of 30 s counted from the body's end refuses it (measured with
+# ``bench swarm``).
 MAX_BODY_S = 900.0
 # A route whose bodies are small gives them less: MIN_BODY_S plus its largest body at
 # SLOWEST_BODY_BPS (a quarter of a 256 kbit/s uplink), at most MAX_BODY_S (``body_deadline_s``).
@@ -333,8 +333,8 @@ class RequestVerifier:
     Cheap checks come first (form, swarm, target, clock, key id, and the key's admission: the
     allow-list and bans; ``check_headers``, before the body is read), then the signature and
     the swarm secret. A key the allow-list leaves out or a ban names is refused before its
-    body, so it cannot make this daemon read or hash one (until 2026-12-06 it was refused
-    after: a model-sized delta body read first); its refusal names the key the headers claim,
+    body, so it cannot make this daemon read or hash one (refused after, a model-sized delta
+    body would be read first); its refusal names the key the headers claim,
     not one proven to have signed, and nothing but the aggregated refusal records takes it
     from there. Nonces are
     recorded last, for accepted requests only, so garbage cannot fill the replay cache.

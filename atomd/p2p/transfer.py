@@ -177,8 +177,8 @@ async def _fetch_from(
         if manifest.signer is None:
             raise LyingDonorError(f"{url}: the manifest is not signed")
         # The member the manifest names, if it is the one at this URL: by URL alone, a member
-        # advertising an honest donor's URL was taken for it, and the honest manifest then
-        # failed against that member's key (the donor branded a liar for good; 2026-12-06).
+        # advertising an honest donor's URL would be taken for it, and the honest manifest
+        # would fail against that member's key (the donor branded a liar for good).
         who = key_at(url, manifest.signer)
         if who is None:
             raise CheckpointError(

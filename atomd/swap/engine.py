@@ -10,7 +10,7 @@ CUDA's default with the host optimizer) a bf16 copy of the matrices, which is ex
 autocast would make of the fp32 masters, so half the bytes cross the link for the same
 arithmetic. A block runs on a slot's tensors via
 ``torch.func.functional_call`` on the host module, so the model code knows nothing of slots
-(one reparametrization per visit serves its M micro-batches: per micro-batch it was a third
+(one reparametrization per visit serves its M micro-batches: one per micro-batch costs a third
 of the engine's Python time on a small model).
 
 One optimizer step of G micro-batches is G / M *waves*; in a wave, all M micro-batches pass
@@ -44,21 +44,21 @@ through a layer before the next layer is needed (layer-major), so one load serve
   clipping coefficient and learning rate of the step that made the gradient: exact) and the store
   stream copies the updated master weights and moments back. ``settle`` applies the steps still
   waiting (before a checkpoint, an evaluation's end, or sync touching the parameters).
+
+The engine orders the visits and composes the parts: ``SlotTraffic`` (``atomd.swap.traffic``)
+makes the copies, ``LayerWalk`` (``atomd.swap.walk``) runs each visit's forward and backward,
+``LayerSteps`` (``atomd.swap.stepping``) ends each step with clipping and the AdamW steps.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
-from torch.optim.adam import adam
 
 from atomd.data.dataset import Batch
 from atomd.errors import CheckpointError, SwapError
@@ -70,7 +70,10 @@ from atomd.swap.plan import SwapPlan
 from atomd.swap.record import Recorder
 from atomd.swap.schedule import training_visits
 from atomd.swap.slots import Slot, SwapStats, Wave, nbytes
-from atomd.swap.streams import DONE, Marker, Streams, label
+from atomd.swap.stepping import LayerSteps
+from atomd.swap.streams import Marker, Streams, label
+from atomd.swap.traffic import SlotTraffic
+from atomd.swap.walk import Graph, LayerWalk
 from atomd.train.engine import (
     LossScale,
     Precision,
@@ -90,29 +93,6 @@ from atomd.train.optim import (
 from atomd.units import format_bytes
 
 log = get_logger(__name__)
-_T = TypeVar("_T")
-
-
-class _Scope(nn.Module):
-    """The way into ``functional_call`` for a whole layer visit: ``forward(fn)`` runs
-    ``fn(block)`` while the block's parameters are a slot's tensors, so the M micro-batches of
-    a visit (their forward, or their recompute and backward) share one reparametrization."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, fn: Callable[[nn.Module], _T]) -> _T:
-        return fn(self.block)
-
-
-@dataclass
-class Graph:
-    """A layer's forward kept with autograd: its M inputs (leaves), weights (leaves), outputs."""
-
-    inputs: list[Tensor]
-    leaves: list[Tensor]
-    outs: list[Tensor]
 
 
 def _slot_of(slot: Slot | None) -> dict[str, int]:
@@ -187,37 +167,39 @@ class SwapEngine:
             format_bytes(nbytes([t for t in host if t.is_pinned()])),
             time.perf_counter() - t0,
         )
-        first = self.layers[self.swapped[0]]
-        self._names = [name for name, _ in first.named_parameters()]
-        self._scopes = {i: _Scope(self.layers[i]) for i in self.swapped}
+        n_params = len(list(self.layers[self.swapped[0]].parameters()))
         layout = self.hosts[self.swapped[0]].slot_layout()
         if any(self.hosts[i].slot_layout() != layout for i in self.swapped):
             raise SwapError("swapped layers must all have the same parameter shapes")
         self.slots: list[Slot] = []
         for _ in range(plan.slots):
-            weights, grads, flat_w, flat_g = slot_buffers(layout, len(self._names), device)
+            weights, grads, flat_w, flat_g = slot_buffers(layout, n_params, device)
             moments = [torch.empty_like(g) for g in 2 * grads] if self.device_opt else []
             self.slots.append(Slot(weights, grads, flat_w, flat_g, moments, len(self.slots)))
         self.host_opt = HostOptimizer({i: self.layers[i] for i in self.swapped}, self.hosts, optim)
-        # With the optimizer on the device: layer -> (lr, clipping coefficient) of the step its
-        # next load applies, and the marker of its last copy back to the host.
-        self._due: dict[int, tuple[float, Tensor | None]] = {}
-        self._written: dict[int, Marker] = {}
-        self._coef: Marker = DONE  # the clipping coefficient the due steps use is computed
+        self.traffic = SlotTraffic(
+            streams=self.streams, device=device, slots=self.slots, hosts=self.hosts,
+            host_params=self.host_params, host_opt=self.host_opt,
+        )  # fmt: skip
+        self._due = self.traffic.due  # the device steps still due (one dict, shared)
         self.host_opt.init_state(pinned=self.on_device if cuda else set())
         # The link copies follow the masters after each step; after ``settle`` the caller may
         # write the masters, so the next step or evaluation refreshes them first.
         self._refresh_links = False
-        self._grad_stored: dict[int, Marker] = {}
-        self._spill_pool: dict[tuple[int, int], Tensor] = {}
-        self._spill_free: dict[int, Marker] = {}  # layer -> its spill buffers were read back
+        self.walk = LayerWalk(
+            layers=self.layers, swapped=self.swapped, slots=self.slots, scale=self.scale,
+            autocast=self._autocast,
+        )  # fmt: skip
+        self.steps = LayerSteps(
+            optim=optim, scale=self.scale, device=device, streams=self.streams,
+            swapped=self.swapped, on_device=self.on_device, resident_opt=self.resident_opt,
+            host_opt=self.host_opt, traffic=self.traffic,
+        )  # fmt: skip
+        self._graph_bytes = self.walk.graph_bytes  # layer -> bytes its kept graph saved
         # The last graph_blocks blocks (layers n-1-g .. n-2) keep their forward graphs.
         self._graphs = set(range(n - 1 - plan.graph_blocks, n - 1))
-        self._graph_bytes: dict[int, int] = {}  # layer -> bytes its kept graph saved
-        self._slot_storage = {w.untyped_storage().data_ptr() for s in self.slots for w in s.weights}
         spillable = set(range(1, n - 2)) - self._graphs  # a kept graph holds its own input
         self._spilled_layers = spillable if plan.spill else set()
-        self.stats = SwapStats()
         log.info(
             "swap engine: %d swapped blocks, %d slots, M=%d, resident: embedding, head and %d "
             "blocks, spill %s, optimizer on the %s",
@@ -229,282 +211,25 @@ class SwapEngine:
             plan.optimizer,
         )
 
+    @property
+    def stats(self) -> SwapStats:
+        """The traffic and memory of the last step or evaluation (``SlotTraffic`` counts)."""
+        return self.traffic.stats
+
+    @stats.setter
+    def stats(self, stats: SwapStats) -> None:
+        self.traffic.stats = stats
+
     def _wave(self, visits: list[int]) -> Wave:
         return Wave(self.slots, visits, self._load_weights)
 
-    # -- copies ---------------------------------------------------------------------------------
-
     def _load_weights(self, layer: int, slot: Slot) -> None:
-        st = self.streams
-        with label(f"atomd.wait_host_step.{layer}"):
-            self.host_opt.wait(layer)  # its update must be in the host master before we copy it
-        due = self._due.pop(layer, None)
-        st.wait(st.load, slot.used, slot.saved, self._written.get(layer, DONE))
-        with st.on(st.load), torch.no_grad(), label(f"atomd.load.{layer}"):
-            for w, g in zip(slot.flat_weights, self.hosts[layer].groups, strict=True):
-                w.copy_(g.src, non_blocking=True)
-            st.work(st.load, "weights", layer, slot=slot.index)
-            if due is not None:
-                # After the weights: the step overwrites the slot's gradient buffer (stored
-                # out?), reads the layer's .grad (stored?) and the clipping coefficient.
-                st.wait(st.load, slot.stored, self._grad_stored.get(layer, DONE), self._coef)
-                self._device_step(layer, slot, *due)
-                st.work(st.load, "device_step", layer, slot=slot.index)
-        slot.loaded, slot.layer = st.mark(st.load), layer
-        self.stats.layer_loads += 1
-        self.stats.bytes_loaded += nbytes(slot.flat_weights)
-        if due is not None:
-            self._save_step(layer, slot)
-
-    def _device_step(self, layer: int, slot: Slot, lr: float, coef: Tensor | None) -> None:
-        """On the load stream, after the weights: bring the gradient and moments in and run the
-        layer's AdamW step in the slot, with the hyperparameters of its host optimizer."""
-        host, opt = self.host_params[layer], self.host_opt.optimizers[layer]
-        n = len(host)
-        states = [opt.state[p] for p in host]
-        for j, p in enumerate(host):
-            assert p.grad is not None
-            slot.grads[j].copy_(p.grad, non_blocking=True)
-            slot.moments[j].copy_(states[j]["exp_avg"], non_blocking=True)
-            slot.moments[n + j].copy_(states[j]["exp_avg_sq"], non_blocking=True)
-        if coef is not None:
-            torch._foreach_mul_(slot.grads, coef)
-        index = {id(p): j for j, p in enumerate(host)}
-        for group in opt.param_groups:
-            js = [index[id(p)] for p in group["params"]]
-            if not js:
-                continue
-            if opt.peers > 1:  # the swarm's second moment (atomd.train.optim.AdamW)
-                opt.swarm_step(
-                    group,
-                    [slot.weights[j] for j in js],
-                    [slot.grads[j] for j in js],
-                    [slot.moments[j] for j in js],
-                    [slot.moments[n + j] for j in js],
-                    step=int(states[js[0]]["step"]) + 1,
-                    lr=lr,
-                )
-                continue
-            beta1, beta2 = group["betas"]
-            # The step counter lives on the host; the fused kernel counts its own copy.
-            steps = [torch.full((), float(states[j]["step"]), device=self.device) for j in js]
-            adam(
-                [slot.weights[j] for j in js],
-                [slot.grads[j] for j in js],
-                [slot.moments[j] for j in js],
-                [slot.moments[n + j] for j in js],
-                [],
-                steps,
-                fused=True,
-                decoupled_weight_decay=True,  # AdamW
-                amsgrad=False,
-                beta1=beta1,
-                beta2=beta2,
-                lr=lr,
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=False,
-            )
-        for st in states:
-            st["step"] += 1
-        self.stats.bytes_loaded += nbytes(slot.grads) + nbytes(slot.moments)
-
-    def _save_step(self, layer: int, slot: Slot) -> None:
-        """Copy a device step's updated master weights and moments back, on the store stream."""
-        st = self.streams
-        host, opt = self.host_params[layer], self.host_opt.optimizers[layer]
-        n = len(host)
-        st.wait(st.store, slot.loaded)
-        with st.on(st.store), torch.no_grad():
-            for j, p in enumerate(host):
-                p.copy_(slot.weights[j], non_blocking=True)
-                opt.state[p]["exp_avg"].copy_(slot.moments[j], non_blocking=True)
-                opt.state[p]["exp_avg_sq"].copy_(slot.moments[n + j], non_blocking=True)
-            st.work(st.store, "device_state", layer, slot=slot.index)
-        slot.saved = self._written[layer] = st.mark(st.store)
-        self.stats.bytes_stored += nbytes(slot.weights) + nbytes(slot.moments)
+        """Load ``layer`` into ``slot`` (``SlotTraffic.load_weights``): every load goes here."""
+        self.traffic.load_weights(layer, slot)
 
     def _store_grads(self, layer: int, slot: Slot) -> Marker:
-        """Copy the slot's gradient (this wave's sum) to the layer's host staging, in the link
-        dtype, on the store stream."""
-        st = self.streams
-        host = self.hosts[layer]
-        # The staging buffer is free once the host has used the previous wave's (or step's)
-        # gradient: long done by now, as a whole wave lies between.
-        self.host_opt.wait(layer)
-        st.wait(st.store, slot.used)
-        with st.on(st.store), torch.no_grad(), label(f"atomd.store.{layer}"):
-            for acc, g in zip(slot.flat_grads, host.groups, strict=True):
-                g.staging.copy_(acc, non_blocking=True)  # a bf16 link rounds here, once
-            st.work(st.store, "grads", layer, slot=slot.index)
-        slot.stored = self._grad_stored[layer] = st.mark(st.store)
-        self.stats.bytes_stored += nbytes([g.staging for g in host.groups])
-        return slot.stored
-
-    def _spill(self, layer: int, acts: list[Tensor]) -> tuple[list[Tensor], Marker]:
-        """Copy ``layer``'s inputs to pinned host buffers (reused), on the store stream."""
-        st = self.streams
-        st.wait(st.store, st.mark(st.compute), self._spill_free.pop(layer, DONE))
-        hosts = []
-        with st.on(st.store):
-            for mi, a in enumerate(acts):
-                buf = self._spill_pool.get((layer, mi))
-                if buf is None or buf.shape != a.shape or buf.dtype != a.dtype:
-                    buf = torch.empty(a.shape, dtype=a.dtype, pin_memory=self.streams.cuda)
-                    self._spill_pool[(layer, mi)] = buf
-                buf.copy_(a, non_blocking=True)
-                st.hand_over(a, st.store)
-                hosts.append(buf)
-            st.work(st.store, "spill", layer, m=len(acts))
-        self.stats.bytes_stored += nbytes(acts)
-        return hosts, st.mark(st.store)
-
-    def _fetch(self, layer: int, hosts: list[Tensor], ready: Marker) -> tuple[list[Tensor], Marker]:
-        """Bring spilled inputs back on the load stream (issued one layer ahead of their use)."""
-        st = self.streams
-        st.wait(st.load, ready)
-        with st.on(st.load):
-            devs = [h.to(self.device, non_blocking=True) for h in hosts]
-            st.work(st.load, "spill", layer, m=len(devs))
-        for d in devs:
-            st.hand_over(d, st.compute)
-        self._spill_free[layer] = st.mark(st.load)
-        self.stats.bytes_loaded += nbytes(devs)
-        return devs, self._spill_free[layer]
-
-    # -- compute --------------------------------------------------------------------------------
-
-    def _run(self, i: int, weights: Sequence[Tensor] | None, fn: Callable[[nn.Module], _T]) -> _T:
-        """``fn(layer i)`` under autocast, the layer's parameters being ``weights`` (a slot's
-        tensors, or autograd leaves made from them) unless None (a resident layer)."""
-        with self._autocast():
-            if weights is None:
-                return fn(self.layers[i])
-            params = {f"block.{n}": w for n, w in zip(self._names, weights, strict=True)}
-            out: _T = functional_call(self._scopes[i], params, (fn,))
-            return out
-
-    def _forward(
-        self, i: int, acts: list[Tensor], weights: Sequence[Tensor] | None
-    ) -> list[Tensor]:
-        """Layer i's forward of every micro-batch in ``acts``."""
-        return self._run(i, weights, lambda layer: [layer(a) for a in acts])
-
-    def _forward_graph(self, i: int, acts: list[Tensor], slot: Slot | None) -> Graph:
-        """Layer i's forward with autograd, the graph kept for backward (a block's only).
-        Slot tensors that autograd saves are copied: the slot is reused before backward."""
-        leaves: list[Tensor] = (
-            [w.detach().requires_grad_() for w in slot.weights]
-            if slot is not None
-            else list(self.layers[i].parameters())
-        )
-        held = 0
-        copies: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Tensor] = {}
-
-        def pack(t: Tensor) -> Tensor:
-            nonlocal held
-            if t.untyped_storage().data_ptr() in self._slot_storage:
-                key = (t.data_ptr(), tuple(t.shape), t.stride())
-                if key in copies:  # the M micro-batches share one copy
-                    return copies[key]
-                t = copies[key] = t.detach().clone()
-            held += t.numel() * t.element_size()
-            return t
-
-        xs = [a.detach().requires_grad_() for a in acts]
-        # One autocast region around the M micro-batches: its weight cache makes one bf16 copy
-        # of the weights for all of them (each _call's own region would make, and keep, M).
-        with (
-            torch.enable_grad(),
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-            self._autocast(),
-        ):
-            outs = self._forward(i, xs, leaves if slot is not None else None)
-        self._graph_bytes[i] = held
-        return Graph(xs, leaves, outs)
-
-    def _backward_layer(
-        self,
-        i: int,
-        inputs: list[Tensor] | Graph,
-        grad_outs: list[Tensor],
-        targets: list[Tensor],
-        weights: list[Tensor] | None,
-        accs: list[Tensor] | None,
-        fresh: bool,
-        g_total: int,
-        total: Tensor,
-    ) -> list[Tensor]:
-        """Backpropagate every micro-batch through layer i: through its kept graph, or by
-        recomputing it from its inputs. Parameter gradients go to ``accs`` (a slot) or to
-        ``.grad`` (resident layers)."""
-        if isinstance(inputs, Graph):
-            return self._backward_graph(i, inputs, grad_outs, accs, fresh)
-        leaves: list[Tensor] = (
-            [w.detach().requires_grad_() for w in weights]
-            if weights is not None
-            else list(self.layers[i].parameters())
-        )
-        grad_ins: list[Tensor] = []
-
-        def recompute_and_backward(layer: nn.Module) -> None:
-            # One micro-batch's graph at a time: recompute, backward, free.
-            for mi, a in enumerate(inputs):
-                floating = a.is_floating_point()  # the embedding's input is token ids
-                x = a.detach().requires_grad_() if floating else a
-                with torch.enable_grad():
-                    out = layer(x)
-                    if i == len(self.layers) - 1:  # the head: the loss, scaled as resident
-                        loss = lm_loss(out, targets[mi]) / g_total
-                        total.add_(loss.detach())
-                        grads = torch.autograd.grad(self.scale.scale(loss), [x, *leaves])
-                    else:
-                        wrt = [x, *leaves] if floating else leaves
-                        grads = torch.autograd.grad(out, wrt, grad_outs[mi])
-                if floating:
-                    grad_ins.append(grads[0])
-                    grads = grads[1:]
-                self._accumulate(leaves, grads, accs, fresh and mi == 0)
-
-        self._run(i, leaves if weights is not None else None, recompute_and_backward)
-        return grad_ins
-
-    def _backward_graph(
-        self,
-        i: int,
-        graph: Graph,
-        grad_outs: list[Tensor],
-        accs: list[Tensor] | None,
-        fresh: bool,
-    ) -> list[Tensor]:
-        """Backpropagate every micro-batch through block i's kept graph (no recompute)."""
-        # One backward per micro-batch, summed here in fp32: a single backward through the M
-        # graphs would sum the gradients of autocast's one shared bf16 weight copy in bf16
-        # (measured: 8% parameter difference after 3 steps, test_under_bf16_autocast_as_on_cuda).
-        grad_ins: list[Tensor] = []
-        for mi, (x, out) in enumerate(zip(graph.inputs, graph.outs, strict=True)):
-            grads = torch.autograd.grad(out, [x, *graph.leaves], grad_outs[mi])
-            grad_ins.append(grads[0])
-            self._accumulate(graph.leaves, grads[1:], accs, fresh and mi == 0)
-        self._graph_bytes.pop(i, None)
-        return grad_ins
-
-    @staticmethod
-    @torch.no_grad()
-    def _accumulate(
-        leaves: list[Tensor], grads: Sequence[Tensor], accs: list[Tensor] | None, first: bool
-    ) -> None:
-        """Add one micro-batch's parameter gradients to a slot's accumulator (``first``:
-        overwrite it) or to resident parameters' ``.grad``."""
-        if accs is not None:
-            for acc, g in zip(accs, grads, strict=True):
-                if first:
-                    acc.copy_(g)
-                else:
-                    acc.add_(g)
-        else:
-            for p, g in zip(leaves, grads, strict=True):
-                p.grad = g if p.grad is None else p.grad.add_(g)
+        """Store the slot's gradient (``SlotTraffic.store_grads``): every store goes here."""
+        return self.traffic.store_grads(layer, slot)
 
     def train_step(self, batches: Sequence[Batch], lr: float) -> float:
         g_total, m = len(batches), self.plan.micro_batches
@@ -519,7 +244,7 @@ class SwapEngine:
         self.model.train()
         self.stats = SwapStats()
         st = self.streams
-        clip = self._deferred()
+        clip = self.steps.deferred()
         total = torch.zeros((), device=self.device)
         norms: list[Tensor] = []
         waves = g_total // m
@@ -533,30 +258,7 @@ class SwapEngine:
                 norms=norms,
                 total=total,
             )
-        resident_params = [p for grp in self.resident_opt.param_groups for p in grp["params"]]
-        coef: Tensor | None = None
-        if clip and waves > 1:  # the swapped layers' whole gradients exist on the host only
-            host_norms = [n for layer in self.swapped for n in self.host_opt.norms_of(layer)]
-            norms.extend(torch.stack(host_norms).to(self.device).unbind())
-        skip = False
-        if clip:  # as torch.nn.utils.clip_grad_norm_: norm of per-parameter norms
-            resident_grads = [p.grad for p in resident_params if p.grad is not None]
-            norms.extend(torch._foreach_norm(resident_grads))
-            total_norm = torch.linalg.vector_norm(torch.stack([n.to(self.device) for n in norms]))
-            if self.scale.enabled:  # the gradients are scaled: unscale through the coefficient
-                s = self.scale.value
-                skip = not self.scale.update(math.isfinite(float(total_norm)))
-                total_norm = total_norm / s
-            if self.optim.grad_clip > 0:
-                coef = torch.clamp(self.optim.grad_clip / (total_norm + 1e-6), max=1.0)
-            else:
-                coef = torch.ones((), device=self.device)
-            if self.scale.enabled:
-                coef = coef / s
-            torch._foreach_mul_(resident_grads, coef)
-        if not skip:  # (skip: an fp16 overflow; no layer steps, the masters stay as they are)
-            self._step_all(lr, coef)
-        self.resident_opt.zero_grad(set_to_none=True)
+        self.steps.finish(lr, norms, waves)
         st.work(st.compute, "optimizer", -1)
         for slot in self.slots:
             slot.layer = None  # stale: the host masters change
@@ -579,7 +281,7 @@ class SwapEngine:
     ) -> None:
         st, n = self.streams, len(self.layers)
         single = first and last  # one wave per step: no sum of waves on the host
-        clip = self._deferred()
+        clip = self.steps.deferred()
         xs = [b.x.to(self.device, non_blocking=True) for b in batches]
         ys = [b.y.to(self.device, non_blocking=True) for b in batches]
         wave = self._wave(training_visits(self.swapped))
@@ -594,18 +296,18 @@ class SwapEngine:
                 st.wait(st.compute, slot.loaded)
             with label(f"atomd.fwd.{i}"):
                 if i in self._graphs:
-                    graphs[i] = self._forward_graph(i, acts, slot)
+                    graphs[i] = self.walk.forward_graph(i, acts, slot)
                     acts = [o.detach() for o in graphs[i].outs]
                 else:
                     with torch.no_grad():
-                        acts = self._forward(i, acts, slot.weights if slot else None)
+                        acts = self.walk.forward(i, acts, slot.weights if slot else None)
             kind = "embed" if i == 0 else "fwd"
             st.work(st.compute, kind, i, m=len(acts), kept=i in graphs, **_slot_of(slot))
             if slot is not None:
                 slot.used = st.mark(st.compute)
                 wave.done()
             if i + 1 in self._spilled_layers:
-                spilled[i + 1] = self._spill(i + 1, acts)
+                spilled[i + 1] = self.traffic.spill(i + 1, acts)
             elif i + 1 not in self._graphs:
                 saved[i + 1] = acts
             self._note_held(saved, acts)
@@ -613,7 +315,7 @@ class SwapEngine:
         fetched: dict[int, tuple[list[Tensor], Marker]] = {}
         for i in range(n - 1, -1, -1):
             if i - 1 in spilled:  # prefetch the next layer's inputs while this one computes
-                fetched[i - 1] = self._fetch(i - 1, *spilled.pop(i - 1))
+                fetched[i - 1] = self.traffic.fetch(i - 1, *spilled.pop(i - 1))
             inputs: list[Tensor] | Graph
             if i in graphs:
                 inputs = graphs.pop(i)
@@ -625,7 +327,7 @@ class SwapEngine:
             slot = wave.next(i) if i in self._swapped_set else None
             if slot is None:
                 with label(f"atomd.bwd.{i}"):
-                    grad_outs = self._backward_layer(
+                    grad_outs = self.walk.backward(
                         i, inputs, grad_outs, ys, None, None, first, g_total, total
                     )
                 kind = "head" if i == n - 1 else "embed_bwd" if i == 0 else "bwd"
@@ -634,7 +336,7 @@ class SwapEngine:
                 st.wait(st.compute, slot.loaded, slot.stored)
                 with label(f"atomd.bwd.{i}"):
                     # Every wave's gradient starts afresh in the slot: the host sums the waves.
-                    grad_outs = self._backward_layer(
+                    grad_outs = self.walk.backward(
                         i, inputs, grad_outs, ys, slot.weights, slot.grads, True, g_total, total
                     )
                 kept = isinstance(inputs, Graph)
@@ -656,31 +358,6 @@ class SwapEngine:
                 wave.done()
             del inputs
             self._note_held(saved, grad_outs)
-
-    def _step_all(self, lr: float, coef: Tensor | None) -> None:
-        """Every layer's AdamW step of this step: on the device with the next load, on the
-        host worker, and the resident layers' here."""
-        st = self.streams
-        if self.on_device:  # each of these layers' step comes with its next load
-            if coef is not None:  # computed on the compute stream, read on the load stream
-                self._coef = st.mark(st.compute)
-                st.hand_over(coef, st.load)
-            self._due.update((layer, (lr, coef)) for layer in self.on_device)
-        on_host = [layer for layer in self.swapped if layer not in self.on_device]
-        if coef is not None and on_host:
-            st.host_reads(st.compute, "clip")
-            with label("atomd.clip_coef_to_host"):
-                coef_host = float(coef)  # waits for the compute stream, as the loss below does
-            for layer in on_host:  # forward order: the next step needs these first
-                self.host_opt.submit(layer, self._grad_stored[layer], lr=lr, clip=coef_host)
-        for grp in self.resident_opt.param_groups:
-            grp["lr"] = lr
-        self.resident_opt.step()
-
-    def _deferred(self) -> bool:
-        """Whether the steps wait for the whole backward's gradient norm: to clip, or to see
-        whether an fp16 gradient overflowed."""
-        return self.optim.grad_clip > 0 or self.scale.enabled
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         # Looked up at call time (tests patch the module's autocast).
@@ -712,12 +389,12 @@ class SwapEngine:
                 slot = wave.next(i) if i in self._swapped_set else None
                 if slot is not None:
                     st.wait(st.compute, slot.loaded)
-                acts = self._forward(i, acts, slot.weights if slot else None)
+                acts = self.walk.forward(i, acts, slot.weights if slot else None)
                 if slot is not None:
                     slot.used = st.mark(st.compute)
                     wave.done()
             for a, b in zip(acts, chunk, strict=True):  # logits one micro-batch at a time
-                (logits,) = self._forward(n - 1, [a], None)
+                (logits,) = self.walk.forward(n - 1, [a], None)
                 losses.append(lm_loss(logits, b.y.to(self.device, non_blocking=True)))
         return window_mean(losses, batches)
 
@@ -762,13 +439,7 @@ class SwapEngine:
         the model after the last step. Slots count as empty afterwards: the caller may change
         the masters in place."""
         self.host_opt.drain()
-        stats, self.stats = self.stats, SwapStats()  # the flush is no step's traffic
-        for n, layer in enumerate(list(self._due)):  # round-robin: loads overlap copies back
-            self._load_weights(layer, self.slots[n % len(self.slots)])
-        self.stats = stats
-        for marker in self._written.values():
-            marker.synchronize()
-        self._written.clear()
+        self.traffic.apply_due(self._load_weights)
         for slot in self.slots:
             slot.layer = None
         self._refresh_links = True

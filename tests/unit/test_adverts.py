@@ -223,9 +223,9 @@ async def test_a_forged_advert_is_neither_joined_nor_counted(tmp_path: Path) -> 
     record = node.membership.members[evil.peer_id]
     sender = Update(id=evil.peer_id, url=record.url, public_key=evil.public_key_hex,
                     state="alive", incarnation=1)  # fmt: skip
-    node._on_message(evil.peer_id, Gossip(sender=sender, job=claimed))
+    node.gossip.on_message(evil.peer_id, Gossip(sender=sender, job=claimed))
     assert offers == [] and node.job_peers(claimed.id) == []
-    node._on_message(evil.peer_id, Gossip(sender=sender, job=honest))  # passed on as it is
+    node.gossip.on_message(evil.peer_id, Gossip(sender=sender, job=honest))  # passed on as it is
     assert [o.origin for o in offers] == [origin.peer_id]
     assert [m.id for m in node.job_peers(honest.id)] == [evil.peer_id]
     await engine.dispose()

@@ -79,7 +79,9 @@ async def test_a_peers_words_cannot_forge_a_log_line_nor_reach_the_terminal(
             await client.post("http://peer", "/p2p/v1/announce", Ack(), Ack,
                               target=Identity.generate().peer_id)  # fmt: skip
     assert forged in str(caught.value)  # the peer's words, as it sent them
-    logging.getLogger("atomd.p2p.node").info("http://peer/p2p/v1/announce failed: %s", caught.value)
+    logging.getLogger("atomd.p2p.gossip").info(
+        "http://peer/p2p/v1/announce failed: %s", caught.value
+    )
     out = daemon_log.getvalue()
     assert out.count("\n") == 1 and out.endswith("\n"), out
     assert not any(c in out for c in "\r\x1b\x07\u202e"), ascii(out)

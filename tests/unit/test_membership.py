@@ -25,7 +25,7 @@ from atomd.p2p.messages import (
     record_problem,
     sign_record,
 )
-from atomd.p2p.node import MAX_CURVE_PEERS, SwarmNode
+from atomd.p2p.trainers import MAX_CURVE_PEERS, Trainers
 
 FAST = SwimConfig(
     period=0.02, settled_period=0.02, ping_timeout=0.05, indirect_timeout=0.08,
@@ -78,9 +78,9 @@ def test_suspicion_of_self_is_refuted() -> None:
 
 
 def test_a_suspicion_no_life_of_this_daemon_could_have_signed_is_not_refuted() -> None:
-    """Suspicions are unsigned hearsay, so anyone can say one. One at the largest counter made
-    the victim refute to a counter no record can hold: every later ping, answer and join
-    reply of it raised (a review of 2026-12-06). A suspicion beyond what a previous life of
+    """Suspicions are unsigned hearsay, so anyone can say one. One at the largest counter would
+    make the victim refute to a counter no record can hold: every later ping, answer and join
+    reply of it would raise. A suspicion beyond what a previous life of
     this daemon could have signed (its clock, plus a day) is ignored; one a previous life
     could have (a clock set back across a restart) is still outranked."""
     me = ident("victim")
@@ -97,8 +97,8 @@ def test_a_suspicion_no_life_of_this_daemon_could_have_signed_is_not_refuted() -
 
 def test_the_members_kept_are_bounded() -> None:
     """Keys are free, and gossip adds any member whose record its own key signed: one member
-    gossiping 64 fresh records a ping grew every daemon's table without end (a review of
-    2026-12-06: 1,152 members in 18 pings). At ``max_known`` a new member takes the place of
+    gossiping 64 fresh records a ping would grow every daemon's table without end (1,152
+    members in 18 pings). At ``max_known`` a new member takes the place of
     the one dead or gone the longest; with none, one heard from itself takes the place of the
     one not heard from directly for the longest; one only gossiped about is refused."""
     ms = Membership(upd("me"), max_known=4)
@@ -358,8 +358,8 @@ def test_the_turn_of_a_member_heard_lately_passes_without_a_probe_while_settled(
 async def test_a_settled_swarm_whose_frames_flow_sends_no_probes_and_still_finds_a_crash(
     net: Net,
 ) -> None:
-    """Issue #14: on a slow uplink the probes and their answers took a share of the line while
-    delta frames, which say the same, flowed anyway. News is still spread at the pace."""
+    """On a slow uplink the probes and their answers would take a share of the line while
+    delta frames, which say the same, flow anyway. News is still spread at the pace."""
     config = dataclasses.replace(SETTLING, heard_window=1.0)
     for name, seeds in (("a", []), ("b", ["a"]), ("c", ["a"])):
         await net.start(name, seeds, config=config)
@@ -424,8 +424,8 @@ def test_gossip_carries_at_most_64_updates() -> None:
 
 
 def test_claims_about_a_member_come_only_from_that_member() -> None:
-    """Issue #15: gossip to A that B has left, at a huge incarnation, with the attacker's URL
-    and key, made A list B as left with them, for good."""
+    """Gossip to A that B has left, at a huge incarnation, with the attacker's URL and key,
+    must not make A list B as left with them."""
     probes: list[str] = []
     ms = Membership(upd("me"), identity=ident("me"), on_hearsay=probes.append)
     assert ms.apply(upd("b", inc=5))
@@ -511,7 +511,7 @@ def test_a_suspect_member_still_trains_the_job_a_dead_one_does_not() -> None:
     )
     members["b"].state = "suspect"
     members["c"].state = "dead"
-    got = [m.id for m in SwarmNode.job_peers(fake, "j")]  # type: ignore[arg-type]
+    got = [m.id for m in Trainers.job_peers(fake, "j")]  # type: ignore[arg-type]
     assert got == ["a", "b"]  # d is quarantined
 
 
@@ -524,33 +524,33 @@ def test_a_frame_heard_says_its_sender_is_alive_and_trains_the_job() -> None:
         settings=SimpleNamespace(gossip_interval=0.5), membership=m, _job_peers={}, _heard=set(),
         quarantine=SimpleNamespace(excluded=lambda _pid: False), _job_of={},
     )  # fmt: skip
-    fake._trains = lambda job, peer: SwarmNode._trains(fake, job, peer)  # type: ignore[arg-type]
-    assert SwarmNode.job_peers(fake, "j") == []  # type: ignore[arg-type]
+    fake.trains = lambda job, peer: Trainers.trains(fake, job, peer)  # type: ignore[arg-type]
+    assert Trainers.job_peers(fake, "j") == []  # type: ignore[arg-type]
     before = time.monotonic()
     for name in ("a", "stranger", "me"):  # only a member, not this daemon, is heard
-        SwarmNode.heard(fake, "j", pid(name))  # type: ignore[arg-type]
-    assert [p.id for p in SwarmNode.job_peers(fake, "j")] == [pid("a")]  # type: ignore[arg-type]
+        Trainers.heard(fake, "j", pid(name))  # type: ignore[arg-type]
+    assert [p.id for p in Trainers.job_peers(fake, "j")] == [pid("a")]  # type: ignore[arg-type]
     assert fake._heard == {pid("a")} and m.members[pid("a")].heard_at >= before
 
 
 def test_who_trains_what_holds_one_job_a_known_member() -> None:
     """A member advertising a fresh job id on every message, or a stranger's advert, adds no
-    entry that stays: a peer trains one job at a time, and only members count (a review of
-    2026-12-06 found one entry a message kept for good)."""
+    entry that stays: a peer trains one job at a time, and only members count (else one entry
+    a message would be kept for good)."""
     m = Membership(upd("me"))
     m.apply(upd("a"))
     fake = SimpleNamespace(membership=m, _job_peers={}, _job_of={})
     for i in range(100):
-        SwarmNode._trains(fake, f"job{i}", pid("a"))  # type: ignore[arg-type]
-        SwarmNode._trains(fake, f"job{i}", pid("stranger"))  # type: ignore[arg-type]
+        Trainers.trains(fake, f"job{i}", pid("a"))  # type: ignore[arg-type]
+        Trainers.trains(fake, f"job{i}", pid("stranger"))  # type: ignore[arg-type]
     assert list(fake._job_peers) == ["job99"] and list(fake._job_peers["job99"]) == [pid("a")]
 
 
 async def test_a_dashboard_refresh_asks_a_bounded_number_of_peers_for_curves() -> None:
     """Every dashboard refresh (each 2 s) asks the job's peers for their loss curves. With the
-    swarm secret alone keys are free: a member that advertised the job under 4,096 keys made
-    each refresh ask 4,096 peers for up to 402 points each, parsed and sent on to the browser
-    (measured: ~50 s of the event loop, 146 MB of JSON a refresh; a review of 2026-12-06).
+    swarm secret alone keys are free: a member that advertises the job under 4,096 keys would
+    make each refresh ask 4,096 peers for up to 402 points each, parsed and sent on to the
+    browser (measured: ~50 s of the event loop, 146 MB of JSON a refresh).
     Only the first MAX_CURVE_PEERS heard training it are asked; the rest are counted."""
     members = [SimpleNamespace(id=f"{i:032x}", url=f"https://m{i}") for i in range(4096)]
     asked: list[str] = []
@@ -560,16 +560,16 @@ async def test_a_dashboard_refresh_asks_a_bounded_number_of_peers_for_curves() -
         return ProgressCurve(points=[])
 
     fake = SimpleNamespace(client=SimpleNamespace(get=get), job_peers=lambda _job: members)
-    answers, left_out = await SwarmNode.peer_curves(fake, "j")  # type: ignore[arg-type]
+    answers, left_out = await Trainers.peer_curves(fake, "j")  # type: ignore[arg-type]
     assert asked == [m.url for m in members[:MAX_CURVE_PEERS]]
     assert [m.id for m, _ in answers] == [m.id for m in members[:MAX_CURVE_PEERS]]
     assert left_out == 4096 - MAX_CURVE_PEERS
 
 
 def _restarted(live: list[str], donors: dict[str, str]) -> Any:
-    """What ``SwarmNode.settled_donors`` reads: the live members, who trains the job, whom
+    """What ``Trainers.settled_donors`` reads: the live members, who trains the job, whom
     we heard from and whether we have joined."""
-    node = SimpleNamespace(_joined=asyncio.Event(), _heard=set(), live=live)
+    node = SimpleNamespace(joined=asyncio.Event(), _heard=set(), live=live)
     node.membership = SimpleNamespace(others=lambda *_: [SimpleNamespace(id=p) for p in node.live])
     node.job_donors = lambda _job: [donors[p] for p in sorted(node._heard) if p in donors]
     return node
@@ -577,7 +577,7 @@ def _restarted(live: list[str], donors: dict[str, str]) -> Any:
 
 async def _settle(node: Any, **kw: Any) -> tuple[list[str], float]:
     t0 = time.monotonic()
-    got = await SwarmNode.settled_donors(node, "j", give_up=kw.pop("give_up", lambda: False), **kw)
+    got = await Trainers.settled_donors(node, "j", give_up=kw.pop("give_up", lambda: False), **kw)
     return got, time.monotonic() - t0
 
 
@@ -589,14 +589,14 @@ async def test_a_restarted_daemon_waits_to_hear_who_trains_its_job() -> None:
     node._heard.add("b")  # heard before the join answered: still waits for the join
     await asyncio.sleep(0.3)
     assert not task.done()
-    node._joined.set()
+    node.joined.set()
     got, took = await asyncio.wait_for(task, 5)
     assert got == ["https://b"] and took >= 0.6
 
 
 async def test_no_donor_once_every_live_member_was_heard() -> None:
     node = _restarted(["a", "b"], {})
-    node._joined.set()
+    node.joined.set()
     task = asyncio.ensure_future(_settle(node))
     node._heard.add("a")
     await asyncio.sleep(0.3)
@@ -610,7 +610,7 @@ async def test_waiting_for_donors_is_bounded_and_gives_up_on_shutdown() -> None:
     silent = _restarted(["a"], {"a": "https://a"})  # never joins: unreachable seeds
     got, took = await _settle(silent, timeout=0.5)
     assert got == [] and 0.5 <= took < 3
-    silent._joined.set()  # joined, but a never answers
+    silent.joined.set()  # joined, but a never answers
     got, took = await _settle(silent, timeout=0.5)
     assert got == [] and 0.5 <= took < 3
     stopping = asyncio.Event()

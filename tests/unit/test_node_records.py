@@ -21,8 +21,7 @@ from tests.unit.conftest import Sessions
 
 async def test_changes_queued_at_shutdown_are_recorded(tmp_path: Path, sessions: Sessions) -> None:
     """A swarm stopping together: the others' leaves reach this daemon as it stops, and the
-    recorder task is cancelled with changes queued and one being written. Those writes were cut
-    off (8 of 251 daemon logs of a flake hunt, 1-5 changes each); now they all land."""
+    recorder task is cancelled with changes queued and one being written: they all land."""
     settings = Settings(data_dir=tmp_path, device="cpu")
     node = SwarmNode(settings=settings, identity=Identity.generate(), sessions=sessions,
                      telemetry=Telemetry(), jobs=cast(Any, None))  # fmt: skip
@@ -31,8 +30,8 @@ async def test_changes_queued_at_shutdown_are_recorded(tmp_path: Path, sessions:
         for i in range(6)
     ]
     for m in members:
-        node._on_change(m, "alive")
-    recorder = asyncio.create_task(node._record_changes())
+        node.records.on_change(m, "alive")
+    recorder = asyncio.create_task(node.records.record_changes())
     await asyncio.sleep(0)  # it takes the first change and starts writing it
     recorder.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -75,9 +74,9 @@ async def test_a_straggler_is_told_again_at_a_bounded_pace(
     only those told longer ago (a review: clearing it all let fresh keys reset every pair)."""
     import time
 
-    from atomd.p2p import node as node_module
+    from atomd.p2p import gossip as gossip_module
 
-    monkeypatch.setattr(node_module, "MAX_TOLD_STOPPED", 2)
+    monkeypatch.setattr(gossip_module, "MAX_TOLD_STOPPED", 2)
     settings = Settings(data_dir=tmp_path, device="cpu")
     node = SwarmNode(settings=settings, identity=Identity.generate(), sessions=sessions,
                      telemetry=Telemetry(), jobs=cast(Any, None))  # fmt: skip
@@ -89,16 +88,16 @@ async def test_a_straggler_is_told_again_at_a_bounded_pace(
     job = job_id_for(node.peer_id)
     stop = sign_stop(job, node.identity, settings.swarm)
     now = time.monotonic()
-    node._tell_stopped(ids[0].peer_id, stop)
-    node._tell_stopped(ids[1].peer_id, stop)
-    told = dict(node._told_stopped)
-    node._tell_stopped(ids[0].peer_id, stop)  # again at once: not told
-    assert node._told_stopped == told
-    node._tell_stopped(ids[2].peer_id, stop)  # full, both told just now: not remembered
-    assert (ids[2].peer_id, job) not in node._told_stopped
-    node._told_stopped[(ids[0].peer_id, job)] = now - node_module.RESTOP_S  # long ago
-    node._tell_stopped(ids[2].peer_id, stop)
-    assert set(node._told_stopped) == {(ids[1].peer_id, job), (ids[2].peer_id, job)}
+    node.gossip._tell_stopped(ids[0].peer_id, stop)
+    node.gossip._tell_stopped(ids[1].peer_id, stop)
+    told = dict(node.gossip._told_stopped)
+    node.gossip._tell_stopped(ids[0].peer_id, stop)  # again at once: not told
+    assert node.gossip._told_stopped == told
+    node.gossip._tell_stopped(ids[2].peer_id, stop)  # full, both told just now: not remembered
+    assert (ids[2].peer_id, job) not in node.gossip._told_stopped
+    node.gossip._told_stopped[(ids[0].peer_id, job)] = now - gossip_module.RESTOP_S  # long ago
+    node.gossip._tell_stopped(ids[2].peer_id, stop)
+    assert set(node.gossip._told_stopped) == {(ids[1].peer_id, job), (ids[2].peer_id, job)}
 
 
 def test_a_stop_is_its_origins_own() -> None:
@@ -189,7 +188,7 @@ async def test_a_member_passes_the_origins_stop_on(
     stop of our own job is ours to say; the origin heard training the job again (resumed,
     a daemon of before runs), the stop is dropped."""
     from atomd.errors import MessageError
-    from atomd.p2p import node as node_module
+    from atomd.p2p import gossip as gossip_module
 
     origin, relay, straggler = (Identity.generate() for _ in range(3))
     node, jobs = _node(tmp_path, sessions, [origin, relay, straggler])
@@ -204,22 +203,22 @@ async def test_a_member_passes_the_origins_stop_on(
     await node.stop_from_peer(job, relay.peer_id, stop)
     assert jobs.stops == [(job, origin.peer_id, relay.peer_id, 0)]
     assert node.stop_notice(job) == stop
-    node._on_message(straggler.peer_id, _gossip(origin, job))
-    assert (straggler.peer_id, job) in node._told_stopped
-    assert job not in node._job_peers  # not counted as training it
+    node.gossip.on_message(straggler.peer_id, _gossip(origin, job))
+    assert (straggler.peer_id, job) in node.gossip._told_stopped
+    assert job not in node.trainers._job_peers  # not counted as training it
 
     mine = job_id_for(node.peer_id)
     await node.stop_from_peer(mine, relay.peer_id, sign_stop(mine, node.identity, swarm))
     assert len(jobs.stops) == 1 and node.stop_notice(mine) is None
 
-    node._on_message(origin.peer_id, _gossip(origin, job))  # sent before its stop
+    node.gossip.on_message(origin.peer_id, _gossip(origin, job))  # sent before its stop
     assert node.stop_notice(job) == stop
-    at = node._stop_notices[job][1]
+    at = node.gossip._stop_notices[job][1]
     with monkeypatch.context() as m:  # RESTOP_S on
-        m.setattr(node_module.time, "monotonic", lambda: at + node_module.RESTOP_S + 1)
-        node._on_message(origin.peer_id, _gossip(origin, job, run=1))  # a later run: kept
+        m.setattr(gossip_module.time, "monotonic", lambda: at + gossip_module.RESTOP_S + 1)
+        node.gossip.on_message(origin.peer_id, _gossip(origin, job, run=1))  # a later run: kept
         assert node.stop_notice(job) == stop
-        node._on_message(origin.peer_id, _gossip(origin, job))  # resumed, runs unknown to it
+        node.gossip.on_message(origin.peer_id, _gossip(origin, job))  # resumed, runs unknown to it
     assert node.stop_notice(job) is None
 
 
@@ -263,7 +262,7 @@ def test_a_stop_and_an_advert_sign_their_run() -> None:
 
 
 async def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path, sessions: Sessions) -> None:
-    """The replay of a kept stop (docs/notes/issue-14.md): an origin stops its job swarm-wide
+    """The replay of a kept stop: an origin stops its job swarm-wide
     and resumes it; a member that kept the old signed stop passed it to every peer that joined
     the new run, and a peer never rejoins a job it had. A member now tells the stop only to a
     peer of the run it ended (or before); it keeps that stop for the stragglers of that run;
@@ -278,22 +277,22 @@ async def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path, sessions:
     first = sign_stop(job, origin, swarm, run=0)
     await node.stop_from_peer(job, relay.peer_id, first)
     assert [r for *_, r in jobs.stops] == [0]
-    node._on_message(joiner.peer_id, _gossip(origin, job, 1))  # the origin resumed: run 1
-    assert (joiner.peer_id, job) not in node._told_stopped
+    node.gossip.on_message(joiner.peer_id, _gossip(origin, job, 1))  # the origin resumed: run 1
+    assert (joiner.peer_id, job) not in node.gossip._told_stopped
     assert joiner.peer_id in [m.id for m in node.job_peers(job)]  # counted as training it
     assert node.stop_notice(job) == first  # kept for the stragglers of run 0
-    node._on_message(origin.peer_id, _gossip(origin, job, 1))  # the origin itself: stays too
+    node.gossip.on_message(origin.peer_id, _gossip(origin, job, 1))  # the origin itself: stays too
     assert node.stop_notice(job) == first
-    node._on_message(straggler.peer_id, _gossip(origin, job, 0))
-    assert (straggler.peer_id, job) in node._told_stopped
+    node.gossip.on_message(straggler.peer_id, _gossip(origin, job, 0))
+    assert (straggler.peer_id, job) in node.gossip._told_stopped
 
     second = sign_stop(job, origin, swarm, run=1)
     await node.stop_from_peer(job, relay.peer_id, second)
     assert node.stop_notice(job) == second and jobs.stops[-1][-1] == 1
     await node.stop_from_peer(job, relay.peer_id, first)  # replayed late: not kept
     assert node.stop_notice(job) == second and jobs.stops[-1][-1] == 0
-    node._on_message(joiner.peer_id, _gossip(origin, job, 1))
-    assert (joiner.peer_id, job) in node._told_stopped
+    node.gossip.on_message(joiner.peer_id, _gossip(origin, job, 1))
+    assert (joiner.peer_id, job) in node.gossip._told_stopped
 
 
 async def test_an_earlier_runs_advert_is_not_joined(tmp_path: Path, sessions: Sessions) -> None:
@@ -304,7 +303,7 @@ async def test_an_earlier_runs_advert_is_not_joined(tmp_path: Path, sessions: Se
     goes on in that one (the job manager: ``test_adverts``); and a stop of a job this daemon
     never had is neither kept nor recorded (any key makes up jobs of its own, and their
     stops would push out the others')."""
-    from atomd.p2p.node import RUNS_A_TELLER, STOP_HEARD
+    from atomd.p2p.gossip import RUNS_A_TELLER, STOP_HEARD
 
     origin, member, straggler, evil = (Identity.generate() for _ in range(4))
     node, jobs = _node(tmp_path, sessions, [origin, member, straggler, evil])
@@ -314,29 +313,29 @@ async def test_an_earlier_runs_advert_is_not_joined(tmp_path: Path, sessions: Se
         advert.run if advert.id == job else -1
     )
     job = job_id_for(origin.peer_id)
-    node._on_message(member.peer_id, _gossip(origin, job, 0))
-    node._on_message(evil.peer_id, _gossip(origin, job, 2))  # told first by evil, then
-    node._on_message(origin.peer_id, _gossip(origin, job, 2))  # by its origin: the origin's
+    node.gossip.on_message(member.peer_id, _gossip(origin, job, 0))
+    node.gossip.on_message(evil.peer_id, _gossip(origin, job, 2))  # told first by evil, then
+    node.gossip.on_message(origin.peer_id, _gossip(origin, job, 2))  # by its origin: the origin's
     for _ in range(RUNS_A_TELLER + 1):  # made up, each: they push out evil's own only
-        node._on_message(evil.peer_id, _gossip(evil, job_id_for(evil.peer_id)))
-    node._on_message(straggler.peer_id, _gossip(origin, job, 1))
+        node.gossip.on_message(evil.peer_id, _gossip(evil, job_id_for(evil.peer_id)))
+    node.gossip.on_message(straggler.peer_id, _gossip(origin, job, 1))
     assert [r for r in offers if r >= 0] == [0, 2, 2] and node.latest_run(job) == 2
-    assert sum(t == evil.peer_id for _, t in node._runs.values()) == RUNS_A_TELLER
+    assert sum(t == evil.peer_id for _, t in node.gossip._runs.values()) == RUNS_A_TELLER
     assert {m.id for m in node.job_peers(job)} == {origin.peer_id, member.peer_id,
                                                    straggler.peer_id}  # fmt: skip
     jobs.training[job] = 0  # trained here, in run 0
     async with asyncio.TaskGroup() as tg:
         node._tg = tg
-        node._on_message(straggler.peer_id, _gossip(origin, job, 1))
+        node.gossip.on_message(straggler.peer_id, _gossip(origin, job, 1))
         await asyncio.sleep(0)
-        node._on_message(member.peer_id, _gossip(origin, job, 2))
+        node.gossip.on_message(member.peer_id, _gossip(origin, job, 2))
         await asyncio.sleep(0)
-        node._on_message(origin.peer_id, _gossip(origin, job, 2))
+        node.gossip.on_message(origin.peer_id, _gossip(origin, job, 2))
     node._tg = None
     assert jobs.newer == [1, 2]  # each time ours is earlier, not only a run heard first
 
     made_up = job_id_for(evil.peer_id)
-    node._on_message(evil.peer_id, _gossip(evil, made_up))
+    node.gossip.on_message(evil.peer_id, _gossip(evil, made_up))
     await node.stop_from_peer(made_up, evil.peer_id, sign_stop(made_up, evil, "default"))
     assert node.stop_notice(made_up) is None and jobs.stops[-1][0] == made_up
     jobs.known.add(made_up)  # ... unless this daemon trained it
@@ -352,7 +351,7 @@ async def test_a_kept_stop_outlives_a_restart(tmp_path: Path, sessions: Sessions
     once (``job.stop_heard``) and read back, checked again: a row whose signature does not
     hold, or that is no stop, is not believed, and a stop of an earlier run than the one held
     of its job is neither kept nor recorded."""
-    from atomd.p2p.node import STOP_HEARD
+    from atomd.p2p.gossip import STOP_HEARD
 
     me, origin, relay, straggler = (Identity.generate() for _ in range(4))
     before, jobs = _node(tmp_path, sessions, [origin, relay, straggler], me)
@@ -374,7 +373,70 @@ async def test_a_kept_stop_outlives_a_restart(tmp_path: Path, sessions: Sessions
     after, _ = _node(tmp_path, sessions, [origin, relay, straggler], me)
     await after.load_records()
     assert after.stop_notice(job) == second and after.stop_notice(other) == third
-    after._on_message(straggler.peer_id, _gossip(origin, job, 1))
-    assert (straggler.peer_id, job) in after._told_stopped
-    after._on_message(origin.peer_id, _gossip(origin, job, 1))
+    after.gossip.on_message(straggler.peer_id, _gossip(origin, job, 1))
+    assert (straggler.peer_id, job) in after.gossip._told_stopped
+    after.gossip.on_message(origin.peer_id, _gossip(origin, job, 1))
     assert after.stop_notice(job) is None  # heard before the restart: the origin resumed it
+
+
+async def test_a_change_that_cannot_be_recorded_is_logged_with_its_reason(
+    tmp_path: Path, sessions: Sessions, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A peer row that cannot be written is logged with the error, and the recorder goes on
+    with the next change: the records must not end the daemon, nor fail silently."""
+    settings = Settings(data_dir=tmp_path, device="cpu")
+    node = SwarmNode(settings=settings, identity=Identity.generate(), sessions=sessions,
+                     telemetry=Telemetry(), jobs=cast(Any, None))  # fmt: skip
+    real = node.records._record_change
+    broken = Identity.generate().peer_id
+
+    async def record(u: Any, before: Any) -> None:
+        if u.id == broken:
+            raise RuntimeError("database is locked")
+        await real(u, before)
+
+    monkeypatch.setattr(node.records, "_record_change", record)
+    fine = Identity.generate().peer_id
+    for pid in (broken, fine):
+        node.records.on_change(
+            Member(pid, "https://127.0.0.1:42000", "00" * 32, "left", 1), "alive"
+        )
+    recorder = asyncio.create_task(node.records.record_changes())
+    try:
+        while True:
+            async with sessions() as s:
+                if await repo.list_events(s, kind="peer.left"):
+                    break
+            await asyncio.sleep(0.01)
+    finally:
+        recorder.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await recorder
+    failed = [r for r in caplog.records if r.name == "atomd.p2p.records"]
+    assert [r.getMessage() for r in failed] == [
+        f"could not record peer {broken}: alive -> left: database is locked"
+    ]
+    assert failed[0].exc_info is not None
+
+
+async def test_a_failing_background_send_is_logged_with_its_reason(
+    tmp_path: Path, sessions: Sessions, caplog: Any
+) -> None:
+    """A task the node spawns (an announcement, a stop, a newer run taken on) that fails is
+    logged with its reason and ends that task only."""
+    settings = Settings(data_dir=tmp_path, device="cpu")
+    node = SwarmNode(settings=settings, identity=Identity.generate(), sessions=sessions,
+                     telemetry=Telemetry(), jobs=cast(Any, None))  # fmt: skip
+    done = asyncio.Event()
+
+    async def fails() -> None:
+        done.set()
+        raise ValueError("no such run")
+
+    async with asyncio.TaskGroup() as tg:
+        node._tg = tg
+        node._spawn(fails(), "newer-run")
+        await done.wait()
+    node._tg = None
+    msgs = [r.getMessage() for r in caplog.records if r.name == "atomd.p2p.node"]
+    assert msgs == ["task newer-run failed: no such run"]

@@ -649,7 +649,7 @@ async def test_bodies_are_bounded_before_they_are_read(alice: Identity) -> None:
         answer = await http.post("/p2p/v1/echo", content=streamed, headers=headers)
         assert answer.status_code == 413 and "streamed past" in answer.json()["detail"]
         assert streamed.sent <= LIMIT + 2 * 65536
-        # Not a length: "²".isdigit() holds and int("²") raised (a 500 before 2026-12-06).
+        # Not a length: "²".isdigit() holds and int("²") raises (no 500).
         headers = {
             **sign(alice, adm, "POST", "/p2p/v1/echo", b"{}"),
             "Content-Length": "²".encode("latin-1"),
@@ -665,8 +665,8 @@ async def test_a_key_the_allow_list_leaves_out_or_a_ban_names_is_refused_before_
     alice: Identity, bob: Identity
 ) -> None:
     """The allow-list and the operator's bans need no body: a key they refuse cannot make this
-    daemon read or hash one (before 2026-12-06 they were checked after the whole body, up to
-    the route's limit, a model-sized frame on the delta route, had been read)."""
+    daemon read or hash one (checked after the whole body, up to the route's limit, a
+    model-sized frame on the delta route would be read first)."""
     listed = make_peer_app(admission(secret=b"s3cret", allowed=frozenset({alice.public_key_hex})))
     banning = make_peer_app(admission(), blocked={bob.public_key_hex: "operator's ban: flood"})
     for peer_app in (listed, banning):
@@ -857,10 +857,10 @@ async def test_a_body_slower_than_its_deadline_is_refused() -> None:
 
 async def test_an_answer_larger_than_its_type_takes_is_refused_unread() -> None:
     """Every answer type has its own bound (``Message.MAX_ANSWER_BYTES``): a loss curve is
-    ~60 kB, so a peer answering 15 MiB of points (16 MiB was the one bound for every answer)
+    ~60 kB, so a peer answering 15 MiB of points (under a bound of 16 MiB for every answer)
     is refused before anything is parsed; pydantic holds the GIL while it parses, and such an
-    answer held this daemon's event loop ~1 s at every dashboard refresh (a review of
-    2026-12-06). An honest curve still passes."""
+    answer would hold this daemon's event loop ~1 s at every dashboard refresh. An honest
+    curve still passes."""
     from atomd.p2p.messages import ProgressCurve
 
     honest = b'{"points":[{"step":1,"loss":2.5,"tokens_per_s":10.0,"at":1.7e9}]}'

@@ -123,7 +123,7 @@ def test_a_frame_in_another_codec_than_the_jobs_is_refused() -> None:
 
 
 async def test_a_quarantine_survives_a_restart_and_still_ends(tmp_path: Path) -> None:
-    """Issue #15: the quarantine is persisted (a real SQLite file). A restarted daemon still
+    """The quarantine is persisted (a real SQLite file). A restarted daemon still
     refuses the member, shows it in /v1/peers with the reason and the same end; a quarantine
     whose hour is over is not restored; unbanning the key lifts the stored one too."""
     from datetime import UTC, datetime, timedelta

@@ -65,7 +65,7 @@ def donor_app(root: Path, behaviour: str) -> FastAPI:
                 )
                 signed = signed.model_copy(update={"files": files})
             m = signed.model_dump(mode="json", by_alias=True, exclude_none=True)
-        if behaviour == "huge":  # issue #15: a manifest claimed 10^12-byte files
+        if behaviour == "huge":  # a manifest claiming 10^12-byte files
             m = {**m, "files": {n: {**f, "bytes": 10**12} for n, f in m["files"].items()}}
         if behaviour == "garbage":  # consistent sizes and hashes of bytes that are no checkpoint
             m = {
@@ -208,13 +208,13 @@ async def test_a_member_advertising_a_donors_url_cannot_have_it_taken_for_a_liar
     tmp_path: Path, donors: Any
 ) -> None:
     """Any member signs its own record with any URL, another's included. The donor's key is
-    the one of the member its manifest names, if that member is at the URL (``SwarmNode.
+    the one of the member its manifest names, if that member is at the URL (``Donors.
     _key_at``): found by URL alone, a member whose id sorted first and who advertised the
-    honest donor's URL was taken for it, the honest manifest failed against its key, and the
-    honest donor was never asked for state again (a review of 2026-12-06)."""
+    honest donor's URL would be taken for it, the honest manifest would fail against its key,
+    and the honest donor would never be asked for state again."""
+    from atomd.p2p.donors import Donors
     from atomd.p2p.membership import Membership, Update
     from atomd.p2p.messages import sign_record
-    from atomd.p2p.node import SwarmNode
 
     url = await donors("signed")
     honest = DONORS["signed"]
@@ -234,7 +234,7 @@ async def test_a_member_advertising_a_donors_url_cannot_have_it_taken_for_a_liar
         Identity.generate(), Admission("s", None, frozenset()), tls=False
     ) as client:
         step = await fetch_state(client, [url], "job1", tmp_path / "j", liars=liars,
-                                 key_at=lambda u, signer: SwarmNode._key_at(node, u, signer))  # type: ignore[arg-type]  # fmt: skip
+                                 key_at=lambda u, signer: Donors._key_at(node, u, signer))  # type: ignore[arg-type]  # fmt: skip
     assert step is not None and step.step == 7 and not liars
 
 
@@ -263,7 +263,7 @@ def test_the_signed_manifest_covers_the_tokenizer_file() -> None:
 
 
 def test_a_checkpoint_that_names_its_tokenizer_is_served(tmp_path: Path) -> None:
-    """The trainer's meta.json holds the job's tokenizer (#17): the donor's manifest keeps it
+    """The trainer's meta.json holds the job's tokenizer: the donor's manifest keeps it
     (a strict manifest that refused the key made every live state a 404)."""
     root = tmp_path / "ckpts"
     ckpt.save_checkpoint(
@@ -276,8 +276,8 @@ def test_a_checkpoint_that_names_its_tokenizer_is_served(tmp_path: Path) -> None
 
 def test_a_donors_state_not_yet_checked_here_is_never_passed_on(tmp_path: Path) -> None:
     """A state fetched from a donor is marked until this daemon's trainer has evaluated it; a
-    crash between the two left it the newest checkpoint, served on to the next joiner as if
-    checked (a review of 2026-12-07). The older, checked one is served instead."""
+    crash between the two would leave it the newest checkpoint, served on to the next joiner
+    as if checked. The older, checked one is served instead."""
     root = tmp_path / "ckpts"
     for step in (3, 8):
         ckpt.save_checkpoint(
@@ -404,9 +404,9 @@ async def test_the_members_word_on_a_fetched_state_needs_two_and_one_cannot_lowe
     """With a fetched state, the node asks the job's other members for their newest
     validation loss (the donor's own word does not count): the higher median of at least two
     (``CLAIM_QUORUM``), so one member claiming a tiny loss cannot have an honest state refused."""
-    from atomd.p2p import node as node_module
+    from atomd.p2p import donors as donors_module
+    from atomd.p2p.donors import Donors
     from atomd.p2p.messages import CurvePoint, ProgressCurve
-    from atomd.p2p.node import SwarmNode
     from atomd.p2p.transfer import Fetched
 
     def curve(*vals: float | None) -> ProgressCurve:
@@ -421,12 +421,13 @@ async def test_the_members_word_on_a_fetched_state_needs_two_and_one_cannot_lowe
     async def peer_curves(job_id: str) -> tuple[list[tuple[Any, Any]], int]:
         return answers, 0
 
-    monkeypatch.setattr(node_module, "fetch_state", fetched)
-    node = SimpleNamespace(client=None, _liars=set(), _key_at=None, peer_curves=peer_curves,
+    monkeypatch.setattr(donors_module, "fetch_state", fetched)
+    node = SimpleNamespace(client=None, _liars=set(), _key_at=None,
+                           trainers=SimpleNamespace(peer_curves=peer_curves),
                            membership=SimpleNamespace(others=lambda *states: []))  # fmt: skip
 
     async def claimed() -> float | None:
-        got = await SwarmNode.fetch_state(node, "j", ["https://donor"], Path("/x"))  # type: ignore[arg-type]
+        got = await Donors.fetch_state(node, "j", ["https://donor"], Path("/x"))  # type: ignore[arg-type]
         assert got is not None and got.step == 7
         return got.claimed_val
 
@@ -454,7 +455,7 @@ async def test_the_donor_of_a_fetched_state_counts_as_training_the_job(
     from atomd.config import Settings
     from atomd.db import migrate
     from atomd.db.engine import make_engine, make_sessionmaker
-    from atomd.p2p import node as node_module
+    from atomd.p2p import donors as donors_module
     from atomd.p2p.membership import Member
     from atomd.p2p.node import SwarmNode
     from atomd.p2p.transfer import Fetched
@@ -477,8 +478,8 @@ async def test_the_donor_of_a_fetched_state_counts_as_training_the_job(
     async def no_curves(job_id: str) -> tuple[list[Any], int]:
         return [], 0
 
-    monkeypatch.setattr(node_module, "fetch_state", fetched)
-    monkeypatch.setattr(node, "peer_curves", no_curves)
+    monkeypatch.setattr(donors_module, "fetch_state", fetched)
+    monkeypatch.setattr(node.trainers, "peer_curves", no_curves)
     job = "j" * 32
     assert node.job_peers(job) == []
     got = await node.fetch_state(job, [url], tmp_path / "ckpt")
