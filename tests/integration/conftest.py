@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from atomd.launch import DaemonProcess, stop_all
+from tests.polling import wait_for
 
 # A spec that trains the tiny model quickly on the CPU (steps of 128 tokens).
 FAST_JOB: dict[str, Any] = {
@@ -81,15 +81,3 @@ def restarted_while_database_held(d: DaemonProcess) -> Iterator[httpx.Response]:
     finally:
         lock.execute("ROLLBACK")
         lock.close()
-
-
-def wait_for(predicate: Any, timeout: float = 300, interval: float = 0.1, what: str = "") -> Any:
-    """Poll ``predicate`` until truthy. The bound is generous: it only matters on a failure, and
-    a busy machine is many times slower than a quiet one."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")

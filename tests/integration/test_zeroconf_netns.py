@@ -39,6 +39,7 @@ PEER_SCRIPT = """
 import asyncio, json, logging, signal, sys, time
 
 from atomd.p2p.discovery import LanDiscovery
+from tests.polling import wait_for
 
 swarm, peer_id, url, lifetime = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr,
@@ -186,15 +187,19 @@ def peers(lan: Lan, tmp_path: Path) -> Iterator[Any]:
 
 
 def _wait(predicate: Any, *, deadline: float, what: str, peers: list[Peer]) -> None:
-    while time.monotonic() < deadline:
-        if predicate():
-            return
+    """``wait_for`` until ``deadline``, failing at once if a peer exits, with every peer's log."""
+
+    def holds() -> bool:
         for p in peers:
             if p.proc.poll() is not None:
                 raise AssertionError(f"{p.name} exited early ({p.proc.returncode}):\n{p.log()}")
-        time.sleep(0.05)
-    logs = "\n".join(f"--- {p.name}\n{p.log()[-3000:]}" for p in peers)
-    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        return bool(predicate())
+
+    try:
+        wait_for(holds, timeout=max(0.0, deadline - time.monotonic()), what=what)
+    except AssertionError as e:
+        logs = "\n".join(f"--- {p.name}\n{p.log()[-3000:]}" for p in peers)
+        raise AssertionError(f"{e}\n{logs}") from None
 
 
 def test_peers_of_one_swarm_find_each_other_and_only_each_other(lan: Lan, peers: Any) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from atomd_bench import load
+from tests.polling import wait_for
 
 
 def _spinners(session: int | None = None) -> set[int]:
@@ -28,13 +29,6 @@ def _spinners(session: int | None = None) -> set[int]:
     return out
 
 
-def _wait_for(n: int, session: int) -> set[int]:
-    deadline = time.monotonic() + 60
-    while len(found := _spinners(session)) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return found
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_background_is_one_session_of_n_and_stop_leaves_none() -> None:
     procs = load.start(3, "background")
@@ -42,7 +36,7 @@ def test_background_is_one_session_of_n_and_stop_leaves_none() -> None:
         (leader,) = procs
         sid = os.getsid(leader.pid)
         assert sid == leader.pid and sid != os.getsid(0)  # a session of its own
-        assert len(_wait_for(3, sid)) == 3
+        wait_for(lambda: len(_spinners(sid)) == 3, what="3 spinners in the session")
     finally:
         load.stop(procs)
     time.sleep(0.2)

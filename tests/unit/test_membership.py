@@ -26,6 +26,7 @@ from atomd.p2p.messages import (
     sign_record,
 )
 from atomd.p2p.trainers import MAX_CURVE_PEERS, Trainers
+from tests.polling import until
 
 FAST = SwimConfig(
     period=0.02, settled_period=0.02, ping_timeout=0.05, indirect_timeout=0.08,
@@ -201,15 +202,6 @@ def states(swim: Swim) -> dict[str, str]:
     """Member states by test name."""
     names = {ident(n).peer_id: n for n in IDS}
     return {names[m.id]: m.state for m in swim.m.all()}
-
-
-async def until(cond: Any, timeout: float = 5.0) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - t0
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from atomd.sync.job_peers import PeerRef
 from atomd.sync.uplink import RETRY_DELAY_S
 from atomd.telemetry import Telemetry
 from tests.conftest import fake_engine
+from tests.polling import until
 
 JOB = "a" * 32
 
@@ -152,18 +153,6 @@ async def running(ex: DeltaExchange) -> AsyncIterator[None]:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-
-
-async def _async_true(value: bool) -> bool:
-    return value
-
-
-async def until(predicate: Any, what: str) -> None:
-    for _ in range(500):
-        if await predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not within 5 s: {what}")
 
 
 async def test_the_robust_rule_weighs_longer_rounds_by_the_jobs_schedule(sessions: Any) -> None:
@@ -302,7 +291,7 @@ async def test_a_rounds_uploads_go_one_after_another_and_a_silent_peer_costs_the
         client.started.clear()
         client.delay = dict.fromkeys(client.delay, 3600.0)
         plugin.after_step(2)
-        await until(lambda: _async_true(len(client.started) == 3), "round 1 to all three")
+        await until(lambda: len(client.started) == 3, "round 1 to all three")
         assert min(client.started, key=lambda u: client.started[u]) != first
         t = sorted(client.started.values())
         assert all(0.04 <= b - a < 2.5 for a, b in itertools.pairwise(t))
@@ -321,8 +310,8 @@ async def test_each_peer_gets_this_peers_rounds_in_order(sessions: Any) -> None:
     async with running(ex):
         plugin.after_step(1)  # round 0: p first (slow), then q
         plugin.after_step(2)  # round 1: q first
-        await until(lambda: _async_true(len(client.log) == 4), "both rounds to both peers")
-        await until(lambda: _async_true(client.in_flight == 0), "all answered")
+        await until(lambda: len(client.log) == 4, "both rounds to both peers")
+        await until(lambda: client.in_flight == 0, "all answered")
     rounds_sent = list(dict.fromkeys(body for _, body in client.log))  # round 0's went first
     assert len(rounds_sent) == 2
     for url in ("http://p", "http://q"):
@@ -348,17 +337,17 @@ async def test_a_peer_that_answers_nothing_holds_up_nobody_once_it_is_dead(
 
     async with running(ex):
         plugin.after_step(1)  # round 0: p first (stuck), then q after the stagger
-        await until(lambda: _async_true(len(client.log) == 2), "round 0 to both")
+        await until(lambda: len(client.log) == 2, "round 0 to both")
         assert plugin._in_flight is not None  # p's upload holds the round
         peers.peers = [q]  # p is dead
-        await until(lambda: _async_true(plugin._in_flight is None), "round 0 gone")
+        await until(lambda: plugin._in_flight is None, "round 0 gone")
         peers.peers = [p, q]  # p refuted: alive again
         plugin.after_step(2)  # round 1: q first, then p once its round 0 is done
-        await until(lambda: _async_true(len(client.log) == 3), "round 1 to q")
+        await until(lambda: len(client.log) == 3, "round 1 to q")
         assert loop.time() - client.started["http://p"] < 1.5  # p's round 0 still hangs
         if dead_again:
             peers.peers = [q]
-        await until(lambda: _async_true(plugin._in_flight is None), "round 1 gone")
+        await until(lambda: plugin._in_flight is None, "round 1 gone")
 
         async def recorded() -> bool:  # the round's rows go once all its uploads are done
             return sum(r.direction == "sent" for r in await rounds(sessions)) == 4
@@ -396,8 +385,8 @@ async def test_the_average_frame_waits_for_the_round_in_flight(sessions: Any) ->
     async with running(ex):
         plugin.after_step(1)  # the last round: p first (slow), then q
         plugin.send_average(average, 30.0)  # handed over at once, as finish() does
-        await until(lambda: _async_true(len(client.log) == 4), "round and average to both")
-        await until(lambda: _async_true(client.in_flight == 0), "all answered")
+        await until(lambda: len(client.log) == 4, "round and average to both")
+        await until(lambda: client.in_flight == 0, "all answered")
     assert rounds_in_flight_at_average == [0, 0]
     for url in ("http://p", "http://q"):
         assert [body == average for u, body in client.log if u == url] == [False, True]
@@ -423,7 +412,7 @@ async def test_a_round_stuck_on_a_silent_peer_holds_the_average_only_for_a_while
         handed = asyncio.get_running_loop().time()
         plugin.send_average(average, wait_s)
         got = ("http://q", average)
-        await until(lambda: _async_true(got in client.log), "the average to q")
+        await until(lambda: got in client.log, "the average to q")
         took = asyncio.get_running_loop().time() - handed
         assert client.in_flight >= 1  # p's round still hangs
     assert AVERAGE_WAITS_FOR_ROUND * wait_s <= took < wait_s
@@ -679,11 +668,11 @@ async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> Non
         plugin.after_step(1)  # round 0, on base version 0: sent to it
         plugin.after_step(2)  # base version 1: its last round
         plugin.after_step(3)  # base version 2: it follows the round, so it is sent it too
-        await until(lambda: _async_true(len(client.posts) >= 3), "three uploads")
-        await until(lambda: _async_true(plugin._in_flight is None), "the round delivered")
+        await until(lambda: len(client.posts) >= 3, "three uploads")
+        await until(lambda: plugin._in_flight is None, "the round delivered")
         peers.peers = []  # it has ended the job (its advert says so): sent nothing more
         plugin.after_step(4)
-        await until(lambda: _async_true(plugin._in_flight is None), "the last round delivered")
+        await until(lambda: plugin._in_flight is None, "the last round delivered")
         await asyncio.sleep(0.1)
     assert len(client.posts) == 3, client.posts
 
@@ -725,7 +714,7 @@ async def test_an_average_frame_is_kept_apart_from_the_deltas_and_sent_without_a
     async with running(ex):
         assert plugin.send_average is not None
         plugin.send_average(frames[2], 77.0)  # the exchange's own: to every peer with the job
-        await until(lambda: _async_true(len(client.posts) == 1), "the upload")
+        await until(lambda: len(client.posts) == 1, "the upload")
         await asyncio.sleep(2 * RETRY_DELAY_S)  # where a round's frame would be retried
     assert client.posts == [("http://s", f"/p2p/v1/jobs/{JOB}/deltas", len(frames[2]))]
     assert client.timeouts == [pytest.approx(77.0, abs=0.5)]  # what is left of it, not a
@@ -851,7 +840,7 @@ async def test_the_traffic_time_is_the_links_not_the_databases(
     monkeypatch.setattr(plugin, "delivered", lambda rnd, s: (traffic.append(s), delivered(rnd, s)))
     async with running(ex):
         plugin.after_step(1)
-        await until(lambda: _async_true(len(recorded) == 1), "the merge recorded")
+        await until(lambda: len(recorded) == 1, "the merge recorded")
         assert len(traffic) == 1 and 0 <= traffic[0] < 0.4
         # /metrics: each upload until its answer (two peers), and the round's traffic time.
         sample = ex.telemetry.registry.get_sample_value
@@ -866,7 +855,7 @@ async def test_the_traffic_time_is_the_links_not_the_databases(
 
         monkeypatch.setattr(client, "post_bytes", broken)
         plugin.after_step(2)
-        await until(lambda: _async_true(len(recorded) == 2), "recorded though uploads failed")
+        await until(lambda: len(recorded) == 2, "recorded though uploads failed")
 
 
 async def test_frames_pushed_out_of_the_inbox_leave_no_record_behind(sessions: Any) -> None:
