@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from tests.polling import wait_for
+
 # About 2.5 s end to end (measured), so not marked slow.
 # Several training daemons: one such test at a time under `make test`'s two workers.
 pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("swarm")]
@@ -39,7 +41,6 @@ PEER_SCRIPT = """
 import asyncio, json, logging, signal, sys, time
 
 from atomd.p2p.discovery import LanDiscovery
-from tests.polling import wait_for
 
 swarm, peer_id, url, lifetime = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr,
