@@ -13,6 +13,7 @@ from atomd.cli.common import URL_DEFAULT, JsonOpt, TokenOpt, UrlOpt, read_json_o
 from atomd.cli.render import job_detail, job_table, progress_line, progress_table, show
 from atomd.client import ControlClient
 from atomd.db.schemas import TERMINAL_JOB_STATES
+from atomd.logs import printable
 
 job_app = typer.Typer(
     help="Start, stop and inspect training jobs of a running daemon.",
@@ -156,4 +157,5 @@ def job_logs(
             return
     if follow:
         reason = f": {job['reason']}" if job.get("reason") else ""
-        typer.echo(f"job {job['id']} {job['state']} at step {job['step']}{reason}", err=True)
+        end = f"job {job['id']} {job['state']} at step {job['step']}{reason}"
+        typer.echo(printable(end), err=True)  # the reason may quote a peer

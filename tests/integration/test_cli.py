@@ -20,7 +20,8 @@ import pytest
 
 ATOMD = [sys.executable, "-m", "atomd"]
 COMMANDS = [
-    "train", "sample", "presets", "demo", "version", "export", "import", "plot", "tokenizer"
+    "train", "sample", "presets", "demo", "version", "export", "import", "plot", "tokenizer",
+    "run", "events", "bans", "job",
 ]  # fmt: skip
 
 
