@@ -14,10 +14,19 @@ class ClientError(AtomdError):
 
 
 class ControlClient:
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=timeout, transport=transport
+        )
 
     def close(self) -> None:
         self._http.close()

@@ -72,64 +72,62 @@ class Settings(BaseSettings):
     control: str = Field("127.0.0.1:7070", description="Control API HOST:PORT (REST, curl).")
     listen: str = Field("0.0.0.0:7071", description="Peer plane HOST:PORT (other daemons).")
     advertise: str | None = Field(
-        None,
-        description="URL peers use to reach this daemon; default https://<hostname>:<port> "
-        "(http:// with --no-peer-tls).",
+        None, description="URL peers use to reach this daemon; default: https://<hostname>:<port>."
     )
     seeds: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Peer-plane URLs to join through (comma-separated)."
+        default_factory=list,
+        description="Peer-plane URLs of peers to join through (comma-separated).",
     )
+    # Every member of a swarm must use the same setting.
     peer_tls: bool = Field(
         True,
-        description="Serve and call the peer plane over TLS 1.3, each daemon's certificate "
-        "bound to its Ed25519 identity (peer URLs are https://). Off: plain HTTP, readable and "
-        "forgeable by anyone on the path; only for loopback tests and debugging. Every member "
-        "of a swarm must use the same setting.",
+        description="TLS 1.3 on the peer plane, bound to peer ids; off is unsafe plain HTTP, for "
+        "loopback tests.",
     )
     swarm: str = Field("default", description="Swarm name; peers of other swarms are refused.")
     swarm_secret: SecretStr | None = Field(None, description="Shared secret admitting peers.")
     allowed_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Ed25519 public keys (hex) admitted to the swarm (comma-separated); with a "
-        "swarm secret too, a peer must pass both.",
+        description="Only peers with these Ed25519 public keys (hex, comma-separated) are "
+        "admitted.",
     )
+    # Where the kernel does not offer or allow it, the system's default stays (with a warning).
+    # Cubic carried a slow uplink's frames much better than BBR (atomd.p2p.congestion).
     tcp_congestion: str = Field(
         "cubic",
         pattern=r"^[A-Za-z0-9_.]{1,15}$",
-        description="TCP congestion control of the peer plane's connections (Linux), where the "
-        "kernel offers it and lets the daemon choose it (else the system's, with a warning); "
-        "'system' keeps the kernel's default. Cubic, Linux's usual default, carried a slow "
-        "uplink's frames much better than BBR (atomd.p2p.congestion).",
+        description="TCP congestion control of peer-plane connections (Linux); 'system' keeps the "
+        "kernel's.",
     )
     auto_join: bool = Field(True, description="Join jobs other peers announce to the swarm.")
     zeroconf: bool = Field(False, description="Find peers on the local network (mDNS).")
     gossip_interval: float = Field(
         0.5, gt=0, le=60, description="Seconds between membership probes (SWIM protocol period)."
     )
+    # The gossip interval applies again as soon as anything changes.
     gossip_settled_interval: float = Field(
         1.5, gt=0, le=60,
-        description="Seconds between membership probes while membership is settled (no news "
-        "to spread, nobody suspect); the gossip interval again as soon as anything changes. "
-        "Set it to the gossip interval to probe at one pace always.",
+        description="Seconds between membership probes while nothing changes and nobody is "
+        "suspect.",
     )  # fmt: skip
     suspect_timeout: float = Field(
         5.0, gt=0, le=600, description="Seconds a suspected peer has to refute before it is dead."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Training device.")
+    # On a busy machine the control API and the peer plane then answer before the next training
+    # step; it costs no training speed when the CPU is otherwise free.
     trainer_nice: int = Field(
         10, ge=0, le=19,
-        description="Niceness added to the training threads (Linux), so that on a busy machine "
-        "the control API and the peer plane answer before the next training step; 0 leaves "
-        "them as they are. Costs no training speed when the CPU is otherwise free.",
+        description="Niceness added to the training threads (Linux); 0 leaves them as they are.",
     )  # fmt: skip
     control_token: SecretStr | None = Field(
         None, description="Bearer token for the control API; required off loopback."
     )
+    # A request with another Host header is refused (DNS rebinding).
     control_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Host names the control API answers to (comma-separated), besides the "
-        "loopback names and its own bind address: a request with another Host header is "
-        "refused (DNS rebinding).",
+        description="More host names the control API answers to, besides loopback and its bind "
+        "address.",
     )
     events_keep: int = Field(
         100_000, ge=100, le=100_000_000,
@@ -137,26 +135,33 @@ class Settings(BaseSettings):
     )  # fmt: skip
     rounds_keep: int = Field(
         ROUNDS_KEEP, ge=1_000, le=100_000_000,
-        description="Sync rounds (a row per delta sent or received) kept per job, the newest; "
-        "older ones are deleted every minute.",
+        description="Sync rounds (a row per delta sent or received) kept per job, the newest.",
     )  # fmt: skip
+    # Every minute the older points are thinned to about as many again, spread over the run; a
+    # job's first point and its points with a validation loss are always kept.
     progress_keep: int = Field(
         PROGRESS_KEEP, ge=100, le=100_000_000,
-        description="Progress points (logged steps) kept per job at full resolution, the "
-        "newest; every minute the older ones are thinned to about as many again, spread over "
-        "the run. A job's first point and its points with a validation loss are always kept.",
+        description="Progress points (logged steps) kept per job at full resolution, the newest.",
     )  # fmt: skip
     data_names: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
-        description="Datasets this daemon's operator registered by name (NAME=PATH, "
-        "comma-separated): what a swarm job's `data` may name besides the bundled corpus.",
+        description="Datasets a swarm job's `data` may name (NAME=PATH, comma-separated).",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Least severe level logged (DEBUG, INFO, WARNING or ERROR)."
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text, or as JSON objects (time, level, logger, message)."
+    )
+    wandb_project: str | None = Field(
+        None,
+        description="Log every job to this Weights & Biases project (offline unless WANDB_MODE).",
+    )
+    # Launchers such as `atomd demo` pass their own pid so that no daemon outlives them.
     parent_pid: int | None = Field(
         None,
         ge=1,
-        description="Stop (the job checkpoints, as on SIGTERM) when this process exits: "
-        "launchers such as `atomd demo` pass their own pid so that no daemon outlives them.",
+        description="Stop (the job checkpoints, as on SIGTERM) when this process exits.",
     )
 
     @field_validator("seeds", "allowed_keys", "control_hosts", mode="before")
@@ -220,7 +225,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _peer_scheme(self) -> Settings:
         want = "https://" if self.peer_tls else "http://"
-        for what, url in [("--advertise", self.advertise), *(("--seed", u) for u in self.seeds)]:
+        for what, url in [("--advertise", self.advertise), *(("--peer", u) for u in self.seeds)]:
             if url is not None and not url.lower().startswith(want):
                 why = (
                     "the peer plane uses TLS (ATOMD_PEER_TLS, the default)"
@@ -296,7 +301,7 @@ class Settings(BaseSettings):
 
 # Settings whose flag is not the field's name, and those that have no flag at all.
 FLAGS: dict[str, str | None] = {
-    "seeds": "--seed",
+    "seeds": "--peer",
     "allowed_keys": "--allow-key",
     "gossip_interval": None,
     "gossip_settled_interval": None,
@@ -308,11 +313,12 @@ FLAGS: dict[str, str | None] = {
     "progress_keep": None,
     "data_names": None,
     "trainer_nice": None,
+    "tcp_congestion": None,
 }
 
 
 def setting_name(field: str) -> str:
-    """How a person sets ``field``: ``--seed / ATOMD_SEEDS``, or only ``ATOMD_GOSSIP_INTERVAL``."""
+    """How a person sets ``field``: ``--peer / ATOMD_SEEDS``, or only ``ATOMD_GOSSIP_INTERVAL``."""
     flag = FLAGS.get(field, f"--{field.replace('_', '-')}")
     env = f"{ENV_PREFIX}{field.upper()}"
     return f"{flag} / {env}" if flag else env
@@ -344,7 +350,7 @@ def load_settings(**overrides: Any) -> Settings:
         for err in e.errors():
             loc = err["loc"]
             name = setting_name(str(loc[0])) if loc else "settings"
-            if len(loc) > 1:  # an item of a list: --seed / ATOMD_SEEDS (item 2)
+            if len(loc) > 1:  # an item of a list: --peer / ATOMD_SEEDS (item 2)
                 name += f" (item {int(loc[1]) + 1})" if isinstance(loc[1], int) else ""
             lines.append(f"  {name}: {err['msg']}")
         raise ConfigError("invalid settings:\n" + "\n".join(lines)) from None

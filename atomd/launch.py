@@ -385,7 +385,7 @@ def start_swarm(
     try:
         seed = DaemonProcess(root / "peer0", **kw)
         for d in (seed, *(
-            DaemonProcess(root / f"peer{i}", extra_args=["--seed", seed.peer_url], **kw)
+            DaemonProcess(root / f"peer{i}", extra_args=["--peer", seed.peer_url], **kw)
             for i in range(1, n)
         )):  # fmt: skip
             ds.append(d)

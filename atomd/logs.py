@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -39,6 +40,28 @@ class LineFormatter(logging.Formatter):
         return "\n".join(map(printable, super().formatStack(stack_info).split("\n")))
 
 
+class JsonFormatter(logging.Formatter):
+    """One record, one JSON object on one line: ``time`` (ISO 8601, UTC), ``level``,
+    ``logger``, ``message`` and, when the record carries them, ``exception`` and ``stack``
+    (the formatted traceback), for log collectors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exception"] = record.exc_text
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, ensure_ascii=True)
+
+
 def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
@@ -47,19 +70,24 @@ def get_logger(name: str) -> logging.Logger:
 _LOGGERS = ("atomd", "uvicorn")
 
 
-def setup_logging(level: str | int | None = None) -> None:
+def setup_logging(level: str | int | None = None, log_format: str = "text") -> None:
     """Log to stderr at ``level`` (default: ``$ATOMD_LOG_LEVEL`` or INFO), every line in one
-    timestamped format, uvicorn's included. Idempotent."""
+    format, uvicorn's included: timestamped text, or JSON objects (``JsonFormatter``) with
+    ``log_format="json"``. Idempotent; a later call changes the level and format."""
     level = level or os.environ.get("ATOMD_LOG_LEVEL", "INFO")
+    formatter = JsonFormatter() if log_format == "json" else LineFormatter(_FORMAT)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(LineFormatter(_FORMAT))
     handler._atomd = True  # type: ignore[attr-defined]
     for name in _LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(level if isinstance(level, int) else level.upper())
-        if not any(getattr(h, "_atomd", False) for h in logger.handlers):
+        ours = [h for h in logger.handlers if getattr(h, "_atomd", False)]
+        if not ours:
             logger.addHandler(handler)
             logger.propagate = False
+            ours = [handler]
+        for h in ours:
+            h.setFormatter(formatter)
 
 
 class Repeated:

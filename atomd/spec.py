@@ -218,7 +218,8 @@ class JobSpec(_Spec):
     preset: str = Field("tiny", description=f"Model preset: one of {', '.join(PRESETS)}.")
     data: str = Field(
         "shakespeare",
-        description="'shakespeare' (bundled), a .txt file, a text folder, or uint16 .bin tokens.",
+        description="'shakespeare' (bundled), a text file or folder, .bin tokens, JSON lines, "
+        "Parquet or a `datasets` folder.",
     )
     seq_len: int | None = Field(
         None,
@@ -234,8 +235,8 @@ class JobSpec(_Spec):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     warmup_steps: int = Field(50, ge=0, le=MAX_STEPS, description="Linear warm-up steps.")
     weight_decay: float = Field(0.1, ge=0, le=1, description="AdamW weight decay (matrices only).")
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay (beta1).")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay (beta2).")
     grad_clip: float = Field(
         1.0, ge=0, le=1e6, description="Clip the gradient norm to this; 0 disables."
     )
@@ -248,12 +249,10 @@ class JobSpec(_Spec):
     eval_interval: int = Field(
         100, ge=1, le=MAX_STEPS, description="Validate every this many steps."
     )
+    # The same windows whatever the batch size: every run's validation loss compares with
+    # every other's.
     eval_batches: int = Field(
-        20,
-        ge=1,
-        le=1000,
-        description="Validation batches of 16 fixed windows each: the same windows whatever "
-        "the batch size, so every run's validation loss compares with every other's.",
+        20, ge=1, le=1000, description="Validation batches of 16 fixed windows each."
     )
     log_interval: int = Field(
         10, ge=1, le=MAX_STEPS, description="Write a metrics row every this many steps."
@@ -277,17 +276,18 @@ class JobSpec(_Spec):
     )
     # The swapping engine (atomd.swap): the whole model in host memory, layers streamed through
     # the device. `atomd plan` shows what these choose.
+    # 'auto' never swaps on the CPU.
     swap: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Swap layers through the device: 'auto' swaps only when resident training "
-        "does not fit the device-memory budget (never on the CPU), 'on' always, 'off' never.",
+        description="Swap layers through the device: auto (when resident training does not fit), "
+        "on or off.",
     )
     gpu_mem: int | None = Field(
         None,
         ge=1,
         le=1 << 50,
-        description="Device-memory budget for training, in bytes or a string such as '24GiB' or "
-        "'8GB'; default: the device's total memory.",
+        description="Device-memory budget in bytes or as '24GiB' or '8GB'; default: all of the "
+        "device's memory.",
     )
     swap_slots: int | None = Field(
         None,
@@ -299,88 +299,88 @@ class JobSpec(_Spec):
         None,
         ge=1,
         le=1024,
-        description="Micro-batches that pass through a layer per load (M); must divide "
-        "grad_accum; default: the planner's.",
+        description="Micro-batches through a layer per load (M), a divisor of grad_accum; "
+        "default: the planner's.",
     )
     swap_resident_blocks: int | None = Field(
         None,
         ge=0,
         le=10_000,
-        description="Transformer blocks kept on the device besides embedding and head; "
-        "default: the planner's.",
+        description="Blocks kept on the device besides embedding and head; default: the planner's.",
     )
     swap_graph_blocks: int | None = Field(
         None,
         ge=0,
         le=10_000,
-        description="The last blocks that keep their forward graph until backward instead of "
-        "recomputing it (faster, more device memory); default: as many as the budget has room for.",
+        description="Last blocks whose forward graph is kept, not recomputed; default: as many as "
+        "fit.",
     )
+    # 'host': fused, on a worker thread, overlapping the backward. 'device': applied when the
+    # layer is next loaded, its moments travelling with it (for a slow host CPU; 16 B/parameter
+    # of slot memory instead of 8). 'split': the first swapped layers on the device, the rest
+    # on the host; with gradient clipping the host's steps then have the next forward through
+    # the device-stepped layers to catch up.
     swap_optimizer: Literal["auto", "host", "device", "split"] = Field(
         "auto",
-        description="Where swapped layers' AdamW runs: 'host' (fused, on a worker thread, "
-        "overlapping the backward), 'device' (applied when the layer is next loaded, its moments "
-        "travelling with it: for a slow host CPU, at 16 B/parameter of slot memory instead of 8), "
-        "'split' (the first swapped layers on the device, the rest on the host: with gradient "
-        "clipping the host's steps then have the next forward through the device-stepped "
-        "layers to catch up) or 'auto' (the planner's choice).",
+        description="Where swapped layers' AdamW runs: auto (the planner's choice), host, device "
+        "or split (first layers on the device).",
     )
     swap_device_steps: int | None = Field(
         None,
         ge=1,
         le=1024,
-        description="With swap_optimizer 'split': how many swapped layers step on the device; "
-        "default: the planner's.",
+        description="With swap_optimizer split: swapped layers that step on the device; default: "
+        "the planner's.",
     )
+    # 'default' is the byte-level BPE of 4,096 tokens fitted on the bundled corpus; its
+    # vocabulary must fit the model's (vocab_size).
     tokenizer: str = Field(
         "bytes",
-        description="'bytes' (256 symbols, works on any text), 'default' (the byte-level BPE of "
-        "4,096 tokens fitted on the bundled corpus, shipped with atomd) or the path of a "
-        "tokenizer.json (`atomd tokenizer train`), or of a folder holding one. Its vocabulary "
-        "must fit the model's (vocab_size).",
+        description="bytes (256 symbols), default (the bundled 4,096-token BPE) or a "
+        "tokenizer.json or its folder.",
     )
+    # The presets' are 256 for tiny and 50,257 for the GPT-2/GPT-3 presets.
     vocab_size: int | None = Field(
         None,
         ge=1,
         le=1 << 20,
-        description="The model's vocabulary; default: the preset's (256 for tiny, 50,257 for "
-        "the GPT-2/GPT-3 presets). Set it to the tokenizer's size (4096 for 'default').",
+        description="The model's vocabulary, at least the tokenizer's size; default: the preset's.",
     )
     text_field: str = Field(
         "text",
         min_length=1,
         max_length=200,
-        description="The field (JSON lines) or column (Parquet, a saved datasets folder) that "
-        "holds each document's text.",
+        description="The JSON lines field or Parquet/datasets column that holds each document's "
+        "text.",
     )
+    # Another copy of the data, or another tokenizer, gives another hash.
     data_sha256: str | None = Field(
         None,
         pattern="^[0-9a-f]{64}$",
-        description="The sha256 of the tokenized data (`atomd data prepare` prints it): every "
-        "peer checks its own tokens against it and refuses to train the job when they differ "
-        "(another copy of the data, or another tokenizer).",
+        description="sha256 of the tokenized data (`atomd data prepare`); a peer whose tokens "
+        "differ refuses the job.",
     )
+    # A run's folder, its checkpoints/ folder or one checkpoint (e.g. one `atomd import`
+    # made); its shape must be the preset's (with vocab_size). Ignored when resuming.
     init_from: str | None = Field(
         None,
-        description="Start from the weights of this checkpoint (a run's folder, its "
-        "checkpoints/ folder or one checkpoint, e.g. one `atomd import` made) instead of a "
-        "random initialization; its shape must be the preset's (with vocab_size). Optimizer "
-        "state starts fresh. Ignored when resuming.",
+        description="Start from this checkpoint's weights (fresh optimizer state) instead of a "
+        "random initialization.",
     )
+    # Weights and AdamW stay fp32. fp16 uses dynamic loss scaling; skipped steps are recorded
+    # in metrics.jsonl.
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto",
-        description="Compute precision of the forward and backward (weights and AdamW stay "
-        "fp32): 'bf16' autocast, 'fp16' autocast with dynamic loss scaling (skipped steps are "
-        "recorded in metrics.jsonl), 'fp32', or 'auto': bf16 where the device supports it, "
-        "else fp16 on CUDA, fp32 on the CPU.",
+        description="Forward and backward precision: bf16, fp16, fp32, or auto (bf16 where "
+        "supported, else fp16 on CUDA, else fp32).",
     )
+    # bf16: the matrices as bf16 copies of their fp32 masters, exactly what bf16 autocast
+    # computes with; each wave's gradient rounded to bf16 once (half the bytes). auto: bf16
+    # with the host optimizer on a bf16 device, else fp32 (the device optimizer needs fp32).
     swap_link: Literal["auto", "bf16", "fp32"] = Field(
         "auto",
-        description="What swapped weights and gradients cross the host link in: 'bf16' (the "
-        "matrices as bf16 copies of their fp32 masters, exactly what bf16 autocast computes "
-        "with; each wave's gradient rounded to bf16 once: half the bytes), 'fp32', or 'auto' "
-        "(bf16 with the host optimizer on a bf16 device, else fp32; the device optimizer "
-        "needs fp32).",
+        description="What swapped weights and gradients cross the host link in: auto, bf16 or "
+        "fp32.",
     )
 
     @field_validator("gpu_mem", mode="before")

@@ -20,7 +20,8 @@ import pytest
 
 ATOMD = [sys.executable, "-m", "atomd"]
 COMMANDS = [
-    "train", "sample", "presets", "demo", "version", "export", "import", "plot", "tokenizer"
+    "train", "sample", "presets", "demo", "version", "export", "import", "plot", "tokenizer",
+    "run", "events", "bans", "job",
 ]  # fmt: skip
 
 
@@ -223,9 +224,9 @@ def progress_api(job: dict[str, Any], steps: int) -> AbstractContextManager[str]
 
 
 def test_job_show_and_plot_read_a_long_jobs_newest_points(tmp_path: Path) -> None:
-    """A job of 25,000 logged steps: `atomd job show` printed the last 5 of the first 1,000
-    points (the API's default page) as the latest progress, and `atomd plot <job id>` drew the
-    first 1,000 steps. Now show asks for the newest points and plot pages through the run."""
+    """A job of 25,000 logged steps, more than the API's default page of 1,000 points:
+    `atomd job show` asks for the newest points and `atomd plot <job id>` pages through the
+    whole run."""
     job_id = "d" * 32
     job = {
         "id": job_id, "state": "running", "reason": None, "spec": {"preset": "tiny"},
@@ -247,10 +248,9 @@ def test_job_show_and_plot_read_a_long_jobs_newest_points(tmp_path: Path) -> Non
 def test_a_peers_words_are_printed_as_they_are(tmp_path: Path) -> None:
     """`atomd peers` and `atomd job show` print what members chose: a member's URL (printable
     ASCII, signed by itself), a reason quoting its frame (a tensor's name), a joined job's spec
-    (its advert's text_field). The tables read them as rich markup: `[/x]` ended the command
-    with a MarkupError, `[link=...]` and `[blink]` styled the operator's terminal, `:skull:`
-    became an emoji, and an ESC went through (a review of 2026-12-06). Now each is printed as
-    sent, a control character escaped."""
+    (its advert's text_field). None is read as rich markup (`[/x]` would end the command with
+    a MarkupError, `[link=...]` and `[blink]` style the operator's terminal, `:skull:` become an
+    emoji) and no ESC goes through: each is printed as sent, a control character escaped."""
     me, evil = "a" * 32, "b" * 32
     url = "https://evil.example:7071/[/x]"
     reason = "quarantined here: tensor '[link=https://evil.example/]x[/link]' \x1b[2J :skull:"
@@ -279,3 +279,32 @@ def test_a_peers_words_are_printed_as_they_are(tmp_path: Path) -> None:
         assert shown.returncode == 0, shown.stderr
         assert "[blink]from the swarm[/blink]" in shown.stdout
         assert '"text_field":"[/x]"' in shown.stdout
+
+
+def test_job_logs_events_and_bans_of_a_real_daemon(daemons: Any) -> None:
+    """A daemon started with JSON logs and ATOMD_WANDB_PROJECT trains a job; `atomd job logs
+    --follow` prints its steps until it ends, `atomd events` and `atomd bans` read the rest."""
+    d = daemons(
+        env={"ATOMD_WANDB_PROJECT": "atomd-test", "WANDB_MODE": "offline"},
+        extra_args=["--log-format", "json"],
+    ).start()
+    url = ["--url", d.url]
+    spec = {"max_steps": 6, "seq_len": 32, "micro_batch_size": 4, "log_interval": 1,
+            "eval_interval": 3, "warmup_steps": 1}  # fmt: skip
+    started = run("job", "start", *url, "--json", *(f"--set={k}={v}" for k, v in spec.items()))
+    assert started.returncode == 0, started.stderr
+    job_id = json.loads(started.stdout)["id"]
+    logs = run("job", "logs", job_id, "--follow", *url, timeout=600)
+    assert logs.returncode == 0, logs.stderr
+    steps = [int(line.split("step ")[1].split()[0]) for line in logs.stdout.splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6], logs.stdout
+    assert f"job {job_id} finished at step 6" in logs.stderr
+    events = run("events", *url, "--kind", "job.finished")
+    assert events.returncode == 0 and "job.finished" in events.stdout, events.stderr
+    bans = run("bans", *url, "--json")
+    assert bans.returncode == 0 and json.loads(bans.stdout) == [], bans.stderr
+    assert run("job", "logs", job_id, "--url", "http://127.0.0.1:9").returncode == 2
+    entries = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
+    assert entries and {"time", "level", "logger", "message"} <= set(entries[0])
+    assert not [e for e in entries if "W&B" in e["message"]], entries  # no warning
+    assert list((d.data_dir / "jobs").glob("*/wandb")), "the job logged no W&B run"

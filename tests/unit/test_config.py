@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,7 @@ def test_host_port_and_derived_paths(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        ({"seeds": ["ftp://x"]}, "--seed / ATOMD_SEEDS:"),
+        ({"seeds": ["ftp://x"]}, "--peer / ATOMD_SEEDS:"),
         ({"allowed_keys": ["zz"]}, "--allow-key / ATOMD_ALLOWED_KEYS:"),
         ({"gossip_interval": 0}, "  ATOMD_GOSSIP_INTERVAL:"),
         ({"rounds_keep": 10}, "  ATOMD_ROUNDS_KEEP:"),
@@ -109,3 +110,33 @@ def test_retention_of_a_jobs_records(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATOMD_PROGRESS_KEEP", "2000")
     s = load_settings()
     assert (s.rounds_keep, s.progress_keep) == (50_000, 2000)
+
+
+def test_wandb_project_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ATOMD_WANDB_PROJECT``, the variable the trackers read, starts a daemon (no "unknown
+    environment variable") and is its ``wandb_project``."""
+    from atomd.train.tracking import WANDB_PROJECT_ENV
+
+    monkeypatch.setenv(WANDB_PROJECT_ENV, "my-runs")
+    check_environment()
+    assert load_settings().wandb_project == "my-runs"
+    assert load_settings(wandb_project="flag").wandb_project == "flag"
+
+
+def test_log_format_is_text_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings().log_format == "text"
+    monkeypatch.setenv("ATOMD_LOG_FORMAT", "json")
+    assert load_settings().log_format == "json"
+    monkeypatch.setenv("ATOMD_LOG_FORMAT", "xml")
+    with pytest.raises(ConfigError, match="--log-format / ATOMD_LOG_FORMAT"):
+        load_settings()
+
+
+def test_every_setting_has_one_short_sentence_of_help() -> None:
+    """The help of every setting is one sentence of at most 120 characters; `atomd run`'s
+    options show it."""
+    for name, field in Settings.model_fields.items():
+        text = field.description
+        assert text, f"{name} has no description"
+        assert len(text) <= 120, f"{name}: {len(text)} characters"
+        assert not re.search(r"[.!?:]\s+[A-Z]", text), f"{name}: more than one sentence"

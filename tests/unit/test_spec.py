@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from atomd.spec import FREQUENT_MOMENTUM, OUTER_MOMENTUM, JobSpec, SyncSpec, lr_at
 
@@ -102,3 +103,24 @@ def test_topk_fraction_help_states_the_cadences_bounds() -> None:
     text = SyncSpec.model_fields["topk_fraction"].description or ""
     assert f"down to {MIN_FRACTION:.2%}" in text
     assert f"more than {LINK_EVERY} steps apart" in text
+
+
+def _nested_models(model: type[BaseModel]) -> list[type[BaseModel]]:
+    """``model`` and the models of its fields, but SyncSpec (its own test checks it)."""
+    found = [model]
+    for field in model.model_fields.values():
+        inner = field.annotation
+        if isinstance(inner, type) and issubclass(inner, BaseModel) and inner is not SyncSpec:
+            found += _nested_models(inner)
+    return found
+
+
+def test_every_job_field_has_one_short_sentence_of_help() -> None:
+    """`atomd train` takes its options' help from these descriptions: one sentence of at most
+    120 characters each."""
+    for model in _nested_models(JobSpec):
+        for name, field in model.model_fields.items():
+            text = field.description
+            assert text, f"{model.__name__}.{name} has no description"
+            assert len(text) <= 120, f"{model.__name__}.{name}: {len(text)} characters"
+            assert not re.search(r"[.!?:]\s+[A-Z]", text), f"{name}: more than one sentence"

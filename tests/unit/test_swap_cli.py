@@ -56,19 +56,20 @@ def test_plan_with_an_impossible_budget_says_why() -> None:
 
 def test_plan_can_put_the_optimizer_on_the_device() -> None:
     result = runner.invoke(
-        app, ["plan", "--preset", "gpt3-2.7b", "--gpu-mem", "24GiB", "--optimizer", "device"]
+        app, ["plan", "--preset", "gpt3-2.7b", "--gpu-mem", "24GiB", "--swap-optimizer", "device"]
     )
     assert result.exit_code == 0, result.output
     assert "device (AdamW as the layer is next loaded)" in result.output
-    bad = runner.invoke(app, ["plan", "--preset", "gpt3-2.7b", "--optimizer", "gpu"])
-    assert bad.exit_code == 2 and "--optimizer must be host or device" in bad.output
+    bad = runner.invoke(app, ["plan", "--preset", "gpt3-2.7b", "--swap-optimizer", "gpu"])
+    assert bad.exit_code == 2
+    assert "--swap-optimizer must be auto, host, device or split" in bad.output
 
 
 @pytest.mark.parametrize("optimizer", ["host", "device"])
 def test_bench_swap_on_the_cpu(optimizer: str) -> None:
     args = ["bench", "swap", "--preset", "tiny", "--device", "cpu", "--json"]
     small = ["--micro-batch-size", "2", "--seq-len", "32", "--grad-accum", "2", "--steps", "2"]
-    result = runner.invoke(app, [*args, *small, "--optimizer", optimizer])
+    result = runner.invoke(app, [*args, *small, "--swap-optimizer", optimizer])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output.strip().splitlines()[-1])
     for key in ("resident_tokens_per_s", "swapped_tokens_per_s", "ratio", "peak_device_bytes"):

@@ -689,7 +689,7 @@ def test_the_last_models_join_the_tail_after_their_steps() -> None:
 def test_job_show_says_which_model_a_job_ended_on() -> None:
     """``atomd job show``'s cadence line names the final model (it called the average "its
     own replica" until 2026-12-04)."""
-    from atomd.cli_daemon import _cadence
+    from atomd.cli.render import cadence as _cadence
 
     base = {"every": 2, "auto": 1, "period_s": 1.5, "rounds": 250, "busy_s": 120.0, "wait_s": 1}
     assert "ended on" not in _cadence(base)  # still training
