@@ -53,7 +53,7 @@ class Daemon:
             sys.executable, "-m", "atomd", "run", "--data-dir", str(self.data_dir),
             "--control", net.control(i), "--listen", listen, "--advertise", self.peer_url,
             "--device", "cpu", "--swarm", "bench-swarm", "--log-level", "INFO",
-            *(["--seed", seed] if seed else []),
+            *(["--peer", seed] if seed else []),
         ]  # fmt: skip
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ATOMD_")}
         self.env["OMP_NUM_THREADS"] = str(threads)

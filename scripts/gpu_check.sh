@@ -51,9 +51,9 @@ bench() {  # name, time limit (s), arguments of `atomd bench swap`
 if [ "${QUICK:-0}" = 1 ]; then
     timeout 120 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest-gpu.log"
     bench tiny 120 --preset tiny --device auto --steps 2 --also-grad-clip 0
-    bench tiny-device-opt 120 --preset tiny --device auto --steps 2 --optimizer device
-    bench tiny-recompute 120 --preset tiny --device auto --steps 2 --graph-blocks 0 \
-        --micro-batches 2
+    bench tiny-device-opt 120 --preset tiny --device auto --steps 2 --swap-optimizer device
+    bench tiny-recompute 120 --preset tiny --device auto --steps 2 --swap-graph-blocks 0 \
+        --swap-micro-batches 2
     exit 0
 fi
 if [ "${TESTS:-1}" = 1 ]; then
@@ -64,7 +64,7 @@ if [ "${DIAG:-0}" = 1 ]; then
     # Where the engine serializes: the reference script's own schedule (K=3, M=4,
     # every block recomputed) with the host AdamW, without then with clipping, both profiled;
     # ATOMD_SYNC_DEBUG makes torch warn at every device synchronization.
-    ref=("${xl[@]}" --optimizer host --slots 3 --micro-batches 4 --graph-blocks 0)
+    ref=("${xl[@]}" --swap-optimizer host --swap-slots 3 --swap-micro-batches 4 --swap-graph-blocks 0)
     export ATOMD_SYNC_DEBUG=1
     bench xl-ref 150 "${ref[@]}" --grad-clip 0 --profile "$out/prof-xl-ref"
     bench xl-ref-clip 110 "${ref[@]}" --no-resident --profile "$out/prof-xl-ref-clip"
@@ -78,7 +78,7 @@ fi
 # the host optimizer alone with 14 of the 16 host threads (the worker ran 1.5x slower beside
 # the issuing thread than alone), profiled.
 bench xl 110 "${xl[@]}" --also-grad-clip 0 --trace "$out/trace-xl.json"
-bench xl-host14 120 "${xl[@]}" --optimizer host --host-threads 14 --also-grad-clip 0 \
+bench xl-host14 120 "${xl[@]}" --swap-optimizer host --host-threads 14 --also-grad-clip 0 \
     --profile "$out/prof-xl-host"
 # Consumer-card budgets: 32k tokens per step as 16 micro-batches of 2k; references: resident
 # training with every block recomputed (as the swapped run) and plain.

@@ -51,7 +51,7 @@ def test_a_peer_whose_data_differs_is_refused_with_the_reason(tmp_path: Path) ->
     try:
         # Each daemon's operator registered "corpus": a's file on a, b's on b.
         a = DaemonProcess(tmp_path / "a", env=_env(ours))
-        b = DaemonProcess(tmp_path / "b", env=_env(theirs), extra_args=["--seed", a.peer_url])
+        b = DaemonProcess(tmp_path / "b", env=_env(theirs), extra_args=["--peer", a.peer_url])
         started += [a, b]
         a.start()
         b.start()

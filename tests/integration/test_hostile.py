@@ -336,7 +336,7 @@ def test_a_kept_stop_ends_no_copy_of_a_later_run(tmp_path: Path) -> None:
                    what="the origin stopped")  # fmt: skip
         resumed = httpx.post(f"{origin.url}/v1/jobs/{jid}/resume", timeout=60)
         assert resumed.is_success, resumed.text
-        joiner = DaemonProcess(tmp_path / "joiner", extra_args=["--seed", origin.peer_url])
+        joiner = DaemonProcess(tmp_path / "joiner", extra_args=["--peer", origin.peer_url])
         started.append(joiner)
         joiner.start()
         wait_until(lambda: _job(joiner, jid).get("step", 0) > 0, timeout=READY_TIMEOUT,

@@ -139,7 +139,7 @@ def test_jobs_spread_to_the_swarm_and_newcomers_fetch_the_state(swarm: Any, daem
     wait_until(lambda: (job_of(a) or {}).get("step", 0) >= 12, timeout=READY_TIMEOUT, what="steps")
 
     # A newcomer joins the running job from the donors' newest checkpoint, not from scratch.
-    newcomer = daemons("late", extra_args=["--seed", a.peer_url])  # stopped at the end too
+    newcomer = daemons("late", extra_args=["--peer", a.peer_url])  # stopped at the end too
     ds.append(newcomer.start())
     wait_until(
         lambda: (j := job_of(newcomer)) and j["step"] > 0, timeout=READY_TIMEOUT, what="joined"
@@ -184,7 +184,7 @@ def test_peer_plane_refuses_strangers_and_records_it(swarm: Any, tmp_path: Path)
 
     intruder = DaemonProcess(
         tmp_path / "intruder", env={"ATOMD_SWARM_SECRET": "wrong"},
-        extra_args=["--seed", a.peer_url],
+        extra_args=["--peer", a.peer_url],
     ).start()  # fmt: skip
     try:
         # Its join is refused (the log says so at each try), and changes nothing.
