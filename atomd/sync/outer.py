@@ -33,10 +33,10 @@ def staleness_weight(staleness: int) -> float:
     refused), so that every peer's anchor ends up with the same sum of deltas: a delta is
     applied by some receivers in the round it was sent and by others one or more rounds later,
     and a weight that depends on the receiver's own lateness makes their sums differ for good.
-    Until 2026-12-03 a delta 2+ rounds late counted 1/staleness: in ``atomd bench sync`` with 3 %
-    of the deltas two rounds late (4 peers, H=2, 100 steps) the anchors ended 6.3 % apart (0.48 %
-    with full weights, the momentum's timing, which decays), and 4 real daemons ended 1.6-3.5 %
-    apart at unlimited with ~1 % of their deltas that late (docs/notes/issue-14.md).
+    A weight of 1/staleness for a delta 2+ rounds late was measured and dropped: in ``atomd bench
+    sync`` with 3 % of the deltas two rounds late (4 peers, H=2, 100 steps) the anchors ended
+    6.3 % apart (0.48 % with full weights, the momentum's timing, which decays), and 4 real
+    daemons ended 1.6-3.5 % apart at unlimited with ~1 % of their deltas that late (research/).
     """
     if staleness < 0:
         raise ValueError(f"staleness must be >= 0, got {staleness}")

@@ -64,7 +64,7 @@ async def upsert_peer(
             "rtt_ms": func.coalesce(stmt.excluded.rtt_ms, Peer.rtt_ms),
         },
     )
-    # populate_existing: a Peer already loaded in this session must not shadow the new row.
+    # populate_existing: a Peer the session already loaded must not shadow the new row.
     peer = await s.scalar(stmt.returning(Peer), execution_options={"populate_existing": True})
     assert peer is not None  # an upsert always returns its row
     return PeerRecord.model_validate(peer)
