@@ -4,8 +4,9 @@ A row per refused request would let an outsider grow the events table without bo
 unsigned requests: 5,000 rows of up to 8 KB). A refusal costs a few counters in memory instead:
 ``Rejections.refused`` counts it by (plane, status, source); ``flush`` turns what was counted
 since the last flush into one ``auth.rejected`` event (the totals and the 20 busiest sources),
-and the daemon calls it once a minute. A source refused more than ``burst`` times, refilled at ``rate`` per second, is
-answered 429 before anything else is looked at (``retry_after``) until it slows down.
+and the daemon calls it once a minute. A source refused more than ``burst`` times, refilled at
+``rate`` per second, is answered 429 before anything else is looked at (``retry_after``) until
+it slows down.
 
 Memory is bounded: at most ``max_sources`` sources are tracked (the least recently refused are
 forgotten first). Event-loop only (no locks).
