@@ -155,8 +155,8 @@ class SyncPlugin:
         average); ``finishers``: the other live peers of
         the job that have sent their last delta (whose average frames ``finish`` waits for);
         ``training``: the ids of the other live peers training the job in the round on a base
-        version, silent ones included (None: none); ``total_steps``: the job's, for the final
-        average's mean of the last models (``sync.final_tail``; None: the last model only);
+        version, silent ones included (None: none); ``total_steps``: the job's, so that the
+        last round takes the steps left when fewer than H are (None: unknown);
         ``lr``: the job's learning rate at each (0-based) step, by which the robust rule weighs
         a longer round than this peer's (``robust.Screen``; None: by its steps)."""
         self.job_id = job_id
@@ -208,13 +208,6 @@ class SyncPlugin:
         self._attached_at = time.monotonic()  # the job's time here, for the average's budget
         self.total_steps = total_steps
         self.lr = lr
-        # The mean of this peer's last models, its share of the final average (None: off).
-        self.tail = (
-            average.TailMean(total_steps, spec.final_tail)
-            if total_steps and spec.final_tail > 0 and spec.final_average
-            and not spec.consolidate_rounds
-            else None
-        )  # fmt: skip
 
     def attach(self, engine: StepEngine) -> None:
         """Build the anchor from the engine's live parameters (host masters when swapping)."""
@@ -321,9 +314,6 @@ class SyncPlugin:
                 self.held_steps = held  # closed after all: not a step held
             self._boundary(step)
         finally:
-            if self.tail is not None and self.tail.due(step):
-                self._settle()
-                self.tail.add(state.params)
             self._last_step_end = time.perf_counter()
             self._count(self._last_step_end - t0)
 
@@ -499,8 +489,8 @@ class SyncPlugin:
                 {
                     "average_shares": self.average_used,
                     "average_s": round(self.average_s, 4),
-                    # How many of this peer's last models its share was the mean of.
-                    "average_tail": self.tail.count if self.tail is not None else 1,
+                    # How many of this peer's last models its share was the mean of: the last.
+                    "average_tail": 1,
                 }
                 if self.average_used is not None
                 else {}
@@ -715,14 +705,8 @@ class SyncPlugin:
         try:
             self._settle()
             version = state.version
-            tail, what = None, "its last model"
-            if self.tail is not None:
-                self.tail.add(state.params)  # the last model too (after the rounds it followed)
-                tail = self.tail.mean()
-                if tail is not None:
-                    what = f"the mean of its last {self.tail.count} models"
             reference = state.settled()  # the same at every peer that merged the same deltas
-            own = state.unsent_from(reference, tail)
+            own = state.unsent_from(reference)
             rate = self.cadence.rate()
             budget_s = average.upload_budget_s(time.monotonic() - self._attached_at)
             sized = average.encode_share(
@@ -742,7 +726,7 @@ class SyncPlugin:
                 average=True,
             )
             log.info("final average: sending %d bytes (%s) of this peer's model beyond the "
-                     "anchor (%s)", len(frame), sized.codec, what)  # fmt: skip
+                     "anchor", len(frame), sized.codec)  # fmt: skip
             # Waited for until the deadline, also once membership loses them: the shares'
             # uploads fill a slow link and its pings time out (4 real daemons at 256 kbit/s:
             # each saw the others dead meanwhile, stopped waiting, and ended with no share).

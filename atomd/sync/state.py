@@ -27,11 +27,9 @@ A round r closes, for a peer whose anchor holds every round before r-1, like thi
    as the start point moves, so what it trained since stays. When every delta arrives within a
    round, every peer commits the same sums and the anchors agree; the start points differ only
    by deltas in flight.
-5. the unsent part of a lossy codec's delta waits for the next round either in the replica
-   (``residual="replica"``, error reset as in CSER: the replica restarts from the start point plus
-   ``ef_decay`` times the residual and the next delta carries it) or in the error feedback
-   (``residual="feedback"``: the replica restarts from the start point, the residual is added to
-   the next delta). Inner optimizer state (AdamW) is not touched: it carries over (DiLoCo).
+5. the unsent part of a lossy codec's delta waits for the next round in the replica (error
+   reset as in CSER: the replica restarts from the start point plus the residual, and the next
+   delta carries it). Inner optimizer state (AdamW) is not touched: it carries over (DiLoCo).
 
 A peer alone in its round (no other peer trains the job) commits its whole delta, residual
 included, straight into the anchor (``prepare(whole=True)``): the anchor stays its model. A peer
@@ -221,9 +219,7 @@ class SyncState:
                 n: p.detach().to("cpu", torch.float32, copy=True) for n, p in params.items()
             }
         self.codec = self._codec(spec.topk_fraction, zstd=spec.zstd)
-        # With residual="replica", ef_decay is the replica's share of the unsent part instead.
-        decay = spec.ef_decay if spec.residual == "feedback" else 1.0
-        self.feedback = ErrorFeedback(self.codec, decay=decay)
+        self.feedback = ErrorFeedback(self.codec)
         self.outer = NesterovOuter(lr=spec.outer_lr, momentum=spec.outer_momentum)
         self.averaging = False  # the plain average from now on (``average_from_now``)
         self._following = False  # closing a round without an own delta (``follow``)
@@ -255,7 +251,7 @@ class SyncState:
         # ahead, or as stale for this peer's last round: it will not come again (``senders_in``)
         self._gone: dict[int, set[str]] = {}
         self.screen = Screen(robust, lr=lr) if robust is not None else None
-        # Between prepare() and merge(): own sent delta and, with residual="replica", the rest.
+        # Between prepare() and merge(): own sent delta and the rest, which the replica keeps.
         self._sent: dict[str, Tensor] | None = None
         self._kept: dict[str, Tensor] = {}
         self._whole = False  # the own delta of this round is whole (``prepare(whole=True)``)
@@ -323,7 +319,7 @@ class SyncState:
     def _codec(self, fraction: float, *, zstd: bool) -> Codec:
         """The job's codec sending ``fraction`` of the entries (a sparse codec's)."""
         s = self.spec
-        return make_codec(s.codec, topk_fraction=fraction, value_bits=s.value_bits, zstd=zstd)
+        return make_codec(s.codec, topk_fraction=fraction, zstd=zstd)
 
     def payload_estimate(self, fraction: float) -> int:
         """Payload bytes of a delta (all tensors, before zstd) at ``fraction`` of the entries."""
@@ -469,8 +465,7 @@ class SyncState:
                 sent[name] = framed[name] + self.feedback.split(name, 1.0).reshape(delta.shape)
             else:  # what is committed is what is sent (one tensor for both)
                 sent[name] = framed[name]
-                if self.spec.residual == "replica":  # the replica trains on with its share
-                    self._kept[name] = self.feedback.split(name, self.spec.ef_decay)
+                self._kept[name] = self.feedback.split(name, 1.0)  # the replica trains on
             encoded.append((name, enc))
             raw_bytes += delta.numel() * 4
         self._sent, self._whole, self._framed = sent, whole, framed
@@ -779,14 +774,12 @@ class SyncState:
         own deltas not sent are in it (``robust.Screen.judge``'s direction reference)."""
         return self._beyond(self.start_point())
 
-    def unsent_from(
-        self, reference: Mapping[str, Tensor], model: Mapping[str, Tensor] | None = None
-    ) -> dict[str, Tensor]:
+    def unsent_from(self, reference: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """This peer's model beyond ``reference`` (the anchor, or ``settled()``): the replica
-        (or ``model``, by name: the mean of its last ones) minus it, plus the error feedback's
-        residual (float32, CPU). Where the peers' references agree, the reference plus the
-        mean of these over the peers is the average of their models (``atomd.sync.average``)."""
-        return self._beyond(reference, model)
+        minus it, plus the error feedback's residual (float32, CPU). Where the peers' references
+        agree, the reference plus the mean of these over the peers is the average of their
+        models (``atomd.sync.average``)."""
+        return self._beyond(reference)
 
     @torch.no_grad()
     def settled(self) -> dict[str, Tensor]:
@@ -801,12 +794,10 @@ class SyncState:
         return self.outer.settle(self.anchor, self._outer_grad(closed) if closed else {})
 
     @torch.no_grad()
-    def _beyond(
-        self, reference: Mapping[str, Tensor], model: Mapping[str, Tensor] | None = None
-    ) -> dict[str, Tensor]:
+    def _beyond(self, reference: Mapping[str, Tensor]) -> dict[str, Tensor]:
         residual = self.feedback.state_tensors()
         out = {}
-        for name, p in (self.params if model is None else model).items():
+        for name, p in self.params.items():
             ref = reference[name]
             x = p.detach().to("cpu", torch.float32).reshape(ref.shape) - ref
             r = residual.get(name)

@@ -399,15 +399,12 @@ def test_finish_waits_no_longer_than_final_wait_or_a_stop() -> None:
     assert time.monotonic() - t0 < 5.0
 
 
-@pytest.mark.parametrize("residual", ["replica", "feedback"])
-def test_adopt_trains_on_from_the_donors_model_without_its_unsent_progress(
-    residual: str,
-) -> None:
+def test_adopt_trains_on_from_the_donors_model_without_its_unsent_progress() -> None:
     """A joiner takes the donor's checkpoint: its error feedback is dropped, and the replica
     stays the donor's model; what the donor has not sent yet of its progress (top-k at 1% sends
     little) is the donor's to send, not the joiner's: the joiner's next delta leaves it out."""
     donor = plugin([], [])
-    donor.spec = donor.spec.model_copy(update={"codec": "topk", "residual": residual})
+    donor.spec = donor.spec.model_copy(update={"codec": "topk"})
     donor.attach(fake_engine(torch.nn.Linear(64, 64)))
     assert donor.state is not None
     with torch.no_grad():
@@ -415,9 +412,7 @@ def test_adopt_trains_on_from_the_donors_model_without_its_unsent_progress(
     for step in (1, 2, 3):
         donor.after_step(step)
     start, weight = donor.state.start_point()["weight"], donor.state.params["weight"].detach()
-    if residual == "replica":  # the donor's replica holds its unsent progress
-        assert float((weight - start).norm()) > 1.0
-    assert donor.state.feedback.state_tensors() or residual == "replica"
+    assert float((weight - start).norm()) > 1.0  # the donor's replica holds its unsent progress
     model = weight.clone()
     donor.adopt()
     assert donor.state.feedback.state_tensors() == {}
@@ -620,75 +615,9 @@ def test_after_the_last_round_the_peers_end_on_the_average_of_their_models() -> 
         torch.testing.assert_close(f["weight"], finals[0]["weight"], atol=1e-5, rtol=0)
 
 
-def test_the_peers_share_the_mean_of_their_last_models() -> None:
-    """With ``final_tail`` each peer shares the mean of its last models, not its last one:
-    here each held one model before its last (its last + an offset of its own), so the
-    average candidate is the mean over the peers of (last + offset / 2), and the probe,
-    aimed at exactly that, takes it at every peer."""
-    from atomd.sync.average import TailMean
-
-    spec = SyncSpec(codec="topk", topk_fraction=0.1, every=3, final_wait_s=10.0, outer_momentum=0.0)
-    target: list[dict[str, torch.Tensor]] = [{}]
-    peers = _three_peers_that_finish_together(spec, target)
-    means = []
-    for i, p in enumerate(peers):
-        assert p.state is not None
-        offset = torch.randn(64, 64, generator=torch.Generator().manual_seed(10 + i))
-        before = {n: q.detach().clone() for n, q in p.state.params.items()}
-        before["weight"] += offset
-        p.tail = TailMean(4, 0.5)  # steps 3 and 4: the one before, then the last (in finish)
-        p.tail.add(before)
-        last = {n: q.detach().clone() for n, q in p.state.params.items()}
-        means.append({n: (before[n] + last[n]) / 2 for n in last})
-    mean = {n: torch.stack([m[n] for m in means]).mean(0) for n in means[0]}
-    target[0] = mean
-    _finish_all(peers)
-    assert [p.final_model for p in peers] == ["average"] * 3
-    assert all(p.tail is not None and p.tail.count == 2 for p in peers)
-    spread = float((means[0]["weight"] - mean["weight"]).norm())
-    for p in peers:
-        assert p.state is not None
-        assert float((p.state.params["weight"].detach() - mean["weight"]).norm()) < 0.1 * spread
-
-
-def test_the_last_models_join_the_tail_after_their_steps() -> None:
-    """A plugin given the job's steps keeps the mean of the models after the last
-    ``final_tail`` of them (the job's last step's model joins in ``finish``)."""
-    p = SyncPlugin(
-        job_id="j" * 32,
-        spec=SyncSpec(codec="fp32", every=3, final_tail=0.3),
-        identity=Identity.generate(),
-        counted=lambda base: [],
-        send=lambda out: None,
-        total_steps=10,
-    )
-    p.attach(fake_engine(torch.nn.Linear(4, 3)))
-    assert p.tail is not None and p.state is not None
-    weight = p.state.params["weight"]
-    for step in range(1, 10):
-        with torch.no_grad():
-            weight.fill_(float(step))
-        p.after_step(step)
-    assert p.tail.count == 2  # steps 8 and 9
-    mean = p.tail.mean()
-    assert mean is not None
-    torch.testing.assert_close(mean["weight"], torch.full((3, 4), 8.5))
-    assert (
-        SyncPlugin(
-            job_id="j" * 32,
-            spec=SyncSpec(codec="fp32", final_tail=0.0),
-            identity=Identity.generate(),
-            counted=lambda base: [],
-            send=lambda out: None,
-            total_steps=10,
-        ).tail
-        is None
-    )
-
-
 def test_job_show_says_which_model_a_job_ended_on() -> None:
     """``atomd job show``'s cadence line names the final model (it called the average "its
-    own replica" until 2026-12-04)."""
+    own replica")."""
     from atomd.cli_daemon import _cadence
 
     base = {"every": 2, "auto": 1, "period_s": 1.5, "rounds": 250, "busy_s": 120.0, "wait_s": 1}

@@ -374,35 +374,12 @@ def test_stale_duplicate_and_non_finite_deltas_are_refused() -> None:
     assert rel(me.anchor, before) < 1e-7
 
 
-def test_error_feedback_residual_is_carried() -> None:
-    s = spec(codec="topk", topk_fraction=0.05, ef_decay=1.0, residual="feedback")
-    replica = params()
-    state = SyncState(replica, s)
-    start = {k: v.clone() for k, v in replica.items()}
-    train(replica, seed=0)
-    moved = {k: replica[k] - start[k] for k in SHAPES}
-    # Two peers (the other has not sent yet): alone, a peer would commit its whole delta.
-    sent1 = {n: decode(e) for n, e in state.round_boundary([], n_peers=2).tensors}
-    ef = {k[3:]: v for k, v in state.state_tensors().items() if k.startswith("ef.")}
-    assert set(ef) == set(SHAPES)
-    for k in SHAPES:
-        # What was not sent stays in the residual.
-        torch.testing.assert_close(ef[k], moved[k] - sent1[k], rtol=0, atol=1e-6)
-        assert float(ef[k].abs().sum()) > 0
-    # The replica restarts from the start point; with no new progress the next round sends
-    # (part of) the residual.
-    assert all(torch.equal(replica[k], state.start_point()[k]) for k in SHAPES)
-    sent2 = {n: decode(e) for n, e in state.round_boundary([], n_peers=2).tensors}
-    assert any(float(sent2[k].abs().sum()) > 0 for k in SHAPES)
-
-
-@pytest.mark.parametrize("residual", ["feedback", "replica"])
-def test_alone_a_peer_commits_its_whole_delta(residual: str) -> None:
+def test_alone_a_peer_commits_its_whole_delta() -> None:
     """Nobody to average with: the anchor (what a joiner starts from) becomes the model, the
     residual top-k held back included, without an outer step's momentum; the frame is still
     top-k's. A peer joining later starts where this one is, not from the anchor top-k has
     moved by 5 % a round."""
-    s = spec(codec="topk", topk_fraction=0.05, residual=residual, outer_momentum=0.7)
+    s = spec(codec="topk", topk_fraction=0.05, outer_momentum=0.7)
     replica = params()
     state = SyncState(replica, s)
     start = {k: v.clone() for k, v in replica.items()}
@@ -433,11 +410,10 @@ def test_alone_with_a_stragglers_delta_the_round_is_averaged() -> None:
         torch.testing.assert_close(states[0].anchor[k], want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("decay", [1.0, 0.5])
-def test_residual_kept_in_the_replica(decay: float) -> None:
-    """Error reset: the replica restarts from the anchor plus its share (``ef_decay``) of what
-    was not sent; the rest waits in the error feedback for the next delta. Nothing is lost."""
-    s = spec(codec="topk", topk_fraction=0.05, ef_decay=decay, residual="replica")
+def test_residual_kept_in_the_replica() -> None:
+    """Error reset: the replica restarts from the anchor plus what was not sent; the error
+    feedback holds nothing, and the next delta carries it. Nothing is lost."""
+    s = spec(codec="topk", topk_fraction=0.05)
     replica = params()
     state = SyncState(replica, s)
     start = {k: v.clone() for k, v in replica.items()}
@@ -447,11 +423,9 @@ def test_residual_kept_in_the_replica(decay: float) -> None:
     ef = state.feedback.state_tensors()
     at = state.start_point()  # the anchor once the round commits (the other's delta = ours)
     for k in SHAPES:
-        torch.testing.assert_close(ef[k], (1 - decay) * (moved[k] - sent[k]), rtol=0, atol=1e-6)
+        torch.testing.assert_close(ef[k], torch.zeros_like(ef[k]), rtol=0, atol=1e-6)
         torch.testing.assert_close(at[k], start[k] + sent[k], rtol=0, atol=1e-6)
-        torch.testing.assert_close(
-            replica[k] - at[k], decay * (moved[k] - sent[k]), rtol=0, atol=1e-6
-        )
+        torch.testing.assert_close(replica[k] - at[k], moved[k] - sent[k], rtol=0, atol=1e-6)
     # The next delta carries the residual: with no new progress it is exactly the residual.
     out = state.prepare()
     assert {n: decode(e).abs().sum() > 0 for n, e in out.tensors} == {k: True for k in SHAPES}
@@ -638,24 +612,6 @@ def test_a_peer_far_ahead_knows_it_from_the_stale_deltas_it_refuses() -> None:
     for _ in range(CLAIM_FRESH_ROUNDS + 1):  # p1 and p2 send nothing more; p3 does
         me.round_boundary([Contribution("p3", me.version, me.version, ones)], n_peers=2)
     assert me.rounds_ahead(everyone) == 0  # only p3's claim is fresh: in step
-
-
-def test_lowrank_rounds_keep_the_anchors_equal_and_size_their_frames() -> None:
-    """A job of ``lowrank``: every tensor of a frame in that codec (flat ones in top-k's
-    layout under its name), the payload estimate the cadence sizes frames with is exact for the
-    matrices, and peers merging each other's factors keep equal anchors."""
-    s = spec(codec="lowrank", topk_fraction=0.5, zstd=False)
-    replicas, states = swarm(3, s)
-    estimate = states[0].payload_estimate(0.5)
-    for rnd in range(3):
-        for i, r in enumerate(replicas):
-            train(r, seed=100 * rnd + i)
-        outs = [st.prepare() for st in states]
-        assert all(enc.codec == "lowrank" for o in outs for _, enc in o.tensors)
-        assert all(o.payload_bytes == estimate for o in outs)
-        for i, st in enumerate(states):
-            st.merge([received(f"p{j}", o) for j, o in enumerate(outs) if j != i], n_peers=3)
-    assert max(rel(states[0].anchor, st.anchor) for st in states[1:]) < 1e-6
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -897,12 +853,11 @@ def rel_norm(t: dict[str, Tensor]) -> float:
     return math.sqrt(sum(float(x.double().square().sum()) for x in t.values()))
 
 
-@pytest.mark.parametrize("residual", ["replica", "feedback"])
-def test_own_progress_is_what_this_peer_trained_and_has_not_sent(residual: str) -> None:
+def test_own_progress_is_what_this_peer_trained_and_has_not_sent() -> None:
     """The direction reference of the robust rule: the own steps since the boundary plus the
-    part of the own delta top-k did not send (kept in the replica or in the error feedback),
+    part of the own delta top-k did not send (kept in the replica),
     and nothing of the others' deltas, which move the replica and the start point alike."""
-    s = spec(codec="topk", topk_fraction=0.1, residual=residual, outer_momentum=0.5)
+    s = spec(codec="topk", topk_fraction=0.1, outer_momentum=0.5)
     replicas, states = swarm(2, s)
     train(replicas[0], seed=1)
     train(replicas[1], seed=2)
@@ -923,13 +878,12 @@ def test_own_progress_is_what_this_peer_trained_and_has_not_sent(residual: str) 
         torch.testing.assert_close(states[0].own_progress()[k], expected[k], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("residual", ["replica", "feedback"])
-def test_the_model_beyond_the_anchor_averages_to_the_mean_model(residual: str) -> None:
+def test_the_model_beyond_the_anchor_averages_to_the_mean_model() -> None:
     """The final average's share (``atomd.sync.average``): the replica minus the anchor, plus
     the error feedback's residual. Where the anchors agree (every delta merged alike), the
     anchor plus the mean of the shares is the mean of the peers' models, whatever top-k has
     sent of them and however the outer step amplified it."""
-    s = spec(codec="topk", topk_fraction=0.1, residual=residual, outer_momentum=0.7)
+    s = spec(codec="topk", topk_fraction=0.1, outer_momentum=0.7)
     replicas, states = swarm(2, s)
     for r in range(2):
         train(replicas[0], seed=10 * r + 1)
@@ -1116,11 +1070,11 @@ def _given_way(o: Tensor, x: Tensor) -> Tensor:
     return torch.where(same, o - o.sign() * torch.minimum(o.abs(), x.abs()), o)
 
 
-@pytest.mark.parametrize("codec", ["topk", "fp32", "lowrank"])
+@pytest.mark.parametrize("codec", ["topk", "fp32"])
 def test_the_inherited_progress_gives_way_as_the_donor_sends_it(codec: str) -> None:
     """The donor's delta merged at the joiner shrinks the joiner's offset by as much as it
     sent, entry by entry, towards zero and never past it (the donor's own replica gives way
-    by what it sends), whatever the codec: top-k's entries, every entry, a low-rank delta; the
+    by what it sends), whatever the codec: top-k's entries or every entry; the
     replica moves with it, and the anchors of all three peers stay equal."""
     kw: dict[str, Any] = {"topk_fraction": 0.1} if codec == "topk" else {}
     s = spec(codec=codec, zstd=False, **kw)
