@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from atomd.sync.guard import LossGuard
+from atomd.sync.pace import MAX_CLAIM_AHEAD
 from atomd.sync.robust import Progress, RobustRule, Screen, lower_median
-from atomd.sync.state import MAX_CLAIM_AHEAD, Contribution, SyncState
+from atomd.sync.state import Contribution, SyncState
 from tests.unit.test_sync_state import SHAPES, received, spec, swarm, train
 
 
@@ -719,7 +720,7 @@ def test_a_member_cannot_steer_the_dense_direction_reference() -> None:
 def test_a_tiny_delta_does_not_poison_the_dense_direction_reference() -> None:
     """A member's delta with a norm below 1 / float32's largest (one entry of 1e-40, the rest
     0: finite, passes every check, accepted as small) enters the round's sum of unit vectors
-    (``SyncState._add_pending``) as ``add_(x, alpha=1 / norm)``: alpha 1e40 does not fit a
+    (``RoundDirections.add``) as ``add_(x, alpha=1 / norm)``: alpha 1e40 does not fit a
     float32, and torch raises RuntimeError on the trainer thread: the job fails, at every
     honest peer that merges the frame. The merge must go on, the reference stay finite, and
     the sign-flipped delta of the next round still be refused as opposed."""

@@ -12,7 +12,8 @@ from torch import Tensor
 from atomd.spec import SyncSpec
 from atomd.sync.codecs import decode, kept
 from atomd.sync.outer import NesterovOuter, staleness_weight
-from atomd.sync.state import CLAIM_FRESH_ROUNDS, Contribution, Outgoing, SyncState
+from atomd.sync.pace import CLAIM_FRESH_ROUNDS
+from atomd.sync.state import Contribution, Outgoing, SyncState
 
 SHAPES = {"w": (8, 6), "b": (6,), "e": (300,)}
 
@@ -477,9 +478,9 @@ def test_a_state_carries_the_deltas_it_merged() -> None:
     assert not report.applied and "duplicate" in report.refused[0].reason
     bad = torch.tensor(list(b"p2\tzero\n\tp3\nnot a line\np4\t0\n\xff\xfe\t1\n"), dtype=torch.uint8)
     joiner.load_state_tensors({**saved, "sync.seen": bad})
-    assert joiner._seen == {("p4", 0), ("\ufffd\ufffd", 1)}
+    assert joiner.intake.seen == {("p4", 0), ("\ufffd\ufffd", 1)}
     joiner.load_state_tensors({**saved, "sync.seen": torch.zeros(3)})  # not bytes: nothing
-    assert joiner._seen == set()
+    assert joiner.intake.seen == set()
 
 
 def test_the_switch_to_the_plain_average_survives_a_restart() -> None:
@@ -741,7 +742,7 @@ def test_a_state_carries_its_recent_rounds_committed_sums(codec: str) -> None:
         bad["committed.1.e"] = torch.full((300,), float("nan"))
     broken = swarm(1, s)[1][0]
     broken.load_state_tensors(bad)
-    assert broken._committed == {}
+    assert broken.rounds.committed == {}
 
 
 def test_a_follow_round_bounds_what_it_merges() -> None:
@@ -1079,8 +1080,8 @@ def test_the_inherited_progress_gives_way_as_the_donor_sends_it(codec: str) -> N
     kw: dict[str, Any] = {"topk_fraction": 0.1} if codec == "topk" else {}
     s = spec(codec=codec, zstd=False, **kw)
     replicas, states = _joined(s)
-    offset = {n: o.clone() for n, o in states[2]._offset.items()}
-    assert states[2]._offset_from == {"p0"} and all(o.any() for o in offset.values())
+    offset = {n: o.clone() for n, o in states[2].offset.tensors.items()}
+    assert states[2].offset.sources == {"p0"} and all(o.any() for o in offset.values())
     outs = [st.prepare() for st in states]
     from_p0 = received("p0", outs[0]).tensors
     before = {k: v.clone() for k, v in replicas[2].items()}
@@ -1092,11 +1093,11 @@ def test_the_inherited_progress_gives_way_as_the_donor_sends_it(codec: str) -> N
     for n, o in offset.items():
         want = _given_way(o, from_p0[n].reshape(o.shape))
         assert float(want.norm()) < float(o.norm())
-        torch.testing.assert_close(states[2]._offset[n], want)
+        torch.testing.assert_close(states[2].offset.tensors[n], want)
     # The replica: the new start point plus the offset left, nothing trained since the join.
     start = states[2].start_point()
     for k in SHAPES:
-        torch.testing.assert_close(replicas[2][k], start[k] + states[2]._offset[k])
+        torch.testing.assert_close(replicas[2][k], start[k] + states[2].offset.tensors[k])
         assert not torch.equal(replicas[2][k], before[k])
 
 
@@ -1112,14 +1113,14 @@ def test_a_retracted_delta_of_the_donors_gives_its_share_of_the_offset_back() ->
     train(replicas[2], seed=9)
     joiner.prepare()
     joiner.merge([], n_peers=3)  # closes the round the donor's delta belongs to
-    offset = {n: o.clone() for n, o in joiner._offset.items()}
+    offset = {n: o.clone() for n, o in joiner.offset.tensors.items()}
     replica = {k: v.clone() for k, v in replicas[2].items()}
     report = joiner.absorb([received("p0", outs[0])])
     assert [t.contribution.sender for t in report.taken] == ["p0"] and report.taken[0].drained
-    assert any(not torch.equal(joiner._offset[n], o) for n, o in offset.items())
+    assert any(not torch.equal(joiner.offset.tensors[n], o) for n, o in offset.items())
     joiner.retract(report.taken)
     for n, o in offset.items():
-        torch.testing.assert_close(joiner._offset[n], o)
+        torch.testing.assert_close(joiner.offset.tensors[n], o)
         torch.testing.assert_close(replicas[2][n], replica[n])
 
 
@@ -1132,18 +1133,18 @@ def test_a_donors_own_inherited_sources_drain_the_takers_offset_too() -> None:
     taker = SyncState({k: v.clone() for k, v in replicas[2].items()}, s, peer_id="p3")
     taker.load_state_tensors(states[2].state_tensors())
     taker.adopt()
-    assert taker._offset_from == {"p0", "p2"}
+    assert taker.offset.sources == {"p0", "p2"}
     taker.load_state_tensors(states[2].state_tensors())
     taker.adopt("p7")  # as the transfer verified it
-    assert taker._offset_from == {"p0", "p7"}
+    assert taker.offset.sources == {"p0", "p7"}
     many = "\n".join(f"q{i}" for i in range(40)) + "\np3"
     saved = states[2].state_tensors()
     taker.load_state_tensors(
         {**saved, "sync.inherited_from": torch.tensor(list(many.encode()), dtype=torch.uint8)}
     )
     taker.adopt()
-    assert len(taker._offset_from) <= 16 and "p2" in taker._offset_from
-    assert "p3" not in taker._offset_from
+    assert len(taker.offset.sources) <= 16 and "p2" in taker.offset.sources
+    assert "p3" not in taker.offset.sources
 
 
 def test_the_joiner_sends_the_inherited_progress_once_the_donor_has_left() -> None:
@@ -1153,21 +1154,21 @@ def test_the_joiner_sends_the_inherited_progress_once_the_donor_has_left() -> No
     a state during consolidation holds none apart."""
     s = spec(codec="fp32", max_staleness=1)
     joiner = _joined(s)[1][2]
-    assert joiner._offset
+    assert joiner.offset.tensors
     for _ in range(s.max_staleness):
         joiner.round_boundary([], n_peers=2, whole=False)
-        assert joiner._offset
+        assert joiner.offset.tensors
     joiner.round_boundary([], n_peers=2, whole=False)
-    assert not joiner._offset and joiner._offset_from == set()
+    assert not joiner.offset.tensors and joiner.offset.sources == set()
     for fold in ("alone", "consolidation"):
         _, states = _joined(s)
-        inherited = {n: o.clone() for n, o in states[2]._offset.items()}
+        inherited = {n: o.clone() for n, o in states[2].offset.tensors.items()}
         if fold == "alone":
             out = states[2].prepare(whole=True)
         else:
             states[2].average_from_now()
             out = states[2].prepare()
-        assert not states[2]._offset
+        assert not states[2].offset.tensors
         for n, e in out.tensors:  # nothing trained since the join: the delta is the offset
             torch.testing.assert_close(decode(e).reshape(inherited[n].shape), inherited[n])
     replicas, states = _joined(s)
@@ -1175,7 +1176,7 @@ def test_the_joiner_sends_the_inherited_progress_once_the_donor_has_left() -> No
     late = SyncState({k: v.clone() for k, v in replicas[0].items()}, s, peer_id="p4")
     late.load_state_tensors(states[0].state_tensors())
     late.adopt()
-    assert late.averaging and not late._offset
+    assert late.averaging and not late.offset.tensors
 
 
 def test_the_inherited_progress_survives_a_restart_and_bad_bytes_name_nobody() -> None:
@@ -1185,9 +1186,9 @@ def test_the_inherited_progress_survives_a_restart_and_bad_bytes_name_nobody() -
     assert bytes(saved["sync.served_by"].tolist()) == b"p2"
     again = SyncState({k: v.clone() for k, v in replicas[2].items()}, s, peer_id="p2")
     again.load_state_tensors(saved)
-    assert again._offset_from == {"p0"} and again._offset_heard == states[2]._offset_heard
-    for n, o in states[2]._offset.items():
-        assert torch.equal(again._offset[n], o)
+    assert again.offset.sources == {"p0"} and again.offset.heard == states[2].offset.heard
+    for n, o in states[2].offset.tensors.items():
+        assert torch.equal(again.offset.tensors[n], o)
     for bad in (
         torch.zeros(3),
         torch.tensor([0xFF, 0xFE], dtype=torch.uint8),
@@ -1196,9 +1197,9 @@ def test_the_inherited_progress_survives_a_restart_and_bad_bytes_name_nobody() -
         torch.zeros((2, 2), dtype=torch.uint8) + 97,
     ):
         again.load_state_tensors({**saved, "sync.served_by": bad})
-        assert again._served_by is None
+        assert again.offset.served_by is None
         if bad.numel() != 65:
             again.load_state_tensors({**saved, "sync.inherited_from": bad})
-            assert again._offset_from == set()
+            assert again.offset.sources == set()
     with pytest.raises(ValueError, match="offset w"):
         again.load_state_tensors({**saved, "inherited.w": torch.zeros(5)})
