@@ -106,7 +106,7 @@ class SyncSpec(_Spec):
         "rounds would be more than 5 steps apart.",
     )
     # 'moment' ranks by |delta| / v^2 where rounds are rare and by |delta| where they are
-    # frequent (atomd.sync.state.RANK_POWER; measured in research/ with `atomd bench sync`).
+    # frequent (atomd.sync.encoder.RANK_POWER; measured in research/ with `atomd bench sync`).
     topk_rank: Literal["moment", "magnitude"] = Field(
         "moment",
         description="Which entries topk sends: 'moment' weighs |delta| by the AdamW second "
@@ -157,7 +157,7 @@ class SyncSpec(_Spec):
     def frequent(self) -> bool:
         """Rounds a few steps apart: the automatic cadence (a swarm on a LAN closes a round
         every 1-5 steps) or a fixed H of 2-5. Defaults measured apart for them: the outer
-        momentum, and how top-k ranks entries (``atomd.sync.state.RANK_POWER``)."""
+        momentum, and how top-k ranks entries (``atomd.sync.encoder.RANK_POWER``)."""
         return self.every == "auto" or self.every in FREQUENT_EVERY
 
     @model_validator(mode="before")

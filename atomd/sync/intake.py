@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
+# After taking a state: the most rounds the donor's reference statistics stay the floor of this
+# peer's own, each statistic until an own delta reaches it (``Intake.record_own``).
+INHERIT_ROUNDS = 64
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -58,6 +62,42 @@ class Intake:
         # that round is known (they touch nothing before: only closed rounds move the replica).
         self.held: list[Contribution] = []
         self.seen: set[tuple[str, int]] = set()  # (sender, base_version) merged recently
+        # After taking a state: the donor's reference statistics, the floor of this peer's own
+        # (its error feedback starts empty), each until an own delta reaches it, at most until
+        # round ``_inherited_until``.
+        self._inherited: DeltaStats | None = None
+        self._inherited_until = 0
+
+    def record_own(
+        self,
+        version: int,
+        framed: Mapping[str, Tensor],
+        *,
+        steps_short: float,
+        steps: int | None,
+        first: int | None,
+    ) -> None:
+        """This peer's own delta of round ``version``, as receivers decode it (others' deltas
+        are frames too), is the robust rule's reference for the round's deltas
+        (``robust.Screen.record_own``)."""
+        if self.screen is None:
+            return
+        floor = self._inherited if version < self._inherited_until else None
+        own = self.screen.record_own(
+            version, framed, steps_short=steps_short, floor=floor, steps=steps, first=first
+        )
+        if floor is not None:  # each statistic holds until an own delta reaches it
+            self._inherited = floor.unmet_by(own)
+
+    def restart(self, reference: DeltaStats | None, version: int) -> None:
+        """A state was loaded at ``version``: nothing held; the donor's reference statistics
+        (None: none in the state) judge the rounds it closed and floor this peer's own."""
+        self.held = []
+        self._inherited = reference
+        self._inherited_until = version + max(INHERIT_ROUNDS, self.max_staleness + 1)
+        if reference is not None and self.screen is not None:
+            first = max(0, version - self.max_staleness)
+            self.screen.inherit(reference, range(first, version))
 
     def refusal(self, c: Contribution, version: int) -> tuple[str | None, bool]:
         """(why ``c`` cannot be merged at ``version`` or None, whether that is a strike)."""

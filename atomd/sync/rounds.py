@@ -10,12 +10,12 @@ peers differently still commit the same sum once they have merged the same delta
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from atomd.sync.robust import DeltaStats
+from atomd.sync.robust import DeltaStats, Progress
 
 # Rounds whose sums of unit deltas a peer keeps for the direction reference (codecs that send
 # every entry: ``RoundDirections``): a delta is judged by the newest before its own.
@@ -178,6 +178,28 @@ class RoundDirections:
 
     def clear(self) -> None:
         self._units = {}
+
+    def reference(
+        self, own: Callable[[], Mapping[str, Tensor]], *, dense: bool
+    ) -> Callable[[int], Progress]:
+        """The direction reference of each round's deltas for one inbox (rule 4 of
+        ``atomd.sync.robust``): where the codec is ``dense`` the newest round before it
+        (``before``), else (or before any round) this peer's own progress (``own``: what it
+        trained that the swarm does not hold), made once."""
+        towards: dict[int, Progress] = {}
+        mine: list[Progress] = []
+
+        def toward(base_version: int) -> Progress:
+            if base_version not in towards:
+                swarm = self.before(base_version) if dense else None
+                if swarm is None:
+                    if not mine:
+                        mine.append(Progress.of(own()))
+                    return mine[0]
+                towards[base_version] = Progress.of(swarm)
+            return towards[base_version]
+
+        return toward
 
 
 def compact(sums: Mapping[str, Tensor]) -> dict[str, Tensor]:

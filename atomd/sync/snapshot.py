@@ -45,7 +45,7 @@ MAX_SEEN = 65_536  # entries read back from a state: (senders) x (max_staleness 
 def write(state: SyncState) -> dict[str, Tensor]:
     """Anchor, pending deltas, outer momentum, error-feedback residuals, counters (CPU)."""
     out = {_ANCHOR + n: t.clone() for n, t in state.anchor.items()}
-    out.update({_MOMENTUM + n: t for n, t in state.outer.state_tensors().items()})
+    out.update({_MOMENTUM + n: t for n, t in state.committed.outer.state_tensors().items()})
     out.update(
         {_EF + n: t.detach().cpu().clone() for n, t in state.feedback.state_tensors().items()}
     )
@@ -89,11 +89,12 @@ def write(state: SyncState) -> dict[str, Tensor]:
 def read(state: SyncState, d: Mapping[str, Tensor]) -> None:
     """Restore into ``state`` what ``write`` produced (checkpoint or state transfer); the
     replica is not touched."""
+    state.directions.clear()  # rounds of before the state: no reference for its rounds
     anchor = _read_anchor(d, state.anchor)
     with torch.no_grad():
         for name, t in anchor.items():
             state.anchor[name].copy_(t)
-    state.outer.load_state_tensors(_prefixed(d, _MOMENTUM))
+    state.committed.outer.load_state_tensors(_prefixed(d, _MOMENTUM))
     state.feedback.load_state_tensors(_prefixed(d, _EF))
     rounds = state.rounds
     rounds.sums, rounds.counts = {}, {}
@@ -113,7 +114,11 @@ def read(state: SyncState, d: Mapping[str, Tensor]) -> None:
     rounds.committed = _read_committed(
         d, rounds=range(state.version - staleness, state.version), like=state.anchor
     )
-    state.restored(_read_ref(d.get(_REF_NORMS), d.get(_REF_MAXABS), list(state.anchor)))
+    state.together = not state.intake.merged_only(state.peer_id)
+    # The donor's reference statistics judge the rounds closed before the state was taken.
+    reference = _read_ref(d.get(_REF_NORMS), d.get(_REF_MAXABS), list(state.anchor))
+    state.intake.restart(reference, state.version)
+    state.pace.reset()
     _read_offset(state, d)
 
 

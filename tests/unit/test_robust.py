@@ -545,7 +545,7 @@ def test_a_sign_flipping_member_is_refused_by_real_sync_states() -> None:
             assert "p3" in states[i].senders_in(sent[3].base_version)
         states[3].merge([], n_peers=4)
     for s in states[1:3]:
-        assert s.divergence(states[0].anchor) < 1e-7
+        assert s.committed.divergence(states[0].anchor) < 1e-7
 
 
 def test_the_loss_guard_guards_the_rounds_a_finished_peer_follows() -> None:
@@ -628,7 +628,7 @@ def test_honest_frames_that_share_few_entries_pass_untouched_and_the_anchors_agr
             assert all(a.cosine is not None and a.cosine > chance for a in report.applied)
     assert min(abs(c) for c in frame_cosines) < chance  # what the frames alone would show
     for s in states[1:]:
-        assert s.divergence(states[0].anchor) < 1e-7
+        assert s.committed.divergence(states[0].anchor) < 1e-7
 
 
 @pytest.mark.parametrize("flip", [False, True])
@@ -674,7 +674,7 @@ def test_dense_deltas_opposed_pairwise_are_judged_alike_by_every_receiver(flip: 
                 assert [(r.sender, r.strike) for r in report.refused] == [(f"p{hostile}", False)]
                 assert "opposed" in report.refused[0].reason
     for i in (1, 2):
-        assert states[i].divergence(states[0].anchor) < 1e-7
+        assert states[i].committed.divergence(states[0].anchor) < 1e-7
 
 
 def test_a_member_cannot_steer_the_dense_direction_reference() -> None:
@@ -696,7 +696,7 @@ def test_a_member_cannot_steer_the_dense_direction_reference() -> None:
         sent = [received(f"p{i}", s.prepare()) for i, s in enumerate(states)]
         if rnd:
             honest = sent[hostile].tensors["w"]
-            ref = states[0]._swarm_direction(sent[hostile].base_version)
+            ref = states[0].directions.before(sent[hostile].base_version)
             assert ref is not None
             s_hat = ref["w"] / ref["w"].norm()
             w = -honest / honest.norm()
@@ -714,7 +714,7 @@ def test_a_member_cannot_steer_the_dense_direction_reference() -> None:
             assert len(honest_applied) == 2 and all(a.note is None for a in honest_applied)
             assert all(a.cosine is not None and a.cosine > 0.1 for a in honest_applied)
     for i in (1, 2):
-        assert states[i].divergence(states[0].anchor) < 1e-7
+        assert states[i].committed.divergence(states[0].anchor) < 1e-7
 
 
 def test_a_tiny_delta_does_not_poison_the_dense_direction_reference() -> None:
@@ -748,7 +748,7 @@ def test_a_tiny_delta_does_not_poison_the_dense_direction_reference() -> None:
                 s.merge([], n_peers=4)
                 continue
             report = s.merge([x for j, x in enumerate(sent) if j != i], n_peers=4)
-            ref = s._swarm_direction(s.version + 1)
+            ref = s.directions.before(s.version + 1)
             if ref is not None:
                 assert all(bool(torch.isfinite(t).all()) for t in ref.values()), "NaN reference"
             if rnd == 2:

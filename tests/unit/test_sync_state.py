@@ -81,7 +81,7 @@ def test_anchor_becomes_the_mean_of_the_replicas() -> None:
             torch.testing.assert_close(s.anchor[k], mean[k], rtol=0, atol=1e-6)
             assert torch.equal(r[k], s.anchor[k])  # the replica is reset to the anchor
     for s in states[1:]:
-        assert s.divergence(states[0].anchor) < 1e-7
+        assert s.committed.divergence(states[0].anchor) < 1e-7
 
 
 def test_replica_reset_in_place_keeps_dtype() -> None:
@@ -136,7 +136,7 @@ def test_late_delta_counts_a_round_later(momentum: float) -> None:
     a.round_boundary([c0], n_peers=3)
     b.round_boundary([], n_peers=3)
     # Round 0 is not complete anywhere: the anchors wait, A's start point already holds c0.
-    assert a.divergence(b.anchor) == 0.0
+    assert a.committed.divergence(b.anchor) == 0.0
     assert rel(a.start_point(), b.start_point()) > 1e-3
     torch.testing.assert_close(replicas[0]["w"], a.start_point()["w"])
     a.round_boundary([c1], n_peers=3)
@@ -144,7 +144,7 @@ def test_late_delta_counts_a_round_later(momentum: float) -> None:
     assert sorted(d.staleness for d in b.last_merge.applied) == [0, 1]
     assert all(d.weight == 1.0 for d in b.last_merge.applied)
     # Both committed round 0 (with c0) at their round 1: equal anchors, and equal start points.
-    assert a.divergence(b.anchor) < 1e-7
+    assert a.committed.divergence(b.anchor) < 1e-7
     assert rel(a.start_point(), b.start_point()) < 1e-7
 
 
@@ -250,8 +250,8 @@ def test_anchors_agree_whoever_each_peer_counts(codec: str) -> None:
     full_round(3)
     full_round(4)
     assert a.version == b.version == c.version == 5
-    assert b.divergence(a.anchor) < 1e-6, b.divergence(a.anchor)
-    assert b.divergence(c.anchor) < 1e-6, b.divergence(c.anchor)
+    assert b.committed.divergence(a.anchor) < 1e-6, b.committed.divergence(a.anchor)
+    assert b.committed.divergence(c.anchor) < 1e-6, b.committed.divergence(c.anchor)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -280,7 +280,7 @@ def test_absorb_between_boundaries_keeps_what_the_replica_trained(momentum: floa
     assert rel(moved, {k: torch.zeros_like(v) for k, v in moved.items()}) > 0
     states[0].round_boundary([], n_peers=3)
     twins[0].round_boundary([received("p1", outs[1])], n_peers=3)
-    assert states[0].divergence(twins[0].anchor) < 1e-6
+    assert states[0].committed.divergence(twins[0].anchor) < 1e-6
     assert rel(states[0].start_point(), twins[0].start_point()) < 1e-6
 
 
@@ -495,9 +495,12 @@ def test_the_switch_to_the_plain_average_survives_a_restart() -> None:
         st.average_from_now()
     saved = states[0].state_tensors()
     fresh = SyncState(params(seed=5), s, peer_id="p0")
-    assert fresh.outer.momentum == 0.5
+    assert fresh.committed.outer.momentum == 0.5
     fresh.load_state_tensors(saved)
-    assert fresh.averaging and (fresh.outer.lr, fresh.outer.momentum) == (1.0, 0.0)
+    assert fresh.averaging and (fresh.committed.outer.lr, fresh.committed.outer.momentum) == (
+        1.0,
+        0.0,
+    )
 
 
 def test_nesterov_step_matches_the_formula() -> None:
@@ -676,8 +679,8 @@ def test_a_follower_divides_a_round_by_the_peers_that_trained_it() -> None:
         if rnd == 2:
             a.absorb([received("p2", oc)])  # round 1's last delta, after A committed round 1
     assert a.version == b.version == c.version == 4
-    assert b.divergence(c.anchor) < 1e-6
-    assert a.divergence(b.anchor) < 1e-6
+    assert b.committed.divergence(c.anchor) < 1e-6
+    assert a.committed.divergence(b.anchor) < 1e-6
     assert rel(a.start_point(), b.start_point()) < 1e-6
 
 
@@ -810,7 +813,7 @@ def test_the_donors_reference_holds_until_the_takers_own_deltas_reach_it() -> No
     ended 3.5 % from theirs. Each statistic of the floor now holds until an own delta reaches
     it (at most INHERIT_ROUNDS rounds): here ``b`` is reached at once and dropped, ``w`` and
     ``e`` are not and still admit an honest-size delta rounds after the old lapse."""
-    from atomd.sync.state import INHERIT_ROUNDS
+    from atomd.sync.intake import INHERIT_ROUNDS
 
     s = spec(codec="topk", topk_fraction=0.1)
     replicas, states = swarm(2, s)
@@ -823,13 +826,14 @@ def test_the_donors_reference_holds_until_the_takers_own_deltas_reach_it() -> No
                       peer_id="p9")  # fmt: skip
     taker.load_state_tensors(states[0].state_tensors())
     taker.adopt()
-    assert taker._inherited is not None and s.max_staleness + 1 < INHERIT_ROUNDS
+    assert taker.intake._inherited is not None and s.max_staleness + 1 < INHERIT_ROUNDS
     for rnd in range(s.max_staleness + 3):
         train(taker.params, seed=rnd)  # small own deltas ...
         taker.params["b"].add_(100.0)  # ... but in b, larger than the donor's
         taker.round_boundary([], n_peers=2)
-    assert taker._inherited is not None and s.max_staleness + 1 < INHERIT_ROUNDS
-    assert taker._inherited.tensor_norms["b"] == 0.0 and taker._inherited.tensor_norms["w"] > 0
+    assert taker.intake._inherited is not None and s.max_staleness + 1 < INHERIT_ROUNDS
+    inherited = taker.intake._inherited
+    assert inherited.tensor_norms["b"] == 0.0 and inherited.tensor_norms["w"] > 0
     big = {n: torch.full(sh, 4.0) for n, sh in SHAPES.items()}
     report = taker.absorb([Contribution("p0", 9, taker.version - 1, big)])
     assert [a.note for a in report.applied] == [None], (report.applied, report.refused)
@@ -927,7 +931,7 @@ def test_the_settled_anchor_agrees_whenever_each_peer_committed(codec: str) -> N
     for i in range(3):
         states[i].absorb(inbox[i])
     assert states[0].deltas_in(3) == 2 and states[1].deltas_in(3) == 3
-    assert states[0].divergence(states[2].anchor) > 1e-3  # the momentum's timing
+    assert states[0].committed.divergence(states[2].anchor) > 1e-3  # the momentum's timing
     settled = [st.settled() for st in states]
     assert rel(settled[0], settled[1]) > 1e-3  # p0 still misses one
     states[0].absorb([last])
@@ -958,8 +962,8 @@ def test_a_delta_two_rounds_late_at_one_peer_leaves_the_anchors_in_agreement() -
     assert [(a.sender, a.staleness, a.weight) for a in report.applied] == [("p1", 2, 1.0)]
     for i in range(3):  # round 2 commits the rest everywhere
         states[i].round_boundary(inbox[i], n_peers=3)
-    assert states[0].divergence(states[2].anchor) < 1e-6
-    assert states[0].divergence(states[1].anchor) < 1e-6
+    assert states[0].committed.divergence(states[2].anchor) < 1e-6
+    assert states[0].committed.divergence(states[1].anchor) < 1e-6
 
 
 def test_one_stale_member_does_not_hold_a_swarm_of_three() -> None:
@@ -987,7 +991,7 @@ def test_topk_ranks_by_the_second_moment_it_is_given(rank: str, every: Any) -> N
     'magnitude' keeps the largest |delta|, as do tensors of fewer (here "b": 1 entry, "w":
     5). Either way the anchors of two peers agree: the robust rule clips no honest frame
     (ranked by moment, "b"'s one entry differed between the peers beyond its tensor bound)."""
-    from atomd.sync.state import RANK_EPS, RANK_POWER
+    from atomd.sync.encoder import RANK_EPS, RANK_POWER
 
     s = spec(codec="topk", topk_fraction=0.1, topk_rank=rank, every=every)
     replicas, states = swarm(2, s)
@@ -1001,7 +1005,7 @@ def test_topk_ranks_by_the_second_moment_it_is_given(rank: str, every: Any) -> N
         return moments
 
     for st in states:
-        st.rank_by(second_moments)
+        st.encoder.rank_by(second_moments)
     train(replicas[0], 0)
     train(replicas[1], 1)
     out = states[0].prepare()
