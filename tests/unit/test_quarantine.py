@@ -12,7 +12,7 @@ from atomd.errors import WireError
 from atomd.p2p.identity import Identity
 from atomd.p2p.quarantine import Quarantine
 from atomd.sync.codecs import make_codec
-from atomd.sync.runner import Inbox
+from atomd.sync.inbox import Inbox
 from atomd.sync.state import Contribution
 from atomd.sync.wire import FrameDecoder, check_codec, encode_frame
 

@@ -17,11 +17,12 @@ import torch
 from atomd.errors import SwarmMovedOnError
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec
-from atomd.sync import cadence, runner
+from atomd.sync import cadence, schedule
 from atomd.sync.cadence import LINK_EVERY, MARGIN, MIN_FRACTION, Cadence
 from atomd.sync.codecs import decode
 from atomd.sync.guard import LossGuard
-from atomd.sync.runner import ALONE_EVERY, RoundOut, SyncPlugin
+from atomd.sync.runner import RoundOut, SyncPlugin
+from atomd.sync.schedule import ALONE_EVERY
 from atomd.sync.state import Contribution, MergeReport
 from atomd.sync.wire import FrameDecoder
 from tests.conftest import fake_engine
@@ -240,7 +241,7 @@ def test_finish_closes_the_last_round_and_waits_for_the_others_last_deltas() -> 
     assert 0.2 <= time.monotonic() - t0 < 5.0  # returned once both deltas were in
     assert [a.sender for a in absorbed[0].applied] == ["other"]
     torch.testing.assert_close(weight.detach(), before - 1.0)  # the round's mean: 0
-    assert me.followed == 0 and "followed" not in me.stats()
+    assert me.ending.followed == 0 and "followed" not in me.stats()
 
 
 def test_a_peer_that_finishes_first_follows_the_others_last_rounds() -> None:
@@ -263,8 +264,8 @@ def test_a_peer_that_finishes_first_follows_the_others_last_rounds() -> None:
     for r, v in ((0, 1.0), (1, 0.5), (2, 0.25)):
         me.inbox.put(Contribution("other", r, r, delta(v)))
     me.finish(3, threading.Event())
-    assert len(sent) == 1 and me.followed == 2 and me.version == 3
-    assert me.stats()["followed"] == 2 and me.final_model is None  # no guard: no probe
+    assert len(sent) == 1 and me.ending.followed == 2 and me.version == 3
+    assert me.stats()["followed"] == 2 and me.ending.final_model is None  # no guard: no probe
     # Round 0: the mean of this peer's 1 and the other's 1; rounds 1, 2: the other's alone.
     torch.testing.assert_close(weight.detach(), start + 1.0 + 0.5 + 0.25)
     assert [a.sender for a in sent[0].merge.applied] == ["other"]  # round 0, at the boundary
@@ -355,7 +356,7 @@ def test_the_job_ends_on_the_model_the_probe_prefers(
             p.add_(torch.randn_like(p))  # progress: top-k sends a quarter, the rest stays
     me.finish(2, threading.Event())
     better = final_prefers or guard_prefers
-    assert me.final_model == better and me.stats()["final_model"] == better
+    assert me.ending.final_model == better and me.stats()["final_model"] == better
     if better == "swarm":
         assert distance_to_start() == 0.0
     else:
@@ -606,7 +607,7 @@ def test_after_the_last_round_the_peers_end_on_the_average_of_their_models() -> 
     mean = {n: torch.stack([m[n] for m in models]).mean(0) for n in models[0]}
     target[0] = mean  # the probe prefers the exact average
     _finish_all(peers)
-    assert [p.final_model for p in peers] == ["average"] * 3
+    assert [p.ending.final_model for p in peers] == ["average"] * 3
     assert all(p.stats()["average_shares"] == 2 for p in peers)
     finals = [{n: q.detach() for n, q in p.state.params.items()} for p in peers if p.state]
     spread = float((models[0]["weight"] - mean["weight"]).norm())
@@ -643,7 +644,7 @@ def test_a_share_is_waited_for_after_membership_loses_its_sender() -> None:
     assert late is not None
     slow.send_average = lambda frame, wait_s: threading.Timer(0.5, late, (frame, wait_s)).start()
     for j, p in enumerate(peers[1:], start=1):
-        everyone, mine = p._finishers, p.send_average
+        everyone, mine = p.finishers, p.send_average
         assert mine is not None
 
         def send(frame: bytes, wait_s: float, j: int = j, mine: Any = mine) -> None:
@@ -653,9 +654,9 @@ def test_a_share_is_waited_for_after_membership_loses_its_sender() -> None:
         def finishers(j: int = j, everyone: Any = everyone) -> list[str]:  # the slow one: "dead"
             return [f for f in everyone() if not sent[j] or f != slow.identity.peer_id]
 
-        p.send_average, p._finishers = send, finishers
+        p.send_average, p.finishers = send, finishers
     _finish_all(peers)
-    assert [p.average_used for p in peers] == [2, 2, 2]
+    assert [p.ending.average_used for p in peers] == [2, 2, 2]
 
 
 def test_the_average_is_not_the_final_model_where_the_probe_prefers_another() -> None:
@@ -670,7 +671,7 @@ def test_the_average_is_not_the_final_model_where_the_probe_prefers_another() ->
     )
     target[0] = mine
     _finish_all(peers)
-    assert peers[0].final_model == "own" and peers[1].final_model != "own"
+    assert peers[0].ending.final_model == "own" and peers[1].ending.final_model != "own"
     assert peers[0].state is not None and peers[1].state is not None
     gap = peers[0].state.params["weight"].detach() - peers[1].state.params["weight"].detach()
     assert float(gap.norm()) > 1.0  # it kept its replica: not the model the others ended on
@@ -681,7 +682,7 @@ def test_the_average_is_not_the_final_model_where_the_probe_prefers_another() ->
     for p in peers:
         p.send_average = lambda frame, wait_s: sent.append(frame)
     _finish_all(peers)
-    assert sent == [] and all(p.final_model in ("swarm", "own") for p in peers)
+    assert sent == [] and all(p.ending.final_model in ("swarm", "own") for p in peers)
     assert all("average_shares" not in p.stats() for p in peers)
 
 
@@ -716,7 +717,7 @@ def auto_plugin(
     torch.manual_seed(0)
     p.attach(fake_engine(torch.nn.Linear(4, 3)))
     if in_phase:
-        p._previous_open = lambda: False  # type: ignore[method-assign]
+        p.schedule.previous_open = lambda: False  # type: ignore[method-assign]
     return p
 
 
@@ -813,8 +814,8 @@ def test_a_frame_the_loop_never_sent_holds_the_next_round_back_only_so_long(
     me.after_step(1)
     me.after_step(2)
     assert len(sent) == 1
-    later = time.monotonic() + runner.MAX_IN_FLIGHT_S + 1
-    monkeypatch.setattr(runner.time, "monotonic", lambda: later)
+    later = time.monotonic() + schedule.MAX_IN_FLIGHT_S + 1
+    monkeypatch.setattr(schedule.time, "monotonic", lambda: later)
     me.after_step(3)
     assert len(sent) == 2
 
@@ -860,10 +861,10 @@ def test_alone_the_automatic_cadence_closes_rounds_rarely() -> None:
     sent: list[RoundOut] = []
     me = auto_plugin(sent, others=())
     me.cadence = SetCadence(1)
-    for step in range(1, runner.ALONE_EVERY + 1):
+    for step in range(1, schedule.ALONE_EVERY + 1):
         me.after_step(step)
         me.delivered(len(sent) - 1, -1.0)
-    assert [o.step for o in sent] == [runner.ALONE_EVERY]
+    assert [o.step for o in sent] == [schedule.ALONE_EVERY]
 
 
 @pytest.mark.parametrize("codec", ["fp32", "topk"])
@@ -1001,7 +1002,7 @@ def test_a_peer_ahead_holds_its_round_until_the_previous_one_is_in(fixed: bool) 
     me.delivered(0, 0.1)
     for step in (3, 4, 5):  # round 1 is due at 4: held, round 0 misses the other's delta
         _train(me, step)
-    assert [o.step for o in sent] == [2] and me.held_steps == 2
+    assert [o.step for o in sent] == [2] and me.schedule.held_steps == 2
     me.inbox.put(_other_delta(me, 0))
     _train(me, 6)  # it is in: the round closes, merging it (a round late it would weigh less)
     assert [o.step for o in sent] == [2, 6] and me.stats()["held_steps"] == 2
@@ -1010,7 +1011,7 @@ def test_a_peer_ahead_holds_its_round_until_the_previous_one_is_in(fixed: bool) 
     for step in range(7, 15):  # the other sends nothing more: each round held 2 steps at most
         _train(me, step)
         me.delivered(len(sent) - 1, 0.1)
-    assert [o.step for o in sent] == [2, 6, 10, 14] and me.held_steps == 6
+    assert [o.step for o in sent] == [2, 6, 10, 14] and me.schedule.held_steps == 6
 
 
 @pytest.mark.parametrize("gone", [False, True], ids=["training", "gone"])
@@ -1039,9 +1040,18 @@ def test_a_peer_far_ahead_of_the_others_holds_its_rounds(gone: bool) -> None:
         _train(me, step)
     assert me.state is not None and me.state.rounds_ahead({"p1", "p2"}) >= 2
     if gone:
-        assert [o.step for o in sent] == [2, 4, 6, 8, 10, 12, 14, 16] and me.held_steps == 0
+        assert [o.step for o in sent] == [
+            2,
+            4,
+            6,
+            8,
+            10,
+            12,
+            14,
+            16,
+        ] and me.schedule.held_steps == 0
     else:
-        assert [o.step for o in sent] == [2, 4, 6, 8, 12, 16] and me.held_steps == 4
+        assert [o.step for o in sent] == [2, 4, 6, 8, 12, 16] and me.schedule.held_steps == 4
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["auto", "fixed"])
@@ -1057,7 +1067,7 @@ def test_a_peer_alone_holds_no_round(fixed: bool) -> None:
         if sent:
             me.delivered(sent[-1].outgoing.round, 0.01)
     every = 2 if fixed else ALONE_EVERY
-    assert [o.step for o in sent] == list(range(every, 151, every)) and me.held_steps == 0
+    assert [o.step for o in sent] == list(range(every, 151, every)) and me.schedule.held_steps == 0
 
 
 def test_deltas_wait_for_a_boundary_that_is_near() -> None:
@@ -1147,7 +1157,7 @@ def test_a_slow_link_makes_the_automatic_cadence_send_fewer_entries() -> None:
     )
     torch.manual_seed(0)
     me.attach(fake_engine(torch.nn.Linear(256, 128)))  # 8 chunks of 4096: k = 41 at 1%
-    me._previous_open = lambda: False  # type: ignore[method-assign]
+    me.schedule.previous_open = lambda: False  # type: ignore[method-assign]
     me.cadence = cadence = SlowLinkCadence()
     assert me.state is not None
     step = 0
@@ -1241,7 +1251,7 @@ def test_each_round_tells_the_engine_how_many_peers_average_its_steps(swarm_adam
     )
     engine = fake_engine(torch.nn.Linear(4, 3))
     p.attach(engine)
-    p._previous_open = lambda: False  # type: ignore[method-assign]  # no round held here
+    p.schedule.previous_open = lambda: False  # type: ignore[method-assign]  # no round held here
     for step, peers in ((1, 2), (2, 1), (3, 4)):
         count[0] = peers
         p.after_step(step)
@@ -1249,7 +1259,7 @@ def test_each_round_tells_the_engine_how_many_peers_average_its_steps(swarm_adam
 
 
 # A review of the hold (2026-12-06) found rounds waiting for counts of deltas, not for peers.
-# Each test below failed before the hold counted identities (``SyncPlugin._missing``).
+# Each test below failed before the hold counted identities (``SyncPlugin.missing``).
 
 
 def test_a_refused_delta_of_a_peer_not_counted_fills_no_counted_peers_place() -> None:
@@ -1273,7 +1283,7 @@ def test_a_refused_delta_of_a_peer_not_counted_fills_no_counted_peers_place() ->
     assert [o.step for o in sent] == [2, 4, 6, 8] and me.state.senders_in(3) >= {"far"}
     for step in (9, 10):
         _train(me, step)
-    assert [o.step for o in sent] == [2, 4, 6, 8] and me.held_steps == 1  # held for slow
+    assert [o.step for o in sent] == [2, 4, 6, 8] and me.schedule.held_steps == 1  # held for slow
 
 
 def test_a_delta_sent_twice_fills_no_other_peers_place() -> None:
@@ -1289,7 +1299,7 @@ def test_a_delta_sent_twice_fills_no_other_peers_place() -> None:
     _train(me, 3)  # merged
     me.inbox.put(Contribution("p1", 1000, 0, d.tensors))
     _train(me, 4)  # round 1 due; p2's delta of round 0 missing
-    assert [o.step for o in sent] == [2] and me.held_steps == 1
+    assert [o.step for o in sent] == [2] and me.schedule.held_steps == 1
 
 
 def test_a_peer_quarantined_after_its_delta_merged_fills_no_other_peers_place() -> None:
@@ -1304,7 +1314,7 @@ def test_a_peer_quarantined_after_its_delta_merged_fills_no_other_peers_place() 
     _train(me, 3)
     counted.discard("p1")
     _train(me, 4)
-    assert [o.step for o in sent] == [2] and me.held_steps == 1
+    assert [o.step for o in sent] == [2] and me.schedule.held_steps == 1
 
 
 def test_with_max_staleness_0_no_round_waits_for_a_delta_refused_as_stale() -> None:
@@ -1318,7 +1328,7 @@ def test_with_max_staleness_0_no_round_waits_for_a_delta_refused_as_stale() -> N
     _train(me, 3)
     assert me.state is not None and me.state.last_merge.refused[0].reason.startswith("stale")
     _train(me, 4)
-    assert [o.step for o in sent] == [2, 4] and me.held_steps == 0
+    assert [o.step for o in sent] == [2, 4] and me.schedule.held_steps == 0
 
 
 def test_a_quarantined_senders_held_delta_is_not_merged() -> None:
