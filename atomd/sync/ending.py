@@ -86,12 +86,10 @@ class JobEnding:
         """After this peer's last delta: merge the rounds the others still train (``SyncState.
         follow``), each once all of its deltas are in, until no other peer trains a round
         this one has not closed (each frame of a last delta says so), for at most
-        ``final_wait_s`` in all. Peers of a swarm take their steps at their own speeds, so
-        the fastest reaches the last step first: 4 real daemons, the fastest 7 s (~20 steps,
-        several rounds) before the others, ended on a model of the swarm those rounds behind
-        theirs (probe 1.7245 against 1.684) and kept its own, the worst of the four (val
-        1.745 against 1.735-1.741; docs/notes/issue-14.md). Not counted as waiting on the
-        network (``wait_s``): the others' training is what it waits for (``follow_s``)."""
+        ``final_wait_s`` in all. Peers take their steps at their own speeds, so the fastest
+        reaches the last step first, and without following would end on a model of the swarm
+        those rounds behind theirs. Not counted as waiting on the network (``wait_s``): the
+        others' training is what it waits for (``follow_s``)."""
         assert self._plugin.state is not None
         deadline = time.monotonic() + self._plugin.spec.final_wait_s
         started = time.perf_counter()
@@ -166,8 +164,7 @@ class JobEnding:
             log.info("final average: sending %d bytes (%s) of this peer's model beyond the "
                      "anchor", len(frame), sized.codec)  # fmt: skip
             # Waited for until the deadline, also once membership loses them: the shares'
-            # uploads fill a slow link and its pings time out (4 real daemons at 256 kbit/s:
-            # each saw the others dead meanwhile, stopped waiting, and ended with no share).
+            # uploads fill a slow link and its pings time out meanwhile.
             due = set(self._plugin.finishers())
             wait_s = spec.final_wait_s + budget_s  # the others wait as long for this share
             self._plugin.send_average(frame, wait_s)
@@ -202,16 +199,10 @@ class JobEnding:
         After the last round the replica is the swarm's model (the start point: the anchor with
         every delta in, the same at every peer once all last deltas have arrived) plus this
         peer's own progress that the codec has not sent. Where rounds were frequent that residue
-        is a peer's recent noise and the swarm's model is the better one (4 real daemons at a
-        round every 2 steps: replicas 1.742-1.752, the anchors 1.736-1.740; `atomd bench
-        sync` at H=2: 1.7245 against 1.7200). Where they were rare it holds most of what a
-        peer learned (`atomd bench sync` at H=50: replicas 1.955, anchor 3.918). A loss on fixed
-        validation windows decides (forward only, once per job, for two or three models): the
-        trainer's ``final_batches``, four times the guard's probe. The models are close: on run
-        bs's final models (256 kbit/s) each peer's average candidate beat its own by 0.004-0.031
-        on the benchmark's 320 windows, and the per-window differences put a standard error of
-        0.003-0.0045 on the guard's 16 windows (one peer's -0.0011 +- 0.0038, a coin flip),
-        0.0016-0.0023 on 64."""
+        is a peer's recent noise and the swarm's model is the better one; where they were rare
+        it holds most of what a peer learned. A loss on fixed validation windows decides
+        (forward only, once per job, for two or three models): the trainer's
+        ``final_batches``, more windows than the guard's probe, since the models are close."""
         state, guard = self._plugin.state, self._plugin.guard
         if state is None or guard is None:
             return

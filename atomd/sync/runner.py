@@ -169,9 +169,9 @@ class SyncPlugin:
     def missing(self, base_version: int, *, queued: bool = False) -> set[str]:
         """The counted peers whose delta of round ``base_version`` is not in yet: not merged,
         held, nor refused as one that will not come again (``SyncState.senders_in``), and with
-        ``queued`` not waiting in the inbox or for the boundary either. Who, not how many (a
-        review of 2026-12-06: by count, a delta of a peer no longer counted, or one sent
-        twice, took the place of a missing one, and the round closed without it)."""
+        ``queued`` not waiting in the inbox or for the boundary either. Who, not how many: by
+        count, a delta of a peer no longer counted, or one sent twice, would take the place of
+        a missing one."""
         assert self.state is not None
         here = self.state.senders_in(base_version)
         if queued:
@@ -322,10 +322,9 @@ class SyncPlugin:
         yet included): the anchor the other peer starts from is this peer's model, not the few
         entries top-k has sent of it. A joiner announces itself before it fetches, so it counts
         in the rounds from then on and they commit top-k's share only: early in training (the
-        rounds move the model most and top-k sends least of them) the anchor it took was near
-        the initial weights (test_hostile: a joiner's first validation at 5.3, untrained 5.5).
-        Nobody else holds a delta of the rounds this one commits whole, so the anchors agree.
-        True if it closed the round."""
+        rounds move the model most and top-k sends least of them) the anchor it would take is
+        near the initial weights. Nobody else holds a delta of the rounds this one commits
+        whole, so the anchors agree. True if it closed the round."""
         state = self.state
         if state is None or len(self.inbox) or self._deferred or not state.alone_in_fact():
             return False
@@ -341,13 +340,11 @@ class SyncPlugin:
         n_peers = 1 if alone else max(1, self.n_peers(self.state.version))
         # Alone in the round, its whole delta commits at once (``SyncState.prepare``), unless
         # peers that have sent their last delta follow its rounds: they commit what it sends a
-        # round later, and so must it, or its anchor leaves theirs (4 real daemons: the last
-        # one's anchor ended 2.6 % from the others', 0.01-0.24 % between them; its model the
-        # worst of the four).
+        # round later, and so must it, or its anchor leaves theirs.
         # Nor when the swarm has deltas of this round or later in: a peer catching up after a
-        # state transfer counted only itself on its first round's version (the others' deltas
-        # of it came with the snapshot) and committed its whole delta, residual included, which
-        # nobody else holds (4 real daemons, run dy: its settled anchor 0.44 % from theirs).
+        # state transfer counts only itself on its first round's version (the others' deltas
+        # of it came with the snapshot), and its whole delta, residual included, would be in
+        # no other anchor.
         whole = alone or (n_peers == 1 and not self.finishers() and self.state.rounds_behind() == 0)
         if n_peers != self._n_logged:  # membership as this peer sees it: rare, worth a line
             log.info("rounds from version %d: %d peer(s) train the job (were %d)",
@@ -424,14 +421,8 @@ class SyncPlugin:
         feedback (``SyncState.adopt``; ``donor``: its peer id, where the transfer knows it).
 
         The donor's replica also holds the part of its progress the codec has not sent yet,
-        and the donor sends that part over its next rounds. A joiner that sent it too made
-        every anchor count it twice (``python -m atomd_bench join``: two simulated peers,
-        top-k 1%, the joiner taking the donor's state at step 20 of 120 at H=5, mean val 3.034
-        against 2.888 from the swarm's estimate); one that trained from the swarm's estimate
-        (the anchor plus the deltas in) instead started far behind where rounds are rare, and
-        a restarted daemon refused every donor's state as far worse than the members measured
-        (``SyncState.adopt``). It keeps the donor's unsent progress apart (not sent) until the
-        donor's own deltas carry it."""
+        which the donor sends over its next rounds: the joiner keeps it apart (not sent) until
+        the donor's own deltas carry it, so that no anchor counts it twice."""
         if self.state is None:
             return
         self.settle()

@@ -54,10 +54,8 @@ class RoundSchedule:
         claims, ``rounds_behind``, beyond the ``ahead`` bound of ``SyncState``): the rounds it
         missed meanwhile (it was stopped, or dead to the others, who sent it nothing) are
         nowhere to be had, and closing its rounds early to catch up (``catch_up``) would put it
-        back in step with an anchor that lacks them, parted from theirs for good. A daemon
-        stopped for 20 s at 40 % of a 4-peer job (``atomd bench swarm``, sigstop, run ew) came
-        back 36 rounds behind and ended 0.11 worse than the others (settled anchors 0.47 apart);
-        a peer that restarts takes the swarm's state, and so does this one. So too, however
+        back in step with an anchor that lacks them, parted from theirs for good; a peer that
+        restarts takes the swarm's state, and so does this one. So too, however
         near, a peer that closed rounds alone after it had been with the swarm and finds the
         swarm a round past its own (``SyncState.parted_alone``: its link was cut)."""
         assert self._plugin.state is not None
@@ -119,12 +117,9 @@ class RoundSchedule:
         cadence's (which also waits for the previous frame to leave); a short last round is
         left to ``finish``. Either way a due round is held while the previous round still
         misses a delta (``previous_open``), for at most max(H, HOLD_MIN) more steps: a peer
-        ahead of the others falls back in step with them. Until 2026-12-06 a fixed H closed
-        at every multiple of H, and a peer ahead stayed ahead: the first peer of a job, a
-        round or more on before the joiners had loaded, took their deltas stale and they
-        refused its as ahead (the crash test of tests/integration/test_sync.py, 3 real
-        daemons at H=5 on a busy machine: [100, 60, 69] steps, a peer that never merged one
-        of the others')."""
+        ahead of the others falls back in step with them (closing at every multiple of H, the
+        first peer of a job, a round or more on before the joiners had loaded, would take
+        their deltas stale while they refused its as ahead)."""
         assert self.round_start is not None
         fixed = self._plugin.cadence.fixed
         if fixed is None and self.uploading():
@@ -142,8 +137,7 @@ class RoundSchedule:
         steps long): the job's last round (``finish``) takes them, if it then holds at most 2H
         steps (the robust screen's allowance for a longer round), rather than a round now and
         a final one of a step or two right after it, two frames on the link just when the
-        others wait for the last deltas (4 real daemons at 256 kbit/s: a peer's rounds at
-        steps 599 and 600, then a 6.3 s wait). Rule 3 (``catch_up``) still closes in phase."""
+        others wait for the last deltas. Rule 3 (``catch_up``) still closes in phase."""
         if self._plugin.total_steps is None:
             return False
         left = self._plugin.total_steps - step
