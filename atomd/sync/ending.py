@@ -72,9 +72,8 @@ class JobEnding:
         if not self._plugin.spec.consolidate_rounds:
             self._follow(stop)
         for done in range(self._plugin.spec.consolidate_rounds):
-            if (
-                stop.is_set() or self._plugin.n_peers(self._plugin.version) <= 1
-            ):  # alone: nothing to agree on
+            alone = self._plugin.n_peers(self._plugin.version) <= 1  # nothing to agree on
+            if stop.is_set() or alone:
                 return
             self._plugin.timed_boundary(step)
             if not self._await_round(stop, f"consolidation round {done + 1}"):
