@@ -114,8 +114,8 @@ class SyncPlugin:
         self.wait_s = 0.0  # trainer-thread time blocked waiting for other peers' deltas
         self.may_retake = False
         """Whether this peer, far behind the swarm, ends its trainer to take the swarm's state
-        again (``_moved_on``): set by the job manager, which does that, a bounded number of
-        times a job."""
+        again (``RoundSchedule.moved_on``): set by the job manager, which does that, a bounded
+        number of times a job."""
         self._deferred: list[Contribution] = []  # received, left for the next boundary
         self._last_step = 0
         self._round_work = 0.0  # trainer-thread sync time spent on the current round
@@ -208,10 +208,10 @@ class SyncPlugin:
         with fewer steps per round, instead of falling behind until its deltas are refused as
         stale and the others' pile up here.
 
-        A boundary comes H steps after the last one (``_round_due``): the fixed ``sync.every``,
-        or with ``"auto"`` the cadence's H once the previous round's frame has left (one round in
-        flight); held while the previous round misses a delta, so a peer ahead falls back in
-        step."""
+        A boundary comes H steps after the last one (``RoundSchedule.due``): the fixed
+        ``sync.every``, or with ``"auto"`` the cadence's H once the previous round's frame has
+        left (one round in flight); held while the previous round misses a delta, so a peer
+        ahead falls back in step."""
         state = self.state
         if state is None:
             return
