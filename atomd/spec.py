@@ -18,9 +18,12 @@ from pydantic import (
     model_validator,
 )
 
+from atomd.logs import get_logger
 from atomd.model.config import GPTConfig
 from atomd.model.presets import PRESETS
 from atomd.units import parse_bytes
+
+log = get_logger(__name__)
 
 # Upper bounds: far beyond any real job, small enough that arithmetic on them stays exact.
 MAX_STEPS = 10**9
@@ -62,97 +65,67 @@ class _Spec(BaseModel):
         return v
 
 
-# The outer momentum a codec gets unless the spec names one (see SyncSpec.outer_lr).
-OUTER_MOMENTUM: dict[str, float] = {"topk": 0.5, "rice2": 0.5}
-# ... and top-k's where rounds are frequent: with the automatic cadence (which puts a swarm on
-# a LAN at a round every 1-5 steps) or a fixed H of 2-5. `atomd bench sync`, top-k 1%, momentum
-# 0.5 -> 0.7: H=1 1.735 -> 1.754, H=2 1.755 -> 1.724, H=5 1.819 -> 1.774, H=50 1.954 -> 1.968.
-# The momentum is the job's, not the round's: every peer must commit the same outer step.
+# The outer momentum a codec gets unless the spec names one (see SyncSpec.outer_momentum).
+OUTER_MOMENTUM: dict[str, float] = {"topk": 0.5}
+# ... and top-k's where rounds are frequent: with the automatic cadence (a LAN closes a round
+# every 1-5 steps) or a fixed H of 2-5 (measured in research/ with `atomd bench sync`). The
+# momentum is the job's, not the round's: every peer must commit the same outer step.
 FREQUENT_MOMENTUM: dict[str, float] = {"topk": 0.7}
 FREQUENT_EVERY = range(2, 6)
-# The share of entries a sparse codec sends unless the spec names one: rice2 spends ~9 bits on
-# an entry where topk spends ~25, so 2.5% of the entries cost it fewer bytes than topk's 1%.
-# lowrank sends numbers without positions: 4% of a matrix's entries in rank-r factors (rank 4
-# of the tiny model's 128x512 matrices) cost about the bytes of top-k's 1%.
-SPARSE_FRACTION: dict[str, float] = {"topk": 0.01, "rice2": 0.025, "lowrank": 0.04}
+# Options removed from the sync spec: the only value still accepted (the behaviour kept), and
+# what replaces the others. Specs stored by older daemons and adverts of older peers carry them.
+REMOVED_SYNC_OPTIONS: dict[str, tuple[object, str]] = {
+    "residual": ("replica", "the replica always keeps the unsent part (residual 'replica')"),
+    "ef_decay": (1.0, "the replica always keeps all of the unsent part (ef_decay 1.0)"),
+    "final_tail": (0.0, "the final average always shares the last model (final_tail 0)"),
+    "value_bits": (4, "topk always sends 4-bit values (value_bits 4)"),
+}
+REMOVED_CODECS = {"rice2": "topk", "lowrank": "topk"}
 
 
 class SyncSpec(_Spec):
     """How peers of a swarm job exchange progress: compressed weight deltas every H steps."""
 
+    # "auto": the pace the swarm agrees on, as often as traffic and work hide behind the
+    # compute (docs/cadence.md).
     every: Annotated[int, Field(ge=1, le=MAX_STEPS)] | Literal["auto"] = Field(
         "auto",
-        description="H: inner steps between rounds (delta exchanges), or 'auto': rounds as "
-        "often as their traffic and work hide behind the compute between them, at a pace the "
-        "swarm agrees on (docs/cadence.md).",
+        description="Inner steps between rounds (delta exchanges), or 'auto' to pace rounds by "
+        "the link and the compute.",
     )
-    codec: Literal["fp32", "bf16", "int8", "topk", "rice2", "lowrank"] = Field(
-        "topk", description="Delta codec; all keep what they drop for the next round."
+    codec: Literal["fp32", "bf16", "int8", "topk"] = Field(
+        "topk", description="Delta codec; every codec keeps what it drops for the next round."
     )
+    # The numbers are atomd.sync.cadence's MIN_FRACTION and LINK_EVERY (tests/unit/test_spec.py
+    # holds them equal; the spec imports nothing of the sync package).
     topk_fraction: float = Field(
         0.01,
         gt=0,
         le=1,
-        description="Share of each tensor's entries a sparse codec sends; default: "
-        + ", ".join(f"{v} for {c}" for c, v in SPARSE_FRACTION.items())
-        # The numbers are atomd.sync.cadence's MIN_FRACTION and LINK_EVERY (tests/unit/
-        # test_spec.py holds them equal; the spec imports nothing of the sync package).
-        + ". With every 'auto' the most it sends: fewer (down to 0.25%) where the link would "
-        "space rounds more than 5 steps apart (docs/cadence.md).",
+        description="Share of entries topk sends; with every 'auto' less, down to 0.25%, where "
+        "rounds would be more than 5 steps apart.",
     )
+    # 'moment' ranks by |delta| / v^2 where rounds are rare and by |delta| where they are
+    # frequent (atomd.sync.encoder.RANK_POWER; measured in research/ with `atomd bench sync`).
     topk_rank: Literal["moment", "magnitude"] = Field(
         "moment",
-        description="Which entries the topk codec sends: 'moment', where rounds are rare (a "
-        "fixed every of 6 or more), the largest |delta| / v^2, v this peer's AdamW second "
-        "moment of the weight (weights that moved far for the gradients they see: most often "
-        "those the other peers' data rarely moves, what they lack most), and the largest "
-        "|delta| with every 'auto' or 2-5; or 'magnitude', the largest |delta| always. `atomd "
-        "bench sync`, a round every 50 steps: 1.868 against 1.917, fp32's average 1.872 "
-        "(docs/notes/issue-14.md).",
+        description="Which entries topk sends: 'moment' weighs |delta| by the AdamW second "
+        "moment, 'magnitude' takes the largest |delta|.",
     )
-    value_bits: Literal[4, 8] = Field(
-        4,
-        description="Bits of each value the topk and lowrank codecs send: 4 (levels -7..7: "
-        "for topk ~1.27x the "
-        "entries of 8 bits in a frame of the same bytes; the rounding stays for later rounds "
-        "like the entries left out) or 8 (int8 values and fp32 scales: the frames of before "
-        "value_bits).",
-    )
-    # Defaults measured by `atomd bench sync` (bench/sync.py; README): lr 1 for every codec;
-    # momentum 0 (the plain average) for the dense codecs, never far off (fp32 with momentum
-    # 0.5: 1.781 -> 1.943 at H=2, 1.911 -> 1.883 at H=50), and 0.5 for top-k, whose sparse
-    # deltas gain from the amplification at every H measured (H=2: 1.852 -> 1.755, H=50:
-    # 1.977 -> 1.954). An explicit value always wins.
+    # lr 1 for every codec, momentum 0 (the plain average) for the dense codecs and 0.5 for
+    # top-k, whose sparse deltas gain from the amplification (measured with `atomd bench sync`).
     outer_lr: float = Field(1.0, gt=0, le=10, description="Outer (merge) learning rate.")
     outer_momentum: float = Field(
         0.0,
         ge=0,
         lt=1,
-        description="Nesterov momentum of the outer step (0: plain average); default: "
-        + ", ".join(f"{v} for {c}" for c, v in OUTER_MOMENTUM.items())
-        + ", 0 for the other codecs; "
-        + ", ".join(f"{v} for {c}" for c, v in FREQUENT_MOMENTUM.items())
-        + " with every 'auto' or 2-5.",
+        description="Nesterov momentum of the outer step (0: plain average); default 0.5 for "
+        "topk (0.7 at frequent rounds), else 0.",
     )
     swarm_adam: bool = Field(
         True,
-        description="Each peer's AdamW divides its step by an estimate of the second moment of "
-        "the mean of the swarm's gradients, from its own moments, not by its own gradient's: "
-        "the step the swarm's batch would take (docs/swarm-adam.md). Alone it is AdamW.",
-    )
-    residual: Literal["replica", "feedback"] = Field(
-        "replica",
-        description="Where the part of a delta a lossy codec did not send waits for the next "
-        "round: 'replica' (error reset: the replica keeps it and trains on) or 'feedback' "
-        "(error feedback: the sender adds it to its next delta; the replica restarts from the "
-        "anchor).",
-    )
-    ef_decay: float = Field(
-        1.0,
-        gt=0,
-        le=1,
-        description="With residual='replica': the replica's share of the unsent part (the rest "
-        "waits in the error feedback); with 'feedback': the residual's decay per round.",
+        description="Scale each peer's AdamW step by the swarm's second-moment estimate instead "
+        "of its own (docs/swarm-adam.md).",
     )
     max_staleness: int = Field(
         4, ge=0, le=1_000_000, description="Rounds a delta may lag behind before it is refused."
@@ -162,43 +135,54 @@ class SyncSpec(_Spec):
         30.0,
         ge=0,
         le=3600,
-        description="After its last step, how long a peer waits for the other peers' last deltas "
-        "(absorbed into its final model) before it finishes; also the longest wait for each "
+        description="Seconds a finished peer waits for the others' last deltas, and for each "
         "consolidation round.",
     )
     consolidate_rounds: int = Field(
         0,
         ge=0,
         le=10_000,
-        description="After the last step, rounds without training in which the peers send what "
-        "a lossy codec has not sent yet of their progress, so that their final models converge "
-        "to the average of all of them (stops early when a round's deltas do not all arrive).",
+        description="Rounds after the last step in which peers send their unsent progress "
+        "without training, to converge their models.",
     )
+    # The share is as large as the measured link carries in 20 s or a tenth of the job's time,
+    # at most 10 minutes (atomd.sync.average.upload_budget_s).
     final_average: bool = Field(
         True,
-        description="After the last round, each peer sends the others once its model beyond its "
-        "anchor (as much of it as the measured link carries in 20 s or a tenth of the job's "
-        "time, at most 10 minutes), and the job may end on the anchor plus the mean of them "
-        "all, the average of the peers' models, where its loss on the final validation "
-        "windows is lower (off with consolidate_rounds).",
-    )
-    final_tail: float = Field(
-        0.0,
-        ge=0,
-        le=0.5,
-        description="Share of the job's last steps whose models the final average averages: "
-        "each peer shares the mean of its models over them, not only its last one (one more "
-        "model-sized buffer in host memory over those steps); 0 (the default): the last model "
-        "only. In process at a round every 2 steps 0.05 beat the last models by 0.008; on real "
-        "daemons no gain showed (docs/notes/issue-14.md).",
+        description="After the last round, exchange each peer's model beyond its anchor and end "
+        "on the average if it probes better.",
     )
 
     @property
     def frequent(self) -> bool:
         """Rounds a few steps apart: the automatic cadence (a swarm on a LAN closes a round
         every 1-5 steps) or a fixed H of 2-5. Defaults measured apart for them: the outer
-        momentum, and how top-k ranks entries (``atomd.sync.state.RANK_POWER``)."""
+        momentum, and how top-k ranks entries (``atomd.sync.encoder.RANK_POWER``)."""
         return self.every == "auto" or self.every in FREQUENT_EVERY
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_options(cls, data: object) -> object:
+        """Drop a removed option given at the value whose behaviour stays; refuse any other."""
+        if not isinstance(data, dict):
+            return data
+        kept = dict(data)
+        for name, (value, instead) in REMOVED_SYNC_OPTIONS.items():
+            if name not in kept:
+                continue
+            given = kept.pop(name)
+            if isinstance(given, bool) or given != value:
+                raise ValueError(
+                    f"sync.{name} was removed: only {value!r} is accepted, not {given!r}; "
+                    f"omit it ({instead})"
+                )
+            log.info("sync.%s=%r: a removed option at its only value, ignored", name, given)
+        codec = kept.get("codec")
+        if isinstance(codec, str) and codec in REMOVED_CODECS:
+            raise ValueError(
+                f"sync.codec {codec!r} was removed: use {REMOVED_CODECS[codec]!r} instead"
+            )
+        return kept
 
     @model_validator(mode="after")
     def _codec_defaults(self) -> SyncSpec:
@@ -207,8 +191,6 @@ class SyncSpec(_Spec):
             self.outer_momentum = (
                 OUTER_MOMENTUM.get(self.codec, 0.0) if momentum is None else momentum
             )
-        if "topk_fraction" not in self.model_fields_set:
-            self.topk_fraction = SPARSE_FRACTION.get(self.codec, 0.01)
         return self
 
 

@@ -142,7 +142,7 @@ def run_swarm(run: RunSpec, budget: Budget) -> dict[str, Any]:
     if run.ideal_rate is not None:
         for i, state in enumerate(states):
             ideal = IdealCodec(rate=run.ideal_rate, seed=1000 * budget.seed + i)
-            state.codec = state.feedback.codec = ideal
+            state.encoder.use(ideal)
     for e in engines:  # the daemon's SyncPlugin sets this each round
         e.set_peers(n if sync.swarm_adam else 1)
     frame_bytes = FrameBytes([Identity.generate() for _ in range(n)])

@@ -6,4 +6,10 @@
   ``frame_header`` its header's fields and checks, ``frame_decoder`` the incremental reading of
   a received frame and ``replay`` the replay guard: anything malformed, stale, replayed,
   unauthenticated or non-finite is refused with a ``WireError``.
+- ``state``: ``SyncState``, one peer's round boundary, composed of ``anchor`` (anchor, outer
+  step), ``rounds`` (pending and committed sums), ``encoder`` (codec, error feedback),
+  ``replica`` and ``offset`` (the live model, a joiner's inherited progress), ``intake``
+  (which deltas merge), ``pace`` (the rounds other peers claim) and ``snapshot`` (state I/O).
+- ``runner``: ``SyncPlugin``, the trainer thread's side, with ``schedule`` (when rounds close),
+  ``inbox`` (deltas waiting) and ``ending`` (last rounds, final average: ``average``).
 """

@@ -1,44 +1,29 @@
 """The job's final average: after the last round, each peer's model beyond the anchor, once.
 
 Where rounds are rare (a slow link), every replica ends holding several steps of progress the
-codec has not sent, and the peers end far apart: 4 real daemons at 256 kbit/s ended at
-1.795-1.825 (run an) and 1.813-1.875 (run ak), each on its own replica or the swarm's model,
-while the exact average of their four final models reached 1.796 and 1.814 (gain 0.46 -> 0.54
-and 0.35 -> 0.46; ``bench/results-swarm-2026-12-03an.json``, ``-ak.json``, the final
-checkpoints evaluated on the same validation windows). In the in-process harness the mean model
-beats the replicas by 0.010 at a round every 6 steps and by 0.007 at every 2.
+codec has not sent, and the peers end far apart, while the average of their final models is
+better than each (measured in research/ on real daemons and with ``atomd bench sync``).
 
 So after its last round (and the rounds of the others it follows) each peer sends every other
 peer one *average frame*: its model beyond its *settled anchor* (``SyncState.settled``: the
 anchor with every pending delta committed and the outer momentum run out; the share is
-``SyncState.unsent_from`` it: the replica minus it, or with ``sync.final_tail`` (off by
-default) the mean of its models over the job's last steps minus it: ``TailMean``), in the job's
-codec, with as many of the entries as the measured link carries in ``upload_budget_s`` (all of
-them on a free link: the job's sparse codec at a share of 1 is dense at 4 bits a value). Once
-the others' frames are in (or the wait is over), the candidate final model is the settled
-anchor plus the mean of every share: the average of the peers' models (exactly, up to the
-codec's rounding, when all shares are whole and the settled anchors agree, which they do at
-every peer that merged the same deltas, whenever each committed them; the anchors themselves
-differ by that timing under outer momentum, and by a late delta still pending at one peer).
-Where a slow link cut the shares, an entry a share left out is not taken as 0 (the settled
-anchor, far behind every model there: probe 2.03 against the models' 1.76-1.79 in run bs) but
-as this peer's own value of it, clamped to half the most it can have been (``FILL``): the
-share kept larger entries of that chunk, so it was smaller than those. Each peer's candidate
-then differs a little from the others' (by its own values of the entries left out); with
-whole shares there is nothing to fill and it is the same at every peer.
-The loss guard's probe then picks the final model among this peer's own replica, the swarm's
-model and the average, as it picks between the first two without it.
+``SyncState.unsent_from`` it: the replica minus it), in the job's codec, with as many of the
+entries as the measured link carries in ``upload_budget_s`` (all of them on a free link: the
+job's sparse codec at a share of 1 is dense at 4 bits a value). Once the others' frames are in
+(or the wait is over), the candidate final model is the settled anchor plus the mean of every
+share: the average of the peers' models (exactly, up to the codec's rounding, when all shares
+are whole and the settled anchors agree, which they do at every peer that merged the same
+deltas, whenever each committed them). Where a slow link cut the shares, an entry a share left
+out is not taken as 0 (the settled anchor, far behind every model) but as this peer's own value
+of it, clamped to half the most it can have been (``FILL``): the share kept larger entries of
+that chunk, so it was smaller than those. With whole shares there is nothing to fill and the
+candidate is the same at every peer. The loss guard's probe then picks the final model among
+this peer's own replica, the swarm's model and the average.
 
-Why not the swarm's model (the start point): the start points also hold each peer's estimate
-of the deltas it still misses, amplified by the outer step's look-ahead. Made
-relative to them, the first real-daemon run at 256 kbit/s (run ar: 4 peers, 6-12 % of the
-entries sent) gave candidates worse than every peer's own model (probes 1.767-1.826 against
-1.744-1.786). The anchors agree only where every delta was merged alike (until 2026-12-03 a
-delta 2+ rounds late counted 1/staleness, on each receiver's own count): in that run's final
-checkpoints they were
-4-7 % apart (the replicas 11-13 %), so the candidate is the mean model only approximately. On
-those checkpoints: the exact mean of the four models 1.7915, the anchor-relative candidates
-(dense shares) 1.797-1.834, the models themselves 1.803-1.842. The probe keeps the better.
+The shares are relative to the settled anchor, not to the swarm's model (the start point): the
+start points also hold each peer's estimate of the deltas it still misses, amplified by the
+outer step's look-ahead, and candidates made relative to them were worse than every peer's own
+model.
 
 Why it is safe. An average frame is never a delta: it is kept apart from the round inbox
 (``Averages``) and only ever enters the candidate, which the probe judges against the two
@@ -79,24 +64,17 @@ UPLOAD_MAX_S = 600.0
 # A share more than this many times the lower median of the shares' norms is left out.
 MAX_RATIO = 4.0
 # The shares of entries a sparse codec's average frame chooses from: all of them, then from half
-# down by a third of a halving (RUNG) a rung. Halvings (1, 1/2, 1/4) lost most of the average's
-# gain at 256 kbit/s: 4 real daemons' final models of run bs, on the benchmark's validation
-# windows (exact mean 1.8073, the peers' own 1.810-1.844), the candidate at 1/4 of the entries
-# 1.8242 (a frame of 176-190 kB, what the budget took), at 0.397 1.8112 (258-260 kB), at 1/2
-# 1.808 (294-309 kB), all of them 1.810 (270-299 kB). Between 1/2 and 1 a sparse frame is no
-# smaller than the whole one (its positions cost most at half the entries), so those are skipped.
+# down by a third of a halving (RUNG) a rung; halvings lost most of the average's gain on a slow
+# link (measured in research/). Between 1/2 and 1 a sparse frame is no smaller than the whole one
+# (its positions cost most at half the entries), so those are skipped.
 RUNG = 2 ** (-1 / 3)
 LADDER = (1.0, *(0.5 * RUNG**i for i in range(31)))  # 1, 0.5, 0.397, ... 0.5 / 2^10
 # An entry a top-k share left out was smaller than every entry of its chunk that the share
 # kept: the candidate counts it as this peer's own value of that entry, clamped to FILL times
 # that bound (the mean magnitude below it, were they spread evenly), not as 0 (the settled
-# anchor's value, far behind every model where rounds are rare). Run bs's kept final models
-# (256 kbit/s), the candidate with every share at 1/4 of the entries: 1.8242 -> 1.8037-1.8135
-# (the exact mean 1.8073); one share at 1/8: 1.8896 -> 1.822-1.846; all at 1/8: 1.9415 ->
-# 1.822-1.848; at 0.397: 1.8113 -> 1.806-1.812. FILL 0.3 / 0.7 / 1 gave 1.804-1.814 /
-# 1.806-1.817 / 1.809-1.824 at 1/4 and 1.842-1.872 / 1.813-1.839 / 1.810-1.836 at 1/8. Filled
-# from the others' mean instead, a member alone in sending an entry would steer every peer's
-# estimate of it; this peer's own value steers nothing but its own candidate.
+# anchor's value, far behind every model where rounds are rare); 0.5 measured best in research/.
+# Filled from the others' mean instead, a member alone in sending an entry would steer every
+# peer's estimate of it; this peer's own value steers nothing but its own candidate.
 FILL = 0.5
 # Senders whose share is kept (each as it travelled: at most a model's size at 4 bits a value
 # with a sparse codec, its codec's size with a dense one).
@@ -147,51 +125,6 @@ class Averages:
         """The shares made on ``base_version``."""
         with self._lock:
             return [s for s in self._shares.values() if s.base_version == base_version]
-
-
-class TailMean:
-    """The running mean of a peer's model over the job's last steps (``sync.final_tail``):
-    what it shares in the final average instead of its last model.
-
-    At the end of a job the replicas still carry each peer's latest steps and its share of
-    the rounds' top-k noise; averaging them over the peers removes part of that, averaging
-    them over the last steps too removes more, in process: ``atomd bench sync`` (4 peers,
-    top-k 1 %, H=2, 600 steps), the mean of the four final models 1.7227, of their means over
-    the last 30 steps 1.7146, over 10 1.7180, 60 1.7186, 120 1.7296 (a window reaching back to
-    where the model was still improving fast costs more than it removes); at H=6 nothing
-    (1.7849 against 1.7843). On 4 real daemons no gain showed (run bh), hence off by default.
-    Float32 on the CPU, like the anchor: one more model-sized buffer, only over those steps.
-    It averages the replicas; the share adds the error feedback's residual of the end, which
-    is zero with ``residual: "replica"`` (the default: the replica keeps it) and otherwise
-    not averaged over the steps."""
-
-    def __init__(self, total_steps: int, share: float) -> None:
-        """The mean is over the last ``share`` of ``total_steps`` (at least one step)."""
-        if not 0 <= share <= 1:
-            raise ValueError(f"share must be in [0, 1], got {share}")
-        self.first = total_steps - max(1, round(share * total_steps)) + 1 if share > 0 else None
-        self.count = 0
-        self._mean: dict[str, Tensor] = {}
-
-    def due(self, step: int) -> bool:
-        """Whether the model after ``step`` (1-based) joins the mean."""
-        return self.first is not None and step >= self.first
-
-    @torch.no_grad()
-    def add(self, params: Mapping[str, Tensor]) -> None:
-        """The model now (live parameters, any device) joins the mean."""
-        self.count += 1
-        for name, p in params.items():
-            x = p.detach().to("cpu", torch.float32)
-            mean = self._mean.get(name)
-            if mean is None:
-                self._mean[name] = x.clone()
-            else:
-                mean.add_(x.reshape(mean.shape) - mean, alpha=1.0 / self.count)
-
-    def mean(self) -> dict[str, Tensor] | None:
-        """The mean of the models added (by name), None before two: nothing to average."""
-        return self._mean if self.count >= 2 else None
 
 
 def upload_budget_s(wall_s: float) -> float:

@@ -13,7 +13,7 @@ from atomd.p2p.identity import Identity
 from atomd.p2p.quarantine import Quarantine
 from atomd.sync.codecs import make_codec
 from atomd.sync.frame_decoder import FrameDecoder, check_codec
-from atomd.sync.runner import Inbox
+from atomd.sync.inbox import Inbox
 from atomd.sync.state import Contribution
 from atomd.sync.wire import encode_frame
 

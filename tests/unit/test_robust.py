@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from atomd.sync.guard import LossGuard
+from atomd.sync.pace import MAX_CLAIM_AHEAD
 from atomd.sync.robust import Progress, RobustRule, Screen, lower_median
-from atomd.sync.state import MAX_CLAIM_AHEAD, Contribution, SyncState
+from atomd.sync.state import Contribution, SyncState
 from tests.unit.test_sync_state import SHAPES, received, spec, swarm, train
 
 
@@ -544,7 +545,7 @@ def test_a_sign_flipping_member_is_refused_by_real_sync_states() -> None:
             assert "p3" in states[i].senders_in(sent[3].base_version)
         states[3].merge([], n_peers=4)
     for s in states[1:3]:
-        assert s.divergence(states[0].anchor) < 1e-7
+        assert s.committed.divergence(states[0].anchor) < 1e-7
 
 
 def test_the_loss_guard_guards_the_rounds_a_finished_peer_follows() -> None:
@@ -627,7 +628,7 @@ def test_honest_frames_that_share_few_entries_pass_untouched_and_the_anchors_agr
             assert all(a.cosine is not None and a.cosine > chance for a in report.applied)
     assert min(abs(c) for c in frame_cosines) < chance  # what the frames alone would show
     for s in states[1:]:
-        assert s.divergence(states[0].anchor) < 1e-7
+        assert s.committed.divergence(states[0].anchor) < 1e-7
 
 
 @pytest.mark.parametrize("flip", [False, True])
@@ -673,7 +674,7 @@ def test_dense_deltas_opposed_pairwise_are_judged_alike_by_every_receiver(flip: 
                 assert [(r.sender, r.strike) for r in report.refused] == [(f"p{hostile}", False)]
                 assert "opposed" in report.refused[0].reason
     for i in (1, 2):
-        assert states[i].divergence(states[0].anchor) < 1e-7
+        assert states[i].committed.divergence(states[0].anchor) < 1e-7
 
 
 def test_a_member_cannot_steer_the_dense_direction_reference() -> None:
@@ -695,7 +696,7 @@ def test_a_member_cannot_steer_the_dense_direction_reference() -> None:
         sent = [received(f"p{i}", s.prepare()) for i, s in enumerate(states)]
         if rnd:
             honest = sent[hostile].tensors["w"]
-            ref = states[0]._swarm_direction(sent[hostile].base_version)
+            ref = states[0].directions.before(sent[hostile].base_version)
             assert ref is not None
             s_hat = ref["w"] / ref["w"].norm()
             w = -honest / honest.norm()
@@ -713,13 +714,13 @@ def test_a_member_cannot_steer_the_dense_direction_reference() -> None:
             assert len(honest_applied) == 2 and all(a.note is None for a in honest_applied)
             assert all(a.cosine is not None and a.cosine > 0.1 for a in honest_applied)
     for i in (1, 2):
-        assert states[i].divergence(states[0].anchor) < 1e-7
+        assert states[i].committed.divergence(states[0].anchor) < 1e-7
 
 
 def test_a_tiny_delta_does_not_poison_the_dense_direction_reference() -> None:
     """A member's delta with a norm below 1 / float32's largest (one entry of 1e-40, the rest
     0: finite, passes every check, accepted as small) enters the round's sum of unit vectors
-    (``SyncState._add_pending``) as ``add_(x, alpha=1 / norm)``: alpha 1e40 does not fit a
+    (``RoundDirections.add``) as ``add_(x, alpha=1 / norm)``: alpha 1e40 does not fit a
     float32, and torch raises RuntimeError on the trainer thread: the job fails, at every
     honest peer that merges the frame. The merge must go on, the reference stay finite, and
     the sign-flipped delta of the next round still be refused as opposed."""
@@ -747,7 +748,7 @@ def test_a_tiny_delta_does_not_poison_the_dense_direction_reference() -> None:
                 s.merge([], n_peers=4)
                 continue
             report = s.merge([x for j, x in enumerate(sent) if j != i], n_peers=4)
-            ref = s._swarm_direction(s.version + 1)
+            ref = s.directions.before(s.version + 1)
             if ref is not None:
                 assert all(bool(torch.isfinite(t).all()) for t in ref.values()), "NaN reference"
             if rnd == 2:

@@ -6,7 +6,14 @@ import re
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from atomd.spec import FREQUENT_MOMENTUM, OUTER_MOMENTUM, JobSpec, SyncSpec, lr_at
+from atomd.spec import (
+    FREQUENT_MOMENTUM,
+    OUTER_MOMENTUM,
+    REMOVED_SYNC_OPTIONS,
+    JobSpec,
+    SyncSpec,
+    lr_at,
+)
 
 
 def test_minimal_spec_is_valid() -> None:
@@ -80,11 +87,6 @@ def test_outer_momentum_defaults_by_codec_and_cadence_and_shows_in_the_spec() ->
     assert SyncSpec(every=3).outer_momentum == FREQUENT_MOMENTUM["topk"]
     for every in (1, 10, 50):
         assert SyncSpec(every=every).outer_momentum == OUTER_MOMENTUM["topk"]
-    assert SyncSpec(codec="rice2").outer_momentum == OUTER_MOMENTUM["rice2"]
-    # lowrank: the plain average at every cadence (momentum amplifies its few directions).
-    for every in ("auto", 2, 50):
-        assert SyncSpec(codec="lowrank", every=every).outer_momentum == 0.0
-    assert SyncSpec(codec="lowrank").topk_fraction == 0.04
     for codec in ("fp32", "bf16", "int8"):
         assert SyncSpec(codec=codec).outer_momentum == 0.0
     assert SyncSpec(codec="topk", outer_momentum=0.0).outer_momentum == 0.0  # explicit wins
@@ -124,3 +126,32 @@ def test_every_job_field_has_one_short_sentence_of_help() -> None:
             assert text, f"{model.__name__}.{name} has no description"
             assert len(text) <= 120, f"{model.__name__}.{name}: {len(text)} characters"
             assert not re.search(r"[.!?:]\s+[A-Z]", text), f"{name}: more than one sentence"
+
+
+def test_removed_sync_options_are_accepted_only_at_their_kept_value() -> None:
+    """Specs stored by older daemons and adverts of older peers may carry a removed option:
+    at the value whose behaviour stays it is dropped, any other value is refused by name."""
+    old = {"residual": "replica", "ef_decay": 1.0, "final_tail": 0.0, "value_bits": 4}
+    assert set(old) == set(REMOVED_SYNC_OPTIONS)
+    stored = JobSpec.model_validate({"sync": {**old, "every": 50}})
+    assert stored.sync == JobSpec.model_validate({"sync": {"every": 50}}).sync
+    assert SyncSpec.model_validate({"ef_decay": 1, "final_tail": 0}) == SyncSpec()
+    assert not set(old) & set(SyncSpec().model_dump())
+    refused = {"residual": "feedback", "ef_decay": 0.5, "final_tail": 0.05, "value_bits": 8}
+    for name, value in refused.items():
+        with pytest.raises(ValidationError, match=rf"sync\.{name} was removed"):
+            JobSpec.model_validate({"sync": {name: value}})
+    with pytest.raises(ValidationError, match=r"sync\.value_bits was removed"):
+        SyncSpec.model_validate({"value_bits": True})
+    for codec in ("rice2", "lowrank"):
+        removed = rf"sync\.codec '{codec}' was removed: use 'topk'"
+        with pytest.raises(ValidationError, match=removed):
+            SyncSpec.model_validate({"codec": codec})
+
+
+def test_syncspec_descriptions_are_one_short_sentence() -> None:
+    for name, field in SyncSpec.model_fields.items():
+        text = field.description or ""
+        assert 0 < len(text) <= 120, (name, len(text))
+        body = text.rstrip(".")
+        assert text.endswith(".") and ". " not in body, (name, text)

@@ -20,7 +20,6 @@ from atomd.sync.average import (
     Averages,
     Share,
     Sized,
-    TailMean,
     combine,
     encode_share,
     norm,
@@ -194,26 +193,3 @@ def test_the_received_shares_are_bounded_and_the_newest_of_a_sender_counts() -> 
     assert kept.put(share("a", 4, t))  # a known sender's newer share replaces its older
     assert kept.senders() == {"a", "b"}
     assert [s.sender for s in kept.on(4)] == ["a", "b"] and kept.on(3) == []
-
-
-def test_the_tail_mean_is_the_mean_of_the_last_models() -> None:
-    """The last 5 % of 100 steps: steps 96 to 100 join; the mean is exact, and there is none
-    before two models (nothing to average) or with a share of 0."""
-    tail = TailMean(100, 0.05)
-    assert [s for s in range(1, 101) if tail.due(s)] == [96, 97, 98, 99, 100]
-    assert tail.mean() is None
-    models = [{"w": torch.full((2, 3), float(i)), "b": torch.tensor([i, -i], dtype=torch.float64)}
-              for i in range(5)]  # fmt: skip
-    tail.add(models[0])
-    assert tail.mean() is None and tail.count == 1
-    for m in models[1:]:
-        tail.add(m)
-    mean = tail.mean()
-    assert mean is not None and tail.count == 5
-    torch.testing.assert_close(mean["w"], torch.full((2, 3), 2.0))
-    assert mean["b"].dtype == torch.float32 and mean["b"].tolist() == [2.0, -2.0]
-    assert TailMean(10, 0.01).first == 10  # at least the last step
-    off = TailMean(100, 0.0)
-    assert not any(off.due(s) for s in range(1, 101))
-    with pytest.raises(ValueError, match="share"):
-        TailMean(100, 1.5)

@@ -122,7 +122,7 @@ def attach(ex: DeltaExchange) -> Any:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     plugin.attach(fake_engine(model))
-    plugin._previous_open = lambda: False
+    plugin.schedule.previous_open = lambda: False
     return plugin
 
 
@@ -204,7 +204,7 @@ async def test_a_peer_that_starts_training_later_gets_the_rounds_it_missed(
     plugin = ex.plugin(JOB, JobSpec(sync={"codec": "fp32", "every": 1, "max_staleness": 2}))
     torch.manual_seed(0)
     plugin.attach(fake_engine(torch.nn.Linear(4, 3)))
-    plugin._previous_open = lambda: False  # a round a step: none held for a's deltas
+    plugin.schedule.previous_open = lambda: False  # a round a step: none held for a's deltas
     round_of: dict[bytes, int] = {}
     keep = ex.delivery.kept.keep
 
@@ -338,16 +338,16 @@ async def test_a_peer_that_answers_nothing_holds_up_nobody_once_it_is_dead(
     async with running(ex):
         plugin.after_step(1)  # round 0: p first (stuck), then q after the stagger
         await until(lambda: len(client.log) == 2, "round 0 to both")
-        assert plugin._in_flight is not None  # p's upload holds the round
+        assert plugin.schedule.in_flight is not None  # p's upload holds the round
         peers.peers = [q]  # p is dead
-        await until(lambda: plugin._in_flight is None, "round 0 gone")
+        await until(lambda: plugin.schedule.in_flight is None, "round 0 gone")
         peers.peers = [p, q]  # p refuted: alive again
         plugin.after_step(2)  # round 1: q first, then p once its round 0 is done
         await until(lambda: len(client.log) == 3, "round 1 to q")
         assert loop.time() - client.started["http://p"] < 1.5  # p's round 0 still hangs
         if dead_again:
             peers.peers = [q]
-        await until(lambda: plugin._in_flight is None, "round 1 gone")
+        await until(lambda: plugin.schedule.in_flight is None, "round 1 gone")
 
         async def recorded() -> bool:  # the round's rows go once all its uploads are done
             return sum(r.direction == "sent" for r in await rounds(sessions)) == 4
@@ -669,10 +669,11 @@ async def test_a_peers_final_delta_takes_it_out_of_the_job(sessions: Any) -> Non
         plugin.after_step(2)  # base version 1: its last round
         plugin.after_step(3)  # base version 2: it follows the round, so it is sent it too
         await until(lambda: len(client.posts) >= 3, "three uploads")
-        await until(lambda: plugin._in_flight is None, "the round delivered")
+        await until(lambda: plugin.schedule.in_flight is None, "the round delivered")
         peers.peers = []  # it has ended the job (its advert says so): sent nothing more
         plugin.after_step(4)
-        await until(lambda: plugin._in_flight is None, "the last round delivered")
+        delivered = "the last round delivered"
+        await until(lambda: plugin.schedule.in_flight is None, delivered)
         await asyncio.sleep(0.1)
     assert len(client.posts) == 3, client.posts
 
@@ -691,7 +692,7 @@ async def test_an_average_frame_is_kept_apart_from_the_deltas_and_sent_without_a
     theirs.send = lambda out: frames.append(out.frame)
     waits: list[float] = []
     theirs.send_average = lambda frame, wait_s: (frames.append(frame), waits.append(wait_s))
-    theirs._finishers = lambda: ["a-peer-that-never-answers"]
+    theirs.finishers = lambda: ["a-peer-that-never-answers"]
     theirs.guard = LossGuard(theirs.state, lambda: 0.0)
     theirs.spec = theirs.spec.model_copy(update={"final_wait_s": 0.1})
     monkeypatch.setattr(average, "UPLOAD_S", 0.1)  # the wait for the silent finisher's share

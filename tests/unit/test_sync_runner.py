@@ -17,12 +17,13 @@ import torch
 from atomd.errors import SwarmMovedOnError
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec
-from atomd.sync import cadence, runner
+from atomd.sync import cadence, schedule
 from atomd.sync.cadence import LINK_EVERY, MARGIN, MIN_FRACTION, Cadence
 from atomd.sync.codecs import decode
 from atomd.sync.frame_decoder import FrameDecoder
 from atomd.sync.guard import LossGuard
-from atomd.sync.runner import ALONE_EVERY, RoundOut, SyncPlugin
+from atomd.sync.runner import RoundOut, SyncPlugin
+from atomd.sync.schedule import ALONE_EVERY
 from atomd.sync.state import Contribution, MergeReport
 from tests.conftest import fake_engine
 
@@ -240,7 +241,7 @@ def test_finish_closes_the_last_round_and_waits_for_the_others_last_deltas() -> 
     assert 0.2 <= time.monotonic() - t0 < 5.0  # returned once both deltas were in
     assert [a.sender for a in absorbed[0].applied] == ["other"]
     torch.testing.assert_close(weight.detach(), before - 1.0)  # the round's mean: 0
-    assert me.followed == 0 and "followed" not in me.stats()
+    assert me.ending.followed == 0 and "followed" not in me.stats()
 
 
 def test_a_peer_that_finishes_first_follows_the_others_last_rounds() -> None:
@@ -263,8 +264,8 @@ def test_a_peer_that_finishes_first_follows_the_others_last_rounds() -> None:
     for r, v in ((0, 1.0), (1, 0.5), (2, 0.25)):
         me.inbox.put(Contribution("other", r, r, delta(v)))
     me.finish(3, threading.Event())
-    assert len(sent) == 1 and me.followed == 2 and me.version == 3
-    assert me.stats()["followed"] == 2 and me.final_model is None  # no guard: no probe
+    assert len(sent) == 1 and me.ending.followed == 2 and me.version == 3
+    assert me.stats()["followed"] == 2 and me.ending.final_model is None  # no guard: no probe
     # Round 0: the mean of this peer's 1 and the other's 1; rounds 1, 2: the other's alone.
     torch.testing.assert_close(weight.detach(), start + 1.0 + 0.5 + 0.25)
     assert [a.sender for a in sent[0].merge.applied] == ["other"]  # round 0, at the boundary
@@ -355,7 +356,7 @@ def test_the_job_ends_on_the_model_the_probe_prefers(
             p.add_(torch.randn_like(p))  # progress: top-k sends a quarter, the rest stays
     me.finish(2, threading.Event())
     better = final_prefers or guard_prefers
-    assert me.final_model == better and me.stats()["final_model"] == better
+    assert me.ending.final_model == better and me.stats()["final_model"] == better
     if better == "swarm":
         assert distance_to_start() == 0.0
     else:
@@ -399,15 +400,12 @@ def test_finish_waits_no_longer_than_final_wait_or_a_stop() -> None:
     assert time.monotonic() - t0 < 5.0
 
 
-@pytest.mark.parametrize("residual", ["replica", "feedback"])
-def test_adopt_trains_on_from_the_donors_model_without_its_unsent_progress(
-    residual: str,
-) -> None:
+def test_adopt_trains_on_from_the_donors_model_without_its_unsent_progress() -> None:
     """A joiner takes the donor's checkpoint: its error feedback is dropped, and the replica
     stays the donor's model; what the donor has not sent yet of its progress (top-k at 1% sends
     little) is the donor's to send, not the joiner's: the joiner's next delta leaves it out."""
     donor = plugin([], [])
-    donor.spec = donor.spec.model_copy(update={"codec": "topk", "residual": residual})
+    donor.spec = donor.spec.model_copy(update={"codec": "topk"})
     donor.attach(fake_engine(torch.nn.Linear(64, 64)))
     assert donor.state is not None
     with torch.no_grad():
@@ -415,9 +413,7 @@ def test_adopt_trains_on_from_the_donors_model_without_its_unsent_progress(
     for step in (1, 2, 3):
         donor.after_step(step)
     start, weight = donor.state.start_point()["weight"], donor.state.params["weight"].detach()
-    if residual == "replica":  # the donor's replica holds its unsent progress
-        assert float((weight - start).norm()) > 1.0
-    assert donor.state.feedback.state_tensors() or residual == "replica"
+    assert float((weight - start).norm()) > 1.0  # the donor's replica holds its unsent progress
     model = weight.clone()
     donor.adopt()
     assert donor.state.feedback.state_tensors() == {}
@@ -611,7 +607,7 @@ def test_after_the_last_round_the_peers_end_on_the_average_of_their_models() -> 
     mean = {n: torch.stack([m[n] for m in models]).mean(0) for n in models[0]}
     target[0] = mean  # the probe prefers the exact average
     _finish_all(peers)
-    assert [p.final_model for p in peers] == ["average"] * 3
+    assert [p.ending.final_model for p in peers] == ["average"] * 3
     assert all(p.stats()["average_shares"] == 2 for p in peers)
     finals = [{n: q.detach() for n, q in p.state.params.items()} for p in peers if p.state]
     spread = float((models[0]["weight"] - mean["weight"]).norm())
@@ -620,75 +616,9 @@ def test_after_the_last_round_the_peers_end_on_the_average_of_their_models() -> 
         torch.testing.assert_close(f["weight"], finals[0]["weight"], atol=1e-5, rtol=0)
 
 
-def test_the_peers_share_the_mean_of_their_last_models() -> None:
-    """With ``final_tail`` each peer shares the mean of its last models, not its last one:
-    here each held one model before its last (its last + an offset of its own), so the
-    average candidate is the mean over the peers of (last + offset / 2), and the probe,
-    aimed at exactly that, takes it at every peer."""
-    from atomd.sync.average import TailMean
-
-    spec = SyncSpec(codec="topk", topk_fraction=0.1, every=3, final_wait_s=10.0, outer_momentum=0.0)
-    target: list[dict[str, torch.Tensor]] = [{}]
-    peers = _three_peers_that_finish_together(spec, target)
-    means = []
-    for i, p in enumerate(peers):
-        assert p.state is not None
-        offset = torch.randn(64, 64, generator=torch.Generator().manual_seed(10 + i))
-        before = {n: q.detach().clone() for n, q in p.state.params.items()}
-        before["weight"] += offset
-        p.tail = TailMean(4, 0.5)  # steps 3 and 4: the one before, then the last (in finish)
-        p.tail.add(before)
-        last = {n: q.detach().clone() for n, q in p.state.params.items()}
-        means.append({n: (before[n] + last[n]) / 2 for n in last})
-    mean = {n: torch.stack([m[n] for m in means]).mean(0) for n in means[0]}
-    target[0] = mean
-    _finish_all(peers)
-    assert [p.final_model for p in peers] == ["average"] * 3
-    assert all(p.tail is not None and p.tail.count == 2 for p in peers)
-    spread = float((means[0]["weight"] - mean["weight"]).norm())
-    for p in peers:
-        assert p.state is not None
-        assert float((p.state.params["weight"].detach() - mean["weight"]).norm()) < 0.1 * spread
-
-
-def test_the_last_models_join_the_tail_after_their_steps() -> None:
-    """A plugin given the job's steps keeps the mean of the models after the last
-    ``final_tail`` of them (the job's last step's model joins in ``finish``)."""
-    p = SyncPlugin(
-        job_id="j" * 32,
-        spec=SyncSpec(codec="fp32", every=3, final_tail=0.3),
-        identity=Identity.generate(),
-        counted=lambda base: [],
-        send=lambda out: None,
-        total_steps=10,
-    )
-    p.attach(fake_engine(torch.nn.Linear(4, 3)))
-    assert p.tail is not None and p.state is not None
-    weight = p.state.params["weight"]
-    for step in range(1, 10):
-        with torch.no_grad():
-            weight.fill_(float(step))
-        p.after_step(step)
-    assert p.tail.count == 2  # steps 8 and 9
-    mean = p.tail.mean()
-    assert mean is not None
-    torch.testing.assert_close(mean["weight"], torch.full((3, 4), 8.5))
-    assert (
-        SyncPlugin(
-            job_id="j" * 32,
-            spec=SyncSpec(codec="fp32", final_tail=0.0),
-            identity=Identity.generate(),
-            counted=lambda base: [],
-            send=lambda out: None,
-            total_steps=10,
-        ).tail
-        is None
-    )
-
-
 def test_job_show_says_which_model_a_job_ended_on() -> None:
     """``atomd job show``'s cadence line names the final model (it called the average "its
-    own replica" until 2026-12-04)."""
+    own replica")."""
     from atomd.cli.render import cadence as _cadence
 
     base = {"every": 2, "auto": 1, "period_s": 1.5, "rounds": 250, "busy_s": 120.0, "wait_s": 1}
@@ -714,7 +644,7 @@ def test_a_share_is_waited_for_after_membership_loses_its_sender() -> None:
     assert late is not None
     slow.send_average = lambda frame, wait_s: threading.Timer(0.5, late, (frame, wait_s)).start()
     for j, p in enumerate(peers[1:], start=1):
-        everyone, mine = p._finishers, p.send_average
+        everyone, mine = p.finishers, p.send_average
         assert mine is not None
 
         def send(frame: bytes, wait_s: float, j: int = j, mine: Any = mine) -> None:
@@ -724,9 +654,9 @@ def test_a_share_is_waited_for_after_membership_loses_its_sender() -> None:
         def finishers(j: int = j, everyone: Any = everyone) -> list[str]:  # the slow one: "dead"
             return [f for f in everyone() if not sent[j] or f != slow.identity.peer_id]
 
-        p.send_average, p._finishers = send, finishers
+        p.send_average, p.finishers = send, finishers
     _finish_all(peers)
-    assert [p.average_used for p in peers] == [2, 2, 2]
+    assert [p.ending.average_used for p in peers] == [2, 2, 2]
 
 
 def test_the_average_is_not_the_final_model_where_the_probe_prefers_another() -> None:
@@ -741,7 +671,7 @@ def test_the_average_is_not_the_final_model_where_the_probe_prefers_another() ->
     )
     target[0] = mine
     _finish_all(peers)
-    assert peers[0].final_model == "own" and peers[1].final_model != "own"
+    assert peers[0].ending.final_model == "own" and peers[1].ending.final_model != "own"
     assert peers[0].state is not None and peers[1].state is not None
     gap = peers[0].state.params["weight"].detach() - peers[1].state.params["weight"].detach()
     assert float(gap.norm()) > 1.0  # it kept its replica: not the model the others ended on
@@ -752,7 +682,7 @@ def test_the_average_is_not_the_final_model_where_the_probe_prefers_another() ->
     for p in peers:
         p.send_average = lambda frame, wait_s: sent.append(frame)
     _finish_all(peers)
-    assert sent == [] and all(p.final_model in ("swarm", "own") for p in peers)
+    assert sent == [] and all(p.ending.final_model in ("swarm", "own") for p in peers)
     assert all("average_shares" not in p.stats() for p in peers)
 
 
@@ -787,7 +717,7 @@ def auto_plugin(
     torch.manual_seed(0)
     p.attach(fake_engine(torch.nn.Linear(4, 3)))
     if in_phase:
-        p._previous_open = lambda: False  # type: ignore[method-assign]
+        p.schedule.previous_open = lambda: False  # type: ignore[method-assign]
     return p
 
 
@@ -884,8 +814,8 @@ def test_a_frame_the_loop_never_sent_holds_the_next_round_back_only_so_long(
     me.after_step(1)
     me.after_step(2)
     assert len(sent) == 1
-    later = time.monotonic() + runner.MAX_IN_FLIGHT_S + 1
-    monkeypatch.setattr(runner.time, "monotonic", lambda: later)
+    later = time.monotonic() + schedule.MAX_IN_FLIGHT_S + 1
+    monkeypatch.setattr(schedule.time, "monotonic", lambda: later)
     me.after_step(3)
     assert len(sent) == 2
 
@@ -931,10 +861,10 @@ def test_alone_the_automatic_cadence_closes_rounds_rarely() -> None:
     sent: list[RoundOut] = []
     me = auto_plugin(sent, others=())
     me.cadence = SetCadence(1)
-    for step in range(1, runner.ALONE_EVERY + 1):
+    for step in range(1, schedule.ALONE_EVERY + 1):
         me.after_step(step)
         me.delivered(len(sent) - 1, -1.0)
-    assert [o.step for o in sent] == [runner.ALONE_EVERY]
+    assert [o.step for o in sent] == [schedule.ALONE_EVERY]
 
 
 @pytest.mark.parametrize("codec", ["fp32", "topk"])
@@ -1072,7 +1002,7 @@ def test_a_peer_ahead_holds_its_round_until_the_previous_one_is_in(fixed: bool) 
     me.delivered(0, 0.1)
     for step in (3, 4, 5):  # round 1 is due at 4: held, round 0 misses the other's delta
         _train(me, step)
-    assert [o.step for o in sent] == [2] and me.held_steps == 2
+    assert [o.step for o in sent] == [2] and me.schedule.held_steps == 2
     me.inbox.put(_other_delta(me, 0))
     _train(me, 6)  # it is in: the round closes, merging it (a round late it would weigh less)
     assert [o.step for o in sent] == [2, 6] and me.stats()["held_steps"] == 2
@@ -1081,7 +1011,7 @@ def test_a_peer_ahead_holds_its_round_until_the_previous_one_is_in(fixed: bool) 
     for step in range(7, 15):  # the other sends nothing more: each round held 2 steps at most
         _train(me, step)
         me.delivered(len(sent) - 1, 0.1)
-    assert [o.step for o in sent] == [2, 6, 10, 14] and me.held_steps == 6
+    assert [o.step for o in sent] == [2, 6, 10, 14] and me.schedule.held_steps == 6
 
 
 @pytest.mark.parametrize("gone", [False, True], ids=["training", "gone"])
@@ -1110,9 +1040,18 @@ def test_a_peer_far_ahead_of_the_others_holds_its_rounds(gone: bool) -> None:
         _train(me, step)
     assert me.state is not None and me.state.rounds_ahead({"p1", "p2"}) >= 2
     if gone:
-        assert [o.step for o in sent] == [2, 4, 6, 8, 10, 12, 14, 16] and me.held_steps == 0
+        assert [o.step for o in sent] == [
+            2,
+            4,
+            6,
+            8,
+            10,
+            12,
+            14,
+            16,
+        ] and me.schedule.held_steps == 0
     else:
-        assert [o.step for o in sent] == [2, 4, 6, 8, 12, 16] and me.held_steps == 4
+        assert [o.step for o in sent] == [2, 4, 6, 8, 12, 16] and me.schedule.held_steps == 4
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["auto", "fixed"])
@@ -1128,7 +1067,7 @@ def test_a_peer_alone_holds_no_round(fixed: bool) -> None:
         if sent:
             me.delivered(sent[-1].outgoing.round, 0.01)
     every = 2 if fixed else ALONE_EVERY
-    assert [o.step for o in sent] == list(range(every, 151, every)) and me.held_steps == 0
+    assert [o.step for o in sent] == list(range(every, 151, every)) and me.schedule.held_steps == 0
 
 
 def test_deltas_wait_for_a_boundary_that_is_near() -> None:
@@ -1218,7 +1157,7 @@ def test_a_slow_link_makes_the_automatic_cadence_send_fewer_entries() -> None:
     )
     torch.manual_seed(0)
     me.attach(fake_engine(torch.nn.Linear(256, 128)))  # 8 chunks of 4096: k = 41 at 1%
-    me._previous_open = lambda: False  # type: ignore[method-assign]
+    me.schedule.previous_open = lambda: False  # type: ignore[method-assign]
     me.cadence = cadence = SlowLinkCadence()
     assert me.state is not None
     step = 0
@@ -1312,7 +1251,7 @@ def test_each_round_tells_the_engine_how_many_peers_average_its_steps(swarm_adam
     )
     engine = fake_engine(torch.nn.Linear(4, 3))
     p.attach(engine)
-    p._previous_open = lambda: False  # type: ignore[method-assign]  # no round held here
+    p.schedule.previous_open = lambda: False  # type: ignore[method-assign]  # no round held here
     for step, peers in ((1, 2), (2, 1), (3, 4)):
         count[0] = peers
         p.after_step(step)
@@ -1320,7 +1259,7 @@ def test_each_round_tells_the_engine_how_many_peers_average_its_steps(swarm_adam
 
 
 # A review of the hold (2026-12-06) found rounds waiting for counts of deltas, not for peers.
-# Each test below failed before the hold counted identities (``SyncPlugin._missing``).
+# Each test below failed before the hold counted identities (``SyncPlugin.missing``).
 
 
 def test_a_refused_delta_of_a_peer_not_counted_fills_no_counted_peers_place() -> None:
@@ -1344,7 +1283,7 @@ def test_a_refused_delta_of_a_peer_not_counted_fills_no_counted_peers_place() ->
     assert [o.step for o in sent] == [2, 4, 6, 8] and me.state.senders_in(3) >= {"far"}
     for step in (9, 10):
         _train(me, step)
-    assert [o.step for o in sent] == [2, 4, 6, 8] and me.held_steps == 1  # held for slow
+    assert [o.step for o in sent] == [2, 4, 6, 8] and me.schedule.held_steps == 1  # held for slow
 
 
 def test_a_delta_sent_twice_fills_no_other_peers_place() -> None:
@@ -1360,7 +1299,7 @@ def test_a_delta_sent_twice_fills_no_other_peers_place() -> None:
     _train(me, 3)  # merged
     me.inbox.put(Contribution("p1", 1000, 0, d.tensors))
     _train(me, 4)  # round 1 due; p2's delta of round 0 missing
-    assert [o.step for o in sent] == [2] and me.held_steps == 1
+    assert [o.step for o in sent] == [2] and me.schedule.held_steps == 1
 
 
 def test_a_peer_quarantined_after_its_delta_merged_fills_no_other_peers_place() -> None:
@@ -1375,7 +1314,7 @@ def test_a_peer_quarantined_after_its_delta_merged_fills_no_other_peers_place() 
     _train(me, 3)
     counted.discard("p1")
     _train(me, 4)
-    assert [o.step for o in sent] == [2] and me.held_steps == 1
+    assert [o.step for o in sent] == [2] and me.schedule.held_steps == 1
 
 
 def test_with_max_staleness_0_no_round_waits_for_a_delta_refused_as_stale() -> None:
@@ -1389,7 +1328,7 @@ def test_with_max_staleness_0_no_round_waits_for_a_delta_refused_as_stale() -> N
     _train(me, 3)
     assert me.state is not None and me.state.last_merge.refused[0].reason.startswith("stale")
     _train(me, 4)
-    assert [o.step for o in sent] == [2, 4] and me.held_steps == 0
+    assert [o.step for o in sent] == [2, 4] and me.schedule.held_steps == 0
 
 
 def test_a_quarantined_senders_held_delta_is_not_merged() -> None:

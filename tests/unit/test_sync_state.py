@@ -12,7 +12,8 @@ from torch import Tensor
 from atomd.spec import SyncSpec
 from atomd.sync.codecs import decode, kept
 from atomd.sync.outer import NesterovOuter, staleness_weight
-from atomd.sync.state import CLAIM_FRESH_ROUNDS, Contribution, Outgoing, SyncState
+from atomd.sync.pace import CLAIM_FRESH_ROUNDS
+from atomd.sync.state import Contribution, Outgoing, SyncState
 
 SHAPES = {"w": (8, 6), "b": (6,), "e": (300,)}
 
@@ -80,7 +81,7 @@ def test_anchor_becomes_the_mean_of_the_replicas() -> None:
             torch.testing.assert_close(s.anchor[k], mean[k], rtol=0, atol=1e-6)
             assert torch.equal(r[k], s.anchor[k])  # the replica is reset to the anchor
     for s in states[1:]:
-        assert s.divergence(states[0].anchor) < 1e-7
+        assert s.committed.divergence(states[0].anchor) < 1e-7
 
 
 def test_replica_reset_in_place_keeps_dtype() -> None:
@@ -135,7 +136,7 @@ def test_late_delta_counts_a_round_later(momentum: float) -> None:
     a.round_boundary([c0], n_peers=3)
     b.round_boundary([], n_peers=3)
     # Round 0 is not complete anywhere: the anchors wait, A's start point already holds c0.
-    assert a.divergence(b.anchor) == 0.0
+    assert a.committed.divergence(b.anchor) == 0.0
     assert rel(a.start_point(), b.start_point()) > 1e-3
     torch.testing.assert_close(replicas[0]["w"], a.start_point()["w"])
     a.round_boundary([c1], n_peers=3)
@@ -143,7 +144,7 @@ def test_late_delta_counts_a_round_later(momentum: float) -> None:
     assert sorted(d.staleness for d in b.last_merge.applied) == [0, 1]
     assert all(d.weight == 1.0 for d in b.last_merge.applied)
     # Both committed round 0 (with c0) at their round 1: equal anchors, and equal start points.
-    assert a.divergence(b.anchor) < 1e-7
+    assert a.committed.divergence(b.anchor) < 1e-7
     assert rel(a.start_point(), b.start_point()) < 1e-7
 
 
@@ -249,8 +250,8 @@ def test_anchors_agree_whoever_each_peer_counts(codec: str) -> None:
     full_round(3)
     full_round(4)
     assert a.version == b.version == c.version == 5
-    assert b.divergence(a.anchor) < 1e-6, b.divergence(a.anchor)
-    assert b.divergence(c.anchor) < 1e-6, b.divergence(c.anchor)
+    assert b.committed.divergence(a.anchor) < 1e-6, b.committed.divergence(a.anchor)
+    assert b.committed.divergence(c.anchor) < 1e-6, b.committed.divergence(c.anchor)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -279,7 +280,7 @@ def test_absorb_between_boundaries_keeps_what_the_replica_trained(momentum: floa
     assert rel(moved, {k: torch.zeros_like(v) for k, v in moved.items()}) > 0
     states[0].round_boundary([], n_peers=3)
     twins[0].round_boundary([received("p1", outs[1])], n_peers=3)
-    assert states[0].divergence(twins[0].anchor) < 1e-6
+    assert states[0].committed.divergence(twins[0].anchor) < 1e-6
     assert rel(states[0].start_point(), twins[0].start_point()) < 1e-6
 
 
@@ -374,35 +375,12 @@ def test_stale_duplicate_and_non_finite_deltas_are_refused() -> None:
     assert rel(me.anchor, before) < 1e-7
 
 
-def test_error_feedback_residual_is_carried() -> None:
-    s = spec(codec="topk", topk_fraction=0.05, ef_decay=1.0, residual="feedback")
-    replica = params()
-    state = SyncState(replica, s)
-    start = {k: v.clone() for k, v in replica.items()}
-    train(replica, seed=0)
-    moved = {k: replica[k] - start[k] for k in SHAPES}
-    # Two peers (the other has not sent yet): alone, a peer would commit its whole delta.
-    sent1 = {n: decode(e) for n, e in state.round_boundary([], n_peers=2).tensors}
-    ef = {k[3:]: v for k, v in state.state_tensors().items() if k.startswith("ef.")}
-    assert set(ef) == set(SHAPES)
-    for k in SHAPES:
-        # What was not sent stays in the residual.
-        torch.testing.assert_close(ef[k], moved[k] - sent1[k], rtol=0, atol=1e-6)
-        assert float(ef[k].abs().sum()) > 0
-    # The replica restarts from the start point; with no new progress the next round sends
-    # (part of) the residual.
-    assert all(torch.equal(replica[k], state.start_point()[k]) for k in SHAPES)
-    sent2 = {n: decode(e) for n, e in state.round_boundary([], n_peers=2).tensors}
-    assert any(float(sent2[k].abs().sum()) > 0 for k in SHAPES)
-
-
-@pytest.mark.parametrize("residual", ["feedback", "replica"])
-def test_alone_a_peer_commits_its_whole_delta(residual: str) -> None:
+def test_alone_a_peer_commits_its_whole_delta() -> None:
     """Nobody to average with: the anchor (what a joiner starts from) becomes the model, the
     residual top-k held back included, without an outer step's momentum; the frame is still
     top-k's. A peer joining later starts where this one is, not from the anchor top-k has
     moved by 5 % a round."""
-    s = spec(codec="topk", topk_fraction=0.05, residual=residual, outer_momentum=0.7)
+    s = spec(codec="topk", topk_fraction=0.05, outer_momentum=0.7)
     replica = params()
     state = SyncState(replica, s)
     start = {k: v.clone() for k, v in replica.items()}
@@ -433,11 +411,10 @@ def test_alone_with_a_stragglers_delta_the_round_is_averaged() -> None:
         torch.testing.assert_close(states[0].anchor[k], want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("decay", [1.0, 0.5])
-def test_residual_kept_in_the_replica(decay: float) -> None:
-    """Error reset: the replica restarts from the anchor plus its share (``ef_decay``) of what
-    was not sent; the rest waits in the error feedback for the next delta. Nothing is lost."""
-    s = spec(codec="topk", topk_fraction=0.05, ef_decay=decay, residual="replica")
+def test_residual_kept_in_the_replica() -> None:
+    """Error reset: the replica restarts from the anchor plus what was not sent; the error
+    feedback holds nothing, and the next delta carries it. Nothing is lost."""
+    s = spec(codec="topk", topk_fraction=0.05)
     replica = params()
     state = SyncState(replica, s)
     start = {k: v.clone() for k, v in replica.items()}
@@ -447,11 +424,9 @@ def test_residual_kept_in_the_replica(decay: float) -> None:
     ef = state.feedback.state_tensors()
     at = state.start_point()  # the anchor once the round commits (the other's delta = ours)
     for k in SHAPES:
-        torch.testing.assert_close(ef[k], (1 - decay) * (moved[k] - sent[k]), rtol=0, atol=1e-6)
+        torch.testing.assert_close(ef[k], torch.zeros_like(ef[k]), rtol=0, atol=1e-6)
         torch.testing.assert_close(at[k], start[k] + sent[k], rtol=0, atol=1e-6)
-        torch.testing.assert_close(
-            replica[k] - at[k], decay * (moved[k] - sent[k]), rtol=0, atol=1e-6
-        )
+        torch.testing.assert_close(replica[k] - at[k], moved[k] - sent[k], rtol=0, atol=1e-6)
     # The next delta carries the residual: with no new progress it is exactly the residual.
     out = state.prepare()
     assert {n: decode(e).abs().sum() > 0 for n, e in out.tensors} == {k: True for k in SHAPES}
@@ -503,9 +478,9 @@ def test_a_state_carries_the_deltas_it_merged() -> None:
     assert not report.applied and "duplicate" in report.refused[0].reason
     bad = torch.tensor(list(b"p2\tzero\n\tp3\nnot a line\np4\t0\n\xff\xfe\t1\n"), dtype=torch.uint8)
     joiner.load_state_tensors({**saved, "sync.seen": bad})
-    assert joiner._seen == {("p4", 0), ("\ufffd\ufffd", 1)}
+    assert joiner.intake.seen == {("p4", 0), ("\ufffd\ufffd", 1)}
     joiner.load_state_tensors({**saved, "sync.seen": torch.zeros(3)})  # not bytes: nothing
-    assert joiner._seen == set()
+    assert joiner.intake.seen == set()
 
 
 def test_the_switch_to_the_plain_average_survives_a_restart() -> None:
@@ -520,9 +495,12 @@ def test_the_switch_to_the_plain_average_survives_a_restart() -> None:
         st.average_from_now()
     saved = states[0].state_tensors()
     fresh = SyncState(params(seed=5), s, peer_id="p0")
-    assert fresh.outer.momentum == 0.5
+    assert fresh.committed.outer.momentum == 0.5
     fresh.load_state_tensors(saved)
-    assert fresh.averaging and (fresh.outer.lr, fresh.outer.momentum) == (1.0, 0.0)
+    assert fresh.averaging and (fresh.committed.outer.lr, fresh.committed.outer.momentum) == (
+        1.0,
+        0.0,
+    )
 
 
 def test_nesterov_step_matches_the_formula() -> None:
@@ -640,24 +618,6 @@ def test_a_peer_far_ahead_knows_it_from_the_stale_deltas_it_refuses() -> None:
     assert me.rounds_ahead(everyone) == 0  # only p3's claim is fresh: in step
 
 
-def test_lowrank_rounds_keep_the_anchors_equal_and_size_their_frames() -> None:
-    """A job of ``lowrank``: every tensor of a frame in that codec (flat ones in top-k's
-    layout under its name), the payload estimate the cadence sizes frames with is exact for the
-    matrices, and peers merging each other's factors keep equal anchors."""
-    s = spec(codec="lowrank", topk_fraction=0.5, zstd=False)
-    replicas, states = swarm(3, s)
-    estimate = states[0].payload_estimate(0.5)
-    for rnd in range(3):
-        for i, r in enumerate(replicas):
-            train(r, seed=100 * rnd + i)
-        outs = [st.prepare() for st in states]
-        assert all(enc.codec == "lowrank" for o in outs for _, enc in o.tensors)
-        assert all(o.payload_bytes == estimate for o in outs)
-        for i, st in enumerate(states):
-            st.merge([received(f"p{j}", o) for j, o in enumerate(outs) if j != i], n_peers=3)
-    assert max(rel(states[0].anchor, st.anchor) for st in states[1:]) < 1e-6
-
-
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_a_finished_peer_follows_the_last_rounds_of_the_others(momentum: float) -> None:
     """Peer A sends its last delta at round 1; B and C train two rounds more, averaged over
@@ -719,8 +679,8 @@ def test_a_follower_divides_a_round_by_the_peers_that_trained_it() -> None:
         if rnd == 2:
             a.absorb([received("p2", oc)])  # round 1's last delta, after A committed round 1
     assert a.version == b.version == c.version == 4
-    assert b.divergence(c.anchor) < 1e-6
-    assert a.divergence(b.anchor) < 1e-6
+    assert b.committed.divergence(c.anchor) < 1e-6
+    assert a.committed.divergence(b.anchor) < 1e-6
     assert rel(a.start_point(), b.start_point()) < 1e-6
 
 
@@ -785,7 +745,7 @@ def test_a_state_carries_its_recent_rounds_committed_sums(codec: str) -> None:
         bad["committed.1.e"] = torch.full((300,), float("nan"))
     broken = swarm(1, s)[1][0]
     broken.load_state_tensors(bad)
-    assert broken._committed == {}
+    assert broken.rounds.committed == {}
 
 
 def test_a_follow_round_bounds_what_it_merges() -> None:
@@ -853,7 +813,7 @@ def test_the_donors_reference_holds_until_the_takers_own_deltas_reach_it() -> No
     ended 3.5 % from theirs. Each statistic of the floor now holds until an own delta reaches
     it (at most INHERIT_ROUNDS rounds): here ``b`` is reached at once and dropped, ``w`` and
     ``e`` are not and still admit an honest-size delta rounds after the old lapse."""
-    from atomd.sync.state import INHERIT_ROUNDS
+    from atomd.sync.intake import INHERIT_ROUNDS
 
     s = spec(codec="topk", topk_fraction=0.1)
     replicas, states = swarm(2, s)
@@ -866,13 +826,14 @@ def test_the_donors_reference_holds_until_the_takers_own_deltas_reach_it() -> No
                       peer_id="p9")  # fmt: skip
     taker.load_state_tensors(states[0].state_tensors())
     taker.adopt()
-    assert taker._inherited is not None and s.max_staleness + 1 < INHERIT_ROUNDS
+    assert taker.intake._inherited is not None and s.max_staleness + 1 < INHERIT_ROUNDS
     for rnd in range(s.max_staleness + 3):
         train(taker.params, seed=rnd)  # small own deltas ...
         taker.params["b"].add_(100.0)  # ... but in b, larger than the donor's
         taker.round_boundary([], n_peers=2)
-    assert taker._inherited is not None and s.max_staleness + 1 < INHERIT_ROUNDS
-    assert taker._inherited.tensor_norms["b"] == 0.0 and taker._inherited.tensor_norms["w"] > 0
+    assert taker.intake._inherited is not None and s.max_staleness + 1 < INHERIT_ROUNDS
+    inherited = taker.intake._inherited
+    assert inherited.tensor_norms["b"] == 0.0 and inherited.tensor_norms["w"] > 0
     big = {n: torch.full(sh, 4.0) for n, sh in SHAPES.items()}
     report = taker.absorb([Contribution("p0", 9, taker.version - 1, big)])
     assert [a.note for a in report.applied] == [None], (report.applied, report.refused)
@@ -897,12 +858,11 @@ def rel_norm(t: dict[str, Tensor]) -> float:
     return math.sqrt(sum(float(x.double().square().sum()) for x in t.values()))
 
 
-@pytest.mark.parametrize("residual", ["replica", "feedback"])
-def test_own_progress_is_what_this_peer_trained_and_has_not_sent(residual: str) -> None:
+def test_own_progress_is_what_this_peer_trained_and_has_not_sent() -> None:
     """The direction reference of the robust rule: the own steps since the boundary plus the
-    part of the own delta top-k did not send (kept in the replica or in the error feedback),
+    part of the own delta top-k did not send (kept in the replica),
     and nothing of the others' deltas, which move the replica and the start point alike."""
-    s = spec(codec="topk", topk_fraction=0.1, residual=residual, outer_momentum=0.5)
+    s = spec(codec="topk", topk_fraction=0.1, outer_momentum=0.5)
     replicas, states = swarm(2, s)
     train(replicas[0], seed=1)
     train(replicas[1], seed=2)
@@ -923,13 +883,12 @@ def test_own_progress_is_what_this_peer_trained_and_has_not_sent(residual: str) 
         torch.testing.assert_close(states[0].own_progress()[k], expected[k], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("residual", ["replica", "feedback"])
-def test_the_model_beyond_the_anchor_averages_to_the_mean_model(residual: str) -> None:
+def test_the_model_beyond_the_anchor_averages_to_the_mean_model() -> None:
     """The final average's share (``atomd.sync.average``): the replica minus the anchor, plus
     the error feedback's residual. Where the anchors agree (every delta merged alike), the
     anchor plus the mean of the shares is the mean of the peers' models, whatever top-k has
     sent of them and however the outer step amplified it."""
-    s = spec(codec="topk", topk_fraction=0.1, residual=residual, outer_momentum=0.7)
+    s = spec(codec="topk", topk_fraction=0.1, outer_momentum=0.7)
     replicas, states = swarm(2, s)
     for r in range(2):
         train(replicas[0], seed=10 * r + 1)
@@ -972,7 +931,7 @@ def test_the_settled_anchor_agrees_whenever_each_peer_committed(codec: str) -> N
     for i in range(3):
         states[i].absorb(inbox[i])
     assert states[0].deltas_in(3) == 2 and states[1].deltas_in(3) == 3
-    assert states[0].divergence(states[2].anchor) > 1e-3  # the momentum's timing
+    assert states[0].committed.divergence(states[2].anchor) > 1e-3  # the momentum's timing
     settled = [st.settled() for st in states]
     assert rel(settled[0], settled[1]) > 1e-3  # p0 still misses one
     states[0].absorb([last])
@@ -1003,8 +962,8 @@ def test_a_delta_two_rounds_late_at_one_peer_leaves_the_anchors_in_agreement() -
     assert [(a.sender, a.staleness, a.weight) for a in report.applied] == [("p1", 2, 1.0)]
     for i in range(3):  # round 2 commits the rest everywhere
         states[i].round_boundary(inbox[i], n_peers=3)
-    assert states[0].divergence(states[2].anchor) < 1e-6
-    assert states[0].divergence(states[1].anchor) < 1e-6
+    assert states[0].committed.divergence(states[2].anchor) < 1e-6
+    assert states[0].committed.divergence(states[1].anchor) < 1e-6
 
 
 def test_one_stale_member_does_not_hold_a_swarm_of_three() -> None:
@@ -1032,7 +991,7 @@ def test_topk_ranks_by_the_second_moment_it_is_given(rank: str, every: Any) -> N
     'magnitude' keeps the largest |delta|, as do tensors of fewer (here "b": 1 entry, "w":
     5). Either way the anchors of two peers agree: the robust rule clips no honest frame
     (ranked by moment, "b"'s one entry differed between the peers beyond its tensor bound)."""
-    from atomd.sync.state import RANK_EPS, RANK_POWER
+    from atomd.sync.encoder import RANK_EPS, RANK_POWER
 
     s = spec(codec="topk", topk_fraction=0.1, topk_rank=rank, every=every)
     replicas, states = swarm(2, s)
@@ -1046,7 +1005,7 @@ def test_topk_ranks_by_the_second_moment_it_is_given(rank: str, every: Any) -> N
         return moments
 
     for st in states:
-        st.rank_by(second_moments)
+        st.encoder.rank_by(second_moments)
     train(replicas[0], 0)
     train(replicas[1], 1)
     out = states[0].prepare()
@@ -1116,17 +1075,17 @@ def _given_way(o: Tensor, x: Tensor) -> Tensor:
     return torch.where(same, o - o.sign() * torch.minimum(o.abs(), x.abs()), o)
 
 
-@pytest.mark.parametrize("codec", ["topk", "fp32", "lowrank"])
+@pytest.mark.parametrize("codec", ["topk", "fp32"])
 def test_the_inherited_progress_gives_way_as_the_donor_sends_it(codec: str) -> None:
     """The donor's delta merged at the joiner shrinks the joiner's offset by as much as it
     sent, entry by entry, towards zero and never past it (the donor's own replica gives way
-    by what it sends), whatever the codec: top-k's entries, every entry, a low-rank delta; the
+    by what it sends), whatever the codec: top-k's entries or every entry; the
     replica moves with it, and the anchors of all three peers stay equal."""
     kw: dict[str, Any] = {"topk_fraction": 0.1} if codec == "topk" else {}
     s = spec(codec=codec, zstd=False, **kw)
     replicas, states = _joined(s)
-    offset = {n: o.clone() for n, o in states[2]._offset.items()}
-    assert states[2]._offset_from == {"p0"} and all(o.any() for o in offset.values())
+    offset = {n: o.clone() for n, o in states[2].offset.tensors.items()}
+    assert states[2].offset.sources == {"p0"} and all(o.any() for o in offset.values())
     outs = [st.prepare() for st in states]
     from_p0 = received("p0", outs[0]).tensors
     before = {k: v.clone() for k, v in replicas[2].items()}
@@ -1138,11 +1097,11 @@ def test_the_inherited_progress_gives_way_as_the_donor_sends_it(codec: str) -> N
     for n, o in offset.items():
         want = _given_way(o, from_p0[n].reshape(o.shape))
         assert float(want.norm()) < float(o.norm())
-        torch.testing.assert_close(states[2]._offset[n], want)
+        torch.testing.assert_close(states[2].offset.tensors[n], want)
     # The replica: the new start point plus the offset left, nothing trained since the join.
     start = states[2].start_point()
     for k in SHAPES:
-        torch.testing.assert_close(replicas[2][k], start[k] + states[2]._offset[k])
+        torch.testing.assert_close(replicas[2][k], start[k] + states[2].offset.tensors[k])
         assert not torch.equal(replicas[2][k], before[k])
 
 
@@ -1158,14 +1117,14 @@ def test_a_retracted_delta_of_the_donors_gives_its_share_of_the_offset_back() ->
     train(replicas[2], seed=9)
     joiner.prepare()
     joiner.merge([], n_peers=3)  # closes the round the donor's delta belongs to
-    offset = {n: o.clone() for n, o in joiner._offset.items()}
+    offset = {n: o.clone() for n, o in joiner.offset.tensors.items()}
     replica = {k: v.clone() for k, v in replicas[2].items()}
     report = joiner.absorb([received("p0", outs[0])])
     assert [t.contribution.sender for t in report.taken] == ["p0"] and report.taken[0].drained
-    assert any(not torch.equal(joiner._offset[n], o) for n, o in offset.items())
+    assert any(not torch.equal(joiner.offset.tensors[n], o) for n, o in offset.items())
     joiner.retract(report.taken)
     for n, o in offset.items():
-        torch.testing.assert_close(joiner._offset[n], o)
+        torch.testing.assert_close(joiner.offset.tensors[n], o)
         torch.testing.assert_close(replicas[2][n], replica[n])
 
 
@@ -1178,18 +1137,18 @@ def test_a_donors_own_inherited_sources_drain_the_takers_offset_too() -> None:
     taker = SyncState({k: v.clone() for k, v in replicas[2].items()}, s, peer_id="p3")
     taker.load_state_tensors(states[2].state_tensors())
     taker.adopt()
-    assert taker._offset_from == {"p0", "p2"}
+    assert taker.offset.sources == {"p0", "p2"}
     taker.load_state_tensors(states[2].state_tensors())
     taker.adopt("p7")  # as the transfer verified it
-    assert taker._offset_from == {"p0", "p7"}
+    assert taker.offset.sources == {"p0", "p7"}
     many = "\n".join(f"q{i}" for i in range(40)) + "\np3"
     saved = states[2].state_tensors()
     taker.load_state_tensors(
         {**saved, "sync.inherited_from": torch.tensor(list(many.encode()), dtype=torch.uint8)}
     )
     taker.adopt()
-    assert len(taker._offset_from) <= 16 and "p2" in taker._offset_from
-    assert "p3" not in taker._offset_from
+    assert len(taker.offset.sources) <= 16 and "p2" in taker.offset.sources
+    assert "p3" not in taker.offset.sources
 
 
 def test_the_joiner_sends_the_inherited_progress_once_the_donor_has_left() -> None:
@@ -1199,21 +1158,21 @@ def test_the_joiner_sends_the_inherited_progress_once_the_donor_has_left() -> No
     a state during consolidation holds none apart."""
     s = spec(codec="fp32", max_staleness=1)
     joiner = _joined(s)[1][2]
-    assert joiner._offset
+    assert joiner.offset.tensors
     for _ in range(s.max_staleness):
         joiner.round_boundary([], n_peers=2, whole=False)
-        assert joiner._offset
+        assert joiner.offset.tensors
     joiner.round_boundary([], n_peers=2, whole=False)
-    assert not joiner._offset and joiner._offset_from == set()
+    assert not joiner.offset.tensors and joiner.offset.sources == set()
     for fold in ("alone", "consolidation"):
         _, states = _joined(s)
-        inherited = {n: o.clone() for n, o in states[2]._offset.items()}
+        inherited = {n: o.clone() for n, o in states[2].offset.tensors.items()}
         if fold == "alone":
             out = states[2].prepare(whole=True)
         else:
             states[2].average_from_now()
             out = states[2].prepare()
-        assert not states[2]._offset
+        assert not states[2].offset.tensors
         for n, e in out.tensors:  # nothing trained since the join: the delta is the offset
             torch.testing.assert_close(decode(e).reshape(inherited[n].shape), inherited[n])
     replicas, states = _joined(s)
@@ -1221,7 +1180,7 @@ def test_the_joiner_sends_the_inherited_progress_once_the_donor_has_left() -> No
     late = SyncState({k: v.clone() for k, v in replicas[0].items()}, s, peer_id="p4")
     late.load_state_tensors(states[0].state_tensors())
     late.adopt()
-    assert late.averaging and not late._offset
+    assert late.averaging and not late.offset.tensors
 
 
 def test_the_inherited_progress_survives_a_restart_and_bad_bytes_name_nobody() -> None:
@@ -1231,9 +1190,9 @@ def test_the_inherited_progress_survives_a_restart_and_bad_bytes_name_nobody() -
     assert bytes(saved["sync.served_by"].tolist()) == b"p2"
     again = SyncState({k: v.clone() for k, v in replicas[2].items()}, s, peer_id="p2")
     again.load_state_tensors(saved)
-    assert again._offset_from == {"p0"} and again._offset_heard == states[2]._offset_heard
-    for n, o in states[2]._offset.items():
-        assert torch.equal(again._offset[n], o)
+    assert again.offset.sources == {"p0"} and again.offset.heard == states[2].offset.heard
+    for n, o in states[2].offset.tensors.items():
+        assert torch.equal(again.offset.tensors[n], o)
     for bad in (
         torch.zeros(3),
         torch.tensor([0xFF, 0xFE], dtype=torch.uint8),
@@ -1242,9 +1201,9 @@ def test_the_inherited_progress_survives_a_restart_and_bad_bytes_name_nobody() -
         torch.zeros((2, 2), dtype=torch.uint8) + 97,
     ):
         again.load_state_tensors({**saved, "sync.served_by": bad})
-        assert again._served_by is None
+        assert again.offset.served_by is None
         if bad.numel() != 65:
             again.load_state_tensors({**saved, "sync.inherited_from": bad})
-            assert again._offset_from == set()
+            assert again.offset.sources == set()
     with pytest.raises(ValueError, match="offset w"):
         again.load_state_tensors({**saved, "inherited.w": torch.zeros(5)})

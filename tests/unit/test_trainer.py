@@ -366,4 +366,4 @@ def test_a_taken_state_is_adopted_as_from_the_donor_the_transfer_named(
         trainer_for(spec, out, device="cpu", resume=True, plugin=joiner,
                     adopt_step=20 if told else None, adopt_from=told)  # fmt: skip
         assert joiner.state is not None
-        assert joiner.state._offset_from == {told or donor_id.peer_id}, name
+        assert joiner.state.offset.sources == {told or donor_id.peer_id}, name
