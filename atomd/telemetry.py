@@ -7,7 +7,10 @@ labels name the versions of atomd, Python, torch and CUDA that run it.
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import platform
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
@@ -24,15 +27,35 @@ from atomd import __version__
 JOB_STATES = ["none", "pending", "running", "stopping", "stopped", "finished", "failed"]
 
 
+def torch_build() -> tuple[str, str]:
+    """torch's version and the CUDA version it was built with (``none``: without CUDA), read
+    from its installed ``torch/version.py`` rather than by importing torch, which takes seconds
+    and which the control plane never needs."""
+    try:
+        dist = importlib.metadata.distribution("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "none", "none"
+    values: dict[str, object] = {}
+    try:
+        tree = ast.parse(Path(str(dist.locate_file("torch/version.py"))).read_text())
+    except (OSError, SyntaxError):
+        return dist.version, "unknown"
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        value = getattr(node, "value", None)
+        if isinstance(target, ast.Name) and isinstance(value, ast.Constant):
+            values[target.id] = value.value
+    return str(values.get("__version__", dist.version)), str(values.get("cuda") or "none")
+
+
 def build_labels() -> dict[str, str]:
     """The versions this daemon runs with; ``cuda`` is ``none`` for a torch built without it."""
-    import torch
-
+    torch_version, cuda = torch_build()
     return {
         "version": __version__,
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda or "none",
+        "torch": torch_version,
+        "cuda": cuda,
     }
 
 
