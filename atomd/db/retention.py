@@ -2,7 +2,7 @@
 
 A job logs a progress point every ``log_interval`` steps and a round row per delta sent or
 received (a swarm of 8 can write 9 a step), for as long as it runs. Once a minute the daemon
-(``SwarmNode``'s records task, beside the events' retention) cuts each job that may have
+(``PeerRecords.keep_tidy``, beside the events' retention) cuts each job that may have
 written since to its newest ``ATOMD_ROUNDS_KEEP`` rounds, and keeps its newest
 ``ATOMD_PROGRESS_KEEP`` progress points with the older ones thinned to about as many again,
 spread over the run (``repo.thin_progress``): the whole curve stays, at a bounded cost.

@@ -13,7 +13,7 @@ parts that act on what membership hears:
 - ``Donors`` (``atomd.p2p.donors``): a job's state fetched from the members that train it.
 
 The node is the ``SwarmLink`` the job manager uses to announce jobs, stop them swarm-wide and
-fetch state from donors, and the ``JobPeers`` the delta exchange (``atomd.sync.exchange``)
+fetch state from donors, and the ``JobPeers`` the delta exchange (``atomd.sync.job_peers``)
 asks which peers train a job. It reaches the job manager only through the small
 ``SwarmJobs`` interface (``atomd.p2p.gossip``).
 """

@@ -1,6 +1,6 @@
 """Which members train which job, as heard from their adverts and their delta frames.
 
-``Trainers`` answers the delta exchange (``atomd.sync.exchange.JobPeers``) which peers train
+``Trainers`` answers the delta exchange (``atomd.sync.job_peers.JobPeers``) which peers train
 a job, the dashboard with their loss curves, and a restarted daemon with the donors of its
 job once membership can tell.
 """

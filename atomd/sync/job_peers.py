@@ -64,7 +64,7 @@ def round_targets(members: Sequence[PeerRef], round: int) -> list[PeerRef]:
     """The peers that round ``round``'s frame goes to, out of the job's live ``members``.
 
     Every member: also one that has sent its last delta, which follows the rounds the others
-    still train (``SyncPlugin._follow``) until it ends the job. This is the one decision point
+    still train (``JobEnding._follow``) until it ends the job. This is the one decision point
     for sending to a bounded group of peers a round instead (gossip averaging)."""
     del round  # every round goes to every member
     return list(members)

@@ -2,7 +2,7 @@
 
 A round's *outer gradient* is minus the mean of its deltas, ``g = -(1/k) * sum_j delta_j``
 (the peer's own included), and a delta that comes after its round was committed commits the
-change of that mean (``SyncState._coefficients``): whoever a peer counts as training the job,
+change of that mean (``PendingRounds.coefficients``): whoever a peer counts as training the job,
 once every peer has merged the same deltas they have committed the same sums.
 
 The anchor then takes one SGD step with Nesterov momentum. With momentum 0 and lr 1 the step is

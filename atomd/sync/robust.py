@@ -40,11 +40,11 @@ the signal away):
 
 4. *Direction* (``direction``): the cosine between the delta and where this peer sees the
    swarm train (``toward``, dense; ``SyncState._take``): with a codec that sends a share of
-   the entries (top-k, rice2, low rank) its own progress that the swarm does not hold yet (its
+   the entries (top-k) its own progress that the swarm does not hold yet (its
    replica minus its start point, plus any error-feedback residual: what its own training
    moved and it has not had merged); with one that sends them all (fp32, bf16, int8) the
    newest round before the delta's that this peer merged deltas of, each delta (its own
-   included) as a unit vector, summed (``SyncState._swarm_direction``; the own progress before
+   included) as a unit vector, summed (``RoundDirections``; the own progress before
    any).
    Two independent random directions in n dimensions have a cosine of about N(0, 1/n), so
    ``c`` = ``chance_z`` / sqrt(n) (5 sigma) is what chance gives. A delta whose cosine is below

@@ -70,7 +70,7 @@ PROBE_SEED = 99  # not the validation batches' seed
 # The job's final model (the swarm's, its own, the peers' average) is chosen on this many times
 # the probe's windows (the same seed: the probe's 16 first). Once per job, between models that
 # differ by ~0.01 (0.004-0.031 at 256 kbit/s upload), where 16 windows leave a standard error
-# of 0.003-0.0045 on the difference and 64 half that (``SyncPlugin._end_on_the_better_model``).
+# of 0.003-0.0045 on the difference and 64 half that (``JobEnding._end_on_the_better_model``).
 FINAL_PROBE_COUNT = 4
 
 

@@ -1,7 +1,7 @@
 """The recorded schedule of swapped steps, and its simulation (atomd.swap.trace, rehearse).
 
 The plans are the planner's own for the issue's configurations at the H200's measured rates
-(bench/results-swap-h200-2026-11-30b.json); each is recorded on a stand-in model with the
+(research/results/results-swap-h200-2026-11-30b.json); each is recorded on a stand-in model with the
 preset's layer count (the schedule does not depend on layer widths) and simulated with the
 real shape. Every property is also shown to fail on a deliberately serialized engine.
 """

@@ -9,7 +9,7 @@ from torch import Tensor
 from atomd.errors import WireError
 from atomd.sync.codecs.base import Codec, Encoded, Kept
 from atomd.sync.codecs.dense import Bf16Codec, Fp32Codec, Int8Codec
-from atomd.sync.codecs.topk import TOPK_BITS, TopKCodec
+from atomd.sync.codecs.topk import TopKCodec
 
 _CODECS: dict[str, type[Codec]] = {c.name: c for c in (Fp32Codec, Bf16Codec, Int8Codec, TopKCodec)}
 # Decoding reads every parameter from meta, so one instance of each codec decodes anything.
@@ -17,16 +17,11 @@ _DECODERS: dict[str, Codec] = {name: cls() for name, cls in _CODECS.items()}
 CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
 
 
-def make_codec(
-    name: str, *, topk_fraction: float = 0.01, value_bits: int = TOPK_BITS, zstd: bool = True
-) -> Codec:
+def make_codec(name: str, *, topk_fraction: float = 0.01, zstd: bool = True) -> Codec:
     """The codec called ``name`` (one of ``CODEC_NAMES``); ``ValueError`` for any other name.
-    ``topk_fraction`` is the share of entries topk keeps; ``value_bits`` must be 4, the only
-    width of topk's values."""
+    ``topk_fraction`` is the share of entries topk keeps."""
     if name not in _CODECS:
         raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}")
-    if value_bits != TOPK_BITS:
-        raise ValueError(f"value_bits must be {TOPK_BITS}, got {value_bits}")
     if name == "topk":
         return TopKCodec(fraction=topk_fraction, zstd=zstd)
     return _CODECS[name](zstd=zstd)
