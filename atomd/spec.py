@@ -194,6 +194,38 @@ class SyncSpec(_Spec):
         return self
 
 
+# The job spec's fields by concern, the configuration reference's tables (tests/unit/
+# test_spec.py holds it to every field, once).
+JOB_SPEC_GROUPS: dict[str, tuple[str, ...]] = {
+    "Model": ("preset", "seq_len", "vocab_size", "init_from"),
+    "Data": (
+        "data", "tokenizer", "text_field", "data_sha256", "val_fraction", "shard_index",
+        "num_shards", "shard_mode",
+    ),
+    "Training length and batch": (
+        "max_steps", "max_tokens", "micro_batch_size", "grad_accum", "seed",
+    ),
+    "Optimizer": (
+        "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+    ),
+    "Evaluation and checkpoints": (
+        "eval_interval", "eval_batches", "log_interval", "checkpoint_interval",
+        "keep_checkpoints",
+    ),
+    "Precision and swapping": (
+        "precision", "swap", "gpu_mem", "swap_slots", "swap_micro_batches",
+        "swap_resident_blocks", "swap_graph_blocks", "swap_optimizer", "swap_device_steps",
+        "swap_link",
+    ),
+    "Swarm": ("sync",),
+}  # fmt: skip
+
+
+def job_spec_group(field: str) -> str:
+    """The concern ``field`` of the job spec belongs to (a key of ``JOB_SPEC_GROUPS``)."""
+    return next(group for group, fields in JOB_SPEC_GROUPS.items() if field in fields)
+
+
 class JobSpec(_Spec):
     """A training job. Unknown fields are an error, so a typo never passes silently."""
 

@@ -114,12 +114,16 @@ def _default(info: FieldInfo) -> str:
     return f"`{shown}`"
 
 
-def _table(model: type[BaseModel], env_prefix: str | None = None) -> str:
+def _table(
+    model: type[BaseModel], env_prefix: str | None = None, fields: tuple[str, ...] | None = None
+) -> str:
+    """A table of ``model``'s fields (``fields``: only those, in that order)."""
     head = ["field", "type", "default", "description"]
     if env_prefix is not None:
         head.insert(1, "environment variable")
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for name, info in model.model_fields.items():
+    for name in fields or tuple(model.model_fields):
+        info = model.model_fields[name]
         row = [
             f"`{name}`",
             _cell(_type_name(info.annotation)),
@@ -134,7 +138,12 @@ def _table(model: type[BaseModel], env_prefix: str | None = None) -> str:
 
 def configuration_page() -> str:
     from atomd.config import ENV_PREFIX, Settings
-    from atomd.spec import JobSpec, SyncSpec
+    from atomd.spec import JOB_SPEC_GROUPS, JobSpec, SyncSpec
+
+    groups = [
+        f"### {group}\n\n{_table(JobSpec, fields=fields)}"
+        for group, fields in JOB_SPEC_GROUPS.items()
+    ]
 
     return "\n\n".join(
         [
@@ -144,8 +153,8 @@ def configuration_page() -> str:
             "## Job spec (`JobSpec`)",
             "A training job: the body of `POST /v1/jobs`, the file `atomd train --spec` "
             "reads, and the spec a swarm's peers agree on. Every field has a default: "
-            '`{"preset": "tiny"}` is a valid job.',
-            _table(JobSpec),
+            '`{"preset": "tiny"}` is a valid job. Its fields, by concern:',
+            *groups,
             "## Synchronisation (`SyncSpec`, the job spec's `sync`)",
             "How peers exchange weight deltas: what the job spec's `sync` object holds.",
             _table(SyncSpec),

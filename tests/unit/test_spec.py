@@ -8,10 +8,12 @@ from pydantic import BaseModel, ValidationError
 
 from atomd.spec import (
     FREQUENT_MOMENTUM,
+    JOB_SPEC_GROUPS,
     OUTER_MOMENTUM,
     REMOVED_SYNC_OPTIONS,
     JobSpec,
     SyncSpec,
+    job_spec_group,
     lr_at,
 )
 
@@ -155,3 +157,11 @@ def test_syncspec_descriptions_are_one_short_sentence() -> None:
         assert 0 < len(text) <= 120, (name, len(text))
         body = text.rstrip(".")
         assert text.endswith(".") and ". " not in body, (name, text)
+
+
+def test_the_groups_of_the_job_spec_hold_every_field_once() -> None:
+    grouped = [f for fields in JOB_SPEC_GROUPS.values() for f in fields]
+    assert sorted(grouped) == sorted(JobSpec.model_fields)
+    assert len(grouped) == len(set(grouped))
+    assert job_spec_group("swap_slots") == "Precision and swapping"
+    assert job_spec_group("sync") == "Swarm"
