@@ -113,7 +113,7 @@ def run(
         "params": n,
         "peers": PEERS,
         "threads": torch.get_num_threads(),
-        "compiled": bool(optim._kernel_ran and not optim._kernel_failed),
+        "compiled": optim.kernel_compiled(),
         "fused_min_numel": optim.FUSED_MIN_NUMEL,
         "compile_s": round(compile_s, 3),
         "forms": {

@@ -71,8 +71,9 @@ _kernel_lock = threading.Lock()
 
 def _fused_kernel() -> Callable[..., None] | None:
     """``_swarm_step_one`` compiled by inductor into one loop over the four tensors (~1.15x
-    the time of torch's fused AdamW on the host, against ~5x for eager ops: bench/optim.py),
-    or None where it cannot be: no C++ compiler, or an earlier failure (logged once)."""
+    the time of torch's fused AdamW on the host, against ~5x for eager ops: ``python -m
+    atomd_bench optim``), or None where it cannot be: no C++ compiler, or an earlier failure
+    (logged once)."""
     global _kernel
     if _kernel is None and not _kernel_failed:
         with _kernel_lock:
@@ -83,6 +84,11 @@ def _fused_kernel() -> Callable[..., None] | None:
                 inductor.compile_threads = 1
                 _kernel = torch.compile(_swarm_step_one, dynamic=True, fullgraph=True)
     return None if _kernel_failed else _kernel
+
+
+def kernel_compiled() -> bool:
+    """Whether the compiled host kernel has run in this process and still serves the steps."""
+    return _kernel_ran and not _kernel_failed
 
 
 def _fusable(ts: tuple[Tensor, ...]) -> bool:
