@@ -5,80 +5,18 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from pydantic import SecretStr
 
 from atomd.config import Settings
 from atomd.daemon import Daemon
-from atomd.db import migrate
-from atomd.db.engine import make_engine, make_sessionmaker
-from atomd.jobs import JobManager
-from atomd.telemetry import Telemetry
-from atomd_api.control import ControlContext, create_control_app
+from tests.unit.conftest import Factory
 
 FAST = {"seq_len": 16, "micro_batch_size": 2, "eval_batches": 1, "log_interval": 1}
-Factory = Callable[..., Any]
-
-
-@pytest.fixture
-async def make_client(tmp_path: Path) -> AsyncIterator[Factory]:
-    cleanups: list[Any] = []
-
-    async def make(
-        token: str | None = None,
-        ready: bool = True,
-        started: bool = True,
-        daemon: Daemon | None = None,
-    ) -> httpx.AsyncClient:
-        settings = Settings(
-            data_dir=tmp_path, control_token=SecretStr(token) if token else None, device="cpu"
-        )
-        await asyncio.to_thread(migrate.upgrade, settings.db_path)
-        engine = make_engine(settings.db_path)
-        sessions = make_sessionmaker(engine)
-        telemetry = Telemetry()
-        jobs = JobManager(
-            jobs_dir=settings.jobs_dir, sessions=sessions, telemetry=telemetry, device="cpu"
-        )
-        task = asyncio.create_task(jobs.run()) if started else None
-        if task is not None:
-            await jobs.wait_started()
-        ctx = ControlContext(
-            settings=settings,
-            jobs=jobs,
-            telemetry=telemetry,
-            sessions=sessions,
-            readiness=(
-                (lambda: {"database": True, "peer": ready})
-                if daemon is None
-                else (lambda: daemon.readiness(jobs, _Started(), _Started()))
-            ),
-            started_at=time.monotonic(),
-        )
-        app = create_control_app(ctx)
-        client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"
-        )
-
-        async def cleanup() -> None:
-            await client.aclose()
-            await jobs.shutdown()
-            if task is not None:
-                await task
-            await engine.dispose()
-
-        cleanups.append(cleanup)
-        return client
-
-    yield make
-    for c in cleanups:
-        await c()
 
 
 async def test_health_and_readiness(make_client: Factory) -> None:
@@ -87,10 +25,6 @@ async def test_health_and_readiness(make_client: Factory) -> None:
     r = await c.get("/readyz")
     assert r.status_code == 503
     assert r.json() == {"ready": False, "checks": {"database": True, "peer": False}, "reasons": {}}
-
-
-class _Started:
-    started = True  # uvicorn's flag, for a server that listens
 
 
 async def test_readiness_fails_from_the_start_of_a_shutdown(

@@ -3,49 +3,24 @@ daemon's, although the daemon keeps its metrics in a registry of its own."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import platform
 import time
-from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from atomd import __version__
-from atomd.config import Settings
-from atomd.db import migrate
-from atomd.db.engine import make_engine, make_sessionmaker
-from atomd.jobs import JobManager
 from atomd.telemetry import Telemetry
-from atomd_api.control import ControlContext, create_control_app
+from tests.unit.conftest import Factory
 
 
 @pytest.fixture
-async def metrics_text(tmp_path: Path) -> str:
+async def metrics_text(make_client: Factory) -> str:
     """The body of GET /metrics from a control app with its own job manager and telemetry."""
-    settings = Settings(data_dir=tmp_path, device="cpu")
-    await asyncio.to_thread(migrate.upgrade, settings.db_path)
-    engine = make_engine(settings.db_path)
-    sessions = make_sessionmaker(engine)
-    telemetry = Telemetry()
-    jobs = JobManager(
-        jobs_dir=settings.jobs_dir, sessions=sessions, telemetry=telemetry, device="cpu"
-    )
-    ctx = ControlContext(
-        settings=settings,
-        jobs=jobs,
-        telemetry=telemetry,
-        sessions=sessions,
-        readiness=lambda: {"database": True, "peer": True},
-        started_at=time.monotonic(),
-    )
-    transport = httpx.ASGITransport(app=create_control_app(ctx))
-    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-        response = await client.get("/metrics")
-    await engine.dispose()
+    client = await make_client(started=False)
+    response = await client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     return response.text
