@@ -27,7 +27,7 @@ from atomd.aio import unless_set
 from atomd.config import Settings
 from atomd.datadir import take_data_dir
 from atomd.db import migrate, repo
-from atomd.db.engine import make_engine, make_sessionmaker
+from atomd.db.connection import make_engine, make_sessionmaker
 from atomd.db.health import DatabaseFile, refuse_lost_database, until_unlocked
 from atomd.errors import AtomdError, ConfigError
 from atomd.jobs import JobManager, load_training_modules

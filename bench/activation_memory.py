@@ -81,7 +81,7 @@ def child(fields: dict[str, Any], steps: int) -> dict[str, Any]:
 
     from atomd.data.dataset import Batch
     from atomd.devices import TRAIN_BYTES_PER_PARAMETER, activation_bytes, host_step_bytes
-    from atomd.engines import build_engine
+    from atomd.engine_choice import build_engine
     from atomd.model.config import num_parameters
     from atomd.spec import JobSpec
 

@@ -59,7 +59,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
-from atomd.engines import build_model
+from atomd.engine_choice import build_model
 from atomd.launch import DaemonProcess, free_port, peer_id, start_swarm, stop_all, wait_until
 from atomd.model.presets import get_preset
 from atomd.p2p import paths

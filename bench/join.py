@@ -41,7 +41,7 @@ from atomd.data.dataset import TokenDataset, load_dataset
 from atomd.spec import JobSpec, SyncSpec, lr_at
 from atomd.sync.codecs import decode
 from atomd.sync.state import Contribution, SyncState
-from atomd_bench.engines import build_engine
+from atomd_bench.peer_models import build_engine
 
 VARIANTS = ("clone", "reset", "keep")
 VAL_BATCHES = 8

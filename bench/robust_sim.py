@@ -52,7 +52,7 @@ from atomd.sync.codecs import decode, make_codec
 from atomd.sync.guard import LossGuard
 from atomd.sync.robust import RobustRule
 from atomd.sync.state import DEFAULT_RULE, Contribution, Outgoing, SyncState
-from atomd_bench.engines import build_engine, max_divergence
+from atomd_bench.peer_models import build_engine, max_divergence
 
 HONEST = 3
 ATTACKS = (

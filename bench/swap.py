@@ -19,7 +19,7 @@ import torch
 
 from atomd.data.dataset import Batch, load_dataset
 from atomd.devices import resolve_device
-from atomd.engines import optim_config
+from atomd.engine_choice import optim_config
 from atomd.logs import get_logger
 from atomd.model.gpt import GPT, GPTConfig
 from atomd.model.presets import get_preset
@@ -32,7 +32,7 @@ from atomd.swap.planning import device_budget, plan_for, shape_for
 from atomd.swap.record import check_schedule
 from atomd.swap.trace import Costs, simulate
 from atomd.swap.trace import write as write_trace
-from atomd.train.engine import ResidentEngine, StepEngine
+from atomd.train.step_engine import ResidentEngine, StepEngine
 from atomd.units import format_bytes
 from atomd_bench.profile import read_trace, summarize, write_gz
 

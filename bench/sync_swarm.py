@@ -17,8 +17,8 @@ from atomd.spec import SyncSpec, lr_at
 from atomd.sync.codecs import decode
 from atomd.sync.state import Contribution, Outgoing, SyncState
 from atomd.sync.wire import encode_frame
-from atomd_bench.engines import build_engine, loss_of, max_divergence, mean_model
 from atomd_bench.ideal_codec import IdealCodec, ideal_frame_bytes
+from atomd_bench.peer_models import build_engine, loss_of, max_divergence, mean_model
 from atomd_bench.sync_link import SimulatedLink
 from atomd_bench.sync_runs import BATCH, JOB_ID, PEERS, SEED, Budget, RunSpec, job_spec
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from atomd.engines import build_engine
+from atomd.engine_choice import build_engine
 from atomd.spec import JobSpec
 from atomd.train.metrics import read_metrics
 from atomd.train.trainer import Trainer

@@ -15,7 +15,7 @@ from alembic import context
 from sqlalchemy import Connection
 from sqlalchemy.engine import make_url
 
-from atomd.db.engine import make_sync_engine
+from atomd.db.connection import make_sync_engine
 from atomd.db.models import Base, UTCDateTime
 
 config = context.config

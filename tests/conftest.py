@@ -10,7 +10,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-from atomd.engines import build_engine
+from atomd.engine_choice import build_engine
 from atomd.launch import PORTS_ENV
 from atomd.spec import JobSpec
 from atomd.swap.hardware import Hardware

@@ -111,7 +111,7 @@ def train(
         "init_from": init_from,
     }
     spec = spec_from(spec_file, overrides)
-    from atomd.engines import build_engine
+    from atomd.engine_choice import build_engine
     from atomd.train.trainer import Trainer
 
     built = build_engine(spec, device)
@@ -236,7 +236,7 @@ def demo(
             run_swarm_demo(out / time.strftime("demo-swarm-%Y%m%d-%H%M%S"), peers=peers,
                            max_steps=max_steps, every=every if every == "auto" else int(every))
         )  # fmt: skip
-    from atomd.engines import build_engine
+    from atomd.engine_choice import build_engine
     from atomd.spec import JobSpec
     from atomd.train.trainer import Trainer
 

@@ -1,5 +1,5 @@
 """atomd's records: SQLite through async SQLAlchemy, schema migrations by Alembic.
 
-``engine`` opens the database, ``migrate`` brings its schema to head, ``repo`` reads and
+``connection`` opens the database, ``migrate`` brings its schema to head, ``repo`` reads and
 writes it, returning the frozen records of ``schemas``; ``models`` maps the tables.
 """

@@ -18,7 +18,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
 import atomd
-from atomd.db.engine import make_sync_engine
+from atomd.db.connection import make_sync_engine
 from atomd.errors import AtomdError
 from atomd.logs import get_logger
 

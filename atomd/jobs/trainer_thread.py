@@ -73,7 +73,7 @@ def train_blocking(
 ) -> TrainSummary:
     """Build ``active``'s trainer and run it (on the trainer thread: it blocks until the job
     ends), telling the loop of its start, resume, steps and checkpoints."""
-    from atomd.engines import build_engine
+    from atomd.engine_choice import build_engine
     from atomd.train.trainer import Trainer
 
     def send(item: TrainerMessage) -> None:

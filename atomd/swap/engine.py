@@ -74,14 +74,6 @@ from atomd.swap.stepping import LayerSteps
 from atomd.swap.streams import Marker, Streams, label
 from atomd.swap.traffic import SlotTraffic
 from atomd.swap.walk import Graph, LayerWalk
-from atomd.train.engine import (
-    LossScale,
-    Precision,
-    autocast,
-    load_model_tensors,
-    model_tensors,
-    window_mean,
-)
 from atomd.train.optim import (
     AdamW,
     OptimConfig,
@@ -89,6 +81,14 @@ from atomd.train.optim import (
     optimizer_state_by_param,
     optimizer_tensors,
     second_moments,
+)
+from atomd.train.step_engine import (
+    LossScale,
+    Precision,
+    autocast,
+    load_model_tensors,
+    model_tensors,
+    window_mean,
 )
 from atomd.units import format_bytes
 

@@ -17,8 +17,8 @@ from torch import Tensor
 from atomd.swap.hostopt import HostOptimizer
 from atomd.swap.streams import Streams, label
 from atomd.swap.traffic import SlotTraffic
-from atomd.train.engine import LossScale
 from atomd.train.optim import AdamW, OptimConfig
+from atomd.train.step_engine import LossScale
 
 
 class LayerSteps:

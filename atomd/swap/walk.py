@@ -21,7 +21,7 @@ from torch.func import functional_call
 
 from atomd.model.gpt import lm_loss
 from atomd.swap.slots import Slot
-from atomd.train.engine import LossScale
+from atomd.train.step_engine import LossScale
 
 _T = TypeVar("_T")
 

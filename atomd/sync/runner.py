@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from atomd.data.dataset import Batch
-    from atomd.train.engine import StepEngine
+    from atomd.train.step_engine import StepEngine
 
 log = get_logger(__name__)
 

@@ -69,7 +69,7 @@ from atomd.sync.robust import DeltaStats, Progress, RobustRule, Screen
 from atomd.sync.rounds import Change, RoundDirections
 
 if TYPE_CHECKING:
-    from atomd.train.engine import StepEngine
+    from atomd.train.step_engine import StepEngine
 
 log = get_logger(__name__)
 

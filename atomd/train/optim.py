@@ -19,7 +19,7 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """What the step engines read of a job's optimization settings (``engines.optim_config``
+    """What the step engines read of a job's optimization settings (``engine_choice.optim_config``
     makes one from a ``JobSpec``)."""
 
     lr: float

@@ -35,8 +35,8 @@ from atomd.logs import get_logger
 from atomd.model.gpt import GPT, GPTConfig
 from atomd.spec import JobSpec, lr_at
 from atomd.train import checkpoint as ckpt
-from atomd.train.engine import StepEngine
 from atomd.train.metrics import MetricsLog, StepReport
+from atomd.train.step_engine import StepEngine
 from atomd.train.tracking import Trackers
 
 log = get_logger(__name__)
@@ -185,7 +185,7 @@ def donor_state_problem(untrained: float, taken: float, claimed: float | None) -
 
 class Trainer:
     """Trains one model on one process with the step engine it is handed (resident or
-    swapped: ``atomd.engines.build_engine``) and that engine's ``plan`` (what plan.json and
+    swapped: ``atomd.engine_choice.build_engine``) and that engine's ``plan`` (what plan.json and
     every checkpoint record)."""
 
     def __init__(
@@ -488,7 +488,7 @@ def model_from_checkpoint(path: Path, device: torch.device) -> tuple[GPT, ckpt.C
     found = ckpt.load_latest(path)
     if found is None:
         raise CheckpointError(f"no checkpoint found in {path}")
-    from atomd.train.engine import load_model_tensors
+    from atomd.train.step_engine import load_model_tensors
 
     model = GPT(GPTConfig.from_dict(found.meta["model_config"]))
     load_model_tensors(model, found.model)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from atomd.data.dataset import Batch
-from atomd.engines import optim_config
+from atomd.engine_choice import optim_config
 from atomd.model.gpt import GPT, GPTConfig
 from atomd.model.presets import get_preset
 from atomd.spec import JobSpec
@@ -18,8 +18,8 @@ from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
 from atomd.swap.plan import Link, Optimizer, Shape, SwapPlan, make_plan
-from atomd.train.engine import ResidentEngine
 from atomd.train.optim import OptimConfig
+from atomd.train.step_engine import ResidentEngine
 from atomd.train.trainer import model_from_checkpoint
 from tests.conftest import fast_spec, trainer_for
 

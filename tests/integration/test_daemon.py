@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from atomd.datadir import lock_data_dir
-from atomd.db.engine import BUSY_TIMEOUT_MS
+from atomd.db.connection import BUSY_TIMEOUT_MS
 from atomd.launch import READY_TIMEOUT, DaemonProcess
 from tests.conftest import another_congestion
 from tests.integration.conftest import FAST_JOB, restarted_while_database_held, wait_for

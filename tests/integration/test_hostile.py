@@ -167,7 +167,7 @@ def _story(d: DaemonProcess) -> str:
 
 
 def test_hostile_member_is_refused_quarantined_and_banned(tmp_path: Path) -> None:
-    from atomd.engines import build_model
+    from atomd.engine_choice import build_model
 
     cfg = get_preset("tiny")
     SHAPES.update({n: tuple(p.shape) for n, p in build_model(cfg, 0).named_parameters()})

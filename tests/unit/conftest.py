@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from atomd.config import Settings
 from atomd.daemon import Daemon
 from atomd.db import migrate
-from atomd.db.engine import make_engine, make_sessionmaker
+from atomd.db.connection import make_engine, make_sessionmaker
 from atomd.jobs import JobManager
 from atomd.telemetry import Telemetry
 from atomd_api.control import ControlContext, create_control_app

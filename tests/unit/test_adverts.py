@@ -11,7 +11,7 @@ import pytest
 
 from atomd.config import Settings
 from atomd.db import migrate, repo
-from atomd.db.engine import make_engine, make_sessionmaker
+from atomd.db.connection import make_engine, make_sessionmaker
 from atomd.jobs import JobManager
 from atomd.jobs.admission import advert_data_problem, advert_problem, local_data
 from atomd.p2p.identity import Identity
@@ -199,7 +199,7 @@ async def test_a_forged_advert_is_neither_joined_nor_counted(tmp_path: Path) -> 
     from typing import cast
 
     from atomd.config import Settings
-    from atomd.db.engine import make_engine, make_sessionmaker
+    from atomd.db.connection import make_engine, make_sessionmaker
     from atomd.jobs.active import ActiveJob
     from atomd.p2p.membership import Member
     from atomd.p2p.messages import Gossip
@@ -429,7 +429,7 @@ async def test_a_refused_donor_state_leaves_its_model_behind_before_the_next_try
     import logging
     import weakref
 
-    from atomd.engines import build_engine
+    from atomd.engine_choice import build_engine
     from atomd.errors import DonorStateError
     from atomd.jobs.active import ActiveJob
     from atomd.sync.runner import SyncPlugin

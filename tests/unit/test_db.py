@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from sqlalchemy import text
 
 from atomd.db import migrate, repo
-from atomd.db.engine import make_engine, make_sync_engine
+from atomd.db.connection import make_engine, make_sync_engine
 from atomd.db.health import DatabaseFile
 from atomd.db.models import Base
 from atomd.db.schemas import ProgressPoint
@@ -579,7 +579,7 @@ WRITER = textwrap.dedent(
     from datetime import UTC, datetime
     from pathlib import Path
     from atomd.db import repo
-    from atomd.db.engine import make_engine, make_sessionmaker
+    from atomd.db.connection import make_engine, make_sessionmaker
     from atomd.db.schemas import ProgressPoint
 
     async def main() -> None:

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from atomd.engines import build_engine
+from atomd.engine_choice import build_engine
 from atomd.errors import ConfigError
 from atomd.hf import export_checkpoint, import_pretrained
 from atomd.model.config import GPTConfig
 from atomd.model.gpt import GPT
 from atomd.train import checkpoint as ckpt
-from atomd.train.engine import model_tensors
+from atomd.train.step_engine import model_tensors
 from atomd.train.trainer import model_from_checkpoint
 from tests.conftest import fast_spec, trainer_for
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from atomd.engines import build_engine, optim_config
+from atomd.engine_choice import build_engine, optim_config
 from atomd.errors import ConfigError
 from atomd.model.gpt import GPT
 from atomd.spec import JobSpec
-from atomd.train.engine import ResidentEngine, resolve_precision
 from atomd.train.metrics import read_metrics
+from atomd.train.step_engine import ResidentEngine, resolve_precision
 from tests.conftest import fast_spec, trainer_for
 
 CPU = torch.device("cpu")

@@ -131,7 +131,7 @@ async def test_a_quarantine_survives_a_restart_and_still_ends(tmp_path: Path) ->
 
     from atomd.config import Settings
     from atomd.db import migrate, repo
-    from atomd.db.engine import make_engine, make_sessionmaker
+    from atomd.db.connection import make_engine, make_sessionmaker
     from atomd.p2p.membership import Member
     from atomd.p2p.node import SwarmNode
     from atomd.telemetry import Telemetry

@@ -59,7 +59,7 @@ from pathlib import Path
 import httpx
 from atomd.config import Settings
 from atomd.db import migrate, repo
-from atomd.db.engine import make_engine, make_sessionmaker
+from atomd.db.connection import make_engine, make_sessionmaker
 from atomd.db.schemas import ProgressPoint
 from atomd.jobs import JobManager
 from atomd.telemetry import Telemetry

@@ -15,7 +15,7 @@ from sqlalchemy import insert
 
 from atomd.config import Settings
 from atomd.db import migrate, repo
-from atomd.db.engine import make_engine, make_sessionmaker
+from atomd.db.connection import make_engine, make_sessionmaker
 from atomd.db.models import SyncRound
 from atomd.db.retention import prune_jobs
 from atomd.db.schemas import ProgressPoint

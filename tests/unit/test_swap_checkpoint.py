@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from atomd.data.dataset import load_dataset
-from atomd.engines import optim_config
+from atomd.engine_choice import optim_config
 from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
 from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
 from atomd.swap.plan import Optimizer, Shape, make_plan
-from atomd.train.engine import ResidentEngine
 from atomd.train.metrics import StepReport
+from atomd.train.step_engine import ResidentEngine
 from atomd.train.trainer import model_from_checkpoint
 from tests.conftest import fast_spec, trainer_for
 

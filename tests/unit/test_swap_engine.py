@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from atomd.data.dataset import Batch
-from atomd.engines import optim_config
+from atomd.engine_choice import optim_config
 from atomd.model.gpt import GPT, GPTConfig
 from atomd.spec import JobSpec
 from atomd.swap.compare import max_rel_param_diff
 from atomd.swap.engine import SwapEngine
 from atomd.swap.hardware import assumed
 from atomd.swap.plan import Optimizer, Shape, SwapPlan, make_plan
-from atomd.train.engine import ResidentEngine, model_tensors
 from atomd.train.optim import OptimConfig
+from atomd.train.step_engine import ResidentEngine, model_tensors
 from tests.conftest import CompiledKernel
 
 CPU = torch.device("cpu")
@@ -251,7 +251,7 @@ def test_under_bf16_autocast_as_on_cuda(monkeypatch: pytest.MonkeyPatch, graphs:
     def bf16(device: torch.device) -> torch.autocast:
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
-    monkeypatch.setattr("atomd.train.engine.autocast", bf16)
+    monkeypatch.setattr("atomd.train.step_engine.autocast", bf16)
     monkeypatch.setattr("atomd.swap.engine.autocast", bf16)
     ref = ResidentEngine(_model(), _spec(1.0), CPU)
     losses = _train(ref)
@@ -273,7 +273,7 @@ def _bf16_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
     def bf16(device: torch.device) -> torch.autocast:
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
-    monkeypatch.setattr("atomd.train.engine.autocast", bf16)
+    monkeypatch.setattr("atomd.train.step_engine.autocast", bf16)
     monkeypatch.setattr("atomd.swap.engine.autocast", bf16)
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from atomd.db import migrate, repo
-from atomd.db.engine import make_engine, make_sessionmaker
+from atomd.db.connection import make_engine, make_sessionmaker
 from atomd.errors import NotFoundError, PeerRequestError, WireError
 from atomd.p2p.identity import Identity
 from atomd.spec import JobSpec, lr_at

@@ -429,7 +429,7 @@ def test_a_swap_engine_settles_before_sync_touches_its_masters(optimizer: str) -
     first. Alone, every boundary then leaves the replica as resident training has it."""
     from atomd.swap.compare import max_rel_param_diff
     from atomd.swap.engine import SwapEngine
-    from atomd.train.engine import ResidentEngine
+    from atomd.train.step_engine import ResidentEngine
     from tests.unit.test_swap_engine import CPU, TOL, _batches, _model, _plan, _spec
 
     def run(engine: Any) -> dict[str, torch.Tensor]:

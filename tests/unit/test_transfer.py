@@ -454,7 +454,7 @@ async def test_the_donor_of_a_fetched_state_counts_as_training_the_job(
 
     from atomd.config import Settings
     from atomd.db import migrate
-    from atomd.db.engine import make_engine, make_sessionmaker
+    from atomd.db.connection import make_engine, make_sessionmaker
     from atomd.p2p import donors as donors_module
     from atomd.p2p.membership import Member
     from atomd.p2p.node import SwarmNode

@@ -21,8 +21,13 @@ from atomd.model.gpt import GPT, GPTConfig
 from atomd.spec import JobSpec
 from atomd.swap.plan import resident_peak_bytes
 from atomd.swap.planning import device_budget, plan_for, shape_for
-from atomd.train.engine import ResidentEngine, StepEngine, load_model_tensors, resolve_precision
 from atomd.train.optim import OptimConfig
+from atomd.train.step_engine import (
+    ResidentEngine,
+    StepEngine,
+    load_model_tensors,
+    resolve_precision,
+)
 from atomd.units import format_bytes
 
 log = get_logger(__name__)

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 import torch
 
 from atomd.data.dataset import Batch
-from atomd.engines import optim_config
+from atomd.engine_choice import optim_config
 from atomd.model.gpt import GPT
 from atomd.model.presets import get_preset
 from atomd.spec import JobSpec
-from atomd.train.engine import ResidentEngine
+from atomd.train.step_engine import ResidentEngine
 
 
 def build_engine(spec: JobSpec) -> ResidentEngine:
