@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from atomd.config import ENV_PREFIX, Settings
 from atomd.telemetry import Telemetry
+from tests.unit.test_makefile_install import own_make_env
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "docs" / "guide" / "deploy.md"
@@ -39,8 +40,8 @@ def test_the_make_dry_run_shown_is_what_make_prints(tmp_path: Path) -> None:
     for name in ("Makefile", "pyproject.toml", "constraints.txt"):
         shutil.copy(REPO / name, tmp_path / name)
     done = subprocess.run(
-        ["make", "-n", "CPU=1", "demo"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True,
+        ["make", "--no-print-directory", "-n", "CPU=1", "demo"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True, env=own_make_env(),
     )  # fmt: skip
     assert done.stdout.splitlines() == shown
 

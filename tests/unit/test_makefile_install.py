@@ -5,6 +5,7 @@ so nothing is downloaded."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -21,10 +22,16 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 def dry_run(tmp_path: Path, *args: str) -> list[str]:
     """The commands `make -n` prints for a fresh .venv under tmp_path."""
     done = subprocess.run(
-        ["make", "-n", "-C", str(REPO), f"VENV={tmp_path / 'venv'}", *args],
-        capture_output=True, text=True, timeout=60, check=True,
+        ["make", "--no-print-directory", "-n", "-C", str(REPO), f"VENV={tmp_path / 'venv'}", *args],
+        capture_output=True, text=True, timeout=60, check=True, env=own_make_env(),
     )  # fmt: skip
     return done.stdout.splitlines()
+
+
+def own_make_env() -> dict[str, str]:
+    """This process's environment without what a make that runs the tests (`make test`) hands
+    its children: its flags and variables would reach the make under test."""
+    return {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL"}}
 
 
 def torch_install(lines: list[str]) -> str:
