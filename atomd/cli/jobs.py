@@ -159,3 +159,30 @@ def job_logs(
         reason = f": {job['reason']}" if job.get("reason") else ""
         end = f"job {job['id']} {job['state']} at step {job['step']}{reason}"
         typer.echo(printable(end), err=True)  # the reason may quote a peer
+
+
+@job_app.command("wait")
+def job_wait(
+    job_id: str,
+    url: UrlOpt = URL_DEFAULT,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Wait until a job ends; exit 0 if it finished, 1 if it failed or was stopped (for
+    scripts: `atomd job wait ID && atomd export ...`)."""
+    with common.connect(url, token) as c:
+        job = c.request("GET", f"/v1/jobs/{job_id}")
+        try:
+            while job["state"] not in TERMINAL_JOB_STATES:
+                common.pause(common.POLL_S)
+                job = c.request("GET", f"/v1/jobs/{job_id}")
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+    reason = f": {job['reason']}" if job.get("reason") else ""
+    show(
+        job,
+        as_json,
+        lambda j: typer.echo(printable(f"job {j['id']} {j['state']} at step {j['step']}{reason}")),
+    )
+    if job["state"] != "finished":
+        raise typer.Exit(1)

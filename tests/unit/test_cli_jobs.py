@@ -151,3 +151,25 @@ def test_every_call_has_a_timeout() -> None:
     with atomd.cli.common.connect("http://127.0.0.1:9", None) as c:
         timeout = c._http.timeout
     assert timeout.read is not None and timeout.connect is not None
+
+
+def test_job_wait_returns_when_the_job_ends_with_its_state_as_exit_status(
+    daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr(atomd.cli.common, "pause", pauses.append)
+    job = RunningJob()
+    daemon(job)
+    result = runner.invoke(app, ["job", "wait", "j1"])
+    assert result.exit_code == 0, result.output
+    assert job.polls == 2 and pauses == [atomd.cli.common.POLL_S]
+    assert result.stdout.strip() == "job j1 finished at step 3"
+
+    def failed(request: httpx.Request) -> httpx.Response:
+        body = {"id": "j1", "state": "failed", "step": 7, "reason": "loss is NaN"}
+        return httpx.Response(200, json=body)
+
+    daemon(failed)
+    result = runner.invoke(app, ["job", "wait", "j1"])
+    assert result.exit_code == 1
+    assert result.stdout.strip() == "job j1 failed at step 7: loss is NaN"
