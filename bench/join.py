@@ -40,7 +40,8 @@ from typing import Any
 from atomd.data.dataset import TokenDataset, load_dataset
 from atomd.spec import JobSpec, SyncSpec, lr_at
 from atomd.sync.codecs import decode
-from atomd.sync.state import Contribution, SyncState
+from atomd.sync.intake import Contribution
+from atomd.sync.state import SyncState
 from atomd_bench.peer_models import build_engine
 
 VARIANTS = ("clone", "reset", "keep")

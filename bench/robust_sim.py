@@ -50,8 +50,9 @@ from atomd.p2p.quarantine import Quarantine
 from atomd.spec import JobSpec, SyncSpec, lr_at
 from atomd.sync.codecs import decode, make_codec
 from atomd.sync.guard import LossGuard
+from atomd.sync.intake import Contribution
 from atomd.sync.robust import RobustRule
-from atomd.sync.state import DEFAULT_RULE, Contribution, Outgoing, SyncState
+from atomd.sync.state import DEFAULT_RULE, Outgoing, SyncState
 from atomd_bench.peer_models import build_engine, max_divergence
 
 HONEST = 3

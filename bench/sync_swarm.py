@@ -15,7 +15,8 @@ from atomd.data.dataset import TokenDataset, load_dataset
 from atomd.p2p.identity import Identity
 from atomd.spec import SyncSpec, lr_at
 from atomd.sync.codecs import decode
-from atomd.sync.state import Contribution, Outgoing, SyncState
+from atomd.sync.intake import Contribution
+from atomd.sync.state import Outgoing, SyncState
 from atomd.sync.wire import encode_frame
 from atomd_bench.ideal_codec import IdealCodec, ideal_frame_bytes
 from atomd_bench.peer_models import build_engine, loss_of, max_divergence, mean_model

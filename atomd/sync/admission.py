@@ -141,8 +141,8 @@ class FrameAdmission:
         """Check one frame whole (off the loop) and queue it in ``plugin``'s inbox. ``fresh``:
         it came just now (not kept during a state transfer), so its sender is alive now."""
         from atomd.sync.frame_decoder import FrameDecoder, check_codec, decode_tensors
+        from atomd.sync.intake import Contribution
         from atomd.sync.replay import ReplayGuard
-        from atomd.sync.state import Contribution
 
         codec = plugin.spec.codec
         if self._replay_guard is None:

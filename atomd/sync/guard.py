@@ -41,7 +41,8 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from atomd.logs import get_logger
-from atomd.sync.state import Contribution, MergeReport, Outgoing, RefusedDelta, SyncState, Taken
+from atomd.sync.intake import Contribution
+from atomd.sync.state import MergeReport, Outgoing, RefusedDelta, SyncState, Taken
 
 log = get_logger(__name__)
 _T = TypeVar("_T")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 
-from atomd.sync.state import Contribution
+from atomd.sync.intake import Contribution
 
 
 class Inbox:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,14 +19,22 @@ from atomd.logs import get_logger
 from atomd.sync.pace import SwarmPace
 from atomd.sync.robust import DeltaStats, Progress, Screen
 
-if TYPE_CHECKING:
-    from atomd.sync.state import Contribution
-
 log = get_logger(__name__)
 
 # After taking a state: the most rounds the donor's reference statistics stay the floor of this
 # peer's own, each statistic until an own delta reaches it (``Intake.record_own``).
 INHERIT_ROUNDS = 64
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """A delta received from another peer, decoded: ``replica - anchor`` of the sender."""
+
+    sender: str
+    round: int
+    base_version: int
+    tensors: dict[str, Tensor]
+    every: int | None = None  # the steps its round lasted, as its frame says (None: not said)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ from atomd.sync.cadence import Cadence, FrameSize
 from atomd.sync.ending import JobEnding
 from atomd.sync.guard import LossGuard
 from atomd.sync.inbox import Inbox
+from atomd.sync.intake import Contribution
 from atomd.sync.schedule import RoundSchedule
-from atomd.sync.state import Contribution, MergeReport, Outgoing, SyncState
+from atomd.sync.state import MergeReport, Outgoing, SyncState
 from atomd.sync.wire import encode_frame
 
 if TYPE_CHECKING:

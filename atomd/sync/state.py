@@ -60,7 +60,7 @@ from atomd.sync import snapshot
 from atomd.sync.anchor import AnchorState
 from atomd.sync.codecs import Codec, Encoded, ErrorFeedback
 from atomd.sync.encoder import DeltaEncoder, Encoding
-from atomd.sync.intake import Intake
+from atomd.sync.intake import Contribution, Intake
 from atomd.sync.offset import Drained
 from atomd.sync.outer import staleness_weight
 from atomd.sync.pace import SwarmPace
@@ -74,17 +74,6 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 DEFAULT_RULE = RobustRule()
-
-
-@dataclass(frozen=True)
-class Contribution:
-    """A delta received from another peer, decoded: ``replica - anchor`` of the sender."""
-
-    sender: str
-    round: int
-    base_version: int
-    tensors: dict[str, Tensor]
-    every: int | None = None  # the steps its round lasted, as its frame says (None: not said)
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ def test_the_settled_anchors_of_real_states_agree_where_the_anchors_do_not(tmp_p
 
     from atomd.spec import SyncSpec
     from atomd.sync.codecs import decode
-    from atomd.sync.state import Contribution, Outgoing, SyncState
+    from atomd.sync.intake import Contribution
+    from atomd.sync.state import Outgoing, SyncState
     from atomd_bench.swarm_report import anchor_divergence, settled_divergence
 
     job = "b" * 32

@@ -35,7 +35,7 @@ from atomd.p2p.messages import (
     sign_record,
 )
 from atomd.sync.codecs import decode
-from atomd.sync.state import Contribution
+from atomd.sync.intake import Contribution
 from tests.unit.test_sync_state import SHAPES, received, spec, swarm, train
 
 MODELS: list[type[Message]] = [

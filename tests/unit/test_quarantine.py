@@ -14,7 +14,7 @@ from atomd.p2p.quarantine import Quarantine
 from atomd.sync.codecs import make_codec
 from atomd.sync.frame_decoder import FrameDecoder, check_codec
 from atomd.sync.inbox import Inbox
-from atomd.sync.state import Contribution
+from atomd.sync.intake import Contribution
 from atomd.sync.wire import encode_frame
 
 KEY_A, KEY_B = "aa" * 32, "bb" * 32

@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from atomd.sync.guard import LossGuard
+from atomd.sync.intake import Contribution
 from atomd.sync.pace import MAX_CLAIM_AHEAD
 from atomd.sync.robust import Progress, RobustRule, Screen, lower_median
-from atomd.sync.state import Contribution, SyncState
+from atomd.sync.state import SyncState
 from tests.unit.test_sync_state import SHAPES, received, spec, swarm, train
 
 

@@ -22,9 +22,10 @@ from atomd.sync.cadence import LINK_EVERY, MARGIN, MIN_FRACTION, Cadence
 from atomd.sync.codecs import decode
 from atomd.sync.frame_decoder import FrameDecoder
 from atomd.sync.guard import LossGuard
+from atomd.sync.intake import Contribution
 from atomd.sync.runner import RoundOut, SyncPlugin
 from atomd.sync.schedule import ALONE_EVERY
-from atomd.sync.state import Contribution, MergeReport
+from atomd.sync.state import MergeReport
 from tests.conftest import fake_engine
 
 

@@ -11,9 +11,10 @@ from torch import Tensor
 
 from atomd.spec import SyncSpec
 from atomd.sync.codecs import decode, kept
+from atomd.sync.intake import Contribution
 from atomd.sync.outer import NesterovOuter, staleness_weight
 from atomd.sync.pace import CLAIM_FRESH_ROUNDS
-from atomd.sync.state import Contribution, Outgoing, SyncState
+from atomd.sync.state import Outgoing, SyncState
 
 SHAPES = {"w": (8, 6), "b": (6,), "e": (300,)}
 
