@@ -58,8 +58,7 @@ class JobPublic(BaseModel):
         "and once the job has ended final_model: 'swarm' (it ended on the swarm's model), "
         "'own' (on this peer's replica) or 'average' (on the average of the peers' models), "
         "whichever the guard's probe preferred, with average_shares (the other peers' shares "
-        "in that average), average_tail (how many of this peer's last models its own share "
-        "was the mean of) and average_s (its time) when there was one",
+        "in that average) and average_s (its time) when there was one",
     )
     created_at: datetime
     started_at: datetime | None = None

@@ -168,7 +168,6 @@ def peer_report(d: Daemon, job_id: str) -> dict[str, Any]:
         # The final average: the others' shares in it, and its time (sending, waiting, making).
         "average_shares": sync.get("average_shares"),
         "average_s": sync.get("average_s"),
-        "average_tail": sync.get("average_tail"),  # this peer's last models its share averaged
         "fraction_final": sync.get("fraction"),  # a sparse codec's share of entries at the end
         # Each upload until its answer, and a round's whole traffic (the cadence's measure).
         **mean_seconds(d.request("GET", "/metrics").text),

@@ -138,9 +138,8 @@ def cadence(sync: dict[str, Any]) -> str:
     )
     final = sync.get("final_model")
     if final == "average":
-        shares, tail = sync.get("average_shares"), sync.get("average_tail")
-        text += f"; ended on the average of the peers' models ({shares} other share(s)"
-        text += f", each peer's mean over its last {tail} models)" if tail and tail > 1 else ")"
+        shares = sync.get("average_shares")
+        text += f"; ended on the average of the peers' models ({shares} other share(s))"
     elif final is not None:
         text += "; ended on " + ("the swarm's model" if final == "swarm" else "its own replica")
     return text

@@ -282,8 +282,6 @@ class SyncPlugin:
                 {
                     "average_shares": end.average_used,
                     "average_s": round(end.average_s, 4),
-                    # How many of this peer's last models its share was the mean of: the last.
-                    "average_tail": 1,
                 }
                 if end.average_used is not None
                 else {}

@@ -624,9 +624,8 @@ def test_job_show_says_which_model_a_job_ended_on() -> None:
 
     base = {"every": 2, "auto": 1, "period_s": 1.5, "rounds": 250, "busy_s": 120.0, "wait_s": 1}
     assert "ended on" not in _cadence(base)  # still training
-    line = _cadence({**base, "final_model": "average", "average_shares": 3, "average_tail": 30})
-    assert line.endswith("ended on the average of the peers' models (3 other share(s), each "
-                         "peer's mean over its last 30 models)")  # fmt: skip
+    line = _cadence({**base, "final_model": "average", "average_shares": 3})
+    assert line.endswith("ended on the average of the peers' models (3 other share(s))")
     assert _cadence({**base, "final_model": "swarm"}).endswith("ended on the swarm's model")
     assert _cadence({**base, "final_model": "own"}).endswith("ended on its own replica")
 
